@@ -1,0 +1,67 @@
+"""Rank layout of an AFD deployment (DESIGN §4).
+
+World ranks ``[0, F)`` are FFN ranks and ``[F, F + A)`` attention ranks. FFN rank ``f`` owns a
+contiguous block of attention peers; when ``A`` is not a multiple of ``F`` the first ``A % F``
+FFN ranks own one peer more (3 attention : 2 FFN gives blocks of 2 and 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class LayoutError(ValueError):
+    """An impossible layout (no ranks, more FFN ranks than attention ranks, ...)."""
+
+
+@dataclass(frozen=True)
+class AFDLayout:
+    attention_ranks: int
+    ffn_ranks: int
+
+    def __post_init__(self) -> None:
+        if self.attention_ranks < 1 or self.ffn_ranks < 1:
+            raise LayoutError(
+                f"AFD layout needs at least 1 attention and 1 FFN rank, got "
+                f"{self.attention_ranks}A{self.ffn_ranks}F"
+            )
+        if self.ffn_ranks > self.attention_ranks:
+            raise LayoutError(
+                f"AFD layout {self}: {self.ffn_ranks} FFN ranks but only {self.attention_ranks} "
+                "attention ranks; every FFN rank needs at least one attention peer"
+            )
+
+    def __str__(self) -> str:
+        return f"{self.attention_ranks}A{self.ffn_ranks}F"
+
+    @property
+    def world_size(self) -> int:
+        return self.attention_ranks + self.ffn_ranks
+
+    def block_sizes(self) -> list[int]:
+        base, extra = divmod(self.attention_ranks, self.ffn_ranks)
+        return [base + (1 if f < extra else 0) for f in range(self.ffn_ranks)]
+
+    def attention_world_rank(self, a: int) -> int:
+        return self.ffn_ranks + a
+
+    def peers_of_ffn(self, f: int) -> tuple[int, ...]:
+        """World ranks of the attention peers owned by FFN rank ``f``."""
+        sizes = self.block_sizes()
+        start = sum(sizes[:f])
+        return tuple(self.attention_world_rank(a) for a in range(start, start + sizes[f]))
+
+    def ffn_of_attention(self, a: int) -> int:
+        """World rank of the FFN rank serving attention index ``a``."""
+        for f in range(self.ffn_ranks):
+            if self.attention_world_rank(a) in self.peers_of_ffn(f):
+                return f
+        raise LayoutError(f"attention index {a} out of range for layout {self}")
+
+    def role_of(self, rank: int) -> tuple[str, int]:
+        """``("ffn", f)`` or ``("attention", a)`` for a world rank."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} out of range for layout {self} (world size {self.world_size})")
+        if rank < self.ffn_ranks:
+            return ("ffn", rank)
+        return ("attention", rank - self.ffn_ranks)

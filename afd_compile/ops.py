@@ -1,0 +1,217 @@
+"""The ``afd::`` custom ops that carry hidden states between attention and FFN ranks.
+
+Four ops, as in seed 000, each with a fake implementation so dynamo, AOT, Inductor and CUDA graph
+capture keep them:
+
+- ``afd::p2p_send(tensors, comm_id, layer_idx, stage_idx, spec) -> token``: an attention rank sends
+  its wire tensors (hidden, then optional router logits, then optional token ids) to its FFN rank.
+- ``afd::p2p_recv(dep, comm_id, layer_idx, stage_idx, num_tokens, spec) -> [tensor]``: an attention
+  rank receives the FFN output for its own tokens. ``dep`` is the token of the matching send, so
+  no compiler can move the receive ahead of the send.
+- ``afd::p2p_recv_group(dep, comm_id, layer_idx, stage_idx, total_tokens, spec) -> [tensor]``: an
+  FFN rank receives from every attention peer in one batched call and concatenates along tokens.
+- ``afd::p2p_send_group(tensors, comm_id, layer_idx, stage_idx, spec) -> token``: an FFN rank
+  splits its output by the step's per-peer token counts and returns each slice to its producer.
+
+Every op is registered as side-effecting (``torch.fx.node.has_side_effect``), so a send whose token
+is unused is not dead-code-eliminated. Each op waits for its transfers before returning, on the
+current stream, so buffers are never reused while in flight and the ops are capturable.
+Metadata checks run outside tracing only (``torch.compiler.is_compiling()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.fx.node import has_side_effect
+
+from .comm import AFDCommunicator, TransferMetadata, get_communicator
+from .wire import WireSpec
+
+
+def split_sizes(total: int, seq_lens: Sequence[int], n_peers: int, where: str) -> list[int]:
+    """Per-peer token counts: the recorded lengths, or an even split when they do not cover
+    every peer (seed 000), which raises if the tokens do not divide."""
+    if len(seq_lens) == n_peers:
+        if sum(seq_lens) != total:
+            raise ValueError(
+                f"{where}: shape mismatch: {total} tokens but the metadata seq_lens {list(seq_lens)} "
+                f"sum to {sum(seq_lens)}"
+            )
+        return list(seq_lens)
+    if total % n_peers:
+        raise ValueError(
+            f"{where}: uneven split: seq_lens {list(seq_lens)} do not cover the {n_peers} peers, and "
+            f"the even fallback cannot split {total} tokens {n_peers} ways"
+        )
+    return [total // n_peers] * n_peers
+
+
+def check_wire_tensors(
+    tensors: Sequence[torch.Tensor],
+    spec: WireSpec,
+    meta: TransferMetadata | None,
+    comm: AFDCommunicator,
+    where: str,
+) -> None:
+    """The seed-000 checks on what a rank is about to send. Runs outside tracing."""
+    if len(tensors) != len(spec.tensors):
+        raise ValueError(f"{where}: expected {len(spec.tensors)} tensors ({spec}), got {len(tensors)}")
+    tokens = tensors[0].shape[0] if tensors[0].dim() else -1
+    for t, w in zip(tensors, spec.tensors, strict=True):
+        if comm.device_transport and t.device.type == "cpu":
+            raise ValueError(
+                f"{where}: {w.kind} is a CPU tensor but rank {comm.rank}'s transport is NCCL, "
+                "which moves CUDA tensors only; move the program to the GPU"
+            )
+        if w.kind == "token_ids":
+            if t.dim() != 1 or t.dtype != torch.int32:
+                raise ValueError(
+                    f"{where}: token_ids must be a 1-D int32 tensor, got shape {tuple(t.shape)} "
+                    f"dtype {t.dtype}"
+                )
+        if w.kind == "router_logits" and (t.dim() == 0 or t.shape[0] != tokens):
+            raise ValueError(
+                f"{where}: router_logits must be token-aligned with hidden: shape "
+                f"{tuple(t.shape)} vs hidden tokens {tokens}"
+            )
+        if w.kind == "token_ids" and t.shape[0] != tokens:
+            raise ValueError(
+                f"{where}: token_ids must be token-aligned with hidden: {t.shape[0]} vs {tokens}"
+            )
+        if tuple(t.shape[1:]) != w.shape(0)[1:] or t.dtype != w.dtype:
+            raise ValueError(
+                f"{where}: {w.kind} has shape {tuple(t.shape)} dtype {t.dtype}, "
+                f"the wire spec says {w}"
+            )
+    if meta is not None and not meta.validate_tensor_shape(tuple(tensors[0].shape)):
+        raise ValueError(
+            f"{where}: shape mismatch: hidden has shape {tuple(tensors[0].shape)} but the transfer "
+            f"metadata says {meta.total_tokens} tokens (seq_lens {list(meta.seq_lens)})"
+        )
+
+
+def _where(op: str, comm: AFDCommunicator, layer_idx: int, stage_idx: int) -> str:
+    return f"afd.{op} ({comm.role} rank {comm.rank}, layer {layer_idx}, stage {stage_idx})"
+
+
+def _token(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, device=like.device)
+
+
+# --- attention side ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("afd::p2p_send", mutates_args=())
+def p2p_send(
+    tensors: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str
+) -> torch.Tensor:
+    comm = get_communicator(comm_id)
+    where = _where("p2p_send", comm, layer_idx, stage_idx)
+    wspec = WireSpec.parse(spec)
+    if not torch.compiler.is_compiling():
+        check_wire_tensors(tensors, wspec, comm.metadata(layer_idx, stage_idx), comm, where)
+    comm.exchange([(t, comm.peers[0]) for t in tensors], [])
+    return _token(tensors[0])
+
+
+@p2p_send.register_fake
+def _(tensors, comm_id, layer_idx, stage_idx, spec):
+    return torch.empty(0, device=tensors[0].device)
+
+
+@torch.library.custom_op("afd::p2p_recv", mutates_args=())
+def p2p_recv(
+    dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int, spec: str
+) -> list[torch.Tensor]:
+    comm = get_communicator(comm_id)
+    wspec = WireSpec.parse(spec)
+    if not torch.compiler.is_compiling():
+        meta = comm.metadata(layer_idx, stage_idx)
+        if meta.total_tokens != num_tokens:
+            raise ValueError(
+                f"{_where('p2p_recv', comm, layer_idx, stage_idx)}: shape mismatch: expecting "
+                f"{num_tokens} tokens but the transfer metadata says {meta.total_tokens}"
+            )
+    outs = [torch.empty(w.shape(num_tokens), dtype=w.dtype, device=dep.device) for w in wspec.tensors]
+    comm.exchange([], [(t, comm.peers[0]) for t in outs])
+    return outs
+
+
+@p2p_recv.register_fake
+def _(dep, comm_id, layer_idx, stage_idx, num_tokens, spec):
+    return [
+        torch.empty(w.shape(num_tokens), dtype=w.dtype, device=dep.device)
+        for w in WireSpec.parse(spec).tensors
+    ]
+
+
+# --- FFN side -------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("afd::p2p_recv_group", mutates_args=())
+def p2p_recv_group(
+    dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, total_tokens: int, spec: str
+) -> list[torch.Tensor]:
+    comm = get_communicator(comm_id)
+    where = _where("p2p_recv_group", comm, layer_idx, stage_idx)
+    wspec = WireSpec.parse(spec)
+    meta = comm.metadata(layer_idx, stage_idx)
+    sizes = split_sizes(total_tokens, meta.seq_lens, len(comm.peers), where)
+    per_peer = [
+        [torch.empty(w.shape(n), dtype=w.dtype, device=dep.device) for w in wspec.tensors]
+        for n in sizes
+    ]
+    comm.exchange([], [(t, p) for p, ts in zip(comm.peers, per_peer, strict=True) for t in ts])
+    if len(per_peer) == 1:
+        return per_peer[0]
+    return [torch.cat([ts[i] for ts in per_peer], dim=0) for i in range(len(wspec.tensors))]
+
+
+@p2p_recv_group.register_fake
+def _(dep, comm_id, layer_idx, stage_idx, total_tokens, spec):
+    return [
+        torch.empty(w.shape(total_tokens), dtype=w.dtype, device=dep.device)
+        for w in WireSpec.parse(spec).tensors
+    ]
+
+
+@torch.library.custom_op("afd::p2p_send_group", mutates_args=())
+def p2p_send_group(
+    tensors: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str
+) -> torch.Tensor:
+    comm = get_communicator(comm_id)
+    where = _where("p2p_send_group", comm, layer_idx, stage_idx)
+    wspec = WireSpec.parse(spec)
+    meta = comm.metadata(layer_idx, stage_idx)
+    total = tensors[0].shape[0]
+    sizes = split_sizes(total, meta.seq_lens, len(comm.peers), where)
+    if not torch.compiler.is_compiling():
+        check_wire_tensors(tensors, wspec, None, comm, where)
+    sends = []
+    for t in tensors:
+        for piece, peer in zip(torch.split(t, sizes, dim=0), comm.peers, strict=True):
+            sends.append((piece, peer))
+    # Order on the wire per peer must be spec order: group the sends by peer.
+    sends.sort(key=lambda sp: comm.peers.index(sp[1]))
+    comm.exchange(sends, [])
+    return _token(tensors[0])
+
+
+@p2p_send_group.register_fake
+def _(tensors, comm_id, layer_idx, stage_idx, spec):
+    return torch.empty(0, device=tensors[0].device)
+
+
+AFD_OPS = (
+    torch.ops.afd.p2p_send.default,
+    torch.ops.afd.p2p_recv.default,
+    torch.ops.afd.p2p_recv_group.default,
+    torch.ops.afd.p2p_send_group.default,
+)
+SEND_OPS = (torch.ops.afd.p2p_send.default, torch.ops.afd.p2p_send_group.default)
+RECV_OPS = (torch.ops.afd.p2p_recv.default, torch.ops.afd.p2p_recv_group.default)
+
+for _op in AFD_OPS:
+    has_side_effect(_op)

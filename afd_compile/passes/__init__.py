@@ -1,0 +1,1 @@
+"""Pure graph passes and analyses (no process groups). One job per file."""

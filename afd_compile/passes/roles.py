@@ -1,0 +1,424 @@
+"""Layer discovery and role annotation: every node gets ``node.meta["afd.role"] = NodeRole``.
+
+Policy apart from mechanism: a *policy* is a callable ``GraphModule -> {Node: NodeRole}`` that says
+which nodes form each layer's FFN region; :func:`annotate_roles` (the mechanism) validates the
+answer, applies ``compute_gate_on_attention`` and stamps the meta key.
+
+The FFN region of a layer is the MLP / MoE block, from the post-attention norm's output
+(exclusive) to the value added back into the residual stream. Everything else (embedding, norms,
+attention, residual adds, final norm, lm head) is attention role. Before / after on a Llama layer::
+
+    mul_14 = post_attention_layernorm(...)          L0:attention
+    linear_4 = aten.linear(mul_14, gate_proj)        L0:ffn
+    silu = aten.silu(linear_4)                       L0:ffn
+    linear_5 = aten.linear(mul_14, up_proj)          L0:ffn
+    mul_15 = aten.mul(silu, linear_5)                L0:ffn
+    linear_6 = aten.linear(mul_15, down_proj)        L0:ffn
+    add_8 = aten.add(to_8, linear_6)                 L0:attention   (the residual add)
+
+Two policies ship: :func:`module_path_policy` (the MLP child of each decoder layer, read from
+``nn_module_stack``) and :func:`structural_policy` (attention anchors, residual adds and the
+post-attention norm found from the data flow alone, for graphs without module paths).
+:func:`default_policy` tries the first and falls back to the second.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.fx as fx
+
+META_KEY = "afd.role"
+
+aten = torch.ops.aten
+
+
+class Role(enum.Enum):
+    ATTENTION = "attention"
+    FFN = "ffn"
+
+
+@dataclass(frozen=True)
+class NodeRole:
+    """A node's layer index (None outside any layer) and role. ``router`` marks the router-logits
+    node moved to the attention side by ``compute_gate_on_attention``."""
+
+    layer: int | None
+    role: Role
+    router: bool = False
+
+    def __str__(self) -> str:
+        where = "-" if self.layer is None else f"L{self.layer}"
+        return f"{where}:{self.role.value}{'+router' if self.router else ''}"
+
+
+class NoStructureError(ValueError):
+    """No attention/FFN structure could be found in a graph."""
+
+
+RolePolicy = Callable[[fx.GraphModule], dict[fx.Node, NodeRole]]
+
+# Ops that compute a linear projection, in any IR level we see (torch IR from export, ATen).
+LINEAR_OPS = frozenset(
+    {aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default}
+)
+# Ops that only move/cast data: looked through when following a value.
+PASSTHROUGH_OPS = frozenset(
+    {
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.to.dtype,
+        aten.to.dtype_layout,
+        aten._to_copy.default,
+        aten.contiguous.default,
+        aten.clone.default,
+        aten.alias.default,
+    }
+)
+ROUTER_SELECT_OPS = frozenset(
+    {aten.softmax.int, aten._softmax.default, aten.sigmoid.default, aten.topk.default}
+)
+SDPA_OPS = frozenset(
+    {
+        aten.scaled_dot_product_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+    }
+)
+SOFTMAX_OPS = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_softmax.default})
+MATMUL_OPS = frozenset({aten.matmul.default, aten.bmm.default, aten.einsum.default})
+ADD_OPS = frozenset({aten.add.Tensor, aten.add_.Tensor, operator.add})
+
+FFN_MODULE_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe", "ff")
+
+
+def _tensor_users(node: fx.Node) -> list[fx.Node]:
+    return list(node.users)
+
+
+def _inputs(node: fx.Node) -> list[fx.Node]:
+    return list(node.all_input_nodes)
+
+
+def is_attention_op(node: fx.Node) -> bool:
+    """SDPA, or a softmax fed by a matmul whose output feeds a matmul (explicit attention).
+    A softmax feeding topk (an MoE router) is not attention."""
+    if node.op != "call_function":
+        return False
+    if node.target in SDPA_OPS:
+        return True
+    if node.target not in SOFTMAX_OPS:
+        return False
+
+    def reaches(start: Iterable[fx.Node], targets: frozenset, forward: bool, depth: int = 6) -> bool:
+        frontier = list(start)
+        for _ in range(depth):
+            nxt = []
+            for n in frontier:
+                if n.op == "call_function" and n.target in targets:
+                    return True
+                nxt.extend(n.users if forward else n.all_input_nodes)
+            frontier = nxt
+        return False
+
+    return reaches(_inputs(node), MATMUL_OPS, forward=False) and reaches(
+        _tensor_users(node), MATMUL_OPS, forward=True
+    )
+
+
+# --- module-path policy ------------------------------------------------------------------------
+
+
+def _norm_path(path: str) -> str:
+    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
+    path = re.sub(r"^L\.self\.?|^L__self__\.?", "", path)
+    return path.strip(".")
+
+
+def _module_paths(node: fx.Node) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for value in stack.values():
+        path = value[0] if isinstance(value, tuple) else value
+        out.append(_norm_path(str(path)))
+    return out
+
+
+def _layer_path(paths: list[str]) -> str | None:
+    for p in paths:
+        if re.search(r"\.\d+$", p):
+            return p
+    return None
+
+
+def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
+    """The FFN region of decoder layer ``...layers.N`` is the nodes under its MLP child module
+    (``mlp``, ``feed_forward``, ``block_sparse_moe``, ...). Raises NoStructureError when the graph
+    has no module paths or a layer has no such child."""
+    layer_of: dict[fx.Node, str] = {}
+    order: list[str] = []
+    for node in gm.graph.nodes:
+        lp = _layer_path(_module_paths(node))
+        if lp is not None:
+            layer_of[node] = lp
+            if lp not in order:
+                order.append(lp)
+    if not order:
+        raise NoStructureError("no nn_module_stack paths with a layer index (…layers.N)")
+    index = {lp: i for i, lp in enumerate(order)}
+    ffn_child: dict[str, str] = {}
+    for lp in order:
+        children = {
+            p[len(lp) + 1 :].split(".")[0]
+            for n, owner in layer_of.items()
+            if owner == lp
+            for p in _module_paths(n)
+            if p.startswith(lp + ".")
+        }
+        name = next((c for c in FFN_MODULE_NAMES if c in children), None)
+        if name is None:
+            raise NoStructureError(
+                f"layer {lp} has no MLP child module (looked for {FFN_MODULE_NAMES}; "
+                f"children: {sorted(children)})"
+            )
+        ffn_child[lp] = f"{lp}.{name}"
+    roles: dict[fx.Node, NodeRole] = {}
+    for node in gm.graph.nodes:
+        lp = layer_of.get(node)
+        if lp is None:
+            roles[node] = NodeRole(None, Role.ATTENTION)
+            continue
+        in_ffn = any(p == ffn_child[lp] or p.startswith(ffn_child[lp] + ".") for p in _module_paths(node))
+        roles[node] = NodeRole(index[lp], Role.FFN if in_ffn else Role.ATTENTION)
+    return roles
+
+
+# --- structural policy -------------------------------------------------------------------------
+
+
+def _ancestors(nodes: Iterable[fx.Node], stop: Callable[[fx.Node], bool] = lambda n: False) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen or stop(n):
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.users)
+    return seen
+
+
+def _cast_chain(node: fx.Node) -> set[fx.Node]:
+    """``node`` and the nodes reached from it through pass-through ops only."""
+    out = {node}
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u.op == "call_function" and u.target in PASSTHROUGH_OPS and u not in out:
+                out.add(u)
+                stack.append(u)
+    return out
+
+
+def structural_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
+    """Layers from the data flow: each attention op (SDPA or explicit matmul-softmax-matmul) opens
+    a layer; its residual add ``h1 = x + attn_out`` is the first add joining the attention output
+    with a value from before the attention; the MLP residual add ``h2 = h1 + mlp_out`` is the next
+    add reading ``h1`` (or a cast of it) and a value computed through a linear op from ``h1``. The
+    FFN input is the last node every path from ``h1`` to ``mlp_out`` passes through before the
+    first linear op (the post-attention norm's output)."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    anchors = [n for n in nodes if is_attention_op(n)]
+    if not anchors:
+        raise NoStructureError("no attention op (scaled_dot_product_attention or matmul-softmax-matmul)")
+    roles = {n: NodeRole(None, Role.ATTENTION) for n in nodes}
+    prev_end = -1
+    for li, anchor in enumerate(anchors):
+        before = _ancestors([anchor])
+        after = _descendants(anchor)
+        h1 = next(
+            (
+                n
+                for n in nodes[pos[anchor] + 1 :]
+                if n.op == "call_function"
+                and n.target in ADD_OPS
+                and len(n.all_input_nodes) == 2
+                and any(a in after for a in n.all_input_nodes)
+                and any(a in before and a not in after for a in n.all_input_nodes)
+            ),
+            None,
+        )
+        if h1 is None:
+            raise NoStructureError(f"attention op {anchor.name} has no residual add after it")
+        chain = _cast_chain(h1)
+        below = _descendants(h1)
+        h2 = mlp_out = None
+        for n in nodes[pos[h1] + 1 :]:
+            if n.op != "call_function" or n.target not in ADD_OPS or len(n.all_input_nodes) != 2:
+                continue
+            a, b = n.all_input_nodes
+            for res, other in ((a, b), (b, a)):
+                if res in chain and other in below and other not in chain:
+                    anc = _ancestors([other]) & below
+                    if any(x.op == "call_function" and x.target in LINEAR_OPS for x in anc):
+                        h2, mlp_out = n, other
+                        break
+            if h2 is not None:
+                break
+        if h2 is None or mlp_out is None:
+            raise NoStructureError(f"layer {li} (attention {anchor.name}): no MLP residual add after {h1.name}")
+        region = sorted(_ancestors([mlp_out]) & below, key=pos.__getitem__)
+        first_linear = next(
+            (i for i, n in enumerate(region) if n.op == "call_function" and n.target in LINEAR_OPS), None
+        )
+        if first_linear is None:
+            raise NoStructureError(f"layer {li}: no linear op between {h1.name} and {h2.name}")
+        # the last cut vertex before the first linear: no edge of the region jumps over it
+        rpos = {n: i for i, n in enumerate(region)}
+        max_reach, cut = -1, None
+        for i, n in enumerate(region[:first_linear]):
+            if max_reach <= i:
+                cut = n
+            max_reach = max(max_reach, *(rpos[u] for u in n.users if u in rpos), i)
+        if cut is None:
+            raise NoStructureError(f"layer {li}: cannot find the FFN input between {h1.name} and {h2.name}")
+        ffn = set(region[rpos[cut] + 1 :])
+        # constants computed inside the MLP (no data from h1) go with the nodes that use them
+        from_cut = _descendants(cut)
+        upstream = [n for n in _ancestors([mlp_out]) if n not in from_cut and n.op == "call_function"]
+        changed = True
+        while changed:
+            changed = False
+            for n in upstream:
+                if n not in ffn and n.users and all(u in ffn for u in n.users):
+                    ffn.add(n)
+                    changed = True
+        for n in nodes[prev_end + 1 : pos[h2] + 1]:
+            roles[n] = NodeRole(li, Role.FFN if n in ffn else Role.ATTENTION)
+        prev_end = pos[h2]
+    return roles
+
+
+def default_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
+    """Module paths when the graph has them, structure otherwise."""
+    try:
+        return module_path_policy(gm)
+    except NoStructureError as first:
+        try:
+            return structural_policy(gm)
+        except NoStructureError as second:
+            raise NoStructureError(f"by module path: {first}; by structure: {second}") from None
+
+
+# --- the mechanism -----------------------------------------------------------------------------
+
+
+def _find_router(ffn_nodes: list[fx.Node]) -> fx.Node | None:
+    """The router (gate) linear: a linear op in the region whose output reaches a softmax /
+    sigmoid / topk through pass-through ops only."""
+    members = set(ffn_nodes)
+    for n in ffn_nodes:
+        if n.op != "call_function" or n.target not in LINEAR_OPS:
+            continue
+        frontier = list(n.users)
+        while frontier:
+            u = frontier.pop()
+            if u not in members:
+                continue
+            if u.target in ROUTER_SELECT_OPS:
+                return n
+            if u.target in PASSTHROUGH_OPS:
+                frontier.extend(u.users)
+    return None
+
+
+@dataclass(frozen=True)
+class RoleSummary:
+    """What :func:`annotate_roles` found: per layer, the FFN node count and the router node."""
+
+    graph_name: str
+    num_layers: int
+    ffn_nodes_per_layer: tuple[int, ...]
+    routers: tuple[str | None, ...]
+
+    def __str__(self) -> str:
+        return (
+            f"{self.graph_name}: {self.num_layers} layers, FFN nodes per layer "
+            f"{list(self.ffn_nodes_per_layer)}, routers {list(self.routers)}"
+        )
+
+
+def annotate_roles(
+    gm: fx.GraphModule,
+    policy: RolePolicy = default_policy,
+    *,
+    compute_gate_on_attention: bool = False,
+    graph_name: str = "graph",
+) -> RoleSummary:
+    """Stamp ``node.meta["afd.role"]`` on every node of ``gm`` (in place; the graph is not changed).
+
+    With ``compute_gate_on_attention`` the router linear of each MoE layer (and the views feeding
+    it) move to the attention side; its output, the router logits, then crosses the wire.
+    """
+    try:
+        roles = policy(gm)
+    except NoStructureError as e:
+        raise NoStructureError(f"{graph_name}: no attention/FFN structure found: {e}") from None
+    layers = sorted({r.layer for r in roles.values() if r.layer is not None and r.role is Role.FFN})
+    if not layers:
+        raise NoStructureError(f"{graph_name}: no attention/FFN structure found: no layer has an FFN region")
+    missing = [n.name for n in gm.graph.nodes if n not in roles]
+    if missing:
+        raise ValueError(f"{graph_name}: role policy left nodes without a role: {missing[:5]}")
+    for layer in layers:
+        nodes_l = [n for n in gm.graph.nodes if roles[n].layer == layer]
+        if not any(is_attention_op(n) for n in nodes_l if roles[n].role is Role.ATTENTION):
+            raise NoStructureError(
+                f"{graph_name}: layer {layer} has an FFN region but no attention op on the attention side"
+            )
+    routers: list[str | None] = []
+    for layer in layers:
+        ffn_nodes = [n for n in gm.graph.nodes if roles[n] == NodeRole(layer, Role.FFN)]
+        router = _find_router(ffn_nodes)
+        routers.append(router.name if router else None)
+        if compute_gate_on_attention and router is not None:
+            moved = _ancestors([router]) & set(ffn_nodes)
+            for n in moved:
+                roles[n] = replace(roles[n], role=Role.ATTENTION, router=(n is router))
+    for node in gm.graph.nodes:
+        node.meta[META_KEY] = roles[node]
+    return RoleSummary(
+        graph_name,
+        len(layers),
+        tuple(sum(1 for r in roles.values() if r == NodeRole(la, Role.FFN)) for la in layers),
+        tuple(routers),
+    )
+
+
+def role_of(node: fx.Node) -> NodeRole:
+    try:
+        return node.meta[META_KEY]
+    except KeyError:
+        raise KeyError(f"node {node.name} has no {META_KEY!r}; run annotate_roles first") from None

@@ -1,0 +1,441 @@
+"""Cut every layer at the attention/FFN boundary: plan first, then build the two programs.
+
+:func:`plan_split` reads ``afd.role`` and returns one printable :class:`LayerCut` per layer (what
+crosses the wire, which nodes and weights go to the FFN program). :func:`build_attention_program`
+and :func:`build_ffn_program` apply it. Neither mutates the input graph.
+
+Attention program, one layer, before / after::
+
+    mul_14 = post_attention_layernorm(add_6)          mul_14 = post_attention_layernorm(add_6)
+    linear_4 = linear(mul_14, gate_proj)               view_afd = view(mul_14, [-1, 64])
+    ...                                           ->   send_afd = afd.p2p_send([view_afd], 0, L0, S0, spec)
+    linear_6 = linear(mul_15, down_proj)               n_afd = sym_size(view_afd, 0)
+    add_8 = add(to_8, linear_6)                        recv_afd = afd.p2p_recv(send_afd, 0, L0, S0, n_afd, spec)
+                                                       out_afd = view(recv_afd[0], [s0, s1, 64])
+                                                       add_8 = add(to_8, out_afd)
+
+FFN program (all layers, in order; ``token_slots`` is a ``(T, 0)`` carrier of the step's total
+token count, so one program serves every token layout)::
+
+    T = sym_size(token_slots, 0)
+    recv = afd.p2p_recv_group(token_slots, 0, L0, S0, T, spec)  # concat of all peers
+    x = view(recv[0], [1, T, 64]) ; <the layer's MLP nodes> ; y = view(mlp_out, [T, 64])
+    tok = afd.p2p_send_group([y], 0, L0, S0, spec)              # split back by seq_lens
+    recv = afd.p2p_recv_group(tok, 0, L1, S0, T, spec) ...
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from .. import ops as afd_ops  # noqa: F401  (registers torch.ops.afd)
+from ..wire import WireSpec, WireTensor
+from .roles import META_KEY, NodeRole, Role, role_of
+from .symbolic import TokenBinding, emit_expr, emit_with, sym_expr
+
+aten = torch.ops.aten
+
+
+class SplitError(ValueError):
+    """The graph cannot be cut as asked; the message names the layer and node."""
+
+
+@dataclass(frozen=True)
+class LayerCut:
+    """The plan for one layer: the values that cross, in wire order, and what the FFN owns."""
+
+    layer: int
+    hidden: str
+    router_logits: str | None
+    token_ids: str | None
+    output: str
+    ffn_nodes: tuple[str, ...]
+    params: tuple[str, ...]
+    wire_in: WireSpec
+    wire_out: WireSpec
+    token_dims: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return (
+            f"layer {self.layer}: {len(self.ffn_nodes)} FFN nodes, {len(self.params)} weights; "
+            f"in {self.hidden}{' +' + self.router_logits if self.router_logits else ''}"
+            f"{' +' + self.token_ids if self.token_ids else ''} -> out {self.output}; "
+            f"wire {self.wire_in} / {self.wire_out}"
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "layer": self.layer,
+            "ffn_nodes": list(self.ffn_nodes),
+            "attention_side": {"hidden": self.hidden, "router_logits": self.router_logits,
+                               "token_ids": self.token_ids, "ffn_output": self.output},
+            "params": list(self.params),
+            "wire": {
+                "to_ffn": [{"kind": w.kind, "dtype": str(w.dtype).removeprefix("torch."),
+                            "shape": ["tokens"] + ([] if w.width is None else [w.width]),
+                            "bytes_per_token": w.bytes_per_token} for w in self.wire_in.tensors],
+                "to_attention": [{"kind": w.kind, "dtype": str(w.dtype).removeprefix("torch."),
+                                  "shape": ["tokens"] + ([] if w.width is None else [w.width]),
+                                  "bytes_per_token": w.bytes_per_token} for w in self.wire_out.tensors],
+            },
+            "token_dims": list(self.token_dims),
+        }
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    graph_name: str
+    comm_id: int
+    stage: int
+    cuts: tuple[LayerCut, ...]
+    static_tokens: int | None = None  # token count of a graph exported with static shapes
+
+    def __str__(self) -> str:
+        head = f"split plan for {self.graph_name} (comm {self.comm_id}, stage {self.stage})"
+        return "\n".join([head] + [f"  {c}" for c in self.cuts])
+
+    def to_json(self) -> dict:
+        return {"graph": self.graph_name, "comm_id": self.comm_id, "stage": self.stage,
+                "static_tokens": self.static_tokens, "layers": [c.to_json() for c in self.cuts]}
+
+
+@dataclass
+class SplitResult:
+    attention: fx.GraphModule
+    ffn: fx.GraphModule
+    plan: SplitPlan
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _val(node: object) -> object:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def _is_symint_node(n: fx.Node) -> bool:
+    return isinstance(n.meta.get("val"), torch.SymInt) or (
+        n.op == "call_function" and n.target in (aten.sym_size.int, operator.mul, operator.add, operator.floordiv)
+        and not isinstance(n.meta.get("val"), torch.Tensor)
+    )
+
+
+def plan_split(gm: fx.GraphModule, *, comm_id: int = 0, stage: int = 0, graph_name: str = "graph") -> SplitPlan:
+    """One :class:`LayerCut` per layer with an FFN region. Needs ``afd.role`` on every node."""
+    nodes = list(gm.graph.nodes)
+    layers = sorted({role_of(n).layer for n in nodes if role_of(n).role is Role.FFN})
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    cuts = []
+    static_tokens: int | None = None
+    for layer in layers:
+        where = f"{graph_name}: layer {layer}"
+        ffn = [n for n in nodes if role_of(n) == NodeRole(layer, Role.FFN)]
+        members = set(ffn)
+        externals: list[fx.Node] = []
+        for n in ffn:
+            for a in n.all_input_nodes:
+                if a not in members and a not in externals:
+                    externals.append(a)
+        params = [a for a in externals if a.op == "get_attr"]
+        syms = [a for a in externals if a.op != "get_attr" and _is_symint_node(a)]
+        tensors = [a for a in externals if a not in params and a not in syms]
+        router = [a for a in tensors if role_of(a).router]
+        ids = [a for a in tensors if a in placeholders and isinstance(_val(a), torch.Tensor)
+               and not _val(a).is_floating_point()]
+        hidden = [a for a in tensors if a not in router and a not in ids]
+        if len(hidden) != 1:
+            raise SplitError(
+                f"{where}: the FFN region must read exactly one hidden-state tensor from the attention "
+                f"side, it reads {[a.name for a in hidden]} (FFN nodes start at {ffn[0].name}); "
+                "only hidden states, router logits and token ids may cross"
+            )
+        h = hidden[0]
+        hval = _val(h)
+        if not isinstance(hval, torch.Tensor) or hval.dim() < 1:
+            raise SplitError(f"{where}: FFN input {h.name} has no tensor metadata (meta['val'])")
+        outs = [n for n in ffn if any(role_of(u) != NodeRole(layer, Role.FFN) for u in n.users)]
+        if len(outs) != 1:
+            raise SplitError(
+                f"{where}: the FFN region must have exactly one output used by the attention side, "
+                f"found {[o.name for o in outs]}"
+            )
+        out = outs[0]
+        oval = _val(out)
+        if (not isinstance(oval, torch.Tensor) or oval.shape[-1] != hval.shape[-1]
+                or sympy_prod(list(oval.shape)) != sympy_prod(list(hval.shape))):
+            raise SplitError(
+                f"{where}: FFN output {out.name} has shape {getattr(oval, 'shape', None)}, expected as "
+                f"many tokens of width {hval.shape[-1]} as the FFN input {h.name} {tuple(hval.shape)}"
+            )
+        token_dims = list(hval.shape[:-1])
+        binding = TokenBinding.for_token_dims(token_dims, where)
+        if binding.sigma is None:
+            static_tokens = binding.coeff
+        for s in syms:
+            e = sym_expr(_val(s))
+            if not binding.known(e):
+                raise SplitError(
+                    f"{where}: FFN node uses size {s.name} = {e}, which is not a function of the token "
+                    f"dims {[str(sym_expr(d)) for d in token_dims]}"
+                )
+        hidden_size = int(hval.shape[-1])
+        wire_in = [WireTensor("hidden", hval.dtype, hidden_size)]
+        if router:
+            rv = _val(router[0])
+            if rv.dim() < 1 or sym_expr(rv.numel()) / sym_expr(rv.shape[-1]) != sympy_prod(token_dims):
+                raise SplitError(f"{where}: router logits {router[0].name} {tuple(rv.shape)} are not token-aligned")
+            wire_in.append(WireTensor("router_logits", rv.dtype, int(rv.shape[-1])))
+        if ids:
+            iv = _val(ids[0])
+            if sympy_prod(list(iv.shape)) != sympy_prod(token_dims):
+                raise SplitError(f"{where}: token ids {ids[0].name} {tuple(iv.shape)} are not token-aligned")
+            wire_in.append(WireTensor("token_ids", torch.int32, None))
+        cuts.append(
+            LayerCut(
+                layer=layer,
+                hidden=h.name,
+                router_logits=router[0].name if router else None,
+                token_ids=ids[0].name if ids else None,
+                output=out.name,
+                ffn_nodes=tuple(n.name for n in ffn),
+                params=tuple(str(p.target) for p in params),
+                wire_in=WireSpec(tuple(wire_in)),
+                wire_out=WireSpec((WireTensor("ffn_out", oval.dtype, hidden_size),)),
+                token_dims=tuple(str(sym_expr(d)) for d in token_dims),
+            )
+        )
+    if not cuts:
+        raise SplitError(f"{graph_name}: no layer has an FFN region to cut")
+    return SplitPlan(graph_name, comm_id, stage, tuple(cuts), static_tokens)
+
+
+def sympy_prod(dims: list[object]) -> object:
+    import sympy
+
+    return sympy.expand(sympy.Mul(*[sym_expr(d) for d in dims]))
+
+
+# --- building the programs ---------------------------------------------------------------------
+
+
+class _Builder:
+    """Inserts nodes and gives each a ``meta['val']`` computed under the graph's fake mode."""
+
+    def __init__(self, graph: fx.Graph, fake_mode: object, layer: int | None) -> None:
+        self.graph, self.mode, self.layer = graph, fake_mode, layer
+
+    def call(self, target: object, args: tuple, name: str | None = None) -> fx.Node:
+        node = self.graph.call_function(target, args)
+        if name:
+            node.name = self.graph._graph_namespace.create_name(name, node)
+        node.meta[META_KEY] = NodeRole(self.layer, Role.ATTENTION)
+        if self.mode is not None:
+            fargs = fx.node.map_arg(args, lambda n: n.meta.get("val"))
+            with self.mode:
+                node.meta["val"] = target(*fargs)
+        return node
+
+
+def _shape_args(b: _Builder, shape: tuple, sources: dict) -> list:
+    """``shape`` as graph values: ints for static dims; symbolic dims computed from sym_size
+    nodes on the graph's inputs (``sources``: symbol -> (placeholder, dim))."""
+    out: list = []
+    for size in shape:
+        e = sym_expr(size)
+        if e.is_Integer:
+            out.append(int(e))
+            continue
+        symbols = {}
+        for s in e.free_symbols:
+            if s not in sources:
+                raise SplitError(f"size {e}: symbol {s} is not a dimension of any graph input")
+            ph, d = sources[s]
+            symbols[s] = b.call(aten.sym_size.int, (ph, d))
+        out.append(emit_with(b.graph, e, symbols))
+    return out
+
+
+def _symbol_sources(graph: fx.Graph) -> dict:
+    out: dict = {}
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                e = sym_expr(size)
+                if e.is_Symbol and e not in out:
+                    out[e] = (n, d)
+    return out
+
+
+def _copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    new = fx.GraphModule(gm, graph)
+    for k in ("_in_spec", "_out_spec"):
+        if hasattr(gm, k):
+            setattr(new, k, getattr(gm, k))
+    return new, env
+
+
+def build_attention_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
+    """The original graph with every FFN region replaced by send -> recv; FFN weights dropped."""
+    new, env = _copy_graph_module(gm)
+    by_name = {n.name: n for n in new.graph.nodes}
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in new.graph.nodes if "val" in n.meta])
+    sources = _symbol_sources(new.graph)
+    for cut in plan.cuts:
+        b = _Builder(new.graph, fake_mode, cut.layer)
+        h, out = by_name[cut.hidden], by_name[cut.output]
+        hval = h.meta["val"]
+        with new.graph.inserting_before(out):
+            wire = [b.call(aten.view.default, (h, [-1, int(hval.shape[-1])]), "afd_hidden")]
+            if cut.router_logits:
+                r = by_name[cut.router_logits]
+                wire.append(b.call(aten.view.default, (r, [-1, int(r.meta["val"].shape[-1])]), "afd_router_logits"))
+            if cut.token_ids:
+                ids = b.call(aten.reshape.default, (by_name[cut.token_ids], [-1]))
+                wire.append(b.call(aten.to.dtype, (ids, torch.int32), "afd_token_ids"))
+            send = b.call(torch.ops.afd.p2p_send.default,
+                          (wire, plan.comm_id, cut.layer, plan.stage, str(cut.wire_in)), "afd_send")
+            flat_tokens = wire[0].meta["val"].shape[0] if fake_mode is not None else None
+            n_tok = int(flat_tokens) if isinstance(flat_tokens, int) else b.call(
+                aten.sym_size.int, (wire[0], 0), "afd_tokens")
+            recv = b.call(torch.ops.afd.p2p_recv.default,
+                          (send, plan.comm_id, cut.layer, plan.stage, n_tok, str(cut.wire_out)), "afd_recv")
+            got = b.call(operator.getitem, (recv, 0))
+            shaped = b.call(aten.view.default, (got, _shape_args(b, tuple(out.meta["val"].shape), sources)),
+                            "afd_ffn_out")
+        for n in new.graph.nodes:  # size arithmetic emitted by _shape_args
+            if META_KEY not in n.meta and n.op == "call_function":
+                n.meta[META_KEY] = NodeRole(cut.layer, Role.ATTENTION)
+                n.meta["val"] = n.target(*fx.node.map_arg(n.args, lambda a: a.meta.get("val")))
+        out.replace_all_uses_with(shaped)
+        doomed = [by_name[name] for name in cut.ffn_nodes]
+        for n in reversed(doomed):
+            if n.users:
+                raise SplitError(
+                    f"layer {cut.layer}: FFN node {n.name} is still used by {[u.name for u in n.users]} "
+                    "after the cut"
+                )
+            new.graph.erase_node(n)
+    _drop_unused_attrs(new)
+    new.graph.lint()
+    new.recompile()
+    return new
+
+
+def _drop_unused_attrs(gm: fx.GraphModule) -> None:
+    for n in list(gm.graph.nodes):
+        if n.op == "get_attr" and not n.users:
+            gm.graph.erase_node(n)
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name, _ in list(gm.named_parameters()) + list(gm.named_buffers()):
+        if name not in used:
+            _delattr(gm, name)
+
+
+def _delattr(root: torch.nn.Module, dotted: str) -> None:
+    *path, leaf = dotted.split(".")
+    mod = root
+    for p in path:
+        mod = getattr(mod, p)
+    delattr(mod, leaf)
+
+
+def _setattr(root: torch.nn.Module, dotted: str, value: torch.Tensor) -> None:
+    *path, leaf = dotted.split(".")
+    mod = root
+    for p in path:
+        if not hasattr(mod, p):
+            mod.add_module(p, torch.nn.Module())
+        mod = getattr(mod, p)
+    if isinstance(value, torch.nn.Parameter):
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value)
+
+
+def _getattr(root: torch.nn.Module, dotted: str) -> torch.Tensor:
+    obj: object = root
+    for p in dotted.split("."):
+        obj = getattr(obj, p)
+    return obj  # type: ignore[return-value]
+
+
+def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
+    """All FFN regions, in layer order, between a group receive and a group send.
+
+    Input: ``token_slots``, a ``(T, 0)`` tensor whose length is the step's total token count over
+    this rank's attention peers. Output: the last send's token.
+    """
+    src = {n.name: n for n in gm.graph.nodes}
+    graph = fx.Graph()
+    root = torch.nn.Module()
+    slots = graph.placeholder("token_slots")
+    total = graph.call_function(aten.sym_size.int, (slots, 0))
+    total.name = graph._graph_namespace.create_name("total_tokens", total)
+    dep: fx.Node = slots
+    for cut in plan.cuts:
+        where = f"{plan.graph_name}: layer {cut.layer}"
+        h = src[cut.hidden]
+        hval = h.meta["val"]
+        binding = TokenBinding.for_token_dims(list(hval.shape[:-1]), where)
+        recv = graph.call_function(torch.ops.afd.p2p_recv_group.default,
+                                   (dep, plan.comm_id, cut.layer, plan.stage, total, str(cut.wire_in)))
+        recv.name = graph._graph_namespace.create_name(f"afd_recv_L{cut.layer}", recv)
+        sigma_node = graph.call_function(operator.floordiv, (total, binding.coeff)) if binding.coeff != 1 else total
+
+        def sizes(shape: tuple, _b: TokenBinding = binding, _s: object = sigma_node) -> list:
+            return [emit_expr(graph, _b.substitute(sym_expr(d)), _b.sigma, _s) for d in shape]
+
+        env: dict[fx.Node, object] = {}
+        env[h] = graph.call_function(aten.view.default,
+                                     (graph.call_function(operator.getitem, (recv, 0)), sizes(tuple(hval.shape))))
+        idx = 1
+        if cut.router_logits:
+            r = src[cut.router_logits]
+            got = graph.call_function(operator.getitem, (recv, idx))
+            env[r] = graph.call_function(aten.view.default, (got, sizes(tuple(r.meta["val"].shape))))
+            idx += 1
+        if cut.token_ids:
+            t = src[cut.token_ids]
+            got = graph.call_function(operator.getitem, (recv, idx))
+            shaped = graph.call_function(aten.view.default, (got, sizes(tuple(t.meta["val"].shape))))
+            env[t] = graph.call_function(aten.to.dtype, (shaped, t.meta["val"].dtype))
+        members = [src[name] for name in cut.ffn_nodes]
+        member_set = set(members)
+
+        def lookup(a: fx.Node, _env: dict = env, _members: set = member_set, _where: str = where) -> object:
+            if a in _env:
+                return _env[a]
+            if a.op == "get_attr":
+                if not hasattr(root, "_afd_seen") or a.target not in root._afd_seen:
+                    _setattr(root, a.target, _getattr(gm, a.target))
+                    root.__dict__.setdefault("_afd_seen", set()).add(a.target)
+                _env[a] = graph.get_attr(a.target)
+                return _env[a]
+            val = a.meta.get("val")
+            if isinstance(val, torch.SymInt):
+                _env[a] = sizes((val,))[0]
+                return _env[a]
+            raise SplitError(f"{_where}: FFN node reads {a.name}, which is neither on the wire nor a weight")
+
+        for n in members:
+            env[n] = copied = graph.node_copy(n, lookup)
+            copied.meta.pop("val", None)  # stale: its sizes are in the original graph's symbols
+        y = graph.call_function(aten.view.default, (env[src[cut.output]], [total, int(hval.shape[-1])]))
+        dep = graph.call_function(torch.ops.afd.p2p_send_group.default,
+                                  ([y], plan.comm_id, cut.layer, plan.stage, str(cut.wire_out)))
+        dep.name = graph._graph_namespace.create_name(f"afd_send_L{cut.layer}", dep)
+    graph.output(dep)
+    root.__dict__.pop("_afd_seen", None)
+    ffn = fx.GraphModule(root, graph, class_name="AFDFFNProgram")
+    ffn.graph.lint()
+    return ffn

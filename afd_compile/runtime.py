@@ -1,0 +1,233 @@
+"""Run a split program on ``torch.distributed``: locally (spawned processes) or under torchrun.
+
+Every rank compiles for itself (SPMD-style: the same source, the same passes, its own role), then:
+
+- an **attention rank** per step sends its token count to its FFN rank (one small control message
+  per step, not per layer), then runs the attention program, whose ``afd::p2p_send`` /
+  ``afd::p2p_recv`` ops exchange hidden states with the FFN rank at every layer;
+- an **FFN rank** per step receives the token count of every attention peer, stores them as the
+  step's transfer metadata, and runs the FFN program on a ``(T, 0)`` token carrier. A count of -1
+  from every peer ends the loop.
+
+``run_local`` spawns ``world_size`` processes with gloo (the path tests and ``afd-compile verify``
+take); under ``torchrun`` the same :func:`rank_main` reads ``RANK`` / ``WORLD_SIZE`` from the
+environment.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from .comm import AFDCommunicator, register_communicator, unregister_communicator
+from .layout import AFDLayout
+from .passes.symbolic import sym_expr
+from .split_api import SplitConfig, split_graph_module
+
+STOP = -1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int | None = None, world_size: int | None = None, backend: str | None = None,
+                     timeout_s: float = 120.0) -> tuple[int, int]:
+    """Join the process group (env:// as torchrun sets it). gloo on CPU, NCCL when CUDA is used."""
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+    backend = backend or ("nccl" if torch.cuda.is_available() and os.environ.get("AFD_BACKEND") != "gloo" else "gloo")
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world_size
+
+
+def token_counter(gm: fx.GraphModule, token_dims: Sequence[str]) -> Callable[[Sequence[torch.Tensor]], int]:
+    """A function from a step's flat inputs to its token count, from the plan's token dims
+    (sympy expressions over the graph's input symbols)."""
+    where: dict[str, tuple[int, int]] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, n in enumerate(placeholders):
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                e = sym_expr(size)
+                if e.is_Symbol and str(e) not in where:
+                    where[str(e)] = (i, d)
+    exprs = [sympy.sympify(t) for t in token_dims]
+
+    def count(inputs: Sequence[torch.Tensor]) -> int:
+        subs = {}
+        for e in exprs:
+            for s in e.free_symbols:
+                if str(s) not in where:
+                    raise ValueError(f"token dim symbol {s} does not come from any input's shape")
+                i, d = where[str(s)]
+                subs[s] = inputs[i].shape[d]
+        return int(sympy.Mul(*exprs).subs(subs))
+
+    return count
+
+
+@dataclass
+class AttentionWorker:
+    program: fx.GraphModule
+    comm: AFDCommunicator
+    count_tokens: Callable[[Sequence[torch.Tensor]], int]
+    stage: int = 0
+
+    def step(self, *inputs: torch.Tensor) -> Any:
+        n = self.count_tokens(inputs)
+        self._control(n)
+        self.comm.set_step({self.stage: (n,)})
+        if n == 0:
+            return None
+        return self.program(*inputs)
+
+    def stop(self) -> None:
+        self._control(STOP)
+
+    def _control(self, n: int) -> None:
+        dev = "cuda" if self.comm.device_transport else "cpu"
+        dist.send(torch.tensor([n], dtype=torch.int64, device=dev), self.comm.peers[0], group=self.comm.group)
+
+
+@dataclass
+class FFNWorker:
+    program: fx.GraphModule
+    comm: AFDCommunicator
+    device: torch.device
+    stage: int = 0
+
+    def serve(self, on_step: Callable[[tuple[int, ...]], None] | None = None) -> int:
+        """Serve steps until every peer says stop; returns the number of steps served."""
+        steps = 0
+        dev = "cuda" if self.comm.device_transport else "cpu"
+        while True:
+            bufs = [torch.empty(1, dtype=torch.int64, device=dev) for _ in self.comm.peers]
+            for b, p in zip(bufs, self.comm.peers, strict=True):
+                dist.recv(b, p, group=self.comm.group)
+            counts = tuple(int(b.item()) for b in bufs)
+            if all(c == STOP for c in counts):
+                return steps
+            if any(c == STOP for c in counts):
+                raise RuntimeError(f"afd: FFN rank {self.comm.rank}: some peers stopped and some did not: {counts}")
+            self.comm.set_step({self.stage: counts})
+            if on_step:
+                on_step(counts)
+            if sum(counts):
+                self.program(torch.empty(sum(counts), 0, device=self.device))
+            steps += 1
+
+
+def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig | None = None,
+                device: torch.device | None = None) -> AttentionWorker | FFNWorker:
+    """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id."""
+    config = config or SplitConfig()
+    result = split_graph_module(gm, config, layout=layout)
+    role, idx = layout.role_of(rank)
+    device = device or torch.device("cpu")
+    if role == "ffn":
+        comm = AFDCommunicator("ffn", rank, layout.peers_of_ffn(idx))
+        register_communicator(comm, config.comm_id)
+        return FFNWorker(result.ffn.to(device), comm, device)
+    comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),))
+    register_communicator(comm, config.comm_id)
+    counter = token_counter(gm, result.plan.cuts[0].token_dims)
+    return AttentionWorker(result.attention.to(device), comm, counter)
+
+
+def max_rel_err(out: Any, ref: Any) -> float:
+    """max |out - ref| / max |ref| over all tensors of a (nested) output; inf on a shape mismatch."""
+    outs, refs = _flat(out), _flat(ref)
+    if len(outs) != len(refs):
+        return float("inf")
+    err = 0.0
+    for o, r in zip(outs, refs, strict=True):
+        if o.shape != r.shape:
+            return float("inf")
+        denom = r.detach().abs().max().clamp_min(1e-30).float()
+        err = max(err, float((o.detach().float() - r.detach().float()).abs().max() / denom))
+    return err
+
+
+def _flat(x: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+# --- local launch ------------------------------------------------------------------------------
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        init_distributed(rank, world_size, backend="gloo")
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as e:  # report, never hang the parent
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankFailure(RuntimeError):
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"rank {rank} failed: {message}")
+        self.rank = rank
+        self.short = message.splitlines()[0] if message else ""
+
+
+def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0) -> dict[int, Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; returns
+    {rank: result}. A failing rank raises RankFailure (the others are terminated)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failure: RankFailure | None = None
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, payload = queue.get(timeout=timeout_s)
+            except Exception:
+                failure = failure or RankFailure(-1, f"no result within {timeout_s:.0f}s")
+                break
+            if status == "error" and failure is None:
+                failure = RankFailure(rank, payload)
+                break
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=1 if failure else 30)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    if failure:
+        raise failure
+    return results
+
+
+def unregister(config: SplitConfig) -> None:
+    unregister_communicator(config.comm_id)

@@ -1,0 +1,78 @@
+"""The public split entry point: annotate roles, plan the cut, build both programs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from .layout import AFDLayout
+from .passes.roles import RolePolicy, annotate_roles, default_policy
+from .passes.schedule import verify_schedule
+from .passes.split import (
+    SplitError,
+    SplitResult,
+    build_attention_program,
+    build_ffn_program,
+    plan_split,
+)
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """What the AFD passes depend on. ``policy`` says which nodes are FFN (default: module path,
+    then structure); ``compute_gate_on_attention`` puts the MoE router on the attention side."""
+
+    comm_id: int = 0
+    stage: int = 0
+    compute_gate_on_attention: bool = False
+    policy: RolePolicy = field(default=default_policy, compare=False)
+    graph_name: str = "graph"
+
+
+def as_graph_module(program: torch.export.ExportedProgram | fx.GraphModule) -> fx.GraphModule:
+    if isinstance(program, torch.export.ExportedProgram):
+        return program.module()
+    if isinstance(program, fx.GraphModule):
+        return program
+    raise TypeError(f"expected an ExportedProgram or GraphModule, got {type(program).__name__}")
+
+
+def split_graph_module(gm: fx.GraphModule, config: SplitConfig | None = None, *,
+                       layout: AFDLayout | None = None) -> SplitResult:
+    """Split ``gm`` (annotated in place with ``afd.role``; its graph is not changed) into the
+    attention and FFN programs, and check their send/recv schedule."""
+    config = config or SplitConfig()
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    annotate_roles(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
+                   graph_name=config.graph_name)
+    timings["annotate_roles"] = time.perf_counter() - t
+    t = time.perf_counter()
+    plan = plan_split(gm, comm_id=config.comm_id, stage=config.stage, graph_name=config.graph_name)
+    timings["plan_split"] = time.perf_counter() - t
+    if plan.static_tokens is not None and layout is not None and max(layout.block_sizes()) > 1:
+        raise SplitError(
+            f"{config.graph_name}: the graph was exported with static token dims "
+            f"({plan.cuts[0].token_dims}), but layout {layout} has an FFN rank fanning in "
+            f"{max(layout.block_sizes())} attention peers, whose concatenated tokens need a dynamic "
+            "token dimension; re-export with dynamic_shapes (e.g. {'input_ids': {0: Dim.DYNAMIC}})"
+        )
+    t = time.perf_counter()
+    attention = build_attention_program(gm, plan)
+    timings["build_attention_program"] = time.perf_counter() - t
+    t = time.perf_counter()
+    ffn = build_ffn_program(gm, plan)
+    timings["build_ffn_program"] = time.perf_counter() - t
+    t = time.perf_counter()
+    verify_schedule(attention, ffn)
+    timings["verify_schedule"] = time.perf_counter() - t
+    return SplitResult(attention, ffn, plan, timings)
+
+
+def split(program: torch.export.ExportedProgram | fx.GraphModule, config: SplitConfig | None = None, *,
+          layout: AFDLayout | None = None) -> SplitResult:
+    """Split an exported program (or a GraphModule) into attention and FFN programs."""
+    return split_graph_module(as_graph_module(program), config, layout=layout)
