@@ -57,38 +57,55 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, bac
     return rank, world_size
 
 
-def token_counter(gm: fx.GraphModule, token_dims: Sequence[str]) -> Callable[[Sequence[torch.Tensor]], int]:
-    """A function from a step's flat inputs to its token count, from the plan's token dims
-    (sympy expressions over the graph's input symbols)."""
-    where: dict[str, tuple[int, int]] = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for i, n in enumerate(placeholders):
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            for d, size in enumerate(val.shape):
-                e = sym_expr(size)
-                if e.is_Symbol and str(e) not in where:
-                    where[str(e)] = (i, d)
-    exprs = [sympy.sympify(t) for t in token_dims]
+@dataclass(frozen=True)
+class TokenCount:
+    """A step's token count as ``factor * prod(inputs[i].shape[d] for i, d in dims)``."""
 
-    def count(inputs: Sequence[torch.Tensor]) -> int:
-        subs = {}
-        for e in exprs:
-            for s in e.free_symbols:
-                if str(s) not in where:
-                    raise ValueError(f"token dim symbol {s} does not come from any input's shape")
-                i, d = where[str(s)]
-                subs[s] = inputs[i].shape[d]
-        return int(sympy.Mul(*exprs).subs(subs))
+    dims: tuple[tuple[int, int], ...]
+    factor: int = 1
 
-    return count
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> int:
+        n = self.factor
+        for i, d in self.dims:
+            n *= int(inputs[i].shape[d])
+        return n
+
+    def to_json(self) -> dict:
+        return {"dims": [list(x) for x in self.dims], "factor": self.factor}
+
+    @staticmethod
+    def from_json(data: dict) -> TokenCount:
+        return TokenCount(tuple((int(i), int(d)) for i, d in data["dims"]), int(data["factor"]))
+
+    @staticmethod
+    def for_graph(gm: fx.GraphModule, token_dims: Sequence[str]) -> TokenCount:
+        """From the plan's token dims (sympy expressions over the graph's input symbols)."""
+        where: dict[str, tuple[int, int]] = {}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for i, n in enumerate(placeholders):
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                for d, size in enumerate(val.shape):
+                    e = sym_expr(size)
+                    if e.is_Symbol and str(e) not in where:
+                        where[str(e)] = (i, d)
+        total = sympy.expand(sympy.Mul(*[sympy.sympify(t) for t in token_dims]))
+        coeff, rest = total.as_coeff_Mul()
+        dims = []
+        for factor in sympy.Mul.make_args(rest):
+            if factor == 1:
+                continue
+            if not factor.is_Symbol or str(factor) not in where:
+                raise ValueError(f"token count {total}: factor {factor} is not an input dimension")
+            dims.append(where[str(factor)])
+        return TokenCount(tuple(dims), int(coeff))
 
 
 @dataclass
 class AttentionWorker:
     program: fx.GraphModule
     comm: AFDCommunicator
-    count_tokens: Callable[[Sequence[torch.Tensor]], int]
+    count_tokens: TokenCount
     stage: int = 0
 
     def step(self, *inputs: torch.Tensor) -> Any:
@@ -136,20 +153,44 @@ class FFNWorker:
 
 
 def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig | None = None,
-                device: torch.device | None = None) -> AttentionWorker | FFNWorker:
+                device: torch.device | None = None, group: dist.ProcessGroup | None = None,
+                ) -> AttentionWorker | FFNWorker:
     """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id."""
     config = config or SplitConfig()
     result = split_graph_module(gm, config, layout=layout)
     role, idx = layout.role_of(rank)
     device = device or torch.device("cpu")
     if role == "ffn":
-        comm = AFDCommunicator("ffn", rank, layout.peers_of_ffn(idx))
+        comm = AFDCommunicator("ffn", rank, layout.peers_of_ffn(idx), group)
         register_communicator(comm, config.comm_id)
         return FFNWorker(result.ffn.to(device), comm, device)
-    comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),))
+    comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),), group)
     register_communicator(comm, config.comm_id)
-    counter = token_counter(gm, result.plan.cuts[0].token_dims)
+    counter = TokenCount.for_graph(gm, result.plan.cuts[0].token_dims)
     return AttentionWorker(result.attention.to(device), comm, counter)
+
+
+def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = None) -> AttentionWorker | FFNWorker:
+    """This rank's worker from the files ``afd-compile rewrite`` wrote (plan.json + role .pt2)."""
+    import json
+
+    from .programs import load_program
+
+    with open(os.path.join(outdir, "plan.json")) as f:
+        plan = json.load(f)
+    layout = AFDLayout(plan["layout"]["attention_ranks"], plan["layout"]["ffn_ranks"])
+    role, idx = layout.role_of(rank)
+    device = device or torch.device("cpu")
+    comm_id = int(plan["comm_id"])
+    if role == "ffn":
+        comm = AFDCommunicator("ffn", rank, layout.peers_of_ffn(idx))
+        register_communicator(comm, comm_id)
+        program = load_program(os.path.join(outdir, plan["programs"]["ffn"])).module().to(device)
+        return FFNWorker(program, comm, device)
+    comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),))
+    register_communicator(comm, comm_id)
+    program = load_program(os.path.join(outdir, plan["programs"]["attention"])).module().to(device)
+    return AttentionWorker(program, comm, TokenCount.from_json(plan["token_count"]))
 
 
 def max_rel_err(out: Any, ref: Any) -> float:
@@ -177,6 +218,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         init_distributed(rank, world_size, backend="gloo")
         result = fn(rank, world_size, *args)

@@ -398,6 +398,7 @@ def annotate_roles(
             raise NoStructureError(
                 f"{graph_name}: layer {layer} has an FFN region but no attention op on the attention side"
             )
+    _share_size_arithmetic(gm, roles)
     routers: list[str | None] = []
     for layer in layers:
         ffn_nodes = [n for n in gm.graph.nodes if roles[n] == NodeRole(layer, Role.FFN)]
@@ -415,6 +416,32 @@ def annotate_roles(
         tuple(sum(1 for r in roles.values() if r == NodeRole(la, Role.FFN)) for la in layers),
         tuple(routers),
     )
+
+
+def _is_size(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (torch.SymInt, int)) and node.op == "call_function"
+
+
+def _share_size_arithmetic(gm: fx.GraphModule, roles: dict[fx.Node, NodeRole]) -> None:
+    """Size arithmetic (SymInt nodes) inside an FFN region that the attention side also uses
+    (export CSEs ``s0 * s1`` across layers) stays on the attention side; the FFN program
+    recomputes it from its own token count."""
+    for node in reversed(list(gm.graph.nodes)):
+        r = roles[node]
+        if r.role is not Role.FFN or not _is_size(node):
+            continue
+        if any(roles[u].role is not Role.FFN or roles[u].layer != r.layer for u in node.users):
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                if roles[n].role is Role.FFN:
+                    if not _is_size(n):
+                        raise NoStructureError(
+                            f"size {node.name}, used outside the FFN region of layer {r.layer}, is "
+                            f"computed from FFN tensor {n.name}"
+                        )
+                    roles[n] = replace(roles[n], role=Role.ATTENTION)
+                    stack.extend(n.all_input_nodes)
 
 
 def role_of(node: fx.Node) -> NodeRole:

@@ -1,0 +1,61 @@
+"""Small Hugging Face decoders with random weights, built offline, and their export.
+
+Used by the demo, the tests and the benchmarks. ``transformers`` is imported lazily: the core
+passes do not need it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: Tiny configs per family: (transformers class name, config class name, config kwargs).
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, decoder_sparse_step=1, mlp_only_layers=[])),
+}
+
+
+class LogitsOnly(torch.nn.Module):
+    """``model(input_ids).logits`` without a KV cache: the graph we export."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def build_hf(family: str, num_layers: int = 2, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A tiny HF causal LM with random weights (seeded), wrapped to return logits."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r} (known: {sorted(FAMILIES)})")
+    model_cls, cfg_cls, kwargs = FAMILIES[family]
+    experts_impl = overrides.pop("experts_implementation", None)
+    cfg = getattr(transformers, cfg_cls)(**{**kwargs, "num_hidden_layers": num_layers, **overrides})
+    torch.manual_seed(seed)
+    extra = {"experts_implementation": experts_impl} if experts_impl else {}
+    model = getattr(transformers, model_cls)._from_config(cfg, **extra) if extra else getattr(transformers, model_cls)(cfg)
+    return LogitsOnly(model.eval())
+
+
+def export_lm(model: torch.nn.Module, batch: int = 2, seq: int = 5, *, dynamic: bool = True,
+              vocab_size: int = 128, seed: int = 0) -> torch.export.ExportedProgram:
+    """Export with ``input_ids`` of shape (batch, seq); batch and sequence dynamic by default."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
+    shapes = None
+    if dynamic:
+        shapes = {"input_ids": {0: torch.export.Dim("batch", min=1, max=1024),
+                                1: torch.export.Dim("seq", min=1, max=64)}}
+    with torch.no_grad():
+        return torch.export.export(model, (ids,), dynamic_shapes=shapes)

@@ -1,0 +1,104 @@
+"""Loading and saving programs (``.pt2``) with our ops registered first (DESIGN §8)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import zipfile
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from . import ops as _ops  # noqa: F401  (torch.export.load needs afd:: registered)
+
+
+class ProgramLoadError(ValueError):
+    pass
+
+
+def _op_namespaces(path: str) -> set[str]:
+    """Custom-op namespaces named in a saved program (``torch.ops.<ns>.``), read from its JSON."""
+    found: set[str] = set()
+    try:
+        with zipfile.ZipFile(path) as z:
+            for name in z.namelist():
+                if name.endswith(".json"):
+                    found |= set(re.findall(rb"torch\.ops\.([A-Za-z_][A-Za-z0-9_]*)\.", z.read(name)))
+    except (zipfile.BadZipFile, OSError):
+        return set()
+    return {ns.decode() for ns in found}
+
+
+def _register_op_libraries(namespaces: set[str]) -> None:
+    """Import the libraries that register custom ops a saved graph uses."""
+    if "transformers" in namespaces:
+        try:
+            import transformers.integrations.moe  # noqa: F401  (registers transformers::)
+        except ImportError as e:
+            raise ProgramLoadError(f"the program uses transformers:: ops but transformers cannot be imported: {e}") from None
+
+
+def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
+    """``torch.export.load`` with afd:: (and, when needed, transformers::) ops registered."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ProgramLoadError(f"{path}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise ProgramLoadError(f"{path}: not a .pt2 archive (torch.export.save writes a zip file)")
+    _register_op_libraries(_op_namespaces(path))
+    export_log = logging.getLogger("torch.export")
+    level = export_log.level
+    export_log.setLevel(logging.ERROR)  # torch logs the whole traceback as a warning; we raise one line
+    try:
+        return torch.export.load(path)
+    except Exception as e:  # noqa: BLE001  (torch raises many types here)
+        raise ProgramLoadError(f"{path}: cannot load as a torch.export program: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    finally:
+        export_log.setLevel(level)
+
+
+def example_inputs(ep: torch.export.ExportedProgram) -> tuple[Any, ...]:
+    """The example inputs saved with an exported program (flat positional tensors)."""
+    if ep.example_inputs is None:
+        raise ProgramLoadError("the program was saved without example inputs")
+    args, kwargs = ep.example_inputs
+    if kwargs:
+        raise ProgramLoadError(f"the program takes keyword inputs {sorted(kwargs)}; only positional tensors are supported")
+    return tuple(args)
+
+
+def dynamic_shapes_of(gm: fx.GraphModule) -> tuple[dict[int, Any], ...]:
+    """Dim.DYNAMIC for every dim that is symbolic in the graph's placeholders."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        val = n.meta.get("val")
+        dims = {}
+        if isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt):
+                    dims[d] = torch.export.Dim.DYNAMIC
+        out.append(dims)
+    return tuple(out)
+
+
+def export_split(attention: fx.GraphModule, ffn: fx.GraphModule, original: fx.GraphModule,
+                 inputs: Sequence[torch.Tensor]) -> tuple[torch.export.ExportedProgram, torch.export.ExportedProgram]:
+    """Re-export both role programs so they can be saved as ``.pt2``."""
+    with torch.no_grad():
+        att = torch.export.export(attention, tuple(inputs), dynamic_shapes=dynamic_shapes_of(original))
+        ffn_ep = torch.export.export(ffn, (torch.empty(8, 0),),
+                                     dynamic_shapes=({0: torch.export.Dim.DYNAMIC},))
+    return att, ffn_ep
+
+
+def write_json(path: str | os.PathLike, data: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")

@@ -1,0 +1,174 @@
+"""Run the original program and the split deployment on local gloo processes and compare.
+
+Every process loads the same ``.pt2`` and splits it for its own rank. Each attention rank gets its
+own batch size (the saved example input resized along its batch dimension), runs ``steps`` steps
+(the sizes rotate between steps so every FFN rank sees several token layouts), and compares its
+output with the original program run on the same input in the same process.
+Error measure: ``max |split - original| / max |original|`` per output, max over steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .layout import AFDLayout
+from .programs import example_inputs, load_program
+from .runtime import AttentionWorker, make_worker, max_rel_err, run_local
+from .split_api import SplitConfig
+
+
+class VerifyInputError(ValueError):
+    pass
+
+
+def batch_symbol_dims(gm: fx.GraphModule) -> tuple[object | None, list[tuple[int, int]]]:
+    """The symbol of the first input's dim 0 and every (input, dim) carrying it."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in placeholders]
+    if not vals or not isinstance(vals[0], torch.Tensor) or vals[0].dim() == 0:
+        return None, []
+    sym = vals[0].shape[0]
+    if not isinstance(sym, torch.SymInt):
+        return None, []
+    key = str(sym.node.expr)
+    dims = [(i, d) for i, v in enumerate(vals) if isinstance(v, torch.Tensor)
+            for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt) and str(s.node.expr) == key]
+    return key, dims
+
+
+def resize_inputs(inputs: Sequence[torch.Tensor], dims: list[tuple[int, int]], batch: int,
+                  salt: int) -> tuple[torch.Tensor, ...]:
+    """Tile the example rows along the batch dim to ``batch`` rows; integer inputs with values
+    beyond 0/1 (token ids) are shifted by ``salt`` so ranks see different tokens."""
+    out = list(inputs)
+    for i, d in dims:
+        t = inputs[i]
+        idx = torch.arange(batch) % t.shape[d]
+        out[i] = t.index_select(d, idx)
+    for i, t in enumerate(out):
+        if not t.is_floating_point() and t.dtype != torch.bool and t.numel() and int(t.max()) > 1:
+            hi = int(inputs[i].max()) + 1
+            out[i] = (t + salt) % hi
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One verification: a saved program, a layout, batch sizes per attention rank (None: as
+    saved), the router side and the number of steps."""
+
+    path: str
+    layout: AFDLayout
+    batches: tuple[int, ...] | None = None
+    gate: bool = False
+    steps: int = 2
+
+
+def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
+    if case.path not in cache:
+        ep = load_program(case.path)
+        cache[case.path] = (ep, ep.module(), example_inputs(ep))
+    ep, original, inputs = cache[case.path]
+    worker = make_worker(ep.module(), case.layout, rank, SplitConfig(compute_gate_on_attention=case.gate,
+                                                                     graph_name=case.path), group=group)
+    if not isinstance(worker, AttentionWorker):
+        return {"role": "ffn", "steps": worker.serve()}
+    a = case.layout.role_of(rank)[1]
+    _, dims = batch_symbol_dims(original)
+    err, sizes = 0.0, []
+    try:
+        for step in range(case.steps):
+            if case.batches is None:
+                x = inputs
+            else:
+                x = resize_inputs(inputs, dims, case.batches[(a + step) % len(case.batches)], salt=7 * a + step)
+            sizes.append(int(x[0].shape[0]) if x[0].dim() else 0)
+            with torch.no_grad():
+                out = worker.step(*x)
+                if out is None:  # zero tokens this step
+                    continue
+                err = max(err, max_rel_err(out, original(*x)))
+    finally:
+        worker.stop()
+    return {"role": "attention", "batches": sizes, "max_rel_err": err}
+
+
+def _verify_cases(rank: int, world: int, cases: Sequence[Case]) -> list[dict | None]:
+    """Run every case on one set of processes: case c uses world ranks [0, its world size)
+    through its own process group; the other ranks wait at a barrier."""
+    import torch.distributed as dist
+
+    sizes = sorted({c.layout.world_size for c in cases})
+    groups = {w: (dist.group.WORLD if w == world else dist.new_group(list(range(w)))) for w in sizes}
+    cache: dict = {}
+    out: list[dict | None] = []
+    for case in cases:
+        w = case.layout.world_size
+        out.append(_run_case(rank, case, groups[w], cache) if rank < w else None)
+        dist.barrier()
+    return out
+
+
+def run_cases(cases: Sequence[Case], timeout_s: float = 600.0) -> list[dict[int, dict]]:
+    """Verify several cases with one spawn; per case, {rank: result}."""
+    world = max(c.layout.world_size for c in cases)
+    results = run_local(_verify_cases, world, list(cases), timeout_s=timeout_s)
+    return [{r: results[r][i] for r in results if results[r][i] is not None} for i in range(len(cases))]
+
+
+@dataclass
+class VerifyReport:
+    layout: AFDLayout
+    per_rank: dict[int, dict]
+    max_rel_err: float
+    tol: float
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_rel_err <= self.tol
+
+    def line(self) -> str:
+        return f"verify: {'OK' if self.ok else 'FAIL'} max_rel_err={self.max_rel_err:.3g}"
+
+
+def verify_afd(path: str, layout: AFDLayout, *, batches: list[int] | None = None, gate: bool = False,
+               steps: int = 2, tol: float | None = None,
+               log: Callable[[str], None] = lambda s: None) -> VerifyReport:
+    """Verify the AFD split of the ``.pt2`` at ``path``; ``batches`` per attention rank (None:
+    default sizes 1, 2, 3, ... when the batch dim is dynamic, the saved example otherwise)."""
+    ep = load_program(path)
+    inputs = example_inputs(ep)
+    sym, dims = batch_symbol_dims(ep.module())
+    if batches is not None and len(batches) != layout.attention_ranks:
+        raise VerifyInputError(f"--tokens has {len(batches)} entries, layout {layout} has "
+                               f"{layout.attention_ranks} attention ranks")
+    if sym is None:
+        if batches is not None:
+            raise VerifyInputError(f"{path}: the batch dimension is static, cannot resize inputs to {batches}")
+        log(f"verify: {path} has a static batch dimension; every attention rank uses the saved example input")
+    elif batches is None:
+        batches = [1 + a for a in range(layout.attention_ranks)]
+    if tol is None:
+        dtypes = {t.dtype for t in inputs if t.is_floating_point()} | {
+            p.dtype for p in ep.state_dict.values() if p.is_floating_point()}
+        tol = 1e-5 if dtypes <= {torch.float32, torch.float64} else 1e-2
+    log(f"verify: {layout} on {layout.world_size} local gloo processes (FFN ranks 0..{layout.ffn_ranks - 1}), "
+        f"batch per attention rank {batches if batches is not None else 'as saved'}, {steps} steps")
+    t = time.perf_counter()
+    case = Case(path, layout, tuple(batches) if batches is not None else None, gate, steps)
+    results = run_cases([case])[0]
+    seconds = time.perf_counter() - t
+    for r in sorted(results):
+        res = results[r]
+        if res["role"] == "ffn":
+            log(f"  rank {r} ffn: served {res['steps']} steps from peers {list(layout.peers_of_ffn(r))}")
+        else:
+            log(f"  rank {r} attention: batches {res['batches']} max_rel_err={res['max_rel_err']:.3g}")
+    err = max((res["max_rel_err"] for res in results.values() if res["role"] == "attention"), default=0.0)
+    return VerifyReport(layout, results, err, tol, seconds)
