@@ -37,6 +37,9 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ffn-ranks", "-F", type=int, metavar="F", help="number of FFN ranks (each fans in a block of attention ranks)")
     p.add_argument("--gate-on-attention", action="store_true",
                    help="compute the MoE router on the attention side and send router logits (compute_gate_on_attention)")
+    p.add_argument("--policy", choices=["default", "module_path", "structural"], default="default",
+                   help="how FFN regions are found: module paths (nn_module_stack), data-flow structure, "
+                   "or default (module paths, then structure)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,12 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plan(model: str, layout: AFDLayout | None, gate: bool):
+def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "default"):
+    from .passes.roles import POLICIES
     from .programs import load_program
     from .split_api import SplitConfig, split
 
     ep = load_program(model)
-    result = split(ep, SplitConfig(compute_gate_on_attention=gate, graph_name=model), layout=layout)
+    config = SplitConfig(compute_gate_on_attention=gate, policy=POLICIES[policy], graph_name=model)
+    result = split(ep, config, layout=layout)
     return ep, result
 
 
@@ -106,7 +111,7 @@ def plan_table(result, layout: AFDLayout | None) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     layout = _layout(args, required=False)
-    _, result = _plan(args.model, layout, args.gate_on_attention)
+    _, result = _plan(args.model, layout, args.gate_on_attention, args.policy)
     if args.json:
         import json
 
@@ -124,7 +129,7 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
 
     layout = _layout(args, required=True)
     t = time.perf_counter()
-    ep, result = _plan(args.model, layout, args.gate_on_attention)
+    ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy)
     att, ffn = export_split(result.attention, result.ffn, ep.module(), example_inputs(ep))
     os.makedirs(args.output, exist_ok=True)
     import torch
@@ -158,13 +163,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise UsageError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
         if any(b < 0 for b in batches):
             raise UsageError(f"--tokens must be >= 0, got {batches}")
-    _, result = _plan(args.model, layout, args.gate_on_attention)  # fail fast, before spawning
+    _, result = _plan(args.model, layout, args.gate_on_attention, args.policy)  # fail fast, before spawning
     print(plan_table(result, layout))
     from .runtime import RankFailure
 
     try:
         report = verify_afd(args.model, layout, batches=batches, gate=args.gate_on_attention,
-                            steps=args.steps, tol=args.tol, log=print)
+                            steps=args.steps, tol=args.tol, policy=args.policy, log=print)
     except RankFailure as e:
         print(f"verify: rank {e.rank} raised {e.short}", file=sys.stderr)
         print("verify: FAIL max_rel_err=nan")

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from .layout import AFDLayout
+from .passes.roles import POLICIES
 from .programs import example_inputs, load_program
 from .runtime import AttentionWorker, make_worker, max_rel_err, run_local
 from .split_api import SplitConfig
@@ -67,6 +68,7 @@ class Case:
     batches: tuple[int, ...] | None = None
     gate: bool = False
     steps: int = 2
+    policy: str = "default"
 
 
 def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
@@ -74,8 +76,8 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
         ep = load_program(case.path)
         cache[case.path] = (ep, ep.module(), example_inputs(ep))
     ep, original, inputs = cache[case.path]
-    worker = make_worker(ep.module(), case.layout, rank, SplitConfig(compute_gate_on_attention=case.gate,
-                                                                     graph_name=case.path), group=group)
+    config = SplitConfig(compute_gate_on_attention=case.gate, policy=POLICIES[case.policy], graph_name=case.path)
+    worker = make_worker(ep.module(), case.layout, rank, config, group=group)
     if not isinstance(worker, AttentionWorker):
         return {"role": "ffn", "steps": worker.serve()}
     a = case.layout.role_of(rank)[1]
@@ -138,7 +140,7 @@ class VerifyReport:
 
 
 def verify_afd(path: str, layout: AFDLayout, *, batches: list[int] | None = None, gate: bool = False,
-               steps: int = 2, tol: float | None = None,
+               steps: int = 2, tol: float | None = None, policy: str = "default",
                log: Callable[[str], None] = lambda s: None) -> VerifyReport:
     """Verify the AFD split of the ``.pt2`` at ``path``; ``batches`` per attention rank (None:
     default sizes 1, 2, 3, ... when the batch dim is dynamic, the saved example otherwise)."""
@@ -161,7 +163,7 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: list[int] | None = None
     log(f"verify: {layout} on {layout.world_size} local gloo processes (FFN ranks 0..{layout.ffn_ranks - 1}), "
         f"batch per attention rank {batches if batches is not None else 'as saved'}, {steps} steps")
     t = time.perf_counter()
-    case = Case(path, layout, tuple(batches) if batches is not None else None, gate, steps)
+    case = Case(path, layout, tuple(batches) if batches is not None else None, gate, steps, policy)
     results = run_cases([case])[0]
     seconds = time.perf_counter() - t
     for r in sorted(results):

@@ -332,6 +332,14 @@ def default_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
             raise NoStructureError(f"by module path: {first}; by structure: {second}") from None
 
 
+#: Policies by name (CLI ``--policy``).
+POLICIES: dict[str, RolePolicy] = {
+    "default": default_policy,
+    "module_path": module_path_policy,
+    "structural": structural_policy,
+}
+
+
 # --- the mechanism -----------------------------------------------------------------------------
 
 

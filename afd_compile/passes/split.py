@@ -231,7 +231,7 @@ class _Builder:
     def call(self, target: object, args: tuple, name: str | None = None) -> fx.Node:
         node = self.graph.call_function(target, args)
         if name:
-            node.name = self.graph._graph_namespace.create_name(name, node)
+            node._rename(name)
         node.meta[META_KEY] = NodeRole(self.layer, Role.ATTENTION)
         if self.mode is not None:
             fargs = fx.node.map_arg(args, lambda n: n.meta.get("val"))
@@ -380,7 +380,7 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
     root = torch.nn.Module()
     slots = graph.placeholder("token_slots")
     total = graph.call_function(aten.sym_size.int, (slots, 0))
-    total.name = graph._graph_namespace.create_name("total_tokens", total)
+    total._rename("total_tokens")
     dep: fx.Node = slots
     for cut in plan.cuts:
         where = f"{plan.graph_name}: layer {cut.layer}"
@@ -389,7 +389,7 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
         binding = TokenBinding.for_token_dims(list(hval.shape[:-1]), where)
         recv = graph.call_function(torch.ops.afd.p2p_recv_group.default,
                                    (dep, plan.comm_id, cut.layer, plan.stage, total, str(cut.wire_in)))
-        recv.name = graph._graph_namespace.create_name(f"afd_recv_L{cut.layer}", recv)
+        recv._rename(f"afd_recv_L{cut.layer}")
         sigma_node = graph.call_function(operator.floordiv, (total, binding.coeff)) if binding.coeff != 1 else total
 
         def sizes(shape: tuple, _b: TokenBinding = binding, _s: object = sigma_node) -> list:
@@ -433,9 +433,24 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
         y = graph.call_function(aten.view.default, (env[src[cut.output]], [total, int(hval.shape[-1])]))
         dep = graph.call_function(torch.ops.afd.p2p_send_group.default,
                                   ([y], plan.comm_id, cut.layer, plan.stage, str(cut.wire_out)))
-        dep.name = graph._graph_namespace.create_name(f"afd_send_L{cut.layer}", dep)
+        dep._rename(f"afd_send_L{cut.layer}")
     graph.output(dep)
     root.__dict__.pop("_afd_seen", None)
     ffn = fx.GraphModule(root, graph, class_name="AFDFFNProgram")
     ffn.graph.lint()
+    propagate_ffn_meta(ffn, plan.static_tokens)
     return ffn
+
+
+def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None) -> None:
+    """``meta['val']`` on every FFN program node, with a symbolic token count (or the fixed
+    count of a graph exported with static shapes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    dyn = DimDynamic.STATIC if static_tokens is not None else DimDynamic.DYNAMIC
+    slots = mode.from_tensor(torch.empty(static_tokens or 8, 0), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[dyn, DimDynamic.STATIC]))
+    FakeTensorProp(ffn, mode).propagate_dont_convert_inputs(slots)

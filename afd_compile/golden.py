@@ -1,0 +1,101 @@
+"""Normalised graph text for golden tests: one canonical line per node.
+
+``v7 = aten.linear.default(v6, w:model.layers.0.mlp.gate_proj.weight) [s0,s1,128 float32] L0:ffn``
+
+Normalisation keeps goldens stable across torch versions: call results are numbered ``v0, v1,
+...`` in graph order, weights are named by their target, symbols are renamed ``s0, s1, ...`` in
+order of first appearance, and version-specific bookkeeping nodes (``_assert_tensor_metadata``,
+the export guard module) are dropped. Never ``gm.code``: its formatting changes between versions.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+
+from .passes.roles import META_KEY
+
+_SKIP_TARGETS = {"_assert_tensor_metadata", "_guards_fn"}
+
+
+def _skip(n: fx.Node) -> bool:
+    if n.op == "call_module" and "guards" in str(n.target):
+        return True
+    return n.op == "call_function" and any(s in str(n.target) for s in _SKIP_TARGETS)
+
+
+def _target(n: fx.Node) -> str:
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t.namespace}.{t._opname}.{t._overloadname}"
+    if callable(t):
+        mod = getattr(t, "__module__", "") or ""
+        return f"{'operator' if mod in ('_operator', 'operator') else mod}.{t.__name__}"
+    return str(t)
+
+
+def _weight_name(target: str) -> str:
+    return re.sub(r"^(m|model)\.", "", target, count=1) if target.startswith(("m.model.", "model.model.")) else target
+
+
+def graph_lines(gm: fx.GraphModule) -> list[str]:
+    names: dict[fx.Node, str] = {}
+    symbols: dict[str, str] = {}
+
+    def sym(text: str) -> str:
+        def sub(m: re.Match) -> str:
+            return symbols.setdefault(m.group(0), f"s{len(symbols)}")
+
+        return re.sub(r"\b[su]\d+\b", sub, text)
+
+    def fmt_val(v: object) -> str:
+        if isinstance(v, torch.Tensor):
+            dtype = str(v.dtype).removeprefix("torch.")
+            return f"[{','.join(sym(str(s)) for s in v.shape)} {dtype}]"
+        if isinstance(v, (list, tuple)):
+            return "(" + ", ".join(fmt_val(x) for x in v) + ")"
+        if isinstance(v, torch.SymInt):
+            return f"[{sym(str(v))}]"
+        return ""
+
+    def fmt_arg(a: object) -> str:
+        if isinstance(a, fx.Node):
+            return names.get(a, "?" + a.name)
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(fmt_arg(x) for x in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner})"
+        if isinstance(a, torch.dtype):
+            return str(a).removeprefix("torch.")
+        if isinstance(a, float):
+            return repr(a)
+        return str(a)
+
+    lines = []
+    count = 0
+    for n in gm.graph.nodes:
+        if _skip(n):
+            continue
+        if n.op == "placeholder":
+            names[n] = n.name
+            lines.append(f"{n.name} = input {fmt_val(n.meta.get('val'))}".rstrip())
+            continue
+        if n.op == "get_attr":
+            names[n] = f"w:{_weight_name(str(n.target))}"
+            continue
+        if n.op == "output":
+            lines.append(f"return {fmt_arg(n.args[0])}")
+            continue
+        names[n] = f"v{count}"
+        count += 1
+        args = [fmt_arg(a) for a in n.args] + [f"{k}={fmt_arg(v)}" for k, v in n.kwargs.items()
+                                                if k not in ("pin_memory",)]
+        role = n.meta.get(META_KEY)
+        tail = f" {role}" if role is not None else ""
+        lines.append(f"{names[n]} = {_target(n)}({', '.join(args)}) {fmt_val(n.meta.get('val'))}".rstrip() + tail)
+    return lines
+
+
+def graph_text(gm: fx.GraphModule) -> str:
+    return "\n".join(graph_lines(gm)) + "\n"

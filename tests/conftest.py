@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny HF models exported once per session and saved as .pt2."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+# name -> (family, layers, overrides); the MoE numerics model mixes MoE and dense layers.
+MODELS = {
+    "llama2": ("llama", 2, {}),
+    "llama3": ("llama", 3, {}),
+    "qwen3moe2": ("qwen3_moe", 2, {}),
+    "qwen3moe3_mixed": ("qwen3_moe", 3, {"mlp_only_layers": [1]}),
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-goldens", action="store_true", help="rewrite tests/golden/* from the current code")
+
+
+@pytest.fixture(scope="session")
+def update_goldens(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--update-goldens"))
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def exported(model_dir: str):
+    """name -> (ExportedProgram, path of the saved .pt2), built lazily."""
+    from afd_compile.models import build_hf, export_lm
+
+    cache: dict[str, tuple[torch.export.ExportedProgram, str]] = {}
+
+    def get(name: str) -> tuple[torch.export.ExportedProgram, str]:
+        if name not in cache:
+            family, layers, overrides = MODELS[name]
+            ep = export_lm(build_hf(family, num_layers=layers, **overrides))
+            path = os.path.join(model_dir, f"{name}.pt2")
+            torch.export.save(ep, path)
+            cache[name] = (ep, path)
+        return cache[name]
+
+    return get

@@ -1,0 +1,127 @@
+"""Layer discovery and role annotation on HF Llama and HF Qwen3-MoE graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afd_compile.passes.roles import (
+    META_KEY,
+    NodeRole,
+    NoStructureError,
+    Role,
+    annotate_roles,
+    module_path_policy,
+    structural_policy,
+)
+
+
+def _ffn_targets(gm, layer):
+    return [str(n.target) for n in gm.graph.nodes if n.meta[META_KEY] == NodeRole(layer, Role.FFN)]
+
+
+def test_llama_mlp_nodes_are_ffn_and_residual_add_is_attention(exported):
+    gm = exported("llama2")[0].module()
+    summary = annotate_roles(gm)
+    assert summary.num_layers == 2 and summary.routers == (None, None)
+    for layer in (0, 1):
+        assert _ffn_targets(gm, layer) == ["aten.linear.default", "aten.silu.default", "aten.linear.default",
+                                           "aten.mul.Tensor", "aten.linear.default"]
+    by_name = {n.name: n for n in gm.graph.nodes}
+    down = [n for n in gm.graph.nodes if n.meta[META_KEY] == NodeRole(0, Role.FFN)][-1]
+    (residual_add,) = down.users
+    assert residual_add.target == torch.ops.aten.add.Tensor
+    assert residual_add.meta[META_KEY] == NodeRole(0, Role.ATTENTION)
+    sdpa = [n for n in by_name.values() if "scaled_dot_product" in str(n.target)]
+    assert [n.meta[META_KEY] for n in sdpa] == [NodeRole(0, Role.ATTENTION), NodeRole(1, Role.ATTENTION)]
+    assert by_name["embedding"].meta[META_KEY] == NodeRole(None, Role.ATTENTION)
+
+
+def test_moe_router_is_on_the_ffn_side_by_default(exported):
+    gm = exported("qwen3moe2")[0].module()
+    summary = annotate_roles(gm)
+    router = {n.name: n for n in gm.graph.nodes}[summary.routers[0]]
+    assert router.target == torch.ops.aten.linear.default
+    assert router.meta[META_KEY] == NodeRole(0, Role.FFN)
+    assert any("topk" in t for t in _ffn_targets(gm, 0))
+
+
+def test_gate_on_attention_moves_the_router_linear(exported):
+    gm = exported("qwen3moe2")[0].module()
+    default_ffn = annotate_roles(gm).ffn_nodes_per_layer
+    summary = annotate_roles(gm, compute_gate_on_attention=True)
+    router = {n.name: n for n in gm.graph.nodes}[summary.routers[0]]
+    assert router.meta[META_KEY] == NodeRole(0, Role.ATTENTION, router=True)
+    assert all(a < b for a, b in zip(summary.ffn_nodes_per_layer, default_ffn, strict=True))
+    # softmax/topk (routing from the logits) stay on the FFN side
+    assert any("topk" in t for t in _ffn_targets(gm, 0))
+
+
+def _strip_module_paths(gm):
+    for n in gm.graph.nodes:
+        n.meta.pop("nn_module_stack", None)
+    return gm
+
+
+def test_structural_policy_finds_the_same_llama_regions(exported):
+    by_path = exported("llama2")[0].module()
+    annotate_roles(by_path, module_path_policy)
+    by_structure = _strip_module_paths(exported("llama2")[0].module())
+    with pytest.raises(NoStructureError, match="no nn_module_stack"):
+        module_path_policy(by_structure)
+    annotate_roles(by_structure)  # default policy falls back to structure
+    assert [n.meta[META_KEY] for n in by_structure.graph.nodes if n.meta[META_KEY].role is Role.FFN] == [
+        n.meta[META_KEY] for n in by_path.graph.nodes if n.meta[META_KEY].role is Role.FFN]
+    assert [n.name for n in by_structure.graph.nodes if n.meta[META_KEY].role is Role.FFN] == [
+        n.name for n in by_path.graph.nodes if n.meta[META_KEY].role is Role.FFN]
+
+
+def test_structural_policy_on_moe_keeps_router_and_experts_together(exported):
+    gm = _strip_module_paths(exported("qwen3moe2")[0].module())
+    summary = annotate_roles(gm, structural_policy)
+    assert summary.num_layers == 2
+    assert summary.routers[0] is not None  # the router linear is inside the found region
+
+
+class _MLPOnly(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(8, 16)
+        self.down = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_graph_without_attention_fails_naming_the_graph():
+    gm = torch.export.export(_MLPOnly(), (torch.randn(2, 8),)).module()
+    with pytest.raises(NoStructureError, match=r"mlp_only: no attention/FFN structure found.*no attention op"):
+        annotate_roles(gm, graph_name="mlp_only")
+
+
+class _ExplicitAttention(torch.nn.Module):
+    """A pre-norm block whose attention is matmul + softmax + matmul, not SDPA."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.o = torch.nn.Linear(d, d, bias=False)
+        self.n1 = torch.nn.LayerNorm(d)
+        self.n2 = torch.nn.LayerNorm(d)
+        self.fc1 = torch.nn.Linear(d, 4 * d)
+        self.fc2 = torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.n1(x)).chunk(3, dim=-1)
+        att = torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1)
+        h = x + self.o(att @ v)
+        return h + self.fc2(torch.nn.functional.gelu(self.fc1(self.n2(h))))
+
+
+def test_explicit_matmul_softmax_attention_without_mlp_module_is_found_structurally():
+    gm = torch.export.export(_ExplicitAttention(), (torch.randn(2, 5, 16),)).module()
+    summary = annotate_roles(gm)  # no ".N" layer paths: structural fallback
+    assert summary.num_layers == 1
+    targets = [str(n.target) for n in gm.graph.nodes if n.meta[META_KEY].role is Role.FFN]
+    assert targets.count("aten.linear.default") == 2 and "aten.gelu.default" in targets
+    assert "aten.layer_norm.default" not in targets

@@ -1,0 +1,135 @@
+"""Graph structure of the split: op counts, weights per role, schedule check, goldens."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from afd_compile.golden import graph_text
+from afd_compile.layout import AFDLayout
+from afd_compile.passes.schedule import ScheduleError, transfers, verify_schedule
+from afd_compile.passes.split import SplitError
+from afd_compile.split_api import SplitConfig, split
+
+afd = torch.ops.afd
+GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
+
+
+def _count(gm, target):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target == target)
+
+
+def _weights(gm):
+    return {str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and n.users}
+
+
+@pytest.mark.parametrize("name", ["llama2", "qwen3moe2"])
+def test_op_counts_and_weight_ownership(exported, name):
+    ep = exported(name)[0]
+    original = ep.module()
+    before = str(original.graph)
+    result = split(original)
+    assert str(original.graph) == before, "split must not change the caller's graph"
+    att, ffn = result.attention, result.ffn
+    assert _count(att, afd.p2p_send.default) == _count(att, afd.p2p_recv.default) == 2
+    assert _count(ffn, afd.p2p_recv_group.default) == _count(ffn, afd.p2p_send_group.default) == 2
+    assert _count(att, afd.p2p_recv_group.default) == _count(ffn, afd.p2p_send.default) == 0
+    original_linears = _count(original, torch.ops.aten.linear.default)
+    assert _count(att, torch.ops.aten.linear.default) + _count(ffn, torch.ops.aten.linear.default) == original_linears
+    ffn_weights = _weights(ffn)
+    assert ffn_weights and all(".mlp." in w for w in ffn_weights)
+    assert not any(".mlp." in w for w in _weights(att))
+    assert ffn_weights | _weights(att) == _weights(original)
+    assert set(result.timings) >= {"annotate_roles", "plan_split", "build_attention_program",
+                                    "build_ffn_program", "verify_schedule"}
+
+
+def test_gate_on_attention_sends_router_logits_in_wire_order(exported):
+    result = split(exported("qwen3moe2")[0], SplitConfig(compute_gate_on_attention=True))
+    sends = [t for t in transfers(result.attention) if t.direction == "to_ffn"]
+    assert [t.spec for t in sends] == ["hidden:float32[64],router_logits:float32[4]"] * 2
+    att_weights = _weights(result.attention)
+    assert any(w.endswith("mlp.gate.weight") for w in att_weights)
+    assert not any("experts" in w for w in att_weights)
+
+
+def test_schedule_check_catches_mismatched_programs(exported):
+    result = split(exported("llama2")[0])
+    assert len(verify_schedule(result.attention, result.ffn)) == 4
+    # a FFN program that serves layer 1 before layer 0
+    bad = copy.deepcopy(result.ffn)
+    groups = [n for n in bad.graph.nodes if n.target in (afd.p2p_recv_group.default, afd.p2p_send_group.default)]
+    for n in groups:
+        args = list(n.args)
+        args[2] = 1 - args[2]
+        n.args = tuple(args)
+    with pytest.raises(ScheduleError, match=r"transfer #0: attention program has to_ffn L0/S0.*FFN program has to_ffn L1/S0"):
+        verify_schedule(result.attention, bad)
+    # a FFN program missing its last send
+    short = copy.deepcopy(result.ffn)
+    last = [n for n in short.graph.nodes if n.target == afd.p2p_send_group.default][-1]
+    short.graph.output_node().args = (last.args[0][0],)
+    short.graph.erase_node(last)
+    with pytest.raises(ScheduleError, match="transfer #3.*FFN program has nothing"):
+        verify_schedule(result.attention, short)
+
+
+def test_static_graph_cannot_fan_in(exported):
+    from afd_compile.models import build_hf, export_lm
+
+    ep = export_lm(build_hf("llama", num_layers=1), dynamic=False)
+    split(ep, layout=AFDLayout(1, 1))  # one peer: the static token count is enough
+    with pytest.raises(SplitError, match=r"static token dims.*2A1F.*fanning in 2 attention peers"):
+        split(ep, layout=AFDLayout(2, 1))
+
+
+def _golden_text(ep, layout: AFDLayout, gate: bool) -> str:
+    result = split(ep, SplitConfig(compute_gate_on_attention=gate), layout=layout)
+    peers = "; ".join(f"ffn rank {f} <- attention ranks {list(layout.peers_of_ffn(f))}"
+                      for f in range(layout.ffn_ranks))
+    return "\n".join([
+        f"# layout {layout}: {peers}",
+        "# the programs do not depend on the layout: per-peer token counts arrive once per step",
+        *[f"# layer {c.layer}: {len(c.ffn_nodes)} FFN nodes, {len(c.params)} weights, wire {c.wire_in} -> {c.wire_out}"
+          for c in result.plan.cuts],
+        "## attention program",
+        graph_text(result.attention).rstrip("\n"),
+        "## ffn program",
+        graph_text(result.ffn).rstrip("\n"),
+    ]) + "\n"
+
+
+GOLDENS = [("llama2", 1, 1, False), ("llama2", 2, 1, False), ("qwen3moe2", 1, 1, False),
+           ("qwen3moe2", 2, 1, False), ("qwen3moe2", 2, 1, True)]
+
+
+@pytest.mark.parametrize("case", GOLDENS, ids=lambda c: f"{c[0]}-{c[1]}A{c[2]}F{'-gate' if c[3] else ''}")
+def test_golden_graphs(exported, update_goldens, case):
+    name, a, f, gate = case
+    text = _golden_text(exported(name)[0], AFDLayout(a, f), gate)
+    path = os.path.join(GOLDEN_DIR, f"afd_{name}_{a}A{f}F{'_gate' if gate else ''}.txt")
+    if update_goldens or not os.path.exists(path):
+        if not update_goldens:
+            pytest.fail(f"missing golden {path}; run pytest --update-goldens and review the diff")
+        os.makedirs(GOLDEN_DIR, exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(text)
+    with open(path) as fh:
+        expected = fh.read()
+    assert text == expected, f"{path} changed; if intended, rerun with --update-goldens and explain it in the commit"
+
+
+def test_transfers_appear_in_order_filecheck_style(exported):
+    """What must survive torch upgrades even if goldens are regenerated: the ordered op sequence."""
+    result = split(exported("llama2")[0])
+    lines = graph_text(result.attention).splitlines()
+    wanted = ["afd.p2p_send.default(", "afd.p2p_recv.default(", "afd.p2p_send.default(", "afd.p2p_recv.default("]
+    pos = 0
+    for w in wanted:
+        pos = next(i for i in range(pos, len(lines)) if w in lines[i]) + 1
+    ffn_lines = graph_text(result.ffn).splitlines()
+    assert ffn_lines[0].startswith("token_slots = input [s0,0 float32]")
+    assert ffn_lines[-1].startswith("return v")
