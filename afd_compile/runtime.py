@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -251,17 +253,24 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
         p.start()
     results: dict[int, Any] = {}
     failure: RankFailure | None = None
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
+        while len(results) < world_size and failure is None:
             try:
-                rank, status, payload = queue.get(timeout=timeout_s)
-            except Exception:
-                failure = failure or RankFailure(-1, f"no result within {timeout_s:.0f}s")
-                break
-            if status == "error" and failure is None:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    failure = RankFailure(dead[0], f"process exited with code {procs[dead[0]].exitcode} "
+                                          "before reporting (crash, or a function spawn cannot import)")
+                elif time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in results]
+                    failure = RankFailure(missing[0], f"no result within {timeout_s:.0f}s from ranks {missing}")
+                continue
+            if status == "error":
                 failure = RankFailure(rank, payload)
-                break
-            results[rank] = payload
+            else:
+                results[rank] = payload
     finally:
         for p in procs:
             p.join(timeout=1 if failure else 30)

@@ -174,15 +174,14 @@ def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
     if not order:
         raise NoStructureError("no nn_module_stack paths with a layer index (…layers.N)")
     index = {lp: i for i, lp in enumerate(order)}
+    children_of: dict[str, set[str]] = {lp: set() for lp in order}
+    for n, owner in layer_of.items():
+        for p in _module_paths(n):
+            if p.startswith(owner + "."):
+                children_of[owner].add(p[len(owner) + 1 :].split(".")[0])
     ffn_child: dict[str, str] = {}
     for lp in order:
-        children = {
-            p[len(lp) + 1 :].split(".")[0]
-            for n, owner in layer_of.items()
-            if owner == lp
-            for p in _module_paths(n)
-            if p.startswith(lp + ".")
-        }
+        children = children_of[lp]
         name = next((c for c in FFN_MODULE_NAMES if c in children), None)
         if name is None:
             raise NoStructureError(
@@ -400,8 +399,11 @@ def annotate_roles(
     missing = [n.name for n in gm.graph.nodes if n not in roles]
     if missing:
         raise ValueError(f"{graph_name}: role policy left nodes without a role: {missing[:5]}")
+    by_layer: dict[int | None, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        by_layer.setdefault(roles[n].layer, []).append(n)
     for layer in layers:
-        nodes_l = [n for n in gm.graph.nodes if roles[n].layer == layer]
+        nodes_l = by_layer.get(layer, [])
         if not any(is_attention_op(n) for n in nodes_l if roles[n].role is Role.ATTENTION):
             raise NoStructureError(
                 f"{graph_name}: layer {layer} has an FFN region but no attention op on the attention side"
@@ -409,7 +411,7 @@ def annotate_roles(
     _share_size_arithmetic(gm, roles)
     routers: list[str | None] = []
     for layer in layers:
-        ffn_nodes = [n for n in gm.graph.nodes if roles[n] == NodeRole(layer, Role.FFN)]
+        ffn_nodes = [n for n in by_layer.get(layer, []) if roles[n] == NodeRole(layer, Role.FFN)]
         router = _find_router(ffn_nodes)
         routers.append(router.name if router else None)
         if compute_gate_on_attention and router is not None:
@@ -421,7 +423,7 @@ def annotate_roles(
     return RoleSummary(
         graph_name,
         len(layers),
-        tuple(sum(1 for r in roles.values() if r == NodeRole(la, Role.FFN)) for la in layers),
+        tuple(sum(1 for n in by_layer.get(la, []) if roles[n] == NodeRole(la, Role.FFN)) for la in layers),
         tuple(routers),
     )
 

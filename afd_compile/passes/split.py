@@ -131,9 +131,13 @@ def plan_split(gm: fx.GraphModule, *, comm_id: int = 0, stage: int = 0, graph_na
     placeholders = [n for n in nodes if n.op == "placeholder"]
     cuts = []
     static_tokens: int | None = None
+    ffn_by_layer: dict[int, list[fx.Node]] = {}
+    for n in nodes:
+        if role_of(n).role is Role.FFN:
+            ffn_by_layer.setdefault(role_of(n).layer, []).append(n)
     for layer in layers:
         where = f"{graph_name}: layer {layer}"
-        ffn = [n for n in nodes if role_of(n) == NodeRole(layer, Role.FFN)]
+        ffn = ffn_by_layer[layer]
         members = set(ffn)
         externals: list[fx.Node] = []
         for n in ffn:
@@ -294,6 +298,7 @@ def build_attention_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModu
         b = _Builder(new.graph, fake_mode, cut.layer)
         h, out = by_name[cut.hidden], by_name[cut.output]
         hval = h.meta["val"]
+        before = out.prev
         with new.graph.inserting_before(out):
             wire = [b.call(aten.view.default, (h, [-1, int(hval.shape[-1])]), "afd_hidden")]
             if cut.router_logits:
@@ -312,7 +317,7 @@ def build_attention_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModu
             got = b.call(operator.getitem, (recv, 0))
             shaped = b.call(aten.view.default, (got, _shape_args(b, tuple(out.meta["val"].shape), sources)),
                             "afd_ffn_out")
-        for n in new.graph.nodes:  # size arithmetic emitted by _shape_args
+        for n in _run_from(before.next, shaped):  # size arithmetic emitted by _shape_args
             if META_KEY not in n.meta and n.op == "call_function":
                 n.meta[META_KEY] = NodeRole(cut.layer, Role.ATTENTION)
                 n.meta["val"] = n.target(*fx.node.map_arg(n.args, lambda a: a.meta.get("val")))
@@ -329,6 +334,15 @@ def build_attention_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModu
     new.graph.lint()
     new.recompile()
     return new
+
+
+def _run_from(first: fx.Node, last: fx.Node) -> list[fx.Node]:
+    out, n = [], first
+    while True:
+        out.append(n)
+        if n is last:
+            return out
+        n = n.next
 
 
 def _drop_unused_attrs(gm: fx.GraphModule) -> None:
@@ -451,6 +465,7 @@ def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None) ->
 
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     dyn = DimDynamic.STATIC if static_tokens is not None else DimDynamic.DYNAMIC
-    slots = mode.from_tensor(torch.empty(static_tokens or 8, 0), symbolic_context=StatelessSymbolicContext(
+    device = next((t.device for t in [*ffn.parameters(), *ffn.buffers()]), torch.device("cpu"))
+    slots = mode.from_tensor(torch.empty(static_tokens or 8, 0, device=device), symbolic_context=StatelessSymbolicContext(
         dynamic_sizes=[dyn, DimDynamic.STATIC]))
     FakeTensorProp(ffn, mode).propagate_dont_convert_inputs(slots)

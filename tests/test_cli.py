@@ -1,0 +1,128 @@
+"""The afd-compile CLI: rewrite -> fresh process -> run, verify exit codes 0/1/2, plan output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+CLI = [sys.executable, "-m", "afd_compile.cli"]
+
+
+def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_the_subcommands():
+    out = _run("--help").stdout
+    for cmd in ("rewrite", "plan", "verify", "demo"):
+        assert cmd in out
+    assert "--tokens" in _run("verify", "--help").stdout
+
+
+def test_rewrite_then_load_in_a_fresh_process_and_run(exported, tmp_path):
+    _, path = exported("qwen3moe2")
+    out = tmp_path / "out"
+    res = _run("rewrite", path, "-o", str(out), "--attention-ranks", "2", "--ffn-ranks", "1", "--gate-on-attention")
+    assert res.returncode == 0, res.stderr
+    assert "rewrite: wrote attention.pt2, ffn.pt2, plan.json" in res.stdout
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["layout"]["ffn_peers"] == {"0": [1, 2]}
+    assert [w["kind"] for w in plan["layers"][0]["wire"]["to_ffn"]] == ["hidden", "router_logits"]
+    script = textwrap.dedent(f"""
+        import torch
+        from afd_compile.runtime import run_local, load_rewritten_worker, AttentionWorker, max_rel_err
+        from afd_compile.programs import load_program
+
+        def rank(r, world):
+            w = load_rewritten_worker({str(out)!r}, r)
+            if not isinstance(w, AttentionWorker):
+                return w.serve()
+            ids = torch.randint(0, 128, (r, 4), generator=torch.Generator().manual_seed(r))
+            try:
+                got = w.step(ids)
+            finally:
+                w.stop()
+            return max_rel_err(got, load_program({path!r}).module()(ids))
+
+        if __name__ == "__main__":
+            res = run_local(rank, 3)
+            print("served", res[0], "errs", res[1], res[2])
+            assert res[0] == 1 and max(res[1], res[2]) <= 1e-5
+    """)
+    script_path = tmp_path / "run_rewritten.py"  # a file, so spawned ranks can import its functions
+    script_path.write_text(script)
+    proc = subprocess.run([sys.executable, str(script_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_verify_ok_exit_0(exported):
+    res = _run("verify", exported("llama2")[1], "-A", "2", "-F", "1", "--tokens", "2,3")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.strip().splitlines()[-1].startswith("verify: OK max_rel_err=")
+    assert "batches [2, 3]" in res.stdout and "batches [3, 2]" in res.stdout
+
+
+def test_verify_fail_exit_1(exported):
+    # the MoE split differs from the original by float rounding (~1e-7): a tolerance below that fails
+    res = _run("verify", exported("qwen3moe2")[1], "-A", "2", "-F", "1", "--tol", "1e-12")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.stdout.strip().splitlines()[-1].startswith("verify: FAIL max_rel_err=")
+
+
+class _NoAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.lin(x)
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "message"),
+    [
+        ("missing", ["-A", "1", "-F", "1"], "no such file"),
+        ("garbage", ["-A", "1", "-F", "1"], "not a .pt2 archive"),
+        ("no_attention", ["-A", "1", "-F", "1"], "no attention/FFN structure found"),
+        ("llama", ["-A", "1", "-F", "2"], "every FFN rank needs at least one attention peer"),
+        ("llama", ["-A", "0", "-F", "1"], "at least 1 attention and 1 FFN rank"),
+        ("llama", ["-A", "2", "-F", "1", "--tokens", "1,2,3"], "--tokens has 3 entries"),
+        ("static", ["-A", "2", "-F", "1"], "static token dims"),
+    ],
+)
+def test_verify_bad_input_exit_2_one_line(exported, tmp_path, kind, extra, message):
+    path = tmp_path / "model.pt2"
+    if kind == "garbage":
+        path.write_text("not a model")
+    elif kind == "no_attention":
+        torch.export.save(torch.export.export(_NoAttention(), (torch.randn(2, 8),)), path)
+    elif kind == "llama":
+        path = exported("llama2")[1]
+    elif kind == "static":
+        from afd_compile.models import build_hf, export_lm
+
+        torch.export.save(export_lm(build_hf("llama", num_layers=1), dynamic=False), path)
+    res = _run("verify", str(path), *extra)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_plan_json_lists_nodes_and_wire_bytes(exported):
+    res = _run("plan", exported("llama2")[1], "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert [layer["index"] for layer in data["layers"]] == [0, 1]
+    wire = data["layers"][0]["wire"]
+    assert wire["to_ffn"] == [{"kind": "hidden", "dtype": "float32", "shape": ["tokens", 64], "bytes_per_token": 256}]
+    assert len(data["layers"][0]["ffn_nodes"]) == 5
+    text = _run("plan", exported("llama2")[1], "-A", "3", "-F", "2").stdout
+    assert "layout 3A2F (ffn 0 <- attention [2, 3], ffn 1 <- attention [4])" in text
+    assert os.linesep.join(text.splitlines()[1:2]).startswith("layer")
