@@ -126,3 +126,14 @@ def test_plan_json_lists_nodes_and_wire_bytes(exported):
     text = _run("plan", exported("llama2")[1], "-A", "3", "-F", "2").stdout
     assert "layout 3A2F (ffn 0 <- attention [2, 3], ffn 1 <- attention [4])" in text
     assert os.linesep.join(text.splitlines()[1:2]).startswith("layer")
+
+
+def test_torchrun_launch_uses_the_same_workers():
+    import shutil
+
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "afd_torchrun.py")
+    proc = subprocess.run([torchrun, "--nproc-per-node", "3", example, "--attention-ranks", "2", "--ffn-ranks", "1"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "AFD_BACKEND": "gloo"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].startswith("OK max_rel_err=")

@@ -239,7 +239,10 @@ class _Builder:
         node.meta[META_KEY] = NodeRole(self.layer, Role.ATTENTION)
         if self.mode is not None:
             fargs = fx.node.map_arg(args, lambda n: n.meta.get("val"))
-            with self.mode:
+            if isinstance(target, torch._ops.OpOverload):
+                with self.mode:
+                    node.meta["val"] = target(*fargs)
+            else:  # SymInt arithmetic
                 node.meta["val"] = target(*fargs)
         return node
 
@@ -259,7 +262,7 @@ def _shape_args(b: _Builder, shape: tuple, sources: dict) -> list:
                 raise SplitError(f"size {e}: symbol {s} is not a dimension of any graph input")
             ph, d = sources[s]
             symbols[s] = b.call(aten.sym_size.int, (ph, d))
-        out.append(emit_with(b.graph, e, symbols))
+        out.append(emit_with(b.call, e, symbols))
     return out
 
 
@@ -298,7 +301,6 @@ def build_attention_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModu
         b = _Builder(new.graph, fake_mode, cut.layer)
         h, out = by_name[cut.hidden], by_name[cut.output]
         hval = h.meta["val"]
-        before = out.prev
         with new.graph.inserting_before(out):
             wire = [b.call(aten.view.default, (h, [-1, int(hval.shape[-1])]), "afd_hidden")]
             if cut.router_logits:
@@ -317,10 +319,6 @@ def build_attention_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModu
             got = b.call(operator.getitem, (recv, 0))
             shaped = b.call(aten.view.default, (got, _shape_args(b, tuple(out.meta["val"].shape), sources)),
                             "afd_ffn_out")
-        for n in _run_from(before.next, shaped):  # size arithmetic emitted by _shape_args
-            if META_KEY not in n.meta and n.op == "call_function":
-                n.meta[META_KEY] = NodeRole(cut.layer, Role.ATTENTION)
-                n.meta["val"] = n.target(*fx.node.map_arg(n.args, lambda a: a.meta.get("val")))
         out.replace_all_uses_with(shaped)
         doomed = [by_name[name] for name in cut.ffn_nodes]
         for n in reversed(doomed):
@@ -334,15 +332,6 @@ def build_attention_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModu
     new.graph.lint()
     new.recompile()
     return new
-
-
-def _run_from(first: fx.Node, last: fx.Node) -> list[fx.Node]:
-    out, n = [], first
-    while True:
-        out.append(n)
-        if n is last:
-            return out
-        n = n.next
 
 
 def _drop_unused_attrs(gm: fx.GraphModule) -> None:

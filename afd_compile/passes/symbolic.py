@@ -10,6 +10,7 @@ valid. This module binds the symbols and emits FX nodes that compute a sympy exp
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sympy
@@ -74,8 +75,15 @@ def emit_expr(graph: fx.Graph, expr: sympy.Expr, sigma: sympy.Symbol | None, sig
     return emit_with(graph, expr, {} if sigma is None else {sigma: sigma_node})
 
 
-def emit_with(graph: fx.Graph, expr: sympy.Expr, symbols: dict) -> object:
-    """Like :func:`emit_expr` with any number of symbols bound to graph values."""
+def emit_with(graph: fx.Graph | Callable[[object, tuple], fx.Node], expr: sympy.Expr, symbols: dict) -> object:
+    """Like :func:`emit_expr` with any number of symbols bound to graph values. ``graph`` may be
+    a callable ``(target, args) -> Node`` that creates (and annotates) the nodes."""
+    if isinstance(graph, fx.Graph):
+        g = graph
+
+        def graph(target: object, args: tuple) -> fx.Node:
+            return g.call_function(target, args)
+
     expr = sympy.sympify(expr)
     if expr.is_Integer:
         return int(expr)
@@ -86,15 +94,15 @@ def emit_with(graph: fx.Graph, expr: sympy.Expr, symbols: dict) -> object:
         parts = [emit_with(graph, a, symbols) for a in expr.args]
         acc = parts[0]
         for p in parts[1:]:
-            acc = graph.call_function(fn, (acc, p))
+            acc = graph(fn, (acc, p))
         return acc
     if isinstance(expr, FloorDiv):
         a, b = (emit_with(graph, x, symbols) for x in expr.args)
-        return graph.call_function(operator.floordiv, (a, b))
+        return graph(operator.floordiv, (a, b))
     if isinstance(expr, sympy.Pow) and expr.exp.is_Integer and int(expr.exp) > 0:
         base = emit_with(graph, expr.base, symbols)
         acc = base
         for _ in range(int(expr.exp) - 1):
-            acc = graph.call_function(operator.mul, (acc, base))
+            acc = graph(operator.mul, (acc, base))
         return acc
     raise ValueError(f"cannot emit symbolic size expression {expr} ({type(expr).__name__})")
