@@ -42,6 +42,14 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
                    "or default (module paths, then structure)")
 
 
+def _add_tp(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, metavar="T", help="tensor-parallel group size (scatter-mode plan)")
+    p.add_argument("--attn-dp", type=int, default=1, metavar="D",
+                   help="data-parallel attention groups inside the TP group (attn_tp = T / D; default 1)")
+    p.add_argument("--moe-a2a", action="store_true", help="MoE layers dispatch with all-to-all (MLP mode SCATTERED)")
+    p.add_argument("--dense-dp", action="store_true", help="dense MLPs run fully data-parallel (MLP mode SCATTERED)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="afd-compile",
@@ -56,9 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, metavar="OUTDIR")
     _add_layout(p)
 
-    p = sub.add_parser("plan", help="per layer: which nodes go to which role, what crosses the wire")
+    p = sub.add_parser("plan", help="AFD: per layer, which nodes go to which role and what crosses the wire; "
+                       "with --tp: per layer, the five scatter modes and the junction collectives")
     p.add_argument("model", metavar="MODEL.pt2")
     _add_layout(p)
+    _add_tp(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     p = sub.add_parser("verify", help="run original and split programs on local gloo processes and compare")
@@ -109,7 +119,28 @@ def plan_table(result, layout: AFDLayout | None) -> str:
     return "\n".join([head, *lines])
 
 
+def cmd_plan_tp(args: argparse.Namespace) -> int:
+    import json
+
+    from .passes.dist_states import annotate_dist_states, plan_tp
+    from .passes.roles import POLICIES, annotate_roles
+    from .programs import load_program
+    from .scatter import TPLayout
+
+    if args.attention_ranks is not None or args.ffn_ranks is not None:
+        raise UsageError("give either an AFD layout (-A/-F) or a TP layout (--tp/--attn-dp), not both")
+    layout = TPLayout(args.tp, args.attn_dp, moe_a2a=args.moe_a2a, dense_dp=args.dense_dp)
+    gm = load_program(args.model).module()
+    annotate_roles(gm, POLICIES[args.policy], graph_name=args.model)
+    plan = plan_tp(gm, layout, graph_name=args.model)
+    annotate_dist_states(gm, plan)
+    print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
+    return EXIT_OK
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.tp is not None:
+        return cmd_plan_tp(args)
     layout = _layout(args, required=False)
     _, result = _plan(args.model, layout, args.gate_on_attention, args.policy)
     if args.json:

@@ -1,0 +1,123 @@
+"""Infer a DistState for every node and plan the junction collectives of every layer.
+
+Reads ``afd.role`` (layers, roles); writes ``node.meta["afd.dist"] = DistState``. Per layer, the
+kind (``moe`` when its FFN region routes tokens with topk, else ``dense``) picks the MLP mode; the
+other four modes follow (:func:`afd_compile.scatter.infer_layer_modes`), and the junctions come
+from :func:`afd_compile.scatter.plan_junctions`. Node by node, in one layer::
+
+    layer input ... q/k/v, attention ........ attn                (TP_ATTN_FULL)
+    o_proj (row-parallel) ................... attn + partial      (settled at prepare_mlp)
+    residual add, post-attention norm ....... middle_residual
+    MLP / MoE region ........................ mlp, its output + partial (settled at postprocess_layer)
+    residual add after the MLP ............... layer_output
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..scatter import (
+    DistState,
+    JunctionPlan,
+    LayerModes,
+    ScatterMode,
+    TPLayout,
+    infer_layer_modes,
+    plan_junctions,
+)
+from .roles import LINEAR_OPS, Role, role_of
+
+META_KEY = "afd.dist"
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    graph_name: str
+    layout: TPLayout
+    layers: tuple[tuple[LayerModes, JunctionPlan], ...]
+
+    def to_json(self) -> dict:
+        return {
+            "graph": self.graph_name,
+            "layout": {"tp": self.layout.tp, "attn_dp": self.layout.attn_dp, "attn_tp": self.layout.attn_tp,
+                       "moe_a2a": self.layout.moe_a2a, "dense_dp": self.layout.dense_dp},
+            "layers": [{"index": m.index, "kind": m.kind, "modes": m.modes(), "junctions": j.names()}
+                       for m, j in self.layers],
+        }
+
+    def table(self) -> str:
+        head = ("layer", "kind", "layer_input", "attn", "mlp", "middle_residual", "layer_output",
+                "prepare_attn", "prepare_mlp", "postprocess_layer")
+        rows = [head]
+        for m, j in self.layers:
+            names = j.names()
+            rows.append((str(m.index), m.kind, *m.modes().values(),
+                         *[", ".join(names[k]) or "-" for k in ("prepare_attn", "prepare_mlp", "postprocess_layer")]))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        return "\n".join([f"plan: {self.graph_name}: {self.layout} (attn_tp={self.layout.attn_tp})", *lines])
+
+
+def layer_kinds(gm: fx.GraphModule) -> list[str]:
+    """``moe`` for layers whose FFN region selects experts (topk), else ``dense``."""
+    kinds: dict[int, str] = {}
+    for n in gm.graph.nodes:
+        r = role_of(n)
+        if r.layer is None:
+            continue
+        kinds.setdefault(r.layer, "dense")
+        if (r.role is Role.FFN or r.router) and n.target == torch.ops.aten.topk.default:
+            kinds[r.layer] = "moe"
+    return [kinds[i] for i in sorted(kinds)]
+
+
+def plan_tp(gm: fx.GraphModule, layout: TPLayout, graph_name: str = "graph") -> TPPlan:
+    modes = infer_layer_modes(layer_kinds(gm), layout)
+    return TPPlan(graph_name, layout, tuple((m, plan_junctions(m, layout)) for m in modes))
+
+
+def annotate_dist_states(gm: fx.GraphModule, plan: TPPlan) -> None:
+    """Stamp ``afd.dist`` on every node (in place; the graph is not changed)."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    by_layer: dict[int, list[fx.Node]] = {}
+    for n in nodes:
+        r = role_of(n)
+        if r.layer is not None:
+            by_layer.setdefault(r.layer, []).append(n)
+    modes = {m.index: (m, j) for m, j in plan.layers}
+    first = ScatterMode.TP_ATTN_FULL
+    for n in nodes:
+        n.meta[META_KEY] = DistState(first)
+    for layer, members in by_layer.items():
+        m, j = modes[layer]
+        ffn = [n for n in members if role_of(n).role is Role.FFN]
+        ffn_set = set(ffn)
+        start_ffn = pos[ffn[0]] if ffn else len(nodes)
+        ffn_out = next((n for n in reversed(ffn) if any(u not in ffn_set for u in n.users)), None)
+        end_ffn = pos[ffn_out] if ffn_out is not None else start_ffn
+        linears = [n for n in members if role_of(n).role is Role.ATTENTION and n.target in LINEAR_OPS
+                   and pos[n] < start_ffn and not role_of(n).router]
+        o_proj = linears[-1] if linears else None
+        attn_partial = plan.layout.group_size(m.attn) > 1
+        mlp_partial = plan.layout.group_size(m.mlp) > 1 and m.mlp is not ScatterMode.SCATTERED
+        for n in members:
+            p = pos[n]
+            if n in ffn_set:
+                state = DistState(m.mlp, mlp_partial and n is ffn_out)
+            elif p > end_ffn:
+                state = DistState(m.layer_output)
+            elif o_proj is not None and p > pos[o_proj]:
+                state = DistState(m.middle_residual)
+            elif n is o_proj:
+                state = DistState(m.attn, attn_partial)
+            else:
+                state = DistState(m.attn) if p > pos[members[0]] else DistState(m.layer_input)
+            n.meta[META_KEY] = state
+    last = plan.layers[-1][0].layer_output if plan.layers else first
+    tail = max((pos[n] for ms in by_layer.values() for n in ms), default=-1)
+    for n in nodes[tail + 1:]:
+        n.meta[META_KEY] = DistState(last)
