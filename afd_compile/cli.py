@@ -71,11 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tp(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
-    p = sub.add_parser("verify", help="run original and split programs on local gloo processes and compare")
+    p = sub.add_parser("verify", help="run original and split (-A/-F) or sharded (--tp) programs on local "
+                       "gloo processes and compare")
     p.add_argument("model", metavar="MODEL.pt2")
     _add_layout(p)
+    _add_tp(p)
     p.add_argument("--tokens", metavar="N1,N2,...",
-                   help="batch size per attention rank (default: 1,2,3,... when the batch dim is dynamic)")
+                   help="batch size per attention rank (default: 1,2,3,... when the batch dim is dynamic); "
+                   "with --tp: the batch size of every rank (attn_dp=1)")
     p.add_argument("--steps", type=int, default=2, help="steps per rank (default 2)")
     p.add_argument("--tol", type=float, help="max relative error (default 1e-5 for fp32, 1e-2 otherwise)")
 
@@ -182,8 +185,46 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_verify_tp(args: argparse.Namespace) -> int:
+    from .passes.roles import POLICIES, annotate_roles
+    from .passes.tp_rewrite import shard_for_rank
+    from .programs import load_program
+    from .runtime import RankFailure
+    from .scatter import TPLayout
+    from .verify import TPCase, run_tp_cases
+
+    if args.attention_ranks is not None or args.ffn_ranks is not None:
+        raise UsageError("give either an AFD layout (-A/-F) or a TP layout (--tp/--attn-dp), not both")
+    layout = TPLayout(args.tp, args.attn_dp, moe_a2a=args.moe_a2a, dense_dp=args.dense_dp)
+    gm = load_program(args.model).module()
+    annotate_roles(gm, POLICIES[args.policy], graph_name=args.model)
+    prog = shard_for_rank(gm, layout, 0, graph_name=args.model)  # fail fast, before spawning
+    print(prog.plan.table())
+    print(f"verify: {layout} on {layout.tp} local gloo processes, {len(prog.shards.weights)} weights sharded, "
+          f"{len(prog.shards.arg_fixes)} head counts divided")
+    batch = None
+    if args.tokens:
+        batch = int(args.tokens.split(",")[0])
+    try:
+        (res,) = run_tp_cases([TPCase(args.model, layout, batch, args.steps, args.policy)])
+    except RankFailure as e:
+        print(f"verify: rank {e.rank} raised {e.short}", file=sys.stderr)
+        print("verify: FAIL max_rel_err=nan")
+        return EXIT_FAIL
+    for r in sorted(res):
+        print(f"  rank {r}: max_rel_err={res[r]['max_rel_err']:.3g}")
+    err = max(v["max_rel_err"] for v in res.values())
+    tol = args.tol if args.tol is not None else 1e-5
+    ok = err <= tol
+    print(f"verify: {'OK' if ok else 'FAIL'} max_rel_err={err:.3g}")
+    return EXIT_OK if ok else EXIT_FAIL
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from .verify import verify_afd
+
+    if args.tp is not None:
+        return cmd_verify_tp(args)
 
     layout = _layout(args, required=True)
     batches = None
@@ -233,11 +274,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from .passes.roles import NoStructureError
     from .passes.schedule import ScheduleError
+    from .passes.shard import ShardError
     from .passes.split import SplitError
+    from .passes.tp_rewrite import TPRewriteError
     from .programs import ProgramLoadError
+    from .scatter import TransitionError
     from .verify import VerifyInputError
 
-    return (UsageError, LayoutError, NoStructureError, SplitError, ScheduleError, ProgramLoadError,
+    return (ShardError, TPRewriteError, TransitionError, UsageError, LayoutError, NoStructureError, SplitError, ScheduleError, ProgramLoadError,
             VerifyInputError)
 
 

@@ -110,3 +110,23 @@ def get_communicator(comm_id: int) -> AFDCommunicator:
             f"afd: unknown communicator id {comm_id} (registered ids: {sorted(_REGISTRY)}); "
             "register one with afd_compile.comm.register_communicator before running a split program"
         ) from None
+
+
+# --- process groups for the scatter-mode collectives, looked up by integer id ----------------
+
+#: Group ids the TP rewrite uses: the whole TP group, and this rank's attention TP group.
+GROUP_TP, GROUP_ATTN_TP = 0, 1
+_GROUPS: dict[int, dist.ProcessGroup | None] = {}
+
+
+def register_group(group_id: int, group: dist.ProcessGroup | None) -> int:
+    """``None`` means the default (world) group."""
+    _GROUPS[group_id] = group
+    return group_id
+
+
+def get_group(group_id: int) -> dist.ProcessGroup | None:
+    if group_id not in _GROUPS:
+        raise KeyError(f"afd: unknown process group id {group_id} (registered: {sorted(_GROUPS)}); "
+                       "the runtime registers groups before running a sharded program")
+    return _GROUPS[group_id]

@@ -215,3 +215,26 @@ RECV_OPS = (torch.ops.afd.p2p_recv.default, torch.ops.afd.p2p_recv_group.default
 
 for _op in AFD_OPS:
     has_side_effect(_op)
+
+
+# --- scatter-mode collectives ------------------------------------------------------------------
+
+
+@torch.library.custom_op("afd::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, group_id: int) -> torch.Tensor:
+    """Sum ``x`` over the process group ``group_id`` (out of place, waited on before returning)."""
+    import torch.distributed as dist
+
+    from .comm import get_group
+
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=get_group(group_id))
+    return out
+
+
+@all_reduce.register_fake
+def _(x, group_id):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+COLLECTIVE_OPS = (torch.ops.afd.all_reduce.default,)

@@ -20,6 +20,7 @@ from .layout import AFDLayout
 from .passes.roles import POLICIES
 from .programs import example_inputs, load_program
 from .runtime import AttentionWorker, make_worker, max_rel_err, run_local
+from .scatter import TPLayout
 from .split_api import SplitConfig
 
 
@@ -174,3 +175,77 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: list[int] | None = None
             log(f"  rank {r} attention: batches {res['batches']} max_rel_err={res['max_rel_err']:.3g}")
     err = max((res["max_rel_err"] for res in results.values() if res["role"] == "attention"), default=0.0)
     return VerifyReport(layout, results, err, tol, seconds)
+
+
+# --- tensor parallelism ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TPCase:
+    """One TP verification: every rank of the TP group runs its shard on the same tokens
+    (attn_dp == 1) and compares with the original program."""
+
+    path: str
+    layout: TPLayout
+    batch: int | None = None
+    steps: int = 2
+    policy: str = "default"
+
+
+def _tp_groups(world: int, layouts: Sequence[TPLayout]) -> dict:
+    """Every process group the cases need, created in the same order on every rank."""
+    import torch.distributed as dist
+
+    groups: dict = {}
+    for lay in layouts:
+        key = ("tp", lay.tp)
+        if key not in groups:
+            groups[key] = dist.group.WORLD if lay.tp == world else dist.new_group(list(range(lay.tp)))
+        for g in range(lay.attn_dp):
+            ranks = tuple(range(g * lay.attn_tp, (g + 1) * lay.attn_tp))
+            k = ("attn", ranks)
+            if k not in groups:
+                groups[k] = groups[key] if lay.attn_tp == lay.tp else dist.new_group(list(ranks))
+    return groups
+
+
+def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
+    from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
+    from .passes.roles import annotate_roles
+    from .passes.tp_rewrite import shard_for_rank
+
+    if case.path not in cache:
+        ep = load_program(case.path)
+        cache[case.path] = (ep, ep.module(), example_inputs(ep))
+    ep, original, inputs = cache[case.path]
+    lay = case.layout
+    register_group(GROUP_TP, groups[("tp", lay.tp)])
+    register_group(GROUP_ATTN_TP, groups[("attn", lay.attn_tp_group(rank))])
+    gm = ep.module()
+    annotate_roles(gm, POLICIES[case.policy], graph_name=case.path)
+    prog = shard_for_rank(gm, lay, rank, graph_name=case.path)
+    _, dims = batch_symbol_dims(original)
+    err = 0.0
+    for step in range(case.steps):
+        x = inputs if case.batch is None else resize_inputs(inputs, dims, case.batch + step, salt=step)
+        with torch.no_grad():
+            err = max(err, max_rel_err(prog.program(*x), original(*x)))
+    return {"max_rel_err": err, "sharded_weights": len(prog.shards.weights)}
+
+
+def _verify_tp_cases(rank: int, world: int, cases: Sequence[TPCase]) -> list[dict | None]:
+    import torch.distributed as dist
+
+    groups = _tp_groups(world, [c.layout for c in cases])
+    cache: dict = {}
+    out: list[dict | None] = []
+    for case in cases:
+        out.append(_run_tp_case(rank, case, groups, cache) if rank < case.layout.tp else None)
+        dist.barrier()
+    return out
+
+
+def run_tp_cases(cases: Sequence[TPCase], timeout_s: float = 600.0) -> list[dict[int, dict]]:
+    world = max(c.layout.tp for c in cases)
+    results = run_local(_verify_tp_cases, world, list(cases), timeout_s=timeout_s)
+    return [{r: results[r][i] for r in results if results[r][i] is not None} for i in range(len(cases))]

@@ -14,6 +14,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 MODELS = {
     "llama2": ("llama", 2, {}),
     "llama3": ("llama", 3, {}),
+    "llama2_mha": ("llama", 2, {"num_key_value_heads": 4}),
     "qwen3moe2": ("qwen3_moe", 2, {}),
     "qwen3moe3_mixed": ("qwen3_moe", 3, {"mlp_only_layers": [1]}),
 }
