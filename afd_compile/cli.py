@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tp(p)
     p.add_argument("--tokens", metavar="N1,N2,...",
                    help="batch size per attention rank (default: 1,2,3,... when the batch dim is dynamic); "
-                   "with --tp: the batch size of every rank (attn_dp=1)")
+                   "with --tp: one batch size per attention DP group (default 1,2,...; as saved when attn_dp=1)")
     p.add_argument("--steps", type=int, default=2, help="steps per rank (default 2)")
     p.add_argument("--tol", type=float, help="max relative error (default 1e-5 for fp32, 1e-2 otherwise)")
 
@@ -202,11 +202,18 @@ def cmd_verify_tp(args: argparse.Namespace) -> int:
     print(prog.plan.table())
     print(f"verify: {layout} on {layout.tp} local gloo processes, {len(prog.shards.weights)} weights sharded, "
           f"{len(prog.shards.arg_fixes)} head counts divided")
-    batch = None
+    batches = None
     if args.tokens:
-        batch = int(args.tokens.split(",")[0])
+        try:
+            batches = tuple(int(t) for t in args.tokens.split(","))
+        except ValueError:
+            raise UsageError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
+        if len(batches) != layout.attn_dp:
+            raise UsageError(f"--tokens has {len(batches)} entries, one per attention DP group ({layout.attn_dp}) expected")
+    elif layout.attn_dp > 1:
+        batches = tuple(1 + g for g in range(layout.attn_dp))
     try:
-        (res,) = run_tp_cases([TPCase(args.model, layout, batch, args.steps, args.policy)])
+        (res,) = run_tp_cases([TPCase(args.model, layout, batches, args.steps, args.policy)])
     except RankFailure as e:
         print(f"verify: rank {e.rank} raised {e.short}", file=sys.stderr)
         print("verify: FAIL max_rel_err=nan")

@@ -130,3 +130,37 @@ def get_group(group_id: int) -> dist.ProcessGroup | None:
         raise KeyError(f"afd: unknown process group id {group_id} (registered: {sorted(_GROUPS)}); "
                        "the runtime registers groups before running a sharded program")
     return _GROUPS[group_id]
+
+
+@dataclass
+class TPStep:
+    """Per-step token counts of the attention DP groups (one entry per group), known to every
+    TP rank before the program runs (one small all-gather per step), and this rank's group."""
+
+    attn_dp_rank: int
+    counts: tuple[int, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def offset(self) -> int:
+        return sum(self.counts[: self.attn_dp_rank])
+
+    @property
+    def own(self) -> int:
+        return self.counts[self.attn_dp_rank]
+
+
+_TP_STEP: list[TPStep] = []
+
+
+def set_tp_step(step: TPStep) -> None:
+    _TP_STEP[:] = [step]
+
+
+def get_tp_step(where: str) -> TPStep:
+    if not _TP_STEP or not _TP_STEP[0].counts:
+        raise RuntimeError(f"{where}: no per-step DP token counts; the runtime must call set_tp_step() first")
+    return _TP_STEP[0]

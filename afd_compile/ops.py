@@ -238,3 +238,100 @@ def _(x, group_id):
 
 
 COLLECTIVE_OPS = (torch.ops.afd.all_reduce.default,)
+
+
+def _dp_check(x: torch.Tensor, total: int, where: str, rows: str) -> object:
+    from .comm import get_tp_step
+
+    step = get_tp_step(where)
+    n = step.own if rows == "own" else step.total
+    if x.shape[0] != n or step.total != total:
+        raise ValueError(f"{where}: shape mismatch: input has {x.shape[0]} rows, expected {n} "
+                         f"({rows}); graph total {total} vs step counts {list(step.counts)}")
+    return step
+
+
+@torch.library.custom_op("afd::all_gather_tokens", mutates_args=())
+def all_gather_tokens(x: torch.Tensor, group_id: int, total: int) -> torch.Tensor:
+    """Every DP group's tokens, in group order: ``(own, H) -> (total, H)``. Each rank is its own
+    DP group (attn_tp == 1). Padding rule: every rank pads to the largest count, gathers, and
+    drops the padding (so groups with zero tokens take part too)."""
+    import torch.distributed as dist
+
+    from .comm import get_group
+
+    step = _dp_check(x, total, "afd.all_gather_tokens", "own")
+    group = get_group(group_id)
+    pad = max(step.counts)
+    buf = torch.zeros((pad, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    buf[: x.shape[0]] = x
+    parts = [torch.empty_like(buf) for _ in step.counts]
+    dist.all_gather(parts, buf, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, step.counts, strict=True)], dim=0)
+
+
+@all_gather_tokens.register_fake
+def _(x, group_id, total):
+    return x.new_empty((total, *x.shape[1:]))
+
+
+@torch.library.custom_op("afd::gather_partial_tokens", mutates_args=())
+def gather_partial_tokens(x: torch.Tensor, group_id: int, total: int) -> torch.Tensor:
+    """Reduce-then-gather (SGLang's dp_gather_partial): ``x`` holds this attention TP rank's
+    partial sum of its group's tokens. Padding rule: pad to the sum: a zero buffer of all
+    tokens gets ``x`` at the group's offset, then one all-reduce over the TP group."""
+    import torch.distributed as dist
+
+    from .comm import get_group
+
+    step = _dp_check(x, total, "afd.gather_partial_tokens", "own")
+    buf = torch.zeros((step.total, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    buf[step.offset : step.offset + step.own] = x
+    dist.all_reduce(buf, group=get_group(group_id))
+    return buf
+
+
+@gather_partial_tokens.register_fake
+def _(x, group_id, total):
+    return x.new_empty((total, *x.shape[1:]))
+
+
+@torch.library.custom_op("afd::reduce_scatter_tokens", mutates_args=())
+def reduce_scatter_tokens(x: torch.Tensor, group_id: int, total: int, own: int) -> torch.Tensor:
+    """Sum a FULL partial tensor over the TP group and keep this rank's DP group's rows.
+    Implemented as an all-reduce of all rows then the local slice: DP groups of unequal sizes
+    need no padding this way (a padded reduce_scatter + attention-group all_gather moves fewer
+    bytes; not done yet)."""
+    import torch.distributed as dist
+
+    from .comm import get_group
+
+    step = _dp_check(x, total, "afd.reduce_scatter_tokens", "total")
+    buf = x.contiguous().clone()
+    dist.all_reduce(buf, group=get_group(group_id))
+    return buf[step.offset : step.offset + step.own].clone()
+
+
+@reduce_scatter_tokens.register_fake
+def _(x, group_id, total, own):
+    return x.new_empty((own, *x.shape[1:]))
+
+
+@torch.library.custom_op("afd::scatter_tokens", mutates_args=())
+def scatter_tokens(x: torch.Tensor, total: int, own: int) -> torch.Tensor:
+    """This DP group's rows of a FULL tensor: a local slice, no communication."""
+    step = _dp_check(x, total, "afd.scatter_tokens", "total")
+    return x[step.offset : step.offset + step.own].clone()
+
+
+@scatter_tokens.register_fake
+def _(x, total, own):
+    return x.new_empty((own, *x.shape[1:]))
+
+
+COLLECTIVE_OPS = COLLECTIVE_OPS + (
+    torch.ops.afd.all_gather_tokens.default,
+    torch.ops.afd.gather_partial_tokens.default,
+    torch.ops.afd.reduce_scatter_tokens.default,
+    torch.ops.afd.scatter_tokens.default,
+)

@@ -187,7 +187,7 @@ class TPCase:
 
     path: str
     layout: TPLayout
-    batch: int | None = None
+    batches: tuple[int, ...] | None = None  # one batch size per attention DP group
     steps: int = 2
     policy: str = "default"
 
@@ -225,12 +225,48 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
     annotate_roles(gm, POLICIES[case.policy], graph_name=case.path)
     prog = shard_for_rank(gm, lay, rank, graph_name=case.path)
     _, dims = batch_symbol_dims(original)
-    err = 0.0
+    err, seen = 0.0, []
+    g = lay.attn_dp_rank(rank)
     for step in range(case.steps):
-        x = inputs if case.batch is None else resize_inputs(inputs, dims, case.batch + step, salt=step)
+        if case.batches is None:
+            x = inputs
+        else:  # DP groups rotate their batch sizes between steps; ranks of one group share tokens
+            x = resize_inputs(inputs, dims, case.batches[(g + step) % len(case.batches)], salt=7 * g + step)
+        empty = x[0].shape[0] == 0
+        if empty:
+            if lay.attn_dp == 1:
+                raise ValueError("a TP group with zero tokens has nothing to run")
+            # padding rule: a DP group with no tokens runs a one-sequence dummy (its rows take part
+            # in the collectives like any others) and drops the output
+            x = resize_inputs(inputs, dims, 1, salt=0)
         with torch.no_grad():
-            err = max(err, max_rel_err(prog.program(*x), original(*x)))
-    return {"max_rel_err": err, "sharded_weights": len(prog.shards.weights)}
+            if lay.attn_dp > 1:
+                out = _dp_step(prog.program, x, lay, rank)
+            else:
+                out = prog.program(*x)
+            if not empty:
+                err = max(err, max_rel_err(out, original(*x)))
+        seen.append(0 if empty else int(x[0].shape[0]))
+    return {"max_rel_err": err, "sharded_weights": len(prog.shards.weights), "batches": seen}
+
+
+def _dp_step(program: fx.GraphModule, x: tuple, lay: TPLayout, rank: int) -> object:
+    """One DP-attention step: all TP ranks exchange their token counts (one small all-gather),
+    then run with a carrier of the total."""
+    import torch.distributed as dist
+
+    from .comm import GROUP_TP, TPStep, get_group, set_tp_step
+
+    own = int(x[0].numel())  # tokens of this rank's input (batch x sequence)
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(lay.tp)]
+    dist.all_gather(counts, torch.tensor([own]), group=get_group(GROUP_TP))
+    per_rank = [int(c) for c in counts]
+    groups = [per_rank[i * lay.attn_tp] for i in range(lay.attn_dp)]
+    for r, c in enumerate(per_rank):
+        if c != groups[lay.attn_dp_rank(r)]:
+            raise RuntimeError(f"ranks of attention DP group {lay.attn_dp_rank(r)} disagree on tokens: {per_rank}")
+    set_tp_step(TPStep(lay.attn_dp_rank(rank), tuple(groups)))
+    return program(*x, torch.empty(sum(groups), 0))
 
 
 def _verify_tp_cases(rank: int, world: int, cases: Sequence[TPCase]) -> list[dict | None]:

@@ -53,21 +53,69 @@ def test_head_count_that_does_not_divide_names_the_weights(exported):
 def test_unsupported_parts_are_refused_clearly(exported):
     with pytest.raises(ShardError, match="tensor-parallel MoE experts are not supported yet"):
         _program(exported, "qwen3moe2", TPLayout(2))
-    with pytest.raises(TPRewriteError, match="all_gather .* is planned, but this version inserts only"):
-        _program(exported, "llama2", TPLayout(2, 2))
+    with pytest.raises(TPRewriteError, match="SCATTERED MLP .* not implemented yet"):
+        _program(exported, "llama2", TPLayout(2, 2, dense_dp=True))
+
+
+def _targets(prog):
+    return [n.target for n in prog.program.graph.nodes if n.op == "call_function"]
+
+
+def test_attn_tp_1_runs_the_norm_before_the_all_gather(exported):
+    prog = _program(exported, "llama2", TPLayout(2, 2))
+    afd = torch.ops.afd
+    t = _targets(prog)
+    assert t.count(afd.all_gather_tokens.default) == 2 and t.count(afd.reduce_scatter_tokens.default) == 2
+    assert afd.all_reduce.default not in t and afd.gather_partial_tokens.default not in t
+    gather = next(n for n in prog.program.graph.nodes if n.target == afd.all_gather_tokens.default)
+    # the gathered tensor is the post-attention norm's output (times its weight): the norm ran first
+    norm_out = gather.args[0].args[0]
+    assert norm_out.target == torch.ops.aten.mul.Tensor and "post_attention_layernorm" in str(norm_out.args[0].target)
+    assert not any(isinstance(a, torch.fx.Node) and a.op == "get_attr" and "q_proj" in str(a.target)
+                   and tuple(prog.program.get_parameter(a.target).shape) != (64, 64) for a in prog.program.graph.nodes)
+
+
+def test_dp_attention_with_attn_tp_2_gathers_partial_sums_once(exported):
+    prog = _program(exported, "llama2_mha", TPLayout(4, 2), rank=1)
+    afd = torch.ops.afd
+    t = _targets(prog)
+    assert t.count(afd.gather_partial_tokens.default) == 2  # settles o_proj's sum and gathers: one collective
+    assert t.count(afd.scatter_tokens.default) == 2  # the middle residual: a local slice
+    assert t.count(afd.reduce_scatter_tokens.default) == 2
+    assert afd.all_reduce.default not in t
+    # the residual is added on attention-TP rank 0 only: rank 1 scales it by 0
+    scale = next(n for n in prog.program.graph.nodes if n.name.startswith("dp_residual_once"))
+    assert scale.args[1] == 0.0
+    # the post-attention norm now reads the gathered tensor
+    gather = next(n for n in prog.program.graph.nodes if n.target == afd.gather_partial_tokens.default)
+    assert any(u.target == torch.ops.aten.to.dtype for u in gather.users)
+
+
+NUMERICS = [  # (model, tp, attn_dp, batch per DP group)
+    ("llama3", 2, 1, (3,)),
+    ("llama2_mha", 4, 1, (2,)),
+    ("llama2_mha", 2, 1, (1,)),
+    ("llama3", 2, 2, (3, 1)),            # attn_tp == 1: norm before all-gather
+    ("llama2_mha", 4, 2, (2, 5)),        # attn_tp == 2: partial gather, uneven groups
+    ("llama2_mha", 4, 4, (2, 0, 3, 1)),  # one group with zero tokens
+    ("llama2_mha", 4, 2, (0, 2)),
+]
 
 
 @pytest.fixture(scope="module")
 def tp_results(exported):
-    cases = [TPCase(exported("llama3")[1], TPLayout(2), batch=3),
-             TPCase(exported("llama2_mha")[1], TPLayout(4), batch=2),
-             TPCase(exported("llama2_mha")[1], TPLayout(2), batch=1)]
-    return run_tp_cases(cases)
+    return run_tp_cases([TPCase(exported(m)[1], TPLayout(tp, dp), b) for m, tp, dp, b in NUMERICS])
 
 
-@pytest.mark.parametrize(("index", "tp"), [(0, 2), (1, 4), (2, 2)])
-def test_tp_matches_single_process_model(tp_results, index, tp):
+@pytest.mark.parametrize("index", range(len(NUMERICS)),
+                         ids=[f"{m}-tp{tp}-dp{dp}-{'_'.join(map(str, b))}" for m, tp, dp, b in NUMERICS])
+def test_tp_matches_single_process_model(tp_results, index):
+    _, tp, dp, batches = NUMERICS[index]
     res = tp_results[index]
     assert sorted(res) == list(range(tp))
     for r, v in res.items():
         assert v["max_rel_err"] <= 1e-5, f"rank {r}: {v['max_rel_err']}"
+    if dp > 1:  # every group ran both steps with the sizes rotating (zero-token groups included)
+        lay = TPLayout(tp, dp)
+        assert res[0]["batches"] == [batches[0], batches[1 % dp]]
+        assert {tuple(res[r]["batches"]) for r in lay.attn_tp_group(0)} == {tuple(res[0]["batches"])}

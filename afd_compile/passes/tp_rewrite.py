@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from ..comm import GROUP_ATTN_TP, GROUP_TP
-from ..scatter import Collective, TPLayout
+from ..scatter import Collective, ScatterMode, TPLayout
 from .dist_states import TPPlan, annotate_dist_states, plan_tp
 from .roles import META_KEY as ROLE_KEY
 from .shard import ShardPlan, apply_shards, plan_shards
@@ -46,14 +46,25 @@ class TPProgram:
     rank: int
 
 
+SUPPORTED = {
+    "prepare_attn": set(),
+    "prepare_mlp": {Collective.ALL_REDUCE, Collective.ALL_GATHER},
+    "postprocess_layer": {Collective.ALL_REDUCE, Collective.REDUCE_SCATTER},
+}
+
+
 def _check_supported(plan: TPPlan) -> None:
     for modes, junctions in plan.layers:
+        if modes.mlp is ScatterMode.SCATTERED:
+            raise TPRewriteError(
+                f"layer {modes.index}: a SCATTERED MLP (MoE all-to-all or fully data-parallel dense MLP) is "
+                "planned, but its rewrite is not implemented yet; `afd-compile plan` shows the full plan")
         for name in ("prepare_attn", "prepare_mlp", "postprocess_layer"):
             for t in getattr(junctions, name):
-                if t.collective is not Collective.ALL_REDUCE:
+                if t.collective not in SUPPORTED[name]:
                     raise TPRewriteError(
-                        f"layer {modes.index} {name}: {t} is planned, but this version inserts only the "
-                        f"all-reduces of standard TP (attn_dp=1); `afd-compile plan` shows the full plan"
+                        f"layer {modes.index} {name}: {t} is planned, but its rewrite is not implemented yet; "
+                        "`afd-compile plan` shows the full plan"
                     )
 
 
@@ -67,6 +78,11 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
     apply_shards(new, shards, {"attn": layout.attn_tp_rank(rank), "mlp": rank})
     fake_mode = detect_fake_mode([n.meta.get("val") for n in new.graph.nodes if "val" in n.meta])
     by_name = {n.name: n for n in new.graph.nodes}
+    if layout.attn_dp > 1:
+        _rewrite_dp_attention(new, gm, layout, rank, fake_mode)
+        new.graph.lint()
+        new.recompile()
+        return TPProgram(new, plan, shards, rank)
     for node_name, group, _layer in shards.row_outputs:
         row = by_name[node_name]
         with new.graph.inserting_after(row):
@@ -80,3 +96,150 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
     new.graph.lint()
     new.recompile()
     return TPProgram(new, plan, shards, rank)
+
+
+# --- DP attention (attn_dp > 1) ---------------------------------------------------------------
+
+
+def _rewrite_dp_attention(new: fx.GraphModule, original: fx.GraphModule, layout: TPLayout, rank: int,
+                          fake_mode: object) -> None:
+    """Junctions of DP attention, per layer (dense MLP, mode FULL):
+
+    attn_tp == 1 (norm before all-gather: the norm runs on this rank's tokens only)::
+
+        n = post_attention_norm(h1)                        # TP_ATTN_FULL, own tokens
+        g = afd.all_gather_tokens(view(n, [-1, H]))        # prepare_mlp: FULL, all tokens
+        m = mlp(g)                                         # FULL + partial
+        h2 = h1 + view(afd.reduce_scatter_tokens(m), ...)  # postprocess_layer: own tokens
+
+    attn_tp > 1 (SGLang's dp_gather_partial: one collective settles o_proj's partial sum and
+    gathers; the residual is added on attention-TP rank 0 only so it is counted once)::
+
+        G = afd.gather_partial_tokens(view(o + x * [attn_tp_rank == 0], [-1, H]))  # FULL
+        h1 = view(afd.scatter_tokens(G), [b, s, H])       # middle residual: own tokens, no comm
+        n = post_attention_norm(G)                         # the norm runs on the gathered tokens
+        m = mlp(n) ; h2 = h1 + view(afd.reduce_scatter_tokens(m), ...)
+
+    The graph gets one more input, ``dp_token_slots`` (a ``(total, 0)`` carrier of all DP
+    groups' tokens), so every size stays a graph value.
+    """
+    from ..comm import GROUP_TP
+    from .roles import META_KEY as RKEY
+    from .roles import Role, _ancestors, _descendants
+    from .split import _Builder, _shape_args, _symbol_sources
+
+    graph = new.graph
+    graph._codegen = fx.graph.CodeGen()  # flat positional inputs: the model's, then dp_token_slots
+    for k in ("_in_spec", "_out_spec"):
+        if hasattr(new, k):
+            delattr(new, k)
+    for n in list(graph.nodes):  # export's input guards assume the original batch range (min 1)
+        if n.op == "call_module" and "guards" in str(n.target):
+            graph.erase_node(n)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]):
+        slots = graph.placeholder("dp_token_slots")
+    if fake_mode is not None:
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+        slots.meta["val"] = fake_mode.from_tensor(torch.empty(8, 0), symbolic_context=StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
+    b0 = _Builder(graph, fake_mode, None)
+    with graph.inserting_after(slots):
+        total = b0.call(aten_sym_size, (slots, 0), "dp_total_tokens")
+    sources = _symbol_sources(graph)
+    nodes = list(graph.nodes)
+    by_layer: dict[int, list[fx.Node]] = {}
+    for n in nodes:
+        r = n.meta.get(RKEY)
+        if r is not None and r.layer is not None:
+            by_layer.setdefault(r.layer, []).append(n)
+    root = 1.0 if layout.attn_tp_rank(rank) == 0 else 0.0
+    for layer, members in sorted(by_layer.items()):
+        where = f"layer {layer}"
+        ffn = [n for n in members if n.meta[RKEY].role is Role.FFN]
+        ffn_set = set(ffn)
+        out = next(n for n in reversed(ffn) if any(u not in ffn_set for u in n.users))
+        inputs = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"]
+        tensors = [a for a in dict.fromkeys(inputs) if isinstance(a.meta.get("val"), torch.Tensor)]
+        sizes = [a for a in dict.fromkeys(inputs) if a not in tensors]
+        if len(tensors) != 1 or sizes:
+            raise TPRewriteError(f"{where}: DP attention needs an MLP that reads one hidden tensor and no "
+                                 f"token-dependent sizes; it reads {[a.name for a in tensors + sizes]}")
+        ffn_in = tensors[0]
+        hidden = int(ffn_in.meta["val"].shape[-1])
+        b = _Builder(graph, fake_mode, layer)
+        if layout.attn_tp == 1:
+            with graph.inserting_before(ffn[0]):
+                flat = b.call(aten_view, (ffn_in, [-1, hidden]), "dp_flat")
+                gathered = b.call(torch.ops.afd.all_gather_tokens.default, (flat, GROUP_TP, total), "dp_gather")
+            for u in list(ffn_in.users):
+                if u in ffn_set:
+                    u.replace_input_with(ffn_in, gathered)
+        else:
+            h1, row_out, x_res = _residual_add_after_attention(members, ffn[0], where)
+            norm_nodes = sorted((_descendants(h1) & _ancestors([ffn_in])) - {h1},
+                                key={n: i for i, n in enumerate(graph.nodes)}.__getitem__)
+            with graph.inserting_before(h1):
+                scaled = b.call(aten_mul, (x_res, root), "dp_residual_once")
+                pre = b.call(aten_add, (row_out, scaled), "dp_pre_gather")
+                flat = b.call(aten_view, (pre, [-1, hidden]), "dp_flat")
+                gathered = b.call(torch.ops.afd.gather_partial_tokens.default, (flat, GROUP_TP, total), "dp_gather")
+                own = b.call(aten_sym_size, (flat, 0), "dp_own_tokens")
+                local = b.call(torch.ops.afd.scatter_tokens.default, (gathered, total, own), "dp_scatter")
+                h1_local = b.call(aten_view, (local, _shape_args(b, tuple(h1.meta["val"].shape), sources)),
+                                  "dp_middle_residual")
+            env: dict[fx.Node, fx.Node] = {h1: gathered}
+            with graph.inserting_before(ffn[0]):
+                for n in norm_nodes:
+                    env[n] = graph.node_copy(n, lambda a, _env=env: _env.get(a, a))
+                    env[n].meta.pop("val", None)
+            for u in list(ffn_in.users):
+                if u in ffn_set:
+                    u.replace_input_with(ffn_in, env[ffn_in])
+            h1.replace_all_uses_with(h1_local)
+            graph.erase_node(h1)
+        # postprocess_layer: reduce-scatter the MLP's partial output back to this group's tokens
+        users = [u for u in out.users if u not in ffn_set]
+        anchor = users[0]
+        with graph.inserting_before(anchor):
+            ref = _flat_rows(b, ffn_in, hidden)
+            out2d = b.call(aten_view, (out, [-1, hidden]))  # the MLP ran on (tokens, hidden) rows
+            out2d.meta["val"] = gathered.meta.get("val")
+            rs = b.call(torch.ops.afd.reduce_scatter_tokens.default, (out2d, GROUP_TP, total, ref), "dp_reduce_scatter")
+            back = b.call(aten_view, (rs, _shape_args(b, tuple(ffn_in.meta["val"].shape), sources)), "dp_layer_out")
+        for u in users:
+            u.replace_input_with(out, back)
+    graph.eliminate_dead_code()  # the original norm nodes the gathered copy replaced
+    del original
+
+
+def _flat_rows(b: object, node: fx.Node, hidden: int) -> fx.Node:
+    """This rank's token count, as a graph value: rows of ``node`` viewed as (-1, hidden)."""
+    flat = b.call(aten_view, (node, [-1, hidden]))
+    return b.call(aten_sym_size, (flat, 0))
+
+
+def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, where: str):
+    """The add joining the attention output projection with the residual: (add, o, x)."""
+    from .roles import ADD_OPS, LINEAR_OPS, Role, is_attention_op
+    from .roles import META_KEY as RKEY
+
+    pos = {n: i for i, n in enumerate(members)}
+    attn = next(n for n in members if is_attention_op(n))
+    rows = [n for n in members if n.target in LINEAR_OPS and pos[attn] < pos[n] < pos.get(first_ffn, 1 << 30)
+            and n.meta[RKEY].role is Role.ATTENTION]
+    if not rows:
+        raise TPRewriteError(f"{where}: no output projection after the attention op")
+    row = rows[0]
+    for u in row.users:
+        if u.target in ADD_OPS and len(u.all_input_nodes) == 2:
+            other = next(a for a in u.all_input_nodes if a is not row)
+            return u, row, other
+    raise TPRewriteError(f"{where}: the output projection {row.name} is not added to the residual directly")
+
+
+aten_view = torch.ops.aten.view.default
+aten_sym_size = torch.ops.aten.sym_size.int
+aten_mul = torch.ops.aten.mul.Tensor
+aten_add = torch.ops.aten.add.Tensor
