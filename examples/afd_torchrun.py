@@ -38,6 +38,10 @@ def main() -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     model = build_hf(args.family, num_layers=2)
     ep = export_lm(model)
+    if device.type == "cuda":  # the exported graph bakes device=cpu into factory ops: move it
+        from torch.export.passes import move_to_device_pass
+
+        ep = move_to_device_pass(ep, device)
     worker = make_worker(ep.module(), layout, rank, device=device)
     err = 0.0
     if isinstance(worker, AttentionWorker):
