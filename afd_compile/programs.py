@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import warnings
 import zipfile
 from collections.abc import Sequence
 from typing import Any
@@ -54,7 +55,9 @@ def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
     level = export_log.level
     export_log.setLevel(logging.ERROR)  # torch logs the whole traceback as a warning; we raise one line
     try:
-        return torch.export.load(path)
+        with warnings.catch_warnings():  # torch warns about buffer copies on load; not the user's concern
+            warnings.simplefilter("ignore")
+            return torch.export.load(path)
     except Exception as e:  # noqa: BLE001  (torch raises many types here)
         raise ProgramLoadError(f"{path}: cannot load as a torch.export program: {type(e).__name__}: "
                                f"{str(e).splitlines()[0] if str(e) else ''}") from None
