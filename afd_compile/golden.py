@@ -99,3 +99,35 @@ def graph_lines(gm: fx.GraphModule) -> list[str]:
 
 def graph_text(gm: fx.GraphModule) -> str:
     return "\n".join(graph_lines(gm)) + "\n"
+
+
+def cut_window_lines(gm: fx.GraphModule) -> list[str]:
+    """The attention program around each cut only: the FFN input, the nodes the split inserted
+    (send, recv, reshapes) and the consumers of the restored FFN output. Local names ``a0, a1``;
+    a value from outside the window prints as ``<op>``. Robust to changes elsewhere in the model
+    graph (e.g. a transformers release that builds the attention mask differently)."""
+    out: list[str] = []
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    for send in (n for n in nodes if n.target == torch.ops.afd.p2p_send.default):
+        restored = next(n for n in nodes[pos[send]:] if n.name.startswith("afd_ffn_out"))
+        first = min((a for a in send.args[0][0].all_input_nodes), key=pos.__getitem__)
+        window = [first] + [n for n in nodes[pos[first] + 1 : pos[restored] + 1]
+                            if n.name.startswith("afd_") or n.op == "call_function" and n.target in (
+                                torch.ops.aten.sym_size.int, torch.ops.afd.p2p_recv.default) or
+                            (n.target.__module__ in ("_operator", "operator") if callable(n.target) else False)]
+        window += sorted(restored.users, key=pos.__getitem__)
+        names = {n: f"a{i}" for i, n in enumerate(window)}
+
+        def arg(a: object, _names: dict = names) -> str:
+            if isinstance(a, fx.Node):
+                return _names.get(a, f"<{_target(a) if a.op == 'call_function' else a.op}>")
+            if isinstance(a, (list, tuple)):
+                return "[" + ", ".join(arg(x) for x in a) + "]"
+            return str(a).removeprefix("torch.")
+
+        layer = send.args[2]
+        out.append(f"# cut of layer {layer}")
+        for n in window:
+            out.append(f"{names[n]} = {_target(n)}({', '.join(arg(a) for a in n.args)})")
+    return out

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from afd_compile.golden import graph_text
+from afd_compile.golden import cut_window_lines, graph_text
 from afd_compile.layout import AFDLayout
 from afd_compile.passes.schedule import ScheduleError, transfers, verify_schedule
 from afd_compile.passes.split import SplitError
@@ -95,8 +95,8 @@ def _golden_text(ep, layout: AFDLayout, gate: bool) -> str:
         "# the programs do not depend on the layout: per-peer token counts arrive once per step",
         *[f"# layer {c.layer}: {len(c.ffn_nodes)} FFN nodes, {len(c.params)} weights, wire {c.wire_in} -> {c.wire_out}"
           for c in result.plan.cuts],
-        "## attention program",
-        graph_text(result.attention).rstrip("\n"),
+        "## attention program, around each cut (the rest is the model's graph, unchanged)",
+        *cut_window_lines(result.attention),
         "## ffn program",
         graph_text(result.ffn).rstrip("\n"),
     ]) + "\n"

@@ -455,6 +455,9 @@ def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None) ->
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     dyn = DimDynamic.STATIC if static_tokens is not None else DimDynamic.DYNAMIC
     device = next((t.device for t in [*ffn.parameters(), *ffn.buffers()]), torch.device("cpu"))
-    slots = mode.from_tensor(torch.empty(static_tokens or 8, 0, device=device), symbolic_context=StatelessSymbolicContext(
+    from torch._dynamo.source import ConstantSource
+
+    slots = mode.from_tensor(torch.empty(static_tokens or 8, 0, device=device), source=ConstantSource("token_slots"),
+                             symbolic_context=StatelessSymbolicContext(
         dynamic_sizes=[dyn, DimDynamic.STATIC]))
     FakeTensorProp(ffn, mode).propagate_dont_convert_inputs(slots)

@@ -142,7 +142,10 @@ def _rewrite_dp_attention(new: fx.GraphModule, original: fx.GraphModule, layout:
     if fake_mode is not None:
         from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
-        slots.meta["val"] = fake_mode.from_tensor(torch.empty(8, 0), symbolic_context=StatelessSymbolicContext(
+        from torch._dynamo.source import ConstantSource
+
+        slots.meta["val"] = fake_mode.from_tensor(torch.empty(8, 0), source=ConstantSource("dp_token_slots"),
+                                                  symbolic_context=StatelessSymbolicContext(
             dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
     b0 = _Builder(graph, fake_mode, None)
     with graph.inserting_after(slots):
