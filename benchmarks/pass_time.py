@@ -38,12 +38,37 @@ def export_meta_llama(layers: int) -> torch.export.ExportedProgram:
         return torch.export.export(model, (ids,), dynamic_shapes=dims)
 
 
+def tp_timings(gm, layout) -> dict[str, float]:
+    """The scatter-mode passes for one TP rank (standard TP)."""
+    from afd_compile.passes.dist_states import annotate_dist_states, plan_tp
+    from afd_compile.passes.roles import annotate_roles
+    from afd_compile.passes.shard import plan_shards
+    from afd_compile.passes.tp_rewrite import shard_for_rank
+
+    annotate_roles(gm)
+    out = {}
+    t = time.perf_counter()
+    plan = plan_tp(gm, layout)
+    out["plan_tp"] = time.perf_counter() - t
+    t = time.perf_counter()
+    annotate_dist_states(gm, plan)
+    out["annotate_dist_states"] = time.perf_counter() - t
+    t = time.perf_counter()
+    plan_shards(gm, layout.attn_tp, layout.tp)
+    out["plan_shards"] = time.perf_counter() - t
+    t = time.perf_counter()
+    shard_for_rank(gm, layout, 0)  # plans again, copies the graph, slices weights, inserts collectives
+    out["shard_for_rank"] = time.perf_counter() - t
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="8,32,80")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pass_time.json"))
     args = parser.parse_args()
     from afd_compile.layout import AFDLayout
+    from afd_compile.scatter import TPLayout
     from afd_compile.split_api import split
 
     rows = []
@@ -57,13 +82,16 @@ def main() -> None:
         module_s = time.perf_counter() - t
         result = split(gm, layout=AFDLayout(2, 1))
         nodes = len(gm.graph.nodes)
+        tp = tp_timings(ep.module(), TPLayout(8))
         row = {"layers": n, "graph_nodes": nodes, "export_s": export_s, "unlift_s": module_s,
                **{f"{k}_s": v for k, v in result.timings.items()},
-               "passes_total_s": sum(result.timings.values())}
+               "passes_total_s": sum(result.timings.values()),
+               **{f"tp8_{k}_s": v for k, v in tp.items()}}
         rows.append(row)
         print(f"pass_time: {n} layers done ({nodes} nodes, passes {row['passes_total_s']:.2f}s)", flush=True)
     keys = ["annotate_roles_s", "plan_split_s", "build_attention_program_s", "build_ffn_program_s",
-            "verify_schedule_s", "passes_total_s"]
+            "verify_schedule_s", "passes_total_s", "tp8_plan_tp_s", "tp8_annotate_dist_states_s",
+            "tp8_plan_shards_s", "tp8_shard_for_rank_s"]
     head = ["layers", "nodes", "export (s)", *[k.removesuffix("_s") + " (s)" for k in keys]]
     table = [head] + [[str(r["layers"]), str(r["graph_nodes"]), f"{r['export_s']:.2f}",
                        *[f"{r[k]:.3f}" for k in keys]] for r in rows]

@@ -140,9 +140,8 @@ def _rewrite_dp_attention(new: fx.GraphModule, original: fx.GraphModule, layout:
     with graph.inserting_after(placeholders[-1]):
         slots = graph.placeholder("dp_token_slots")
     if fake_mode is not None:
-        from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
-
         from torch._dynamo.source import ConstantSource
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
         slots.meta["val"] = fake_mode.from_tensor(torch.empty(8, 0), source=ConstantSource("dp_token_slots"),
                                                   symbolic_context=StatelessSymbolicContext(
