@@ -448,16 +448,20 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
 def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None) -> None:
     """``meta['val']`` on every FFN program node, with a symbolic token count (or the fixed
     count of a graph exported with static shapes)."""
+    from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-    dyn = DimDynamic.STATIC if static_tokens is not None else DimDynamic.DYNAMIC
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     device = next((t.device for t in [*ffn.parameters(), *ffn.buffers()]), torch.device("cpu"))
-    from torch._dynamo.source import ConstantSource
-
-    slots = mode.from_tensor(torch.empty(static_tokens or 8, 0, device=device), source=ConstantSource("token_slots"),
-                             symbolic_context=StatelessSymbolicContext(
-        dynamic_sizes=[dyn, DimDynamic.STATIC]))
+    if static_tokens is not None:
+        tokens: object = static_tokens
+    else:  # a fresh symbol for the token count, made directly so no version specialises it
+        source = ConstantSource("token_slots")
+        sym = shape_env.create_symbol(8, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+        tokens = shape_env.create_symintnode(sym, hint=8, source=source)
+    with mode:
+        slots = torch.empty((tokens, 0), device=device)
     FakeTensorProp(ffn, mode).propagate_dont_convert_inputs(slots)
