@@ -40,7 +40,7 @@ def _weight_name(target: str) -> str:
     return re.sub(r"^(m|model)\.", "", target, count=1) if target.startswith(("m.model.", "model.model.")) else target
 
 
-def graph_lines(gm: fx.GraphModule) -> list[str]:
+def graph_lines(gm: fx.GraphModule, shapes: bool = True) -> list[str]:
     names: dict[fx.Node, str] = {}
     symbols: dict[str, str] = {}
 
@@ -51,6 +51,8 @@ def graph_lines(gm: fx.GraphModule) -> list[str]:
         return re.sub(r"\b[su]\d+\b", sub, text)
 
     def fmt_val(v: object) -> str:
+        if not shapes:
+            return ""
         if isinstance(v, torch.Tensor):
             dtype = str(v.dtype).removeprefix("torch.")
             return f"[{','.join(sym(str(s)) for s in v.shape)} {dtype}]"
@@ -97,8 +99,8 @@ def graph_lines(gm: fx.GraphModule) -> list[str]:
     return lines
 
 
-def graph_text(gm: fx.GraphModule) -> str:
-    return "\n".join(graph_lines(gm)) + "\n"
+def graph_text(gm: fx.GraphModule, shapes: bool = True) -> str:
+    return "\n".join(graph_lines(gm, shapes)) + "\n"
 
 
 def cut_window_lines(gm: fx.GraphModule) -> list[str]:
