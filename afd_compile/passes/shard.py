@@ -235,6 +235,9 @@ IGNORED = {aten._assert_tensor_metadata.default}
 
 
 def _weight_of(linear: fx.Node) -> fx.Node:
+    if linear.target != aten.linear.default:
+        raise ShardError(f"{linear.name}: {linear.target} projections (e.g. GPT-2's Conv1D, weight [in, out]) "
+                         "cannot be tensor-sharded yet; only aten.linear(x, weight[out, in]) is")
     w = linear.args[1]
     if not (isinstance(w, fx.Node) and w.op == "get_attr"):
         raise ShardError(f"{linear.name}: linear weight is not a graph attribute ({w})")
