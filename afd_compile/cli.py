@@ -272,7 +272,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         path = os.path.join(d, "llama.pt2")
         torch.export.save(ep, path)
         _, result = _plan(path, layout, False)
-        print(plan_table(result, layout))
+        print(plan_table(result, layout).replace(path, "llama (demo)", 1))
         report = verify_afd(path, layout, batches=[2, 3], log=print)
     print(report.line())
     return EXIT_OK if report.ok else EXIT_FAIL
