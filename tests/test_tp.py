@@ -13,14 +13,23 @@ from afd_compile.scatter import TPLayout
 from afd_compile.verify import TPCase, run_tp_cases
 
 
-def _program(exported, name, layout, rank=0):
+def _program(exported, name, layout, rank=0, fuse_norm=True):
     gm = exported(name)[0].module()
     annotate_roles(gm)
-    return shard_for_rank(gm, layout, rank, graph_name=name)
+    return shard_for_rank(gm, layout, rank, graph_name=name, fuse_norm=fuse_norm)
+
+
+def test_all_reduce_add_rmsnorm_is_kept_as_one_fusable_unit(exported):
+    fused = _program(exported, "llama2", TPLayout(2))
+    t = [n.target for n in fused.program.graph.nodes]
+    # o_proj -> post-attention norm and down_proj -> next input norm (the last: the final norm)
+    assert t.count(torch.ops.afd.all_reduce_add_rms_norm.default) == 4
+    assert torch.ops.afd.all_reduce.default not in t  # every reduction is inside a unit, none dropped
+    assert t.count(torch.ops.aten.rsqrt.default) == 1  # only layer 0's input norm has no reduction before it
 
 
 def test_standard_tp_inserts_two_all_reduces_per_layer(exported):
-    prog = _program(exported, "llama2", TPLayout(2))
+    prog = _program(exported, "llama2", TPLayout(2), fuse_norm=False)
     ars = [n for n in prog.program.graph.nodes if n.target == torch.ops.afd.all_reduce.default]
     assert len(ars) == 4
     # each all-reduce directly follows a row-parallel linear and feeds the residual add

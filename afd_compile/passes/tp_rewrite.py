@@ -68,8 +68,10 @@ def _check_supported(plan: TPPlan) -> None:
                     )
 
 
-def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: str = "graph") -> TPProgram:
-    """This rank's program. Needs ``afd.role`` on ``gm`` (run annotate_roles first)."""
+def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: str = "graph",
+                   fuse_norm: bool = True) -> TPProgram:
+    """This rank's program. Needs ``afd.role`` on ``gm`` (run annotate_roles first). With
+    ``fuse_norm`` each all-reduce + residual add + RMSNorm becomes one fusable op (fuse_norm.py)."""
     plan = plan_tp(gm, layout, graph_name)
     annotate_dist_states(gm, plan)
     _check_supported(plan)
@@ -95,6 +97,10 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
         row.replace_all_uses_with(ar, delete_user_cb=lambda u, _ar=ar: u is not _ar)
     new.graph.lint()
     new.recompile()
+    if fuse_norm:
+        from .fuse_norm import fuse_allreduce_add_rmsnorm
+
+        fuse_allreduce_add_rmsnorm(new)
     return TPProgram(new, plan, shards, rank)
 
 

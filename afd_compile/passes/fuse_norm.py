@@ -1,0 +1,130 @@
+"""Keep all-reduce + residual add + RMSNorm as one unit a fused kernel can replace.
+
+``find_allreduce_add_rmsnorm`` returns typed matches; ``fuse_allreduce_add_rmsnorm`` rewrites
+each into one ``afd::all_reduce_add_rms_norm`` call whose implementation here is the composite
+(all-reduce, add, RMSNorm in float32, cast back, scale): a platform with a fused kernel registers
+it for the op, and no path skips the reduction. Before / after (standard TP, prepare_mlp)::
+
+    ar = afd.all_reduce(o, group)                 r, n = afd.all_reduce_add_rms_norm(o, x, w, 1e-6, group)
+    h = add(x, ar)                                # r: the residual stream (h cast to float32)
+    h32 = to(h, float32)                          # n: the normed hidden states
+    var = mean(pow(h32, 2), [-1], keepdim)
+    n = mul(w, to(mul(h32, rsqrt(add(var, eps))), float32))
+
+The pass warns when a program with all-reduces has none of these units (a norm of another shape).
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .. import ops as _ops  # noqa: F401
+
+aten = torch.ops.aten
+
+
+@torch.library.custom_op("afd::all_reduce_add_rms_norm", mutates_args=())
+def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            group_id: int) -> list[torch.Tensor]:
+    """Composite: ``h = residual + all_reduce(partial)``; returns ``[h (float32), rmsnorm(h) * weight]``."""
+    h = (residual + torch.ops.afd.all_reduce(partial, group_id)).to(torch.float32)
+    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(torch.float32)
+    return [h, weight * normed]
+
+
+@all_reduce_add_rms_norm.register_fake
+def _(partial, residual, weight, eps, group_id):
+    h = torch.empty_like(residual, dtype=torch.float32)
+    return [h, torch.empty_like(h)]
+
+
+@dataclass(frozen=True)
+class AllReduceAddRMSNorm:
+    all_reduce: fx.Node
+    add: fx.Node
+    residual_in: fx.Node
+    cast: fx.Node
+    normed: fx.Node
+    weight: fx.Node
+    eps: float
+    interior: tuple[fx.Node, ...]
+
+
+def _only(users: dict, target: object) -> fx.Node | None:
+    found = [u for u in users if u.target == target]
+    return found[0] if len(found) == 1 else None
+
+
+def _match(ar: fx.Node) -> AllReduceAddRMSNorm | None:
+    users = [u for u in ar.users if u.target != aten._assert_tensor_metadata.default]
+    if len(users) != 1 or users[0].target != aten.add.Tensor:
+        return None
+    add = users[0]
+    residual = next((a for a in add.args if a is not ar), None)
+    cast = _only(add.users, aten.to.dtype)
+    if any(u is not cast and u.target != aten._assert_tensor_metadata.default for u in add.users):
+        return None
+    if cast is None or cast.args[1] != torch.float32 or not isinstance(residual, fx.Node):
+        return None
+    pw = _only(cast.users, aten.pow.Tensor_Scalar)
+    mean = pw and _only(pw.users, aten.mean.dim)
+    eps_add = mean and _only(mean.users, aten.add.Tensor)
+    rs = eps_add and _only(eps_add.users, aten.rsqrt.default)
+    mul = rs and _only(rs.users, aten.mul.Tensor)
+    back = mul and _only(mul.users, aten.to.dtype)
+    scale = back and _only(back.users, aten.mul.Tensor)
+    if not (pw and pw.args[1] == 2 and mean and list(mean.args[1]) == [-1] and eps_add and rs and mul and back
+            and scale and mul.args[0] is cast and isinstance(eps_add.args[1], float)):
+        return None
+    weight = next((a for a in scale.args if a is not back), None)
+    if not (isinstance(weight, fx.Node) and weight.op == "get_attr") or back.args[1] != torch.float32:
+        return None
+    interior = (pw, mean, eps_add, rs, mul, back)
+    # every interior node must feed only the unit (bookkeeping asserts aside)
+    for n in interior:
+        if any(u not in (*interior, scale) and u.target != aten._assert_tensor_metadata.default for u in n.users):
+            return None
+    return AllReduceAddRMSNorm(ar, add, residual, cast, scale, weight, float(eps_add.args[1]), interior)
+
+
+def find_allreduce_add_rmsnorm(gm: fx.GraphModule) -> list[AllReduceAddRMSNorm]:
+    ars = [n for n in gm.graph.nodes if n.target == torch.ops.afd.all_reduce.default]
+    return [m for m in (_match(a) for a in ars) if m is not None]
+
+
+def fuse_allreduce_add_rmsnorm(gm: fx.GraphModule) -> int:
+    """Rewrite every match in place; returns how many units were fused."""
+    matches = find_allreduce_add_rmsnorm(gm)
+    if not matches and any(n.target == torch.ops.afd.all_reduce.default for n in gm.graph.nodes):
+        warnings.warn("fuse_allreduce_add_rmsnorm: all-reduces present but no all-reduce + add + RMSNorm unit "
+                      "matched; the graph is left as it is", stacklevel=2)
+    g = gm.graph
+    fused_count = 0
+    while matches:  # one unit at a time: a fused unit's residual output feeds the next unit
+        m = matches[0]
+        fused_count += 1
+        partial, group = m.all_reduce.args
+        with g.inserting_before(m.add):
+            fused = g.call_function(torch.ops.afd.all_reduce_add_rms_norm.default,
+                                    (partial, m.residual_in, m.weight, m.eps, group))
+            h = g.call_function(operator.getitem, (fused, 0))
+            normed = g.call_function(operator.getitem, (fused, 1))
+        for n in (fused, h, normed):
+            n.meta["afd.role"] = m.add.meta.get("afd.role")
+        m.normed.replace_all_uses_with(normed)
+        m.cast.replace_all_uses_with(h)
+        m.add.replace_all_uses_with(h)  # bookkeeping users of the fp32 sum
+        for n in (m.normed, *reversed(m.interior), m.cast, m.add, m.all_reduce):
+            for u in list(n.users):
+                if u.target == aten._assert_tensor_metadata.default:
+                    g.erase_node(u)
+            g.erase_node(n)
+        matches = find_allreduce_add_rmsnorm(gm)
+    g.lint()
+    gm.recompile()
+    return fused_count
