@@ -21,6 +21,7 @@ Metadata checks run outside tracing only (``torch.compiler.is_compiling()``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,12 @@ from torch.fx.node import has_side_effect
 
 from .comm import AFDCommunicator, TransferMetadata, get_communicator
 from .wire import WireSpec
+
+
+@functools.lru_cache(maxsize=None)
+def _spec(text: str) -> WireSpec:
+    """A wire spec string, parsed once: the ops run per layer and per step."""
+    return WireSpec.parse(text)
 
 
 def split_sizes(total: int, seq_lens: Sequence[int], n_peers: int, where: str) -> list[int]:
@@ -109,7 +116,7 @@ def p2p_send(
 ) -> torch.Tensor:
     comm = get_communicator(comm_id)
     where = _where("p2p_send", comm, layer_idx, stage_idx)
-    wspec = WireSpec.parse(spec)
+    wspec = _spec(spec)
     if not torch.compiler.is_compiling():
         check_wire_tensors(tensors, wspec, comm.metadata(layer_idx, stage_idx), comm, where)
     comm.exchange([(t, comm.peers[0]) for t in tensors], [])
@@ -126,7 +133,7 @@ def p2p_recv(
     dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int, spec: str
 ) -> list[torch.Tensor]:
     comm = get_communicator(comm_id)
-    wspec = WireSpec.parse(spec)
+    wspec = _spec(spec)
     if not torch.compiler.is_compiling():
         meta = comm.metadata(layer_idx, stage_idx)
         if meta.total_tokens != num_tokens:
@@ -143,7 +150,7 @@ def p2p_recv(
 def _(dep, comm_id, layer_idx, stage_idx, num_tokens, spec):
     return [
         torch.empty(w.shape(num_tokens), dtype=w.dtype, device=dep.device)
-        for w in WireSpec.parse(spec).tensors
+        for w in _spec(spec).tensors
     ]
 
 
@@ -156,7 +163,7 @@ def p2p_recv_group(
 ) -> list[torch.Tensor]:
     comm = get_communicator(comm_id)
     where = _where("p2p_recv_group", comm, layer_idx, stage_idx)
-    wspec = WireSpec.parse(spec)
+    wspec = _spec(spec)
     meta = comm.metadata(layer_idx, stage_idx)
     sizes = split_sizes(total_tokens, meta.seq_lens, len(comm.peers), where)
     per_peer = [
@@ -173,7 +180,7 @@ def p2p_recv_group(
 def _(dep, comm_id, layer_idx, stage_idx, total_tokens, spec):
     return [
         torch.empty(w.shape(total_tokens), dtype=w.dtype, device=dep.device)
-        for w in WireSpec.parse(spec).tensors
+        for w in _spec(spec).tensors
     ]
 
 
@@ -183,7 +190,7 @@ def p2p_send_group(
 ) -> torch.Tensor:
     comm = get_communicator(comm_id)
     where = _where("p2p_send_group", comm, layer_idx, stage_idx)
-    wspec = WireSpec.parse(spec)
+    wspec = _spec(spec)
     meta = comm.metadata(layer_idx, stage_idx)
     total = tensors[0].shape[0]
     sizes = split_sizes(total, meta.seq_lens, len(comm.peers), where)
