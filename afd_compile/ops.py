@@ -31,7 +31,7 @@ from .comm import AFDCommunicator, TransferMetadata, get_communicator
 from .wire import WireSpec
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _spec(text: str) -> WireSpec:
     """A wire spec string, parsed once: the ops run per layer and per step."""
     return WireSpec.parse(text)
