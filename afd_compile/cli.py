@@ -98,7 +98,7 @@ def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "defau
 
 
 def plan_table(result, layout: AFDLayout | None) -> str:
-    from .passes.roles import META_KEY, Role
+    from .passes.roles import META_KEY
 
     gm_nodes = {}
     for n in result.attention.graph.nodes:
@@ -118,7 +118,6 @@ def plan_table(result, layout: AFDLayout | None) -> str:
     if layout is not None:
         blocks = ", ".join(f"ffn {f} <- attention {list(layout.peers_of_ffn(f))}" for f in range(layout.ffn_ranks))
         head += f"; layout {layout} ({blocks})"
-    del Role
     return "\n".join([head, *lines])
 
 

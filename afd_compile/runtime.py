@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from .comm import AFDCommunicator, register_communicator, unregister_communicator
+from .comm import AFDCommunicator, register_communicator
 from .layout import AFDLayout
 from .passes.symbolic import sym_expr
 from .split_api import SplitConfig, split_graph_module
@@ -281,6 +281,3 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
         raise failure
     return results
 
-
-def unregister(config: SplitConfig) -> None:
-    unregister_communicator(config.comm_id)

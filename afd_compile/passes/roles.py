@@ -100,14 +100,6 @@ ADD_OPS = frozenset({aten.add.Tensor, aten.add_.Tensor, operator.add})
 FFN_MODULE_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe", "ff")
 
 
-def _tensor_users(node: fx.Node) -> list[fx.Node]:
-    return list(node.users)
-
-
-def _inputs(node: fx.Node) -> list[fx.Node]:
-    return list(node.all_input_nodes)
-
-
 def is_attention_op(node: fx.Node) -> bool:
     """SDPA, or a softmax fed by a matmul whose output feeds a matmul (explicit attention).
     A softmax feeding topk (an MoE router) is not attention."""
@@ -129,8 +121,8 @@ def is_attention_op(node: fx.Node) -> bool:
             frontier = nxt
         return False
 
-    return reaches(_inputs(node), MATMUL_OPS, forward=False) and reaches(
-        _tensor_users(node), MATMUL_OPS, forward=True
+    return reaches(node.all_input_nodes, MATMUL_OPS, forward=False) and reaches(
+        node.users, MATMUL_OPS, forward=True
     )
 
 

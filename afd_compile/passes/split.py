@@ -381,6 +381,7 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
     src = {n.name: n for n in gm.graph.nodes}
     graph = fx.Graph()
     root = torch.nn.Module()
+    copied: set[str] = set()  # weight targets already copied into root
     slots = graph.placeholder("token_slots")
     total = graph.call_function(aten.sym_size.int, (slots, 0))
     total._rename("total_tokens")
@@ -419,9 +420,9 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
             if a in _env:
                 return _env[a]
             if a.op == "get_attr":
-                if not hasattr(root, "_afd_seen") or a.target not in root._afd_seen:
+                if a.target not in copied:
                     _setattr(root, a.target, _getattr(gm, a.target))
-                    root.__dict__.setdefault("_afd_seen", set()).add(a.target)
+                    copied.add(a.target)
                 _env[a] = graph.get_attr(a.target)
                 return _env[a]
             val = a.meta.get("val")
@@ -431,14 +432,13 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
             raise SplitError(f"{_where}: FFN node reads {a.name}, which is neither on the wire nor a weight")
 
         for n in members:
-            env[n] = copied = graph.node_copy(n, lookup)
-            copied.meta.pop("val", None)  # stale: its sizes are in the original graph's symbols
+            env[n] = new_node = graph.node_copy(n, lookup)
+            new_node.meta.pop("val", None)  # stale: its sizes are in the original graph's symbols
         y = graph.call_function(aten.view.default, (env[src[cut.output]], [total, int(hval.shape[-1])]))
         dep = graph.call_function(torch.ops.afd.p2p_send_group.default,
                                   ([y], plan.comm_id, cut.layer, plan.stage, str(cut.wire_out)))
         dep._rename(f"afd_send_L{cut.layer}")
     graph.output(dep)
-    root.__dict__.pop("_afd_seen", None)
     ffn = fx.GraphModule(root, graph, class_name="AFDFFNProgram")
     ffn.graph.lint()
     propagate_ffn_meta(ffn, plan.static_tokens)

@@ -81,7 +81,7 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
     fake_mode = detect_fake_mode([n.meta.get("val") for n in new.graph.nodes if "val" in n.meta])
     by_name = {n.name: n for n in new.graph.nodes}
     if layout.attn_dp > 1:
-        _rewrite_dp_attention(new, gm, layout, rank, fake_mode)
+        _rewrite_dp_attention(new, layout, rank, fake_mode)
         new.graph.lint()
         new.recompile()
         return TPProgram(new, plan, shards, rank)
@@ -107,7 +107,7 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
 # --- DP attention (attn_dp > 1) ---------------------------------------------------------------
 
 
-def _rewrite_dp_attention(new: fx.GraphModule, original: fx.GraphModule, layout: TPLayout, rank: int,
+def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
                           fake_mode: object) -> None:
     """Junctions of DP attention, per layer (dense MLP, mode FULL):
 
@@ -219,7 +219,6 @@ def _rewrite_dp_attention(new: fx.GraphModule, original: fx.GraphModule, layout:
         for u in users:
             u.replace_input_with(out, back)
     graph.eliminate_dead_code()  # the original norm nodes the gathered copy replaced
-    del original
 
 
 def _flat_rows(b: object, node: fx.Node, hidden: int) -> fx.Node:
