@@ -121,10 +121,8 @@ def plan_table(result, layout: AFDLayout | None) -> str:
     return "\n".join([head, *lines])
 
 
-def cmd_plan_tp(args: argparse.Namespace) -> int:
-    import json
-
-    from .passes.dist_states import annotate_dist_states, plan_tp
+def _tp_graph(args: argparse.Namespace):
+    """The TP layout from the flags and the model's graph with roles annotated."""
     from .passes.roles import POLICIES, annotate_roles
     from .programs import load_program
     from .scatter import TPLayout
@@ -134,6 +132,15 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
     layout = TPLayout(args.tp, args.attn_dp, moe_a2a=args.moe_a2a, dense_dp=args.dense_dp)
     gm = load_program(args.model).module()
     annotate_roles(gm, POLICIES[args.policy], graph_name=args.model)
+    return layout, gm
+
+
+def cmd_plan_tp(args: argparse.Namespace) -> int:
+    import json
+
+    from .passes.dist_states import annotate_dist_states, plan_tp
+
+    layout, gm = _tp_graph(args)
     plan = plan_tp(gm, layout, graph_name=args.model)
     annotate_dist_states(gm, plan)
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
@@ -185,18 +192,11 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
 
 
 def cmd_verify_tp(args: argparse.Namespace) -> int:
-    from .passes.roles import POLICIES, annotate_roles
     from .passes.tp_rewrite import shard_for_rank
-    from .programs import load_program
     from .runtime import RankFailure
-    from .scatter import TPLayout
     from .verify import TPCase, run_tp_cases
 
-    if args.attention_ranks is not None or args.ffn_ranks is not None:
-        raise UsageError("give either an AFD layout (-A/-F) or a TP layout (--tp/--attn-dp), not both")
-    layout = TPLayout(args.tp, args.attn_dp, moe_a2a=args.moe_a2a, dense_dp=args.dense_dp)
-    gm = load_program(args.model).module()
-    annotate_roles(gm, POLICIES[args.policy], graph_name=args.model)
+    layout, gm = _tp_graph(args)
     prog = shard_for_rank(gm, layout, 0, graph_name=args.model)  # fail fast, before spawning
     print(prog.plan.table())
     print(f"verify: {layout} on {layout.tp} local gloo processes, {len(prog.shards.weights)} weights sharded, "

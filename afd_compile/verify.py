@@ -72,11 +72,16 @@ class Case:
     policy: str = "default"
 
 
+def _loaded(path: str, cache: dict) -> tuple:
+    """(program, original module, example inputs), loaded once per process and path."""
+    if path not in cache:
+        ep = load_program(path)
+        cache[path] = (ep, ep.module(), example_inputs(ep))
+    return cache[path]
+
+
 def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
-    if case.path not in cache:
-        ep = load_program(case.path)
-        cache[case.path] = (ep, ep.module(), example_inputs(ep))
-    ep, original, inputs = cache[case.path]
+    ep, original, inputs = _loaded(case.path, cache)
     config = SplitConfig(compute_gate_on_attention=case.gate, policy=POLICIES[case.policy], graph_name=case.path)
     worker = make_worker(ep.module(), case.layout, rank, config, group=group)
     if not isinstance(worker, AttentionWorker):
@@ -214,10 +219,7 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
     from .passes.roles import annotate_roles
     from .passes.tp_rewrite import shard_for_rank
 
-    if case.path not in cache:
-        ep = load_program(case.path)
-        cache[case.path] = (ep, ep.module(), example_inputs(ep))
-    ep, original, inputs = cache[case.path]
+    ep, original, inputs = _loaded(case.path, cache)
     lay = case.layout
     register_group(GROUP_TP, groups[("tp", lay.tp)])
     register_group(GROUP_ATTN_TP, groups[("attn", lay.attn_tp_group(rank))])
