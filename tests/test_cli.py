@@ -137,3 +137,35 @@ def test_torchrun_launch_uses_the_same_workers():
                           capture_output=True, text=True, timeout=300, env={**os.environ, "AFD_BACKEND": "gloo"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith("OK max_rel_err=")
+
+
+def test_plan_tp_json_uses_the_relied_on_names(exported):
+    res = _run("plan", exported("llama2")[1], "--tp", "4", "--attn-dp", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    layer = json.loads(res.stdout)["layers"][0]
+    assert layer["index"] == 0 and layer["kind"] == "dense"
+    assert layer["modes"] == {"layer_input": "TP_ATTN_FULL", "attn": "TP_ATTN_FULL", "mlp": "FULL",
+                              "middle_residual": "TP_ATTN_FULL", "layer_output": "TP_ATTN_FULL"}
+    assert layer["junctions"] == {"prepare_attn": [], "prepare_mlp": ["all_gather"],
+                                  "postprocess_layer": ["reduce_scatter"]}
+
+
+def test_verify_tp_ok_with_uneven_dp_groups(exported):
+    res = _run("verify", exported("llama2")[1], "--tp", "2", "--attn-dp", "2", "--tokens", "3,0")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.strip().splitlines()[-1].startswith("verify: OK max_rel_err=")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--tp", "3"], "3 ranks do not divide dim 0 (size 64) of column-parallel weight"),
+        (["--tp", "4", "--attn-dp", "3"], "attn_dp=3 does not divide tp=4"),
+        (["--tp", "2", "-A", "1", "-F", "1"], "not both"),
+        (["--tp", "2", "--attn-dp", "2", "--tokens", "1"], "one per attention DP group"),
+    ],
+)
+def test_verify_tp_bad_layout_exit_2(exported, extra, message):
+    res = _run("verify", exported("llama2")[1], *extra)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert message in res.stderr and "Traceback" not in res.stderr
