@@ -19,6 +19,10 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
         max_position_embeddings=128, decoder_sparse_step=1, mlp_only_layers=[])),
+    # fused qkv_proj and gate_up_proj weights, sliced apart in the graph
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)),
 }
 
 

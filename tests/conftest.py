@@ -17,6 +17,7 @@ MODELS = {
     "llama2_mha": ("llama", 2, {"num_key_value_heads": 4}),
     "qwen3moe2": ("qwen3_moe", 2, {}),
     "qwen3moe3_mixed": ("qwen3_moe", 3, {"mlp_only_layers": [1]}),
+    "phi3": ("phi3", 2, {}),
 }
 
 

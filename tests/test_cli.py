@@ -159,7 +159,7 @@ def test_verify_tp_ok_with_uneven_dp_groups(exported):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--tp", "3"], "3 ranks do not divide dim 0 (size 64) of column-parallel weight"),
+        (["--tp", "3"], "has 4 attention heads, which 3 attention-TP ranks cannot divide"),
         (["--tp", "4", "--attn-dp", "3"], "attn_dp=3 does not divide tp=4"),
         (["--tp", "2", "-A", "1", "-F", "1"], "not both"),
         (["--tp", "2", "--attn-dp", "2", "--tokens", "1"], "one per attention DP group"),

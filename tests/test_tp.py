@@ -42,7 +42,7 @@ def test_standard_tp_inserts_two_all_reduces_per_layer(exported):
     down = weights["model.model.layers.0.mlp.down_proj.weight"]
     assert tuple(q.shape) == (32, 64) and tuple(o.shape) == (64, 32) and tuple(down.shape) == (64, 64)
     # the GQA expand/reshape head counts were divided: heads 4 -> 2, kv heads 2 -> 1
-    fixes = {(f.old, f.old // f.parts) for f in prog.shards.arg_fixes}
+    fixes = {(f.old, f.new) for f in prog.shards.arg_fixes}
     assert fixes == {(2, 1), (4, 2)}
 
 
@@ -54,14 +54,73 @@ def test_ranks_get_different_slices(exported):
     assert torch.equal(torch.cat([p0[name], p1[name]]), full[name])
 
 
-def test_head_count_that_does_not_divide_names_the_weights(exported):
-    with pytest.raises(ShardError, match=r"layer 0 \(.*k_proj.weight.*size 2, which 4 ranks cannot divide"):
-        _program(exported, "llama2", TPLayout(4))
+def test_kv_heads_are_replicated_when_attn_tp_exceeds_them(exported):
+    # the tiny Llama has 4 query heads and 2 KV heads: at tp=4 ranks {0,1} share KV head 0
+    progs = [_program(exported, "llama2", TPLayout(4), r) for r in range(4)]
+    full = dict(exported("llama2")[0].module().named_parameters())
+    k = "model.model.layers.0.self_attn.k_proj.weight"
+    ks = [dict(p.program.named_parameters())[k] for p in progs]
+    assert tuple(ks[0].shape) == (16, 64)
+    assert torch.equal(ks[0], ks[1]) and torch.equal(ks[2], ks[3])
+    assert torch.equal(torch.cat([ks[0], ks[2]]), full[k])
+    q = [dict(p.program.named_parameters())["model.model.layers.0.self_attn.q_proj.weight"] for p in progs]
+    assert torch.equal(torch.cat(q), full["model.model.layers.0.self_attn.q_proj.weight"])
+    # repeat_kv's expand: KV heads 2 -> 1 and the repeat 2 -> 1; its reshape: 4 heads -> 1
+    fixes = sorted((f.old, f.new) for f in progs[0].shards.arg_fixes)
+    assert fixes == [(2, 1)] * 8 + [(4, 1)] * 4
+    assert "each slice on 2 ranks" in str(progs[0].shards)
+
+
+def test_query_heads_that_do_not_divide_are_refused(exported):
+    with pytest.raises(ShardError, match="layer 0: .* has 4 attention heads, which 8 attention-TP ranks cannot divide"):
+        _program(exported, "llama2", TPLayout(8))
+
+
+def test_moe_experts_are_sharded_as_fused_blocks(exported):
+    prog = _program(exported, "qwen3moe2", TPLayout(2), rank=1, fuse_norm=False)
+    weights = {w.target: w for w in prog.shards.weights}
+    gate_up = weights["model.model.layers.0.mlp.experts.gate_up_proj"]  # [experts, 2 * 32, hidden]
+    assert (gate_up.dim, gate_up.kind, gate_up.blocks) == (1, "column", (32, 32))
+    down = weights["model.model.layers.0.mlp.experts.down_proj"]  # [experts, hidden, 32]
+    assert (down.dim, down.kind) == (2, "row")
+    full = exported("qwen3moe2")[0].module().get_parameter("model.model.layers.0.mlp.experts.gate_up_proj")
+    mine = prog.program.get_parameter("model.model.layers.0.mlp.experts.gate_up_proj")
+    # rank 1 holds the second half of the gate block and the second half of the up block
+    assert torch.equal(mine, torch.cat([full[:, 16:32], full[:, 48:64]], dim=1))
+    assert "model.model.layers.0.mlp.gate.weight" not in weights  # the router stays replicated
+    # one all-reduce per MoE block, on the combined output (not per expert), and one after o_proj
+    ars = [n for n in prog.program.graph.nodes if n.target == torch.ops.afd.all_reduce.default]
+    assert len(ars) == 4
+    assert sum(1 for a in ars if a.args[0].target == torch.ops.aten.linear.default) == 2
+
+
+def test_fused_qkv_is_sliced_per_block_with_replicated_kv(exported):
+    # Phi-3: qkv_proj [q 64 | k 32 | v 32] cut by three slices; at tp=4 each rank holds q 16, k 16, v 16
+    prog = _program(exported, "phi3", TPLayout(4), rank=3)
+    qkv = next(w for w in prog.shards.weights if w.target.endswith("layers.0.self_attn.qkv_proj.weight"))
+    assert (qkv.blocks, qkv.replicate) == ((64, 32, 32), (1, 2, 2))
+    assert tuple(prog.program.get_parameter(qkv.target).shape) == (48, 64)
+    slices = [n for n in prog.program.graph.nodes if n.target == torch.ops.aten.slice.Tensor
+              and n.args[0].target == torch.ops.aten.linear.default
+              and str(n.args[0].args[1].target).endswith("layers.0.self_attn.qkv_proj.weight")]
+    assert sorted(tuple(n.args[2:4]) for n in slices) == [(0, 16), (16, 32), (32, 9223372036854775807)]
+    gate_up = next(w for w in prog.shards.weights if w.target.endswith("layers.0.mlp.gate_up_proj.weight"))
+    assert gate_up.blocks == (128, 128)
+
+
+def test_shard_tensor_blocks_and_replication():
+    from afd_compile.passes.shard import ShardedWeight, shard_tensor
+
+    t = torch.arange(12).reshape(12, 1)
+    # blocks q:8 (4 ranks), k:2 and v:2 (2 KV slices, each on 2 ranks)
+    w = ShardedWeight("w", 0, 4, "attn", "column", (8, 2, 2), (1, 2, 2))
+    got = [shard_tensor(t, w, r).flatten().tolist() for r in range(4)]
+    assert got == [[0, 1, 8, 10], [2, 3, 8, 10], [4, 5, 9, 11], [6, 7, 9, 11]]
+    row = ShardedWeight("w", 1, 2, "mlp", "row")
+    assert shard_tensor(torch.arange(4).reshape(1, 4), row, 1).tolist() == [[2, 3]]
 
 
 def test_unsupported_parts_are_refused_clearly(exported):
-    with pytest.raises(ShardError, match="tensor-parallel MoE experts are not supported yet"):
-        _program(exported, "qwen3moe2", TPLayout(2))
     with pytest.raises(TPRewriteError, match="SCATTERED MLP .* not implemented yet"):
         _program(exported, "llama2", TPLayout(2, 2, dense_dp=True))
 
@@ -104,10 +163,16 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group)
     ("llama3", 2, 1, (3,)),
     ("llama2_mha", 4, 1, (2,)),
     ("llama2_mha", 2, 1, (1,)),
+    ("llama2", 4, 1, (2,)),              # KV heads (2) replicated over 4 ranks
+    ("qwen3moe2", 2, 1, (3,)),           # experts sharded (fused gate_up blocks)
+    ("qwen3moe3_mixed", 4, 1, (2,)),     # MoE, dense, MoE layers; KV replicated
+    ("phi3", 4, 2, (3, 1)),              # fused qkv (KV replicated) and gate_up, DP attention
     ("llama3", 2, 2, (3, 1)),            # attn_tp == 1: norm before all-gather
     ("llama2_mha", 4, 2, (2, 5)),        # attn_tp == 2: partial gather, uneven groups
     ("llama2_mha", 4, 4, (2, 0, 3, 1)),  # one group with zero tokens
     ("llama2_mha", 4, 2, (0, 2)),
+    ("qwen3moe3_mixed", 4, 2, (2, 5)),   # MoE under DP attention: expert buffers sized from all groups' tokens
+    ("qwen3moe2", 2, 2, (3, 0)),         # attn_tp == 1, a group with zero tokens
 ]
 
 

@@ -18,6 +18,14 @@ left alone. Before / after, one attention at tp=2 (heads 4 -> 2)::
     reshape(k, [s0, 4, s1, 16])                   reshape(k, [s0, 2, s1, 16])
     linear(attn, o_proj.weight[64, 64])           linear(attn, o_proj.weight[64, 32])  # partial sum
 
+A tensor cut along the split dim (``chunk``/``split``/``slice`` of a fused gate_up or qkv output)
+makes the weight blocked: each rank takes its slice of every block and the cut's sizes are
+re-computed per rank. A reshape into fewer heads than ranks (KV heads below attn_tp) replicates
+that projection's heads: ranks ``r // k`` share a slice, and repeat_kv's expand repeats ``k``
+fewer times. MoE experts are 3-D weights read by a grouped matmul ``(x[N, in], w[E, in, out])``;
+they shard like linears along the intermediate size, and the partial sum is settled once on the
+block output, which must be linear in it (routing weights scale it, the combine sums it).
+
 Anything the rules do not know that touches a split tensor is an error naming the node.
 """
 
@@ -31,7 +39,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .roles import LINEAR_OPS, Role, is_attention_op, role_of
+from .roles import LINEAR_OPS, SDPA_OPS, Role, is_attention_op, role_of
 from .symbolic import sym_expr
 
 aten = torch.ops.aten
@@ -44,26 +52,41 @@ class ShardError(ValueError):
 
 @dataclass(frozen=True)
 class ShardedWeight:
-    """``target`` is split along ``dim`` into ``parts`` equal slices over the ``group`` (attn|mlp)."""
+    """``target`` is split along ``dim`` into ``parts`` slices over the ``group`` (attn|mlp).
+
+    ``blocks``: sizes of the consecutive blocks along ``dim`` that are sliced separately (a fused
+    gate_up or qkv weight: each rank gets its slice of every block); ``()`` when unfused.
+    ``replicate``: per block, ranks sharing one slice (KV heads replicated when attn_tp exceeds
+    their count; rank r takes slice ``r // k`` of ``parts // k``); ``()`` when none is.
+    """
 
     target: str
     dim: int
     parts: int
     group: str
-    kind: str  # column | row
+    kind: str  # column | row | row_bias
+    blocks: tuple[int, ...] = ()
+    replicate: tuple[int, ...] = ()
 
     def __str__(self) -> str:
-        return f"{self.kind}-parallel {self.target} dim {self.dim} / {self.parts} over {self.group}"
+        extra = f" in blocks {list(self.blocks)}" if len(self.blocks) > 1 else ""
+        if any(k > 1 for k in self.replicate):
+            extra += f", replicated x{list(self.replicate)}" if len(self.replicate) > 1 else \
+                f", each slice on {self.replicate[0]} ranks"
+        return f"{self.kind}-parallel {self.target} dim {self.dim} / {self.parts} over {self.group}{extra}"
 
 
 @dataclass(frozen=True)
 class ArgFix:
-    """Divide the int at ``node.args[1][index]`` by ``parts`` (a head count in a reshape)."""
+    """Set an int argument of ``node`` from ``old`` to ``new`` (a head count in a reshape, a
+    slice bound of a fused projection): ``node.args[arg][index]``, or ``node.args[arg]`` when
+    index is None."""
 
     node: str
-    index: int
+    index: int | None
     old: int
-    parts: int
+    new: int
+    arg: int = 1
 
 
 @dataclass(frozen=True)
@@ -74,7 +97,8 @@ class ShardPlan:
 
     def __str__(self) -> str:
         return "\n".join([*(str(w) for w in self.weights),
-                          *(f"reshape {f.node}[{f.index}]: {f.old} -> {f.old // f.parts}" for f in self.arg_fixes)])
+                          *(f"{f.node} arg {f.arg}{'' if f.index is None else f'[{f.index}]'}: {f.old} -> "
+                            f"{f.new}" for f in self.arg_fixes)])
 
 
 # --- following the split dimension -----------------------------------------------------------
@@ -180,6 +204,14 @@ def _matmul(node: fx.Node, sdim: dict, parts: int) -> int | None:
     return sdim[a] + out - _ndim(a)
 
 
+class _Replicate(Exception):
+    """A reshape into fewer heads than ranks: the projection's heads get replicated."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__(heads)
+        self.heads = heads
+
+
 def _reshape(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
     src = node.args[0]
     d = sdim[src]
@@ -191,15 +223,16 @@ def _reshape(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None =
     for j, size in enumerate(oshape):
         if sympy.simplify(acc - prefix) == 0:
             if not (size.is_Integer and int(size) % parts == 0 and int(size) >= parts):
+                if size.is_Integer and int(size) > 0 and parts % int(size) == 0:
+                    raise _Replicate(int(size))
                 raise ShardError(
                     f"{node.name}: split dim {d} (size {ishape[d]}) of {src.name} maps to output dim {j} of "
                     f"size {size}, which {parts} ranks cannot divide (a head count: the layout must divide the "
-                    "attention and KV head counts; replicating KV heads when attn_tp exceeds them is not "
-                    "supported yet)"
+                    "attention head count, and divide or be a multiple of the KV head count)"
                 )
             arg = node.args[1][j]
             if isinstance(arg, int) and arg != -1 and fixes is not None:
-                fixes.append(ArgFix(node.name, j, arg, parts))
+                fixes.append(ArgFix(node.name, j, arg, arg // parts))
             elif not isinstance(arg, int):
                 raise ShardError(f"{node.name}: output dim {j} is split but its size is symbolic ({arg})")
             return j
@@ -214,7 +247,7 @@ def _expand(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = 
     if isinstance(arg, int) and arg != -1 and fixes is not None:
         if arg % parts:
             raise ShardError(f"{node.name}: expand size {arg} at split dim {d} does not divide by {parts}")
-        fixes.append(ArgFix(node.name, d, arg, parts))
+        fixes.append(ArgFix(node.name, d, arg, arg // parts))
     return d
 
 
@@ -224,7 +257,8 @@ RULES.update({
     aten.softmax.int: _reduce_over, aten._softmax.default: _reduce_over, aten._safe_softmax.default: _reduce_over,
     aten.transpose.int: _transpose, aten.permute.default: _permute, aten.unsqueeze.default: _unsqueeze,
     aten.slice.Tensor: _along_other_dim, aten.cat.default: _along_other_dim, aten.chunk.default: _along_other_dim,
-    aten.split.Tensor: _along_other_dim, aten.select.int: _along_other_dim,
+    aten.split.Tensor: _along_other_dim, aten.split_with_sizes.default: _along_other_dim,
+    aten.select.int: _along_other_dim,
     operator.getitem: _getitem,
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.matmul.default: _matmul, aten.bmm.default: _matmul,
@@ -232,6 +266,15 @@ RULES.update({
 RESHAPE_RULES = {aten.view.default: _reshape, aten.reshape.default: _reshape, aten._unsafe_view.default: _reshape,
                  aten.expand.default: _expand}
 IGNORED = {aten._assert_tensor_metadata.default}
+# ops that cut a tensor into pieces along a dim: along the split dim they mark a fused projection
+BLOCK_OPS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor}
+
+
+def is_grouped_mm(node: fx.Node) -> bool:
+    """A grouped (per-expert) matmul ``(x[N, in], w[E, in, out], offsets) -> [N, out]``:
+    ``aten._grouped_mm`` or a library op named like it (transformers' ``grouped_mm_fallback``)."""
+    t = node.target
+    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and "grouped_mm" in t.name()
 
 
 def _weight_of(linear: fx.Node) -> fx.Node:
@@ -244,40 +287,272 @@ def _weight_of(linear: fx.Node) -> fx.Node:
     return w
 
 
+def _expert_weight(mm: fx.Node, operand_dim: int) -> tuple[fx.Node, int]:
+    """The 3-D expert weight a grouped matmul reads, and which of its dims is the operand's
+    ``operand_dim`` (1: in features, 2: out features), looking through transposes and casts."""
+    w, dim = mm.args[1], operand_dim
+    while isinstance(w, fx.Node) and w.op != "get_attr":
+        if w.target == aten.transpose.int:
+            a, b = (x % 3 for x in w.args[1:3])
+            dim = a if dim == b else b if dim == a else dim
+        elif w.target == aten.permute.default:
+            dim = [x % 3 for x in w.args[1]][dim]
+        elif w.target not in (aten.to.dtype, aten._to_copy.default, aten.contiguous.default, aten.clone.default):
+            raise ShardError(f"{mm.name}: expert weight reaches the grouped matmul through {w.name} ({w.target}); "
+                             "only transposes and casts of a graph attribute are understood")
+        w = w.args[0]
+    if not (isinstance(w, fx.Node) and _ndim(w) in (0, 3)):
+        raise ShardError(f"{mm.name}: grouped matmul weight is not a 3-D graph attribute ({w})")
+    return w, dim
+
+
+def _out_features(col: fx.Node) -> int:
+    return int(col.meta["val"].shape[-1])
+
+
+Block = tuple[fx.Node, int | None]  # (column, start of a block of its output features | None: all of it)
+
+
+@dataclass
+class _Track:
+    """What the follow knows per node: split dim, how many distinct slices the dim is cut into
+    (``factor``: below the group size on replicated KV heads), and the column block it comes from."""
+
+    dim: dict[fx.Node, int]
+    factor: dict[fx.Node, int]
+    origin: dict[fx.Node, Block | None]
+    blocks: dict[fx.Node, set[int]]  # column -> block boundaries along its output features
+    replicate: dict[Block, int]  # block -> ranks per slice
+    pieces: dict[fx.Node, tuple[fx.Node, list[int]]]  # cut node -> (column, start of each output piece)
+    cuts: list[tuple[fx.Node, fx.Node, int, int | None, int, int]]  # (column, node, arg, index, start, end)
+
+
+def _cut_into_blocks(n: fx.Node, src: fx.Node, t: _Track) -> None:
+    """``n`` cuts ``src`` along its split dim: ``src`` must be one column's whole output; the
+    cut's boundaries become weight blocks. Its sizes and bounds are fixed once every block's
+    per-rank size is known (:func:`_block_fixes`)."""
+    key = t.origin.get(src)
+    d = t.dim[src]
+    size = sym_expr(src.meta["val"].shape[d])
+    if key is None or key[1] is not None or not size.is_Integer or int(size) != _out_features(key[0]):
+        raise ShardError(f"{n.name} ({n.target}) cuts along the split dim a tensor that is not one projection's "
+                         "whole output")
+    col, full = key[0], int(size)
+    if n.target == aten.chunk.default:
+        k = n.args[1]
+        if full % k:
+            raise ShardError(f"{n.name}: chunk of {full} features into {k} pieces is uneven")
+        starts = list(range(0, full, full // k))
+        t.cuts.extend((col, n, -1, None, a, a + full // k) for a in starts)  # arg -1: check equal pieces only
+    elif n.target in (aten.split.Tensor, aten.split_with_sizes.default):
+        sizes = n.args[1]
+        if isinstance(sizes, int):
+            sizes = [sizes] * (full // sizes) + ([full % sizes] if full % sizes else [])
+            t.cuts.extend((col, n, 1, None, a, a + sizes[0]) for a in range(0, full - full % sizes[0], sizes[0]))
+        elif any(not isinstance(x, int) for x in sizes):
+            raise ShardError(f"{n.name}: split sizes along the split dim must be constants")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        if n.target == aten.split_with_sizes.default:
+            t.cuts.extend((col, n, 1, i, a, a + sizes[i]) for i, a in enumerate(starts))
+    else:  # slice(src, dim, start, end, step)
+        start, end = (list(n.args[2:4]) + [None, None])[:2]
+        start, end = start or 0, full if end is None else min(end, full)
+        if len(n.args) > 4 and n.args[4] != 1 or start < 0 or end < 0:
+            raise ShardError(f"{n.name}: only forward unit-step slices with non-negative bounds cut a fused projection")
+        starts = [start]
+        for i, v in ((2, start), (3, end)):
+            if len(n.args) > i and n.args[i] not in (None, 0) and v < full:
+                t.cuts.append((col, n, i, None, v, v))  # a bound: its new value is the per-rank offset of v
+        t.blocks.setdefault(col, set()).add(end)
+    t.blocks.setdefault(col, set()).update(starts)
+    t.pieces[n] = (col, starts)
+
+
+def _block_fixes(col: fx.Node, t: _Track, parts: int, fixes: list[ArgFix]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per-block sizes and replication of a column, and the fixed sizes/bounds of its cuts."""
+    full = _out_features(col)
+    bounds = sorted({0, full} | {b for b in t.blocks.get(col, set()) if 0 < b < full})
+    blocks = [(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    whole = t.replicate.get((col, None), 1)
+    rep = [t.replicate.get((col, a), whole) for a, _ in blocks]
+    local = []  # per-rank size of each block
+    for (a, b), k in zip(blocks, rep, strict=True):
+        if (b - a) % (parts // k):
+            raise ShardError(f"{col.name}: block [{a}:{b}] of its output does not divide into {parts // k} slices")
+        local.append((b - a) // (parts // k))
+
+    def offset(x: int) -> int:
+        return sum(sz for (a, _), sz in zip(blocks, local, strict=True) if a < x)
+
+    chunks: dict[fx.Node, set[int]] = {}
+    for c, n, arg, index, start, end in t.cuts:
+        if c is not col:
+            continue
+        if arg == -1:
+            chunks.setdefault(n, set()).add(offset(end) - offset(start))
+        elif start == end:  # a slice bound
+            fixes.append(ArgFix(n.name, None, start, offset(start), arg=arg))
+        else:
+            fixes.append(ArgFix(n.name, index, end - start, offset(end) - offset(start), arg=arg))
+    for n, sizes in chunks.items():
+        if len(sizes) != 1:
+            raise ShardError(f"{n.name}: chunk pieces get unequal per-rank sizes {sorted(sizes)} (replicated heads)")
+    if len(blocks) == 1:
+        return (), (whole,) if whole > 1 else ()
+    return tuple(b - a for a, b in blocks), tuple(rep) if any(k > 1 for k in rep) else ()
+
+
 def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], parts: int, group: str,
-            fixes: list[ArgFix], where: str) -> None:
-    sdim: dict[fx.Node, int] = {c: _ndim(c) - 1 for c in columns}
+            fixes: list[ArgFix], where: str) -> _Track:
+    t = _Track({c: _ndim(c) - 1 for c in columns}, {c: parts for c in columns}, {c: (c, None) for c in columns},
+               {}, {}, {}, [])
+    sdim = t.dim
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     frontier = sorted({u for c in columns for u in c.users}, key=order.__getitem__)
     seen: set[fx.Node] = set()
+    merged: dict[fx.Node, int] = {}  # expand outputs whose split spans dims d and d+1 (replicated KV)
     while frontier:
         n = frontier.pop(0)
         if n in seen or n in sdim:
             continue
         seen.add(n)
+        split_in = [a for a in n.all_input_nodes if a in sdim]
         if n in rows:
-            if sdim.get(n.args[0]) != _ndim(n.args[0]) - 1:
+            a = n.args[0]
+            if sdim.get(a) != _ndim(a) - 1:
                 raise ShardError(f"{where}: row-parallel {n.name} gets an input not split along its last dim")
+            if t.factor[a] != parts:
+                raise ShardError(f"{where}: row-parallel {n.name} reads heads replicated over {parts // t.factor[a]} "
+                                 f"ranks; only KV heads may be replicated (the layout must divide the attention "
+                                 f"head count; {parts} ranks here)")
             continue
         if n.op == "output":
             raise ShardError(f"{where}: a tensor split over the {group} group reaches the graph output via {n.args}")
         target = n.target
         if target in IGNORED:
             continue
+        factors = {t.factor[a] for a in split_in}
+        gqa = target == aten.scaled_dot_product_attention.default and n.kwargs.get("enable_gqa")
+        if len(factors) > 1 and not gqa:
+            raise ShardError(f"{where}: {n.name} ({target}) combines tensors split into different numbers of "
+                             f"heads per rank ({sorted(factors)})")
+        src0 = n.args[0] if n.args and isinstance(n.args[0], fx.Node) and n.args[0] in sdim else split_in[0]
+        f = t.factor[src0]
+        origins = {t.origin[a] for a in split_in}
+        if target in BLOCK_OPS and n.args[0] in sdim:
+            pos = 1 if target == aten.slice.Tensor else 2
+            dim_arg = n.args[pos] if len(n.args) > pos else n.kwargs.get("dim", 0)
+            if dim_arg % _ndim(src0) == sdim[src0]:
+                _cut_into_blocks(n, src0, t)
+                col, starts = t.pieces[n]
+                sdim[n], t.factor[n] = sdim[src0], f
+                t.origin[n] = (col, starts[0]) if target == aten.slice.Tensor else None
+                frontier.extend(sorted(n.users, key=order.__getitem__))
+                frontier.sort(key=order.__getitem__)
+                continue
         if target in RESHAPE_RULES:
-            sdim[n] = RESHAPE_RULES[target](n, sdim, parts, fixes)
+            try:
+                sdim[n] = RESHAPE_RULES[target](n, sdim, f, fixes)
+            except _Replicate as r:
+                key = t.origin.get(src0)
+                if key is None:
+                    raise ShardError(f"{where}: {n.name} reshapes into {r.heads} heads, fewer than {f} ranks, and "
+                                     "the heads do not come from one projection that could be replicated") from None
+                t.replicate[key] = f // r.heads
+                f = t.factor[src0] = r.heads
+                sdim[n] = RESHAPE_RULES[target](n, sdim, f, fixes)
+            if src0 in merged:
+                j = sdim[n]
+                want = sym_expr(src0.meta["val"].shape[merged[src0]]) * sym_expr(src0.meta["val"].shape[merged[src0] + 1])
+                if sympy.simplify(sym_expr(n.meta["val"].shape[j]) - want) != 0:
+                    raise ShardError(f"{where}: {n.name} does not merge the replicated KV heads back into one dim")
+            elif target == aten.expand.default and f < parts:
+                d = sdim[n]
+                arg = n.args[1][d + 1] if d + 1 < len(n.args[1]) else None
+                insize = _shape(src0)[d + 1 - (_ndim(n) - _ndim(src0))] if d + 1 < _ndim(n) else None
+                if not (isinstance(arg, int) and insize == 1 and arg % (parts // f) == 0):
+                    raise ShardError(f"{where}: {n.name}: replicated KV heads must be repeated by an expand of a "
+                                     f"size-1 dim after the head dim divisible by {parts // f}")
+                fixes.append(ArgFix(n.name, d + 1, arg, arg // (parts // f)))
+                merged[n] = d
+                f = parts
         elif target in RULES:
-            sdim[n] = RULES[target](n, sdim, parts)
-        elif target in LINEAR_OPS:
-            raise ShardError(f"{where}: linear {n.name} reads a split tensor but is not the row-parallel projection")
+            if src0 in merged:
+                raise ShardError(f"{where}: {n.name} ({target}) reads repeated KV heads before they are merged")
+            sdim[n] = RULES[target](n, sdim, f)
+        elif target in LINEAR_OPS or is_grouped_mm(n):
+            raise ShardError(f"{where}: {n.name} ({target}) reads a split tensor but is not the row-parallel projection")
         else:
             raise ShardError(f"{where}: no sharding rule for {n.name} ({target}) on a tensor split over {group}")
+        t.factor[n] = t.factor[n.args[0]] if gqa else f
+        if target == operator.getitem and n.args[0] in t.pieces:  # one piece of a chunk/split
+            col, starts = t.pieces[n.args[0]]
+            t.origin[n] = (col, starts[n.args[1]])
+        else:
+            t.origin[n] = origins.pop() if len(origins) == 1 else None
         frontier.extend(sorted(n.users, key=order.__getitem__))
         frontier.sort(key=order.__getitem__)
+    return t
+
+
+# ops a pending partial sum may pass through unchanged in meaning (linear in the partial operand)
+_LINEAR_IN_PARTIAL = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.to.dtype, aten._to_copy.default,
+    aten.contiguous.default, aten.clone.default, aten.index.Tensor, aten.sum.dim_IntList, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.permute.default, aten.transpose.int, aten.index_select.default,
+}
+
+
+def _column_row_pairs(projs: list[fx.Node], where: str) -> list[tuple[list[fx.Node], fx.Node]]:
+    """Group an MLP's projections into (column-parallel inputs, row-parallel output) pairs: a row
+    reads a value computed from other projections, its columns are those projections. Others
+    (a shared expert's gate: a linear to one sigmoid) stay replicated."""
+    from .roles import _ancestors
+
+    pset = set(projs)
+    rows = [n for n in projs if _ancestors([n.args[0]]) & pset]
+    pairs = []
+    for row in rows:
+        cols = [c for c in projs if c in _ancestors([row.args[0]]) and c not in rows]
+        if not cols:
+            raise ShardError(f"{where}: {row.name} reads another down projection's output")
+        pairs.append((cols, row))
+    used = [c for cs, _ in pairs for c in cs]
+    if len(used) != len(set(used)):
+        raise ShardError(f"{where}: an up projection feeds two down projections ({[r.name for _, r in pairs]})")
+    return pairs
+
+
+def _check_linear_path(rows: list[fx.Node], out: fx.Node, where: str) -> None:
+    """Everything between the row-parallel outputs and the block output must be linear in them
+    (partial sums may be scaled, indexed, reshaped, summed, added to each other), so settling
+    the sum once at the block output equals settling each at its row."""
+    from .roles import _ancestors, _descendants
+
+    up = _ancestors([out]) | {out}
+    path = {n for r in rows for n in _descendants(r) & up} - set(rows)
+    partial = path | set(rows)
+    for n in path:
+        if n.target in IGNORED:
+            continue
+        on = [a for a in n.all_input_nodes if a in partial]
+        ok = n.target in _LINEAR_IN_PARTIAL and n.args[0] in on and len(on) == 1
+        ok |= n.target in (aten.mul.Tensor, aten.div.Tensor) and len(on) == 1 and (
+            n.target == aten.mul.Tensor or n.args[0] in on)
+        ok |= n.target == aten.masked_fill.Scalar and len(on) == 1 and n.args[0] in on and n.args[2] == 0
+        ok |= n.target in (aten.add.Tensor, aten.sub.Tensor) and len(n.all_input_nodes) == 2 and len(on) == 2
+        if not ok:
+            raise ShardError(f"{where}: {n.name} ({n.target}) sits between the row-parallel "
+                             f"{[r.name for r in rows]} and the block output {out.name} but is not linear in "
+                             "their partial sums")
+    if out not in partial:
+        raise ShardError(f"{where}: the block output {out.name} does not come from {[r.name for r in rows]}")
 
 
 def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int) -> ShardPlan:
     """Find the linears of every layer and follow their splits. Needs ``afd.role``."""
+    from .roles import _ancestors, _descendants, _find_router
+
     weights: list[ShardedWeight] = []
     fixes: list[ArgFix] = []
     rows_out: list[tuple[str, str, int]] = []
@@ -295,31 +570,47 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int) -> ShardPla
         attn = attn_ops[0]
         lin = [n for n in members if n.target in LINEAR_OPS and role_of(n).role is Role.ATTENTION
                and not role_of(n).router]
-        from .roles import _ancestors, _descendants
-
         before, after = _ancestors([attn]), _descendants(attn)
         cols = [n for n in lin if n in before]
         rows = [n for n in lin if n in after]
         if not cols or len(rows) != 1:
             raise ShardError(f"{where}: expected q/k/v projections before {attn.name} and one output projection after "
                              f"it, found {[n.name for n in cols]} / {[n.name for n in rows]}")
+        heads = _attention_heads(attn)
+        if attn_parts > 1 and heads is not None and heads % attn_parts:
+            raise ShardError(f"{where}: {attn.name} has {heads} attention heads, which {attn_parts} attention-TP ranks "
+                             "cannot divide (only KV heads may be replicated)")
         if attn_parts > 1:
             _shard_pair(gm, cols, rows[0], attn_parts, "attn", weights, fixes, where)
             rows_out.append((rows[0].name, "attn", layer))
-        custom = [n for n in ffn if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace != "aten"]
-        if any(n.target == aten.topk.default for n in ffn) or custom:
-            raise ShardError(f"{where}: tensor-parallel MoE experts are not supported yet (the layer routes with topk)")
         ffn_set = set(ffn)
         out = next(n for n in reversed(ffn) if any(u not in ffn_set for u in n.users))
-        mlp_lin = [n for n in ffn if n.target in LINEAR_OPS]
-        row = _producer_linear(out, ffn_set)
-        if row is None:
-            raise ShardError(f"{where}: the MLP output {out.name} is not produced by a linear (down projection)")
-        mcols = [n for n in mlp_lin if n is not row]
+        router = _find_router(ffn)
+        projs = [n for n in ffn if (n.target in LINEAR_OPS or is_grouped_mm(n)) and n is not router
+                 and not role_of(n).router]
+        pairs = _column_row_pairs(projs, where)
+        if not pairs:
+            raise ShardError(f"{where}: the MLP has no down projection fed by up projections "
+                             f"(projections found: {[n.name for n in projs]})")
         if mlp_parts > 1:
-            _shard_pair(gm, mcols, row, mlp_parts, "mlp", weights, fixes, where)
-            rows_out.append((row.name, "mlp", layer))
+            for cols_, row in pairs:
+                _shard_pair(gm, cols_, row, mlp_parts, "mlp", weights, fixes, where)
+            if len(pairs) == 1 and _producer_linear(out, ffn_set) is pairs[0][1]:
+                rows_out.append((pairs[0][1].name, "mlp", layer))  # settle right after the down projection
+            else:  # several partial sums (experts + shared experts) or a combine step: settle at the block output
+                _check_linear_path([row for _, row in pairs], out, where)
+                rows_out.append((out.name, "mlp", layer))
     return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out))
+
+
+def _attention_heads(attn: fx.Node) -> int | None:
+    """The query head count of an SDPA-style op (query is ``[batch, heads, seq, head_dim]``)."""
+    q = attn.args[0] if attn.args else None
+    v = q.meta.get("val") if isinstance(q, fx.Node) else None
+    if attn.target in SDPA_OPS and isinstance(v, torch.Tensor) and v.dim() == 4:
+        h = sym_expr(v.shape[1])
+        return int(h) if h.is_Integer else None
+    return None
 
 
 def _producer_linear(out: fx.Node, members: set) -> fx.Node | None:
@@ -336,30 +627,44 @@ def _producer_linear(out: fx.Node, members: set) -> fx.Node | None:
     return None
 
 
+def _projection_weight(gm: fx.GraphModule, proj: fx.Node, column: bool) -> tuple[str, int, int]:
+    """(target, dim, size) of the weight dim a column (out features) / row (in features) split cuts."""
+    if is_grouped_mm(proj):
+        w, dim = _expert_weight(proj, 2 if column else 1)
+        return str(w.target), dim, int(_get(gm, w.target).shape[dim])
+    w = _weight_of(proj)
+    dim = 0 if column else 1
+    return str(w.target), dim, int(_get(gm, w.target).shape[dim])
+
+
 def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int, group: str,
                 weights: list[ShardedWeight], fixes: list[ArgFix], where: str) -> None:
+    names = ", ".join(_projection_weight(gm, c, True)[0] for c in cols)
     for c in cols:
-        w = _weight_of(c)
-        size = int(w.meta["val"].shape[0]) if "val" in w.meta else int(_get(gm, w.target).shape[0])
+        target, dim, size = _projection_weight(gm, c, True)
         if size % parts:
-            raise ShardError(f"{where}: {parts} ranks do not divide dim 0 (size {size}) of column-parallel weight {w.target}")
-        weights.append(ShardedWeight(str(w.target), 0, parts, group, "column"))
-        if len(c.args) > 2 and isinstance(c.args[2], fx.Node):
-            weights.append(ShardedWeight(str(c.args[2].target), 0, parts, group, "column"))
-    w = _weight_of(row)
-    size = int(_get(gm, w.target).shape[1])
+            raise ShardError(f"{where}: {parts} ranks do not divide dim {dim} (size {size}) of column-parallel "
+                             f"weight {target}")
+    target, dim, size = _projection_weight(gm, row, False)
     if size % parts:
-        raise ShardError(f"{where}: {parts} ranks do not divide dim 1 (size {size}) of row-parallel weight {w.target}")
-    weights.append(ShardedWeight(str(w.target), 1, parts, group, "row"))
-    if len(row.args) > 2 and isinstance(row.args[2], fx.Node):
-        weights.append(ShardedWeight(str(row.args[2].target), -1, parts, group, "row_bias"))
+        raise ShardError(f"{where}: {parts} ranks do not divide dim {dim} (size {size}) of row-parallel weight {target}")
     try:
-        _follow(gm, cols, {row}, parts, group, fixes, where)
+        track = _follow(gm, cols, {row}, parts, group, fixes, where)
     except ShardError as e:
         msg = str(e)
         if not msg.startswith(where):
-            msg = f"{where} ({', '.join(str(_weight_of(c).target) for c in cols)}): {msg}"
+            msg = f"{where} ({names}): {msg}"
         raise ShardError(msg) from None
+    for c in cols:
+        target, dim, size = _projection_weight(gm, c, True)
+        blocks, rep = _block_fixes(c, track, parts, fixes)
+        weights.append(ShardedWeight(target, dim, parts, group, "column", blocks, rep))
+        if c.target == aten.linear.default and len(c.args) > 2 and isinstance(c.args[2], fx.Node):
+            weights.append(ShardedWeight(str(c.args[2].target), 0, parts, group, "column", blocks, rep))
+    target, dim, size = _projection_weight(gm, row, False)
+    weights.append(ShardedWeight(target, dim, parts, group, "row", (size,)))
+    if row.target == aten.linear.default and len(row.args) > 2 and isinstance(row.args[2], fx.Node):
+        weights.append(ShardedWeight(str(row.args[2].target), -1, parts, group, "row_bias"))
 
 
 def _get(gm: fx.GraphModule, target: str) -> torch.Tensor:
@@ -369,17 +674,27 @@ def _get(gm: fx.GraphModule, target: str) -> torch.Tensor:
     return obj  # type: ignore[return-value]
 
 
+def shard_tensor(t: torch.Tensor, w: ShardedWeight, rank: int) -> torch.Tensor:
+    """This rank's slice of ``t`` (the full weight) under ``w``."""
+    if w.kind == "row_bias":
+        return t.detach().clone() if rank == 0 else torch.zeros_like(t)
+    pieces, off = [], 0
+    blocks = w.blocks or (t.shape[w.dim],)
+    for i, b in enumerate(blocks):
+        k = w.replicate[i] if w.replicate else 1
+        n = b // (w.parts // k)
+        pieces.append(t.detach().narrow(w.dim, off + (rank // k) * n, n))
+        off += b
+    return torch.cat(pieces, dim=w.dim).clone() if len(pieces) > 1 else pieces[0].clone()
+
+
 def apply_shards(gm: fx.GraphModule, plan: ShardPlan, rank_of_group: dict[str, int]) -> None:
     """Slice weights in place for this rank (``rank_of_group``: group name -> rank within it) and
-    divide the head counts the plan found. A row-parallel bias stays on group rank 0 only."""
+    divide the head counts and fused-projection bounds the plan found. A row-parallel bias stays
+    on group rank 0 only."""
     for w in plan.weights:
         t = _get(gm, w.target)
-        r = rank_of_group[w.group]
-        if w.kind == "row_bias":
-            new = t.detach().clone() if r == 0 else torch.zeros_like(t)
-        else:
-            n = t.shape[w.dim] // w.parts
-            new = t.detach().narrow(w.dim, r * n, n).clone()
+        new = shard_tensor(t, w, rank_of_group[w.group])
         *path, leaf = w.target.split(".")
         mod: object = gm
         for p in path:
@@ -391,7 +706,12 @@ def apply_shards(gm: fx.GraphModule, plan: ShardPlan, rank_of_group: dict[str, i
     by_name = {n.name: n for n in gm.graph.nodes}
     for f in plan.arg_fixes:
         node = by_name[f.node]
-        sizes = list(node.args[1])
-        sizes[f.index] = f.old // f.parts
-        node.args = (node.args[0], sizes, *node.args[2:])
+        args = list(node.args)
+        if f.index is None:
+            args[f.arg] = f.new
+        else:
+            sizes = list(args[f.arg])
+            sizes[f.index] = f.new
+            args[f.arg] = sizes
+        node.args = tuple(args)
     gm.recompile()

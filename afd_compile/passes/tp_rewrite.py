@@ -87,6 +87,8 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
         return TPProgram(new, plan, shards, rank)
     for node_name, group, _layer in shards.row_outputs:
         row = by_name[node_name]
+        while len(row.users) == 1 and _is_identity(next(iter(row.users))):  # keep all-reduce + add adjacent
+            row = next(iter(row.users))
         with new.graph.inserting_after(row):
             ar = new.graph.call_function(torch.ops.afd.all_reduce.default,
                                          (row, GROUP_ATTN_TP if group == "attn" else GROUP_TP))
@@ -171,12 +173,14 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
         inputs = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"]
         tensors = [a for a in dict.fromkeys(inputs) if isinstance(a.meta.get("val"), torch.Tensor)]
         sizes = [a for a in dict.fromkeys(inputs) if a not in tensors]
-        if len(tensors) != 1 or sizes:
-            raise TPRewriteError(f"{where}: DP attention needs an MLP that reads one hidden tensor and no "
-                                 f"token-dependent sizes; it reads {[a.name for a in tensors + sizes]}")
+        if len(tensors) != 1:
+            raise TPRewriteError(f"{where}: DP attention needs an MLP that reads one hidden tensor; it reads "
+                                 f"{[a.name for a in tensors]}")
         ffn_in = tensors[0]
         hidden = int(ffn_in.meta["val"].shape[-1])
         b = _Builder(graph, fake_mode, layer)
+        if sizes:  # an MoE block sizes its buffers from the token count: now all groups' tokens
+            _rebind_token_sizes(b, ffn, sizes, ffn_in, total, where)
         if layout.attn_tp == 1:
             with graph.inserting_before(ffn[0]):
                 flat = b.call(aten_view, (ffn_in, [-1, hidden]), "dp_flat")
@@ -221,6 +225,33 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
     graph.eliminate_dead_code()  # the original norm nodes the gathered copy replaced
 
 
+def _rebind_token_sizes(b: object, ffn: list[fx.Node], sizes: list[fx.Node], ffn_in: fx.Node,
+                        total: fx.Node, where: str) -> None:
+    """The MLP runs on the gathered tokens: re-express the sizes it reads (computed from this
+    group's batch and sequence symbols) in the gathered count ``total``, binding the token
+    symbols as the AFD FFN program does (all but one to 1, the last to ``total // c``)."""
+    import operator
+
+    from .symbolic import TokenBinding, emit_with, sym_expr
+
+    try:
+        binding = TokenBinding.for_token_dims(list(ffn_in.meta["val"].shape[:-1]), where)
+    except ValueError as e:
+        raise TPRewriteError(str(e)) from None
+    graph = ffn[0].graph
+    with graph.inserting_before(ffn[0]):
+        sigma = total if binding.coeff == 1 else b.call(operator.floordiv, (total, binding.coeff))
+        for sz in sizes:
+            val = sz.meta.get("val")
+            expr = binding.substitute(sym_expr(val)) if isinstance(val, (int, torch.SymInt)) else None
+            if expr is None or not binding.known(expr):
+                raise TPRewriteError(f"{where}: the MLP reads {sz.name} ({val}), which is not a function of the "
+                                     "token count")
+            new = emit_with(b.call, expr, {binding.sigma: sigma} if binding.sigma is not None else {})
+            for u in ffn:
+                u.replace_input_with(sz, new)
+
+
 def _flat_rows(b: object, node: fx.Node, hidden: int) -> fx.Node:
     """This rank's token count, as a graph value: rows of ``node`` viewed as (-1, hidden)."""
     flat = b.call(aten_view, (node, [-1, hidden]))
@@ -239,11 +270,19 @@ def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, wh
     if not rows:
         raise TPRewriteError(f"{where}: no output projection after the attention op")
     row = rows[0]
+    while len(row.users) == 1 and _is_identity(next(iter(row.users))):  # e.g. dropout in eval
+        row = next(iter(row.users))
     for u in row.users:
         if u.target in ADD_OPS and len(u.all_input_nodes) == 2:
             other = next(a for a in u.all_input_nodes if a is not row)
             return u, row, other
     raise TPRewriteError(f"{where}: the output projection {row.name} is not added to the residual directly")
+
+
+def _is_identity(n: fx.Node) -> bool:
+    if n.target == torch.ops.aten.dropout.default:
+        return n.args[1] == 0 or not n.args[2]
+    return n.target in (torch.ops.aten.alias.default, torch.ops.aten.clone.default)
 
 
 aten_view = torch.ops.aten.view.default
