@@ -132,26 +132,39 @@ class FFNWorker:
     comm: AFDCommunicator
     device: torch.device
     stage: int = 0
+    #: how a step's program runs: ``(per-peer counts, (T, 0) carrier) -> None``; the compile
+    #: backend replaces it to pick the program compiled for that token layout
+    run_program: Callable[[tuple[int, ...], torch.Tensor], Any] | None = None
 
     def serve(self, on_step: Callable[[tuple[int, ...]], None] | None = None) -> int:
         """Serve steps until every peer says stop; returns the number of steps served."""
         steps = 0
-        dev = "cuda" if self.comm.device_transport else "cpu"
-        while True:
-            bufs = [torch.empty(1, dtype=torch.int64, device=dev) for _ in self.comm.peers]
-            for b, p in zip(bufs, self.comm.peers, strict=True):
-                dist.recv(b, p, group=self.comm.group)
-            counts = tuple(int(b.item()) for b in bufs)
-            if all(c == STOP for c in counts):
-                return steps
-            if any(c == STOP for c in counts):
-                raise RuntimeError(f"afd: FFN rank {self.comm.rank}: some peers stopped and some did not: {counts}")
-            self.comm.set_step({self.stage: counts})
-            if on_step:
-                on_step(counts)
-            if sum(counts):
-                self.program(torch.empty(sum(counts), 0, device=self.device))
+        while self.serve_one(on_step) is not None:
             steps += 1
+        return steps
+
+    def serve_one(self, on_step: Callable[[tuple[int, ...]], None] | None = None) -> tuple[int, ...] | None:
+        """Receive one step's per-peer token counts (the control message) and run the program
+        once; returns the counts, or None when every peer said stop."""
+        dev = "cuda" if self.comm.device_transport else "cpu"
+        bufs = [torch.empty(1, dtype=torch.int64, device=dev) for _ in self.comm.peers]
+        for b, p in zip(bufs, self.comm.peers, strict=True):
+            dist.recv(b, p, group=self.comm.group)
+        counts = tuple(int(b.item()) for b in bufs)
+        if all(c == STOP for c in counts):
+            return None
+        if any(c == STOP for c in counts):
+            raise RuntimeError(f"afd: FFN rank {self.comm.rank}: some peers stopped and some did not: {counts}")
+        self.comm.set_step({self.stage: counts})
+        if on_step:
+            on_step(counts)
+        if sum(counts):
+            slots = torch.empty(sum(counts), 0, device=self.device)
+            if self.run_program is not None:
+                self.run_program(counts, slots)
+            else:
+                self.program(slots)
+        return counts
 
 
 def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig | None = None,

@@ -252,22 +252,30 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
     return {"max_rel_err": err, "sharded_weights": len(prog.shards.weights), "batches": seen}
 
 
-def _dp_step(program: fx.GraphModule, x: tuple, lay: TPLayout, rank: int) -> object:
-    """One DP-attention step: all TP ranks exchange their token counts (one small all-gather),
-    then run with a carrier of the total."""
+def _dp_step_counts(x: Sequence[torch.Tensor], lay: TPLayout, rank: int) -> tuple[int, ...]:
+    """All TP ranks exchange their token counts (one small all-gather per step) and record the
+    step's per-DP-group counts for the DP collectives; returns them."""
     import torch.distributed as dist
 
     from .comm import GROUP_TP, TPStep, get_group, set_tp_step
 
     own = int(x[0].numel())  # tokens of this rank's input (batch x sequence)
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(lay.tp)]
-    dist.all_gather(counts, torch.tensor([own]), group=get_group(GROUP_TP))
+    group = get_group(GROUP_TP)
+    dev = x[0].device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(lay.tp)]
+    dist.all_gather(counts, torch.tensor([own], device=dev), group=group)
     per_rank = [int(c) for c in counts]
     groups = [per_rank[i * lay.attn_tp] for i in range(lay.attn_dp)]
     for r, c in enumerate(per_rank):
         if c != groups[lay.attn_dp_rank(r)]:
             raise RuntimeError(f"ranks of attention DP group {lay.attn_dp_rank(r)} disagree on tokens: {per_rank}")
     set_tp_step(TPStep(lay.attn_dp_rank(rank), tuple(groups)))
+    return tuple(groups)
+
+
+def _dp_step(program: fx.GraphModule, x: tuple, lay: TPLayout, rank: int) -> object:
+    """One DP-attention step: exchange token counts, then run with a carrier of the total."""
+    groups = _dp_step_counts(x, lay, rank)
     return program(*x, torch.empty(sum(groups), 0))
 
 

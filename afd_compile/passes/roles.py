@@ -401,6 +401,9 @@ def annotate_roles(
                 f"{graph_name}: layer {layer} has an FFN region but no attention op on the attention side"
             )
     _share_size_arithmetic(gm, roles)
+    for n in gm.graph.nodes:  # a metadata assertion belongs with the tensor it checks
+        if n.target == aten._assert_tensor_metadata.default and isinstance(n.args[0], fx.Node):
+            roles[n] = roles[n.args[0]]
     routers: list[str | None] = []
     for layer in layers:
         ffn_nodes = [n for n in by_layer.get(layer, []) if roles[n] == NodeRole(layer, Role.FFN)]

@@ -27,6 +27,7 @@ token count, so one program serves every token layout)::
 from __future__ import annotations
 
 import copy
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -441,11 +442,15 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
     graph.output(dep)
     ffn = fx.GraphModule(root, graph, class_name="AFDFFNProgram")
     ffn.graph.lint()
-    propagate_ffn_meta(ffn, plan.static_tokens)
+    multiple = 1  # the token count is a multiple of each layer's static token factor (a static sequence length)
+    for cut in plan.cuts:
+        c = TokenBinding.for_token_dims(list(src[cut.hidden].meta["val"].shape[:-1]), plan.graph_name).coeff
+        multiple = multiple * c // math.gcd(multiple, c)
+    propagate_ffn_meta(ffn, plan.static_tokens, multiple)
     return ffn
 
 
-def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None) -> None:
+def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None, multiple: int = 1) -> None:
     """``meta['val']`` on every FFN program node, with a symbolic token count (or the fixed
     count of a graph exported with static shapes)."""
     from torch._dynamo.source import ConstantSource
@@ -461,7 +466,7 @@ def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None) ->
     else:  # a fresh symbol for the token count, made directly so no version specialises it
         source = ConstantSource("token_slots")
         sym = shape_env.create_symbol(8, source=source, dynamic_dim=DimDynamic.DYNAMIC)
-        tokens = shape_env.create_symintnode(sym, hint=8, source=source)
+        tokens = shape_env.create_symintnode(sym, hint=8, source=source) * multiple
     with mode:
         slots = torch.empty((tokens, 0), device=device)
     FakeTensorProp(ffn, mode).propagate_dont_convert_inputs(slots)

@@ -141,9 +141,7 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
     for k in ("_in_spec", "_out_spec"):
         if hasattr(new, k):
             delattr(new, k)
-    for n in list(graph.nodes):  # export's input guards assume the original batch range (min 1)
-        if n.op == "call_module" and "guards" in str(n.target):
-            graph.erase_node(n)
+    drop_export_guards(new)  # export's input guards assume the original batch range (min 1)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]):
         slots = graph.placeholder("dp_token_slots")
@@ -219,7 +217,7 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
             out2d = b.call(aten_view, (out, [-1, hidden]))  # the MLP ran on (tokens, hidden) rows
             out2d.meta["val"] = gathered.meta.get("val")
             rs = b.call(torch.ops.afd.reduce_scatter_tokens.default, (out2d, GROUP_TP, total, ref), "dp_reduce_scatter")
-            back = b.call(aten_view, (rs, _shape_args(b, tuple(ffn_in.meta["val"].shape), sources)), "dp_layer_out")
+            back = b.call(aten_view, (rs, _shape_args(b, tuple(out.meta["val"].shape), sources)), "dp_layer_out")
         for u in users:
             u.replace_input_with(out, back)
     graph.eliminate_dead_code()  # the original norm nodes the gathered copy replaced
@@ -250,6 +248,18 @@ def _rebind_token_sizes(b: object, ffn: list[fx.Node], sizes: list[fx.Node], ffn
             new = emit_with(b.call, expr, {binding.sigma: sigma} if binding.sigma is not None else {})
             for u in ffn:
                 u.replace_input_with(sz, new)
+
+
+def drop_export_guards(gm: fx.GraphModule) -> None:
+    """Remove the ``_guards_fn`` call ``torch.export`` adds (input-shape checks; the caller's own
+    guards stand in for them). It holds an unpicklable closure, which would keep Inductor's
+    caches from keying the graph."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_module" and "guards" in str(n.target):
+            gm.graph.erase_node(n)
+            if hasattr(gm, str(n.target)):
+                delattr(gm, str(n.target))
+    gm.recompile()
 
 
 def _flat_rows(b: object, node: fx.Node, hidden: int) -> fx.Node:

@@ -1,0 +1,410 @@
+"""``torch.compile(model, backend="afd", options={...})``: the afd-compile passes as a dynamo backend.
+
+Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so no import is
+needed after ``pip install``. Per graph dynamo captures, on every rank:
+
+1. **lift**: dynamo hands the graph with parameters and buffers as inputs; they become attributes
+   of a module again (named after their module path, ``model.layers.0.mlp.up_proj.weight``) and
+   the graph is exported to ATen (``torch.export``, batch dim dynamic) — the same IR the CLI reads;
+2. **distribute**: the passes for this rank's role: ``tp`` -> the sharded program with its
+   collectives (scatter modes), ``attention``/``ffn`` -> this rank's AFD program;
+3. **compile**: Inductor compiles the rank's program, once per token layout (input shapes, and
+   for DP attention / an FFN rank the step's per-group or per-peer token counts): a new layout is
+   compiled (and on CUDA graph-captured) on first sight, logged and counted in
+   :data:`STATS`; layouts never share a compiled program, so two layouts cannot replay each
+   other's CUDA graph.
+
+Options (all optional)::
+
+    tp, attn_dp        tensor parallelism over all ranks (tp must equal the world size)
+    attention, ffn     AFD: the first `ffn` ranks serve FFN, the rest attention (world = A + F)
+    rank, world_size   default: RANK / WORLD_SIZE from the environment (torchrun)
+    inductor           compile each program with Inductor (default True; False: run the FX program)
+    cudagraphs         capture CUDA graphs (default: True when the inputs are on CUDA)
+    policy             role policy: default | module_path | structural
+
+With no layout (or one process and ``tp=1``) the backend is Inductor itself, with a log line
+saying no distribution was applied. On an FFN rank each call of the compiled model serves one
+step for its attention peers (the inputs are ignored) and returns empty tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger("afd_compile.backend")
+
+#: pass versions: bump when a pass changes what it emits (part of the Inductor cache key)
+PASS_VERSION = "afd-passes-1"
+
+#: counters of this process: graphs compiled per layout, calls, layouts seen
+STATS: dict[str, int] = {"graphs": 0, "layouts_compiled": 0, "calls": 0, "no_layout": 0}
+
+
+class BackendOptionError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    tp: int = 1
+    attn_dp: int = 1
+    attention: int = 0
+    ffn: int = 0
+    rank: int | None = None
+    world_size: int | None = None
+    inductor: bool = True
+    cudagraphs: bool | None = None
+    policy: str = "default"
+
+    @staticmethod
+    def parse(options: dict[str, Any] | None) -> BackendOptions:
+        options = dict(options or {})
+        names = {f.name for f in dataclasses.fields(BackendOptions)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise BackendOptionError(f"afd backend: unknown option(s) {unknown}; known: {sorted(names)}")
+        opts = BackendOptions(**options)
+        if opts.tp > 1 and (opts.attention or opts.ffn):
+            raise BackendOptionError("afd backend: give either a TP layout (tp, attn_dp) or an AFD layout "
+                                     "(attention, ffn), not both")
+        if bool(opts.attention) != bool(opts.ffn):
+            raise BackendOptionError(f"afd backend: AFD needs both attention and ffn ranks (attention="
+                                     f"{opts.attention}, ffn={opts.ffn})")
+        from .passes.roles import POLICIES
+
+        if opts.policy not in POLICIES:
+            raise BackendOptionError(f"afd backend: unknown policy {opts.policy!r} (known: {sorted(POLICIES)})")
+        return opts
+
+    @property
+    def mode(self) -> str:
+        return "afd" if self.attention else "tp" if self.tp > 1 or self.attn_dp > 1 else "none"
+
+    def resolved(self) -> tuple[int, int]:
+        rank = self.rank if self.rank is not None else int(os.environ.get("RANK", "0"))
+        world = self.world_size if self.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        return rank, world
+
+
+# --- lifting dynamo's graph -------------------------------------------------------------------
+
+_SEGMENT = re.compile(r"(?:^|_)(?:modules|parameters|buffers)_")
+
+
+def _module_path(placeholder: str) -> str | None:
+    """``l_self_modules_model_modules_layers_modules_0_modules_q_proj_parameters_weight_`` ->
+    ``model.layers.0.q_proj.weight`` (dynamo's names for lifted parameters and buffers)."""
+    m = re.fullmatch(r"l_self_(.*)_", placeholder, flags=re.IGNORECASE)
+    if not m or not re.search(r"_(parameters|buffers)_", m.group(1)):
+        return None
+    parts = [p for p in _SEGMENT.split(m.group(1)) if p]
+    return ".".join(parts) if all(p.isidentifier() or p.isdigit() for p in parts) else None
+
+
+class _Lifted(torch.nn.Module):
+    """Dynamo's graph with its parameter/buffer inputs held as attributes again."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+        super().__init__()
+        self.gm = gm
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(example_inputs):
+            raise RuntimeError(f"afd backend: {len(placeholders)} graph inputs but {len(example_inputs)} examples")
+        self.slots: list[tuple[str, Any]] = []  # per graph input: ("attr", path) | ("user", i) | ("size", (i, d))
+        self.user_positions: list[int] = []
+        used: set[str] = set()
+        for i, (p, x) in enumerate(zip(placeholders, example_inputs, strict=True)):
+            path = _module_path(p.name)
+            if isinstance(x, torch.Tensor) and path is not None and path not in used:
+                used.add(path)
+                self._put(path, x)
+                self.slots.append(("attr", path))
+            elif isinstance(x, torch.Tensor) and x.dim() == 0 and p.name.startswith("l_self_") and _only_item(p):
+                # a float module attribute (an RMSNorm eps) dynamo passes as a 0-d tensor under
+                # dynamic=True: a constant of this graph (dynamo guards its value)
+                for u in list(p.users):
+                    u.replace_all_uses_with(x.item())
+                    gm.graph.erase_node(u)
+                self.slots.append(("drop", None))
+            elif isinstance(x, torch.Tensor):
+                self.slots.append(("user", len(self.user_positions)))
+                self.user_positions.append(i)
+            else:
+                self.slots.append(("size", None))
+        gm.recompile()
+        # a SymInt input (dynamo's automatic dynamic shapes) is read back from a user tensor's size
+        user_vals = [placeholders[i].meta.get("example_value") for i in self.user_positions]
+        for k, (kind, _) in enumerate(self.slots):
+            if kind != "size":
+                continue
+            sym = placeholders[k].meta.get("example_value")
+            found = next(((u, d) for u, v in enumerate(user_vals) if isinstance(v, torch.Tensor)
+                          for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt) and isinstance(sym, torch.SymInt)
+                          and s.node.expr == sym.node.expr), None)
+            if found is None:
+                raise RuntimeError(f"afd backend: graph input {placeholders[k].name} is a size that no input "
+                                   "tensor carries")
+            self.slots[k] = ("size", found)
+
+    def _put(self, path: str, x: torch.Tensor) -> None:
+        *mods, leaf = path.split(".")
+        owner: torch.nn.Module = self
+        for name in mods:
+            if not hasattr(owner, name):
+                owner.add_module(name, torch.nn.Module())
+            owner = getattr(owner, name)
+        if isinstance(x, torch.nn.Parameter):
+            owner.register_parameter(leaf, x)
+        else:
+            owner.register_buffer(leaf, x)
+
+    def forward(self, *user: torch.Tensor) -> Any:
+        args = []
+        for kind, ref in self.slots:
+            if kind == "attr":
+                args.append(self.get_parameter(ref) if ref in dict(self.named_parameters()) else self.get_buffer(ref))
+            elif kind == "user":
+                args.append(user[ref])
+            elif kind == "drop":
+                args.append(None)
+            else:
+                u, d = ref
+                args.append(user[u].shape[d])
+        return self.gm(*args)
+
+
+def _only_item(p: fx.Node) -> bool:
+    return bool(p.users) and all(u.op == "call_method" and u.target == "item" for u in p.users)
+
+
+def _export(lifted: _Lifted, user_inputs: Sequence[torch.Tensor]) -> torch.export.ExportedProgram:
+    """Export to ATen with the same dims dynamic as in dynamo's graph (``Dim.AUTO`` on every
+    dim dynamo made symbolic; a static dynamo graph exports static)."""
+    placeholders = [n for n in lifted.gm.graph.nodes if n.op == "placeholder"]
+    shapes: list[Any] = []
+    for i in lifted.user_positions:
+        v = placeholders[i].meta.get("example_value")
+        dyn = {d: torch.export.Dim.AUTO for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt)} \
+            if isinstance(v, torch.Tensor) else {}
+        shapes.append(dyn or None)
+    with torch.no_grad():
+        return torch.export.export(lifted, tuple(user_inputs), dynamic_shapes=(tuple(shapes),))  # forward(*user)
+
+
+def _is_dynamic(ep: torch.export.ExportedProgram) -> bool:
+    return any(isinstance(s, torch.SymInt) for n in ep.graph.nodes if n.op == "placeholder"
+               and isinstance(n.meta.get("val"), torch.Tensor) for s in n.meta["val"].shape)
+
+
+# --- compiling per token layout ---------------------------------------------------------------
+
+
+class _CacheKeyPass:
+    """Carries everything the afd passes depend on into Inductor's FX graph cache key (as a
+    custom post-grad pass that does nothing to the graph)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __call__(self, graph: fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return self.key
+
+
+def _custom_pass(key: str) -> object:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class AFDKey(_CacheKeyPass, CustomGraphPass):  # type: ignore[misc]
+        pass
+
+    return AFDKey(key)
+
+
+class PerLayout:
+    """One compiled program per token layout; compiled on first sight, never shared."""
+
+    def __init__(self, program: fx.GraphModule, cache_key: str, inductor: bool, cudagraphs: bool,
+                 name: str) -> None:
+        self.program = program
+        self.cache_key = cache_key
+        self.inductor = inductor
+        self.cudagraphs = cudagraphs
+        self.name = name
+        self.compiled: dict[tuple, Callable[..., Any]] = {}
+
+    def __call__(self, layout: tuple, *inputs: Any) -> Any:
+        fn = self.compiled.get(layout)
+        if fn is None:
+            fn = self._compile(inputs)
+            self.compiled[layout] = fn
+            STATS["layouts_compiled"] += 1
+            log.info("afd: %s: compiled layout %s (%d layouts so far)", self.name, layout, len(self.compiled))
+        return fn(*inputs)
+
+    def _compile(self, inputs: Sequence[Any]) -> Callable[..., Any]:
+        if not self.inductor:
+            return self.program
+        from .passes.tp_rewrite import drop_export_guards
+
+        drop_export_guards(self.program)
+        from torch._guards import TracingContext, tracing
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        t0 = time.perf_counter()
+        patches = {"post_grad_custom_post_pass": _custom_pass(self.cache_key), "triton.cudagraphs": self.cudagraphs}
+        # fake inputs with a shape env (static: one program per layout) so the FX graph cache applies
+        mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+        fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in inputs]
+        with inductor_config.patch(patches), tracing(TracingContext(mode)), torch.no_grad():
+            fn = compile_fx(self.program, fake)
+        log.info("afd: %s: Inductor compile %.1fs", self.name, time.perf_counter() - t0)
+        return fn
+
+
+def _layout_key(opts: BackendOptions, rank: int, world: int) -> str:
+    fields = (PASS_VERSION, torch.__version__, opts.mode, opts.tp, opts.attn_dp, opts.attention, opts.ffn, rank,
+              world, opts.policy)
+    return hashlib.sha256(repr(fields).encode()).hexdigest()
+
+
+def _device_of(xs: Sequence[Any]) -> torch.device:
+    return next((x.device for x in xs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+
+
+def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None,
+                **kwargs: Any) -> Callable[..., Any]:
+    """The ``afd`` dynamo backend (see the module docstring for the options)."""
+    if kwargs:
+        raise BackendOptionError(f"afd backend: unexpected arguments {sorted(kwargs)} (use options={{...}})")
+    opts = BackendOptions.parse(options)
+    rank, world = opts.resolved()
+    STATS["graphs"] += 1
+    if opts.mode == "none":
+        STATS["no_layout"] += 1
+        log.warning("afd: no layout given (tp=1, no attention/ffn ranks): no distribution applied; compiling "
+                    "with Inductor" if opts.inductor else "afd: no layout given: no distribution applied")
+        if not opts.inductor:
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, list(example_inputs))
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise BackendOptionError(f"afd backend: layout {opts.mode} needs torch.distributed initialised on every "
+                                 "rank first (torchrun + afd_compile.runtime.init_distributed())")
+    device = _device_of(example_inputs)
+    cudagraphs = device.type == "cuda" if opts.cudagraphs is None else opts.cudagraphs
+    from torch._guards import tracing
+
+    # export and the passes run in a context of their own: dynamo's tracing context (its fake
+    # mode, its guards) belongs to the frame being compiled
+    with tracing(None):
+        run, positions = _distribute(gm, example_inputs, opts, rank, world, device, cudagraphs)
+
+    def call(*args: Any) -> Any:
+        STATS["calls"] += 1
+        return run(*[args[i] for i in positions])
+
+    return call
+
+
+def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, rank: int, world: int,
+                device: torch.device, cudagraphs: bool) -> tuple[Callable[..., Any], list[int]]:
+    lifted = _Lifted(gm, example_inputs)
+    user = [example_inputs[i] for i in lifted.user_positions]
+    t0 = time.perf_counter()
+    ep = _export(lifted, user)
+    log.info("afd: rank %d: exported dynamo graph (%d nodes) in %.1fs", rank, len(ep.graph.nodes),
+             time.perf_counter() - t0)
+    key = _layout_key(opts, rank, world)
+    if not _is_dynamic(ep) and (opts.attn_dp > 1 or opts.mode == "afd"):
+        raise BackendOptionError(
+            f"afd backend: rank {rank}: {'DP attention' if opts.attn_dp > 1 else 'AFD'} runs programs over a "
+            "token count that changes per step (set by other ranks), so it needs a graph with a dynamic batch: "
+            "torch.compile(model, backend='afd', dynamic=True, options=...), and a first call whose batch and "
+            "sequence are >= 2 (dynamo specialises dims of size 0 and 1)")
+    if opts.mode == "tp":
+        run = _tp_runner(ep, opts, rank, world, key, cudagraphs, device)
+    else:
+        run = _afd_runner(ep, opts, rank, world, key, cudagraphs, device, gm)
+    return run, lifted.user_positions
+
+
+def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
+               cudagraphs: bool, device: torch.device) -> Callable[..., Any]:
+    from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
+    from .passes.roles import POLICIES, annotate_roles
+    from .passes.tp_rewrite import shard_for_rank
+    from .scatter import TPLayout
+    from .verify import _dp_step_counts, _tp_groups
+
+    layout = TPLayout(opts.tp, opts.attn_dp)
+    if layout.tp != world:
+        raise BackendOptionError(f"afd backend: tp={layout.tp} must equal the world size ({world})")
+    groups = _tp_groups(world, [layout])
+    register_group(GROUP_TP, groups[("tp", layout.tp)])
+    register_group(GROUP_ATTN_TP, groups[("attn", layout.attn_tp_group(rank))])
+    gm = ep.module()
+    annotate_roles(gm, POLICIES[opts.policy], graph_name="dynamo")
+    t0 = time.perf_counter()
+    prog = shard_for_rank(gm, layout, rank, graph_name="dynamo").program.to(device)
+    log.info("afd: rank %d: %s program in %.1fs", rank, layout, time.perf_counter() - t0)
+    compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp")
+
+    def run(*user: torch.Tensor) -> Any:
+        shapes = tuple(tuple(x.shape) for x in user)
+        if layout.attn_dp == 1:
+            return compiled(shapes, *user)
+        counts = _dp_step_counts(user, layout, rank)  # one small all-gather per step
+        slots = torch.empty(sum(counts), 0, device=device)
+        return compiled((shapes, counts), *user, slots)
+
+    return run
+
+
+def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
+                cudagraphs: bool, device: torch.device, gm: fx.GraphModule) -> Callable[..., Any]:
+    from .layout import AFDLayout
+    from .passes.roles import POLICIES
+    from .runtime import AttentionWorker, make_worker
+    from .split_api import SplitConfig
+
+    layout = AFDLayout(opts.attention, opts.ffn)
+    if layout.world_size != world:
+        raise BackendOptionError(f"afd backend: attention={opts.attention} + ffn={opts.ffn} ranks must equal the "
+                                 f"world size ({world})")
+    config = SplitConfig(policy=POLICIES[opts.policy], graph_name="dynamo")
+    worker = make_worker(ep.module(), layout, rank, config, device=device)
+    if isinstance(worker, AttentionWorker):
+        compiled = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} attention")
+        worker.program = lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)  # type: ignore[assignment]
+        return worker.step
+    compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
+    worker.run_program = lambda counts, slots: compiled_ffn(counts, slots)  # type: ignore[attr-defined]
+    outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    n_out = len(outs) if isinstance(outs, (list, tuple)) else 1
+
+    def serve_one(*user: torch.Tensor) -> Any:
+        worker.serve_one()
+        empty = torch.empty(0, device=device)
+        return tuple(empty for _ in range(n_out)) if isinstance(outs, (list, tuple)) else empty
+
+    return serve_one

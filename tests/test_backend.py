@@ -1,0 +1,109 @@
+"""The ``afd`` torch.compile backend: entry-point discovery, the no-layout case, option errors,
+and compiled programs on real gloo processes under torchrun (examples/compile_backend.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "compile_backend.py")
+
+FRESH = r"""
+import logging, sys
+import torch
+from torch._dynamo import list_backends
+
+assert "afd" in list_backends(), list_backends()
+assert "afd_compile" not in sys.modules  # found through the entry point, not imported by us
+import transformers
+
+cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                               num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128)
+torch.manual_seed(0)
+m = transformers.LlamaForCausalLM(cfg).eval()
+x = torch.randint(0, 128, (2, 5))
+logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+with torch.no_grad():
+    ref = m(input_ids=x, use_cache=False).logits
+    a = torch.compile(m, backend="afd")(input_ids=x, use_cache=False).logits
+    torch._dynamo.reset()
+    b = torch.compile(m, backend="inductor")(input_ids=x, use_cache=False).logits
+print("err_eager", ((a - ref).abs().max() / ref.abs().max()).item())
+print("err_inductor", ((a - b).abs().max() / b.abs().max()).item())
+"""
+
+
+def test_entry_point_and_no_layout_is_inductor():
+    proc = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    errs = dict(re.findall(r"^(err_\w+) (\S+)$", proc.stdout, flags=re.M))
+    assert float(errs["err_eager"]) <= 1e-5
+    assert float(errs["err_inductor"]) <= 1e-6  # the same Inductor compilation
+    assert "no distribution applied" in proc.stderr
+
+
+def test_bad_options_are_refused_clearly():
+    from afd_compile.backend import BackendOptionError, BackendOptions
+
+    with pytest.raises(BackendOptionError, match=r"unknown option\(s\) \['tensor_parallel'\]"):
+        BackendOptions.parse({"tensor_parallel": 2})
+    with pytest.raises(BackendOptionError, match="not both"):
+        BackendOptions.parse({"tp": 2, "attention": 1, "ffn": 1})
+    with pytest.raises(BackendOptionError, match="needs both attention and ffn"):
+        BackendOptions.parse({"attention": 2})
+    assert BackendOptions.parse(None).mode == "none"
+    assert BackendOptions.parse({"tp": 2, "attn_dp": 2}).mode == "tp"
+
+
+def test_module_paths_of_lifted_parameters():
+    from afd_compile.backend import _module_path
+
+    name = "l_self_modules_model_modules_layers_modules_0_modules_self_attn_modules_q_proj_parameters_weight_"
+    assert _module_path(name) == "model.layers.0.self_attn.q_proj.weight"
+    assert _module_path("l_self_modules_rotary_emb_buffers_inv_freq_") == "rotary_emb.inv_freq"
+    assert _module_path("l_input_ids_") is None
+    assert _module_path("l_self_modules_layers_modules_1_modules_norm_variance_epsilon") is None
+
+
+def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return subprocess.run([torchrun, "--nproc-per-node", str(n), EXAMPLE, *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "AFD_BACKEND": "gloo"})
+
+
+RUNS = [  # (processes, example arguments)
+    (2, ("--tp", "2", "--check-cache")),
+    (2, ("--tp", "2", "--attn-dp", "2", "--family", "qwen3_moe")),
+    (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--check-cache")),
+]
+SLOW_RUNS = [
+    (3, ("--attention", "2", "--ffn", "1")),
+    (2, ("--tp", "2", "--family", "qwen3_moe")),
+]
+
+
+def _check(proc: subprocess.CompletedProcess, n: int, check_cache: bool) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("OK max_rel_err="), lines[-5:]
+    errs = [float(m) for m in re.findall(r"^rank \d+: max_rel_err=(\S+)", proc.stdout, flags=re.M)]
+    assert len(errs) == n and max(errs) <= 1e-5
+    if check_cache:  # a second compile after torch._dynamo.reset() was served by the FX graph cache
+        hits = re.findall(r"fx_graph_cache_hits_on_recompile=(\d+)", proc.stdout)
+        assert len(hits) == n and all(int(h) > 0 for h in hits), hits
+
+
+@pytest.mark.parametrize("n,args", RUNS, ids=[" ".join(a) for _, a in RUNS])
+def test_compiled_matches_eager_under_torchrun(n, args):
+    _check(_torchrun(n, *args), n, "--check-cache" in args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,args", SLOW_RUNS, ids=[" ".join(a) for _, a in SLOW_RUNS])
+def test_compiled_matches_eager_under_torchrun_more_layouts(n, args):
+    _check(_torchrun(n, *args), n, False)
