@@ -22,6 +22,7 @@ Options (all optional)::
     inductor           compile each program with Inductor (default True; False: run the FX program)
     cudagraphs         capture CUDA graphs (default: True when the inputs are on CUDA)
     policy             role policy: default | module_path | structural
+    comm_id            AFD communicator id (two AFD-compiled models in one process need two ids)
 
 With no layout (or one process and ``tp=1``) the backend is Inductor itself, with a log line
 saying no distribution was applied. On an FFN rank each call of the compiled model serves one
@@ -67,6 +68,7 @@ class BackendOptions:
     inductor: bool = True
     cudagraphs: bool | None = None
     policy: str = "default"
+    comm_id: int = 0
 
     @staticmethod
     def parse(options: dict[str, Any] | None) -> BackendOptions:
@@ -391,7 +393,7 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     if layout.world_size != world:
         raise BackendOptionError(f"afd backend: attention={opts.attention} + ffn={opts.ffn} ranks must equal the "
                                  f"world size ({world})")
-    config = SplitConfig(policy=POLICIES[opts.policy], graph_name="dynamo")
+    config = SplitConfig(policy=POLICIES[opts.policy], graph_name="dynamo", comm_id=opts.comm_id)
     worker = make_worker(ep.module(), layout, rank, config, device=device)
     if isinstance(worker, AttentionWorker):
         compiled = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} attention")

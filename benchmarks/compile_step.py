@@ -1,0 +1,101 @@
+"""Step time of the afd backend: compiled + CUDA-graphed vs the eager FX programs, side by side.
+
+    torchrun --nproc-per-node 2 benchmarks/compile_step.py --mode tp --out out/gpu/step_tp.json
+    torchrun --nproc-per-node 2 benchmarks/compile_step.py --mode afd --out out/gpu/step_afd.json
+
+HF Llama with Llama-3-8B-shaped layers (hidden 4096, 32 heads, 8 KV heads, intermediate 14336),
+``--layers`` layers, vocab 32000, bf16, random weights, no KV cache; input T sequences x 1 token.
+Both variants go through ``torch.compile(model, backend="afd")`` with the same layout (tp=2, or 1
+attention : 1 FFN); ``eager`` sets ``inductor=False`` (the FX programs run as they are), ``compiled``
+uses Inductor + CUDA graphs. Reference: the same model on one GPU, eager and ``torch.compile``
+(Inductor default mode) in the same run. Median wall time per step (CUDA synchronised), us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from afd_compile.runtime import init_distributed
+
+
+def _model(layers: int, dev: torch.device) -> torch.nn.Module:
+    import transformers
+
+    from afd_compile.models import LogitsOnly
+
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                   num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=layers,
+                                   max_position_embeddings=4096)
+    torch.manual_seed(0)
+    return LogitsOnly(transformers.LlamaForCausalLM(cfg).eval()).to(device=dev, dtype=torch.bfloat16)
+
+
+def _steps(fn, ids: torch.Tensor, iters: int) -> float:
+    with torch.no_grad():
+        for _ in range(3):  # compile, cudagraph warm-up and record
+            fn(ids)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn(ids)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["tp", "afd"], default="tp")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens", default="8,128")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default="out/gpu/step.json")
+    args = parser.parse_args()
+    rank, world = init_distributed()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    model = _model(args.layers, dev)
+    layout = {"tp": 2} if args.mode == "tp" else {"attention": 1, "ffn": 1}
+    measured_rank = 0 if args.mode == "tp" else 1  # the attention rank in AFD (FFN ranks come first)
+    rows = []
+    for i, T in enumerate(int(t) for t in args.tokens.split(",")):
+        ids = torch.randint(0, 32000, (T, 1), device=dev)
+        row: dict = {"tokens": T}
+        for name, extra in (("eager", {"inductor": False}), ("compiled", {"inductor": True})):
+            torch._dynamo.reset()
+            fn = torch.compile(model, backend="afd", dynamic=True,
+                               options={**layout, **extra, "comm_id": 10 * i + len(row)})
+            row[f"{name}_us"] = _steps(fn, ids, args.iters)
+        if rank == measured_rank:  # one GPU, same model, same input
+            torch._dynamo.reset()
+            row["one_gpu_eager_us"] = _steps(model, ids, args.iters)
+            row["one_gpu_compiled_us"] = _steps(torch.compile(model), ids, args.iters)
+        else:
+            for _ in range(2 * args.iters):  # the reference timings barrier once per timed step
+                dist.barrier()
+        rows.append(row)
+    if rank == measured_rank:
+        print(f"afd backend step time, {args.mode} ({layout}), Llama-8B-shaped x {args.layers} layers, bf16, "
+              f"torch {torch.__version__}; median us per step (rank {rank})")
+        print("| T x 1 token | afd eager FX | afd compiled+graphs | speed-up | 1 GPU eager | 1 GPU compiled |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['tokens']} | {r['eager_us']:.0f} | {r['compiled_us']:.0f} | "
+                  f"{r['eager_us'] / r['compiled_us']:.2f}x | {r['one_gpu_eager_us']:.0f} | "
+                  f"{r['one_gpu_compiled_us']:.0f} |")
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"mode": args.mode, "layers": args.layers, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
