@@ -24,6 +24,10 @@ run() {  # name, then the command; keeps the log, shows its last lines
   grep -v "^W1\|Warning\|warnings.warn\|return cls" "$OUT/$name.txt" | tail -${TAIL:-4}
 }
 want() { [ "$SECTION" = all ] || [ "$SECTION" = "$1" ]; }
+# installed as a user would (the torch.compile backend is found through its entry point); no
+# dependency resolution: the host has torch and transformers, and no internet
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.txt" 2>&1 || {
+  echo "pip install -e . failed (see $OUT/install.txt)"; status=1; }
 {
   python3 -c "import torch, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
   nvidia-smi -L
