@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_suite.sh tests      # or one section: tests | exchange | step | cpu
 # tests:    torch.compile(backend="afd") on NCCL, bf16, Inductor + CUDA graphs, through
 #           examples/compile_backend.py: TP=2 and AFD 1A1F for HF Llama and HF Qwen3-MoE, TP=2 with
-#           DP attention; 8 steps whose token layouts repeat (graph replays with new inputs);
+#           DP attention; 4 steps over 2 token layouts (graph replays with new inputs);
 #           each prints OK only within bf16 rel err 1e-2 of the uncompiled model and with
 #           zero cudagraph skips. Plus the eager-FX AFD runner (examples/afd_torchrun.py, fp32).
 # exchange: benchmarks/gpu_exchange.py (AFD layer exchange in CUDA graphs vs the bare NCCL floor)
@@ -36,11 +36,11 @@ cat "$OUT/env.txt"
 TR="torchrun --nproc-per-node 2"
 if want tests; then
   TAIL=3
-  run compiled_tp2_llama $TR examples/compile_backend.py --tp 2 --dtype bfloat16 --steps 8 --check-cache
-  run compiled_tp2_qwen3moe $TR examples/compile_backend.py --tp 2 --dtype bfloat16 --steps 8 --family qwen3_moe
-  run compiled_tp2_dp2_llama $TR examples/compile_backend.py --tp 2 --attn-dp 2 --dtype bfloat16 --steps 8
-  run compiled_afd1a1f_llama $TR examples/compile_backend.py --attention 1 --ffn 1 --dtype bfloat16 --steps 8
-  run compiled_afd1a1f_qwen3moe $TR examples/compile_backend.py --attention 1 --ffn 1 --dtype bfloat16 --steps 8 --family qwen3_moe
+  run compiled_tp2_llama $TR examples/compile_backend.py --tp 2 --dtype bfloat16 --steps 4 --check-cache
+  run compiled_tp2_qwen3moe $TR examples/compile_backend.py --tp 2 --dtype bfloat16 --steps 4 --family qwen3_moe
+  run compiled_tp2_dp2_llama $TR examples/compile_backend.py --tp 2 --attn-dp 2 --dtype bfloat16 --steps 4
+  run compiled_afd1a1f_llama $TR examples/compile_backend.py --attention 1 --ffn 1 --dtype bfloat16 --steps 4
+  run compiled_afd1a1f_qwen3moe $TR examples/compile_backend.py --attention 1 --ffn 1 --dtype bfloat16 --steps 4 --family qwen3_moe
   run eager_afd1a1f_llama $TR examples/afd_torchrun.py --attention-ranks 1 --ffn-ranks 1
 fi
 if want exchange; then

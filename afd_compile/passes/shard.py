@@ -571,8 +571,8 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int) -> ShardPla
         lin = [n for n in members if n.target in LINEAR_OPS and role_of(n).role is Role.ATTENTION
                and not role_of(n).router]
         before, after = _ancestors([attn]), _descendants(attn)
-        cols = [n for n in lin if n in before]
-        rows = [n for n in lin if n in after]
+        cols = [n for n in lin if n in before and _reads_weight(n)]  # not e.g. the rotary inv_freq matmul
+        rows = [n for n in lin if n in after and _reads_weight(n)]
         if not cols or len(rows) != 1:
             raise ShardError(f"{where}: expected q/k/v projections before {attn.name} and one output projection after "
                              f"it, found {[n.name for n in cols]} / {[n.name for n in rows]}")
@@ -601,6 +601,16 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int) -> ShardPla
                 _check_linear_path([row for _, row in pairs], out, where)
                 rows_out.append((out.name, "mlp", layer))
     return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out))
+
+
+def _reads_weight(n: fx.Node) -> bool:
+    """A projection: one operand is a 2-D graph attribute (directly or transposed)."""
+    for a in n.args[:3]:
+        while isinstance(a, fx.Node) and a.target in (aten.t.default, aten.transpose.int, aten.permute.default):
+            a = a.args[0]
+        if isinstance(a, fx.Node) and a.op == "get_attr" and _ndim(a) in (0, 2):
+            return True
+    return False
 
 
 def _attention_heads(attn: fx.Node) -> int | None:
