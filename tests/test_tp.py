@@ -121,8 +121,24 @@ def test_shard_tensor_blocks_and_replication():
 
 
 def test_unsupported_parts_are_refused_clearly(exported):
-    with pytest.raises(TPRewriteError, match="SCATTERED MLP .* not implemented yet"):
-        _program(exported, "llama2", TPLayout(2, 2, dense_dp=True))
+    with pytest.raises(TPRewriteError, match="layer 0: a SCATTERED dense MLP with attn_tp=2 .* not implemented yet"):
+        _program(exported, "llama2", TPLayout(4, 2, dense_dp=True))
+    with pytest.raises(TPRewriteError, match="layer 0: a SCATTERED moe MLP with attn_tp=1 .* not implemented yet"):
+        _program(exported, "qwen3moe2", TPLayout(2, 2, moe_a2a=True))
+
+
+def test_dense_dp_with_attn_tp_1_runs_dense_mlps_locally(exported):
+    # MoE, dense, MoE: the MoE layers gather (FULL, experts sharded); the dense layer stays on this
+    # rank's tokens with its full weights (SCATTERED, no collective)
+    prog = _program(exported, "qwen3moe3_mixed", TPLayout(2, 2, dense_dp=True))
+    t = _targets(prog)
+    assert t.count(torch.ops.afd.all_gather_tokens.default) == 2
+    assert t.count(torch.ops.afd.reduce_scatter_tokens.default) == 2
+    full = exported("qwen3moe3_mixed")[0].module()
+    name = "model.model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(prog.program.get_parameter(name), full.get_parameter(name))
+    (res,) = run_tp_cases([TPCase(exported("qwen3moe3_mixed")[1], TPLayout(2, 2, dense_dp=True), (3, 0))])
+    assert max(v["max_rel_err"] for v in res.values()) <= 1e-5
 
 
 def _targets(prog):

@@ -549,8 +549,10 @@ def _check_linear_path(rows: list[fx.Node], out: fx.Node, where: str) -> None:
         raise ShardError(f"{where}: the block output {out.name} does not come from {[r.name for r in rows]}")
 
 
-def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int) -> ShardPlan:
-    """Find the linears of every layer and follow their splits. Needs ``afd.role``."""
+def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
+                replicated_mlp: frozenset[int] = frozenset()) -> ShardPlan:
+    """Find the linears of every layer and follow their splits. Needs ``afd.role``. The MLPs of
+    the ``replicated_mlp`` layers keep their full weights (a data-parallel MLP)."""
     from .roles import _ancestors, _descendants, _find_router
 
     weights: list[ShardedWeight] = []
@@ -592,7 +594,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int) -> ShardPla
         if not pairs:
             raise ShardError(f"{where}: the MLP has no down projection fed by up projections "
                              f"(projections found: {[n.name for n in projs]})")
-        if mlp_parts > 1:
+        if mlp_parts > 1 and layer not in replicated_mlp:
             for cols_, row in pairs:
                 _shard_pair(gm, cols_, row, mlp_parts, "mlp", weights, fixes, where)
             if len(pairs) == 1 and _producer_linear(out, ffn_set) is pairs[0][1]:

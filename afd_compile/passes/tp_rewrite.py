@@ -55,10 +55,12 @@ SUPPORTED = {
 
 def _check_supported(plan: TPPlan) -> None:
     for modes, junctions in plan.layers:
-        if modes.mlp is ScatterMode.SCATTERED:
+        local = plan.layout.attn_tp == 1 and modes.kind == "dense"  # fully data-parallel: no collective
+        if modes.mlp is ScatterMode.SCATTERED and not local:
             raise TPRewriteError(
-                f"layer {modes.index}: a SCATTERED MLP (MoE all-to-all or fully data-parallel dense MLP) is "
-                "planned, but its rewrite is not implemented yet; `afd-compile plan` shows the full plan")
+                f"layer {modes.index}: a SCATTERED {modes.kind} MLP with attn_tp={plan.layout.attn_tp} (MoE "
+                "all-to-all, or a data-parallel dense MLP inside an attention-TP group) is planned, but its "
+                "rewrite is not implemented yet; `afd-compile plan` shows the full plan")
         for name in ("prepare_attn", "prepare_mlp", "postprocess_layer"):
             for t in getattr(junctions, name):
                 if t.collective not in SUPPORTED[name]:
@@ -75,13 +77,14 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
     plan = plan_tp(gm, layout, graph_name)
     annotate_dist_states(gm, plan)
     _check_supported(plan)
-    shards = plan_shards(gm, attn_parts=layout.attn_tp, mlp_parts=layout.tp)
+    scattered = frozenset(m.index for m, _ in plan.layers if m.mlp is ScatterMode.SCATTERED)
+    shards = plan_shards(gm, attn_parts=layout.attn_tp, mlp_parts=layout.tp, replicated_mlp=scattered)
     new, _ = _copy_graph_module(gm)
     apply_shards(new, shards, {"attn": layout.attn_tp_rank(rank), "mlp": rank})
     fake_mode = detect_fake_mode([n.meta.get("val") for n in new.graph.nodes if "val" in n.meta])
     by_name = {n.name: n for n in new.graph.nodes}
     if layout.attn_dp > 1:
-        _rewrite_dp_attention(new, layout, rank, fake_mode)
+        _rewrite_dp_attention(new, layout, rank, fake_mode, skip=scattered)
         new.graph.lint()
         new.recompile()
         return TPProgram(new, plan, shards, rank)
@@ -110,7 +113,7 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
 
 
 def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
-                          fake_mode: object) -> None:
+                          fake_mode: object, skip: frozenset[int] = frozenset()) -> None:
     """Junctions of DP attention, per layer (dense MLP, mode FULL):
 
     attn_tp == 1 (norm before all-gather: the norm runs on this rank's tokens only)::
@@ -164,6 +167,8 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
             by_layer.setdefault(r.layer, []).append(n)
     root = 1.0 if layout.attn_tp_rank(rank) == 0 else 0.0
     for layer, members in sorted(by_layer.items()):
+        if layer in skip:  # a SCATTERED (fully data-parallel) MLP: this rank's tokens, replicated weights
+            continue
         where = f"layer {layer}"
         ffn = [n for n in members if n.meta[RKEY].role is Role.FFN]
         ffn_set = set(ffn)
