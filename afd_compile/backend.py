@@ -44,6 +44,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .passes.split import _getattr, _setattr
+
 log = logging.getLogger("afd_compile.backend")
 
 #: pass versions: bump when a pass changes what it emits (part of the Inductor cache key)
@@ -131,7 +133,7 @@ class _Lifted(torch.nn.Module):
             path = _module_path(p.name)
             if isinstance(x, torch.Tensor) and path is not None and path not in used:
                 used.add(path)
-                self._put(path, x)
+                _setattr(self, path, x)
                 self.slots.append(("attr", path))
             elif isinstance(x, torch.Tensor) and x.dim() == 0 and p.name.startswith("l_self_") and _only_item(p):
                 # a float module attribute (an RMSNorm eps) dynamo passes as a 0-d tensor under
@@ -160,23 +162,11 @@ class _Lifted(torch.nn.Module):
                                    "tensor carries")
             self.slots[k] = ("size", found)
 
-    def _put(self, path: str, x: torch.Tensor) -> None:
-        *mods, leaf = path.split(".")
-        owner: torch.nn.Module = self
-        for name in mods:
-            if not hasattr(owner, name):
-                owner.add_module(name, torch.nn.Module())
-            owner = getattr(owner, name)
-        if isinstance(x, torch.nn.Parameter):
-            owner.register_parameter(leaf, x)
-        else:
-            owner.register_buffer(leaf, x)
-
     def forward(self, *user: torch.Tensor) -> Any:
         args = []
         for kind, ref in self.slots:
             if kind == "attr":
-                args.append(self.get_parameter(ref) if ref in dict(self.named_parameters()) else self.get_buffer(ref))
+                args.append(_getattr(self, ref))
             elif kind == "user":
                 args.append(user[ref])
             elif kind == "drop":

@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 
 from .roles import LINEAR_OPS, SDPA_OPS, Role, is_attention_op, role_of
+from .split import _getattr
 from .symbolic import sym_expr
 
 aten = torch.ops.aten
@@ -643,10 +644,10 @@ def _projection_weight(gm: fx.GraphModule, proj: fx.Node, column: bool) -> tuple
     """(target, dim, size) of the weight dim a column (out features) / row (in features) split cuts."""
     if is_grouped_mm(proj):
         w, dim = _expert_weight(proj, 2 if column else 1)
-        return str(w.target), dim, int(_get(gm, w.target).shape[dim])
+        return str(w.target), dim, int(_getattr(gm, w.target).shape[dim])
     w = _weight_of(proj)
     dim = 0 if column else 1
-    return str(w.target), dim, int(_get(gm, w.target).shape[dim])
+    return str(w.target), dim, int(_getattr(gm, w.target).shape[dim])
 
 
 def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int, group: str,
@@ -679,13 +680,6 @@ def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: in
         weights.append(ShardedWeight(str(row.args[2].target), -1, parts, group, "row_bias"))
 
 
-def _get(gm: fx.GraphModule, target: str) -> torch.Tensor:
-    obj: object = gm
-    for p in target.split("."):
-        obj = getattr(obj, p)
-    return obj  # type: ignore[return-value]
-
-
 def shard_tensor(t: torch.Tensor, w: ShardedWeight, rank: int) -> torch.Tensor:
     """This rank's slice of ``t`` (the full weight) under ``w``."""
     if w.kind == "row_bias":
@@ -705,7 +699,7 @@ def apply_shards(gm: fx.GraphModule, plan: ShardPlan, rank_of_group: dict[str, i
     divide the head counts and fused-projection bounds the plan found. A row-parallel bias stays
     on group rank 0 only."""
     for w in plan.weights:
-        t = _get(gm, w.target)
+        t = _getattr(gm, w.target)
         new = shard_tensor(t, w, rank_of_group[w.group])
         *path, leaf = w.target.split(".")
         mod: object = gm
