@@ -37,6 +37,7 @@ import logging
 import os
 import re
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,30 @@ STATS: dict[str, int] = {"graphs": 0, "layouts_compiled": 0, "calls": 0, "no_lay
 
 class BackendOptionError(ValueError):
     pass
+
+
+#: every PerLayout of this process (weakly), so release() can drop their compiled programs
+_LIVE: weakref.WeakSet[PerLayout] = weakref.WeakSet()
+
+
+def release() -> None:
+    """Drop every compiled program and CUDA graph of this process (call before destroying the
+    process group: :func:`afd_compile.runtime.shutdown` does).
+
+    NCCL cannot destroy a communicator while a CUDA graph that captured one of its operations is
+    alive (``ncclCommDestroy`` waits for the graph's reference, pytorch/pytorch#115388), so a
+    process that ran captured collectives and then calls ``destroy_process_group`` hangs at exit
+    unless its graphs are freed first. This clears our per-layout programs, resets dynamo (which
+    shuts down Inductor's CUDA graph trees) and collects the garbage.
+    """
+    import gc
+
+    for per_layout in list(_LIVE):
+        per_layout.compiled.clear()
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 @dataclass(frozen=True)
@@ -237,6 +262,7 @@ class PerLayout:
         self.cudagraphs = cudagraphs
         self.name = name
         self.compiled: dict[tuple, Callable[..., Any]] = {}
+        _LIVE.add(self)
 
     def __call__(self, layout: tuple, *inputs: Any) -> Any:
         fn = self.compiled.get(layout)

@@ -59,6 +59,20 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, bac
     return rank, world_size
 
 
+def shutdown() -> None:
+    """Leave the process group cleanly: free the compiled programs and their CUDA graphs first
+    (:func:`afd_compile.backend.release`; a graph that captured an NCCL operation keeps its
+    communicator from being destroyed, and the process would hang at exit), then
+    ``destroy_process_group``."""
+    import sys
+
+    backend = sys.modules.get("afd_compile.backend")
+    if backend is not None:
+        backend.release()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @dataclass(frozen=True)
 class TokenCount:
     """A step's token count as ``factor * prod(inputs[i].shape[d] for i, d in dims)``."""
@@ -243,8 +257,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     except BaseException as e:  # report, never hang the parent
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown()
 
 
 class RankFailure(RuntimeError):

@@ -22,32 +22,40 @@ import time
 import torch
 import torch.distributed as dist
 
-from afd_compile.runtime import init_distributed
+from afd_compile.runtime import init_distributed, shutdown
+
+VOCAB = 32000
 
 
-def _model(layers: int, dev: torch.device) -> torch.nn.Module:
+def _model(layers: int, dev: torch.device, small: bool) -> torch.nn.Module:
     import transformers
 
     from afd_compile.models import LogitsOnly
 
-    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                                   num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=layers,
-                                   max_position_embeddings=4096)
+    shape = (dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2) if small
+             else dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8))
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, num_hidden_layers=layers, max_position_embeddings=4096, **shape)
     torch.manual_seed(0)
-    return LogitsOnly(transformers.LlamaForCausalLM(cfg).eval()).to(device=dev, dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return LogitsOnly(transformers.LlamaForCausalLM(cfg).eval()).to(device=dev, dtype=dtype)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _steps(fn, ids: torch.Tensor, iters: int) -> float:
     with torch.no_grad():
         for _ in range(3):  # compile, cudagraph warm-up and record
             fn(ids)
-        torch.cuda.synchronize()
+        _sync(ids.device)
         times = []
         for _ in range(iters):
             dist.barrier()
             t0 = time.perf_counter()
             fn(ids)
-            torch.cuda.synchronize()
+            _sync(ids.device)
             times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
 
@@ -59,15 +67,16 @@ def main() -> None:
     parser.add_argument("--tokens", default="8,128")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default="out/gpu/step.json")
+    parser.add_argument("--small", action="store_true", help="a tiny model (hidden 64): checks the script on CPU")
     args = parser.parse_args()
     rank, world = init_distributed()
-    dev = torch.device("cuda", torch.cuda.current_device())
-    model = _model(args.layers, dev)
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    model = _model(args.layers, dev, args.small)
     layout = {"tp": 2} if args.mode == "tp" else {"attention": 1, "ffn": 1}
     measured_rank = 0 if args.mode == "tp" else 1  # the attention rank in AFD (FFN ranks come first)
     rows = []
     for i, T in enumerate(int(t) for t in args.tokens.split(",")):
-        ids = torch.randint(0, 32000, (T, 1), device=dev)
+        ids = torch.randint(0, VOCAB, (T, 1), device=dev)
         row: dict = {"tokens": T}
         for name, extra in (("eager", {"inductor": False}), ("compiled", {"inductor": True})):
             torch._dynamo.reset()
@@ -83,7 +92,8 @@ def main() -> None:
                 dist.barrier()
         rows.append(row)
     if rank == measured_rank:
-        print(f"afd backend step time, {args.mode} ({layout}), Llama-8B-shaped x {args.layers} layers, bf16, "
+        shape = "tiny (--small)" if args.small else "Llama-8B-shaped"
+        print(f"afd backend step time, {args.mode} ({layout}), {shape} x {args.layers} layers, {dev.type}, "
               f"torch {torch.__version__}; median us per step (rank {rank})")
         print("| T x 1 token | afd eager FX | afd compiled+graphs | speed-up | 1 GPU eager | 1 GPU compiled |")
         print("|---|---|---|---|---|---|")
@@ -93,8 +103,9 @@ def main() -> None:
                   f"{r['one_gpu_compiled_us']:.0f} |")
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"mode": args.mode, "layers": args.layers, "torch": torch.__version__, "rows": rows}, f, indent=1)
-    dist.destroy_process_group()
+            json.dump({"mode": args.mode, "layers": args.layers, "small": args.small, "device": dev.type,
+                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+    shutdown()
 
 
 if __name__ == "__main__":

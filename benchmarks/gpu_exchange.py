@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from afd_compile.comm import AFDCommunicator, register_communicator
-from afd_compile.runtime import init_distributed
+from afd_compile.runtime import init_distributed, shutdown
 
 
 def _graph(fn, warmup: int = 2) -> torch.cuda.CUDAGraph:
@@ -125,7 +125,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"hidden": args.hidden, "layers": args.layers, "torch": torch.__version__, "rows": rows}, f,
                       indent=1)
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

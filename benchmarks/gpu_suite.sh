@@ -2,18 +2,20 @@
 # The GPU tests and benchmarks in one command, on a 2-GPU host (device tool kind nvidia-h200-x2).
 # Results (logs, JSON, tables) go under $OUT (default out/gpu).
 #   bash benchmarks/gpu_suite.sh            # everything
-#   bash benchmarks/gpu_suite.sh tests      # or one section: tests | exchange | step | cpu
-# tests:    torch.compile(backend="afd") on NCCL, bf16, Inductor + CUDA graphs, through
-#           examples/compile_backend.py: TP=2 and AFD 1A1F for HF Llama and HF Qwen3-MoE, TP=2 with
-#           DP attention; 4 steps over 2 token layouts (graph replays with new inputs);
-#           each prints OK only within bf16 rel err 1e-2 of the uncompiled model and with
-#           zero cudagraph skips. Plus the eager-FX AFD runner (examples/afd_torchrun.py, fp32).
+#   bash benchmarks/gpu_suite.sh tests step # or some sections: tests | exchange | step | cpu
+# tests:    torch.compile(backend="afd") on NCCL, Inductor + CUDA graphs, through
+#           examples/compile_backend.py: TP=2 and AFD 1A1F for HF Llama and HF Qwen3-MoE (bf16, and
+#           fp32 for the MoE), TP=2 with DP attention; 4 steps over 2 token layouts (graph replays
+#           with new inputs); each prints OK only within rel err 1e-2 (bf16) / 1e-5 (fp32) of the
+#           uncompiled model and with zero cudagraph skips. Plus the eager-FX AFD runner
+#           (examples/afd_torchrun.py, fp32). The jobs run side by side, each under `timeout`.
+#           With "all", the CPU section runs alongside them.
 # exchange: benchmarks/gpu_exchange.py (AFD layer exchange in CUDA graphs vs the bare NCCL floor)
 # step:     benchmarks/compile_step.py for tp and afd (compiled+graphed vs eager, vs one GPU)
-# cpu:      the CPU test suite under this host's torch (checks the torch>=2.11 claim)
+# cpu:      the CPU test suite under this host's torch (checks the torch>=2.11 claim), GPUs hidden
 set -uo pipefail
 OUT=${OUT:-out/gpu}
-SECTION=${1:-all}
+SECTIONS=" ${*:-all} "
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
@@ -23,7 +25,7 @@ run() {  # name, then the command; keeps the log, shows its last lines
   "$@" > "$OUT/$name.txt" 2>&1 || { status=1; echo "   FAILED (exit $?)"; }
   grep -v "^W1\|Warning\|warnings.warn\|return cls" "$OUT/$name.txt" | tail -${TAIL:-4}
 }
-want() { [ "$SECTION" = all ] || [ "$SECTION" = "$1" ]; }
+want() { [[ $SECTIONS == *" all "* || $SECTIONS == *" $1 "* ]]; }
 # installed as a user would (the torch.compile backend is found through its entry point); no
 # dependency resolution: the host has torch and transformers, and no internet
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.txt" 2>&1 || {
@@ -33,15 +35,46 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.tx
   nvidia-smi -L
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-TR="torchrun --nproc-per-node 2"
+TR="torchrun --standalone --nproc-per-node 2"
+# background jobs (each with its own rendezvous port and a time limit: a hang shows as rc 124)
+declare -a JOBS=()
+par() {  # name, then the command
+  local name=$1; shift
+  echo "== $name (background): $*"
+  ( timeout "${LIMIT:-500}" "$@" > "$OUT/$name.txt" 2>&1; echo $? > "$OUT/$name.rc" ) &
+  JOBS+=("$name")
+}
+collect() {  # wait for the background jobs; show each one's exit status and last lines
+  wait
+  for name in "${JOBS[@]}"; do
+    local rc; rc=$(cat "$OUT/$name.rc" 2>/dev/null || echo "?")
+    echo "== $name: exit $rc$([ "$rc" = 124 ] && echo ' (TIMEOUT: hung or too slow)')"
+    [ "$rc" = 0 ] || status=1
+    grep -v "^W1\|Warning\|warnings.warn\|return cls" "$OUT/$name.txt" | tail -"${TAIL:-4}"
+  done
+  JOBS=()
+}
 if want tests; then
-  TAIL=3
-  run compiled_tp2_llama $TR examples/compile_backend.py --tp 2 --dtype bfloat16 --steps 4 --check-cache
-  run compiled_tp2_qwen3moe $TR examples/compile_backend.py --tp 2 --dtype bfloat16 --steps 4 --family qwen3_moe
-  run compiled_tp2_dp2_llama $TR examples/compile_backend.py --tp 2 --attn-dp 2 --dtype bfloat16 --steps 4
-  run compiled_afd1a1f_llama $TR examples/compile_backend.py --attention 1 --ffn 1 --dtype bfloat16 --steps 4
-  run compiled_afd1a1f_qwen3moe $TR examples/compile_backend.py --attention 1 --ffn 1 --dtype bfloat16 --steps 4 --family qwen3_moe
-  run eager_afd1a1f_llama $TR examples/afd_torchrun.py --attention-ranks 1 --ffn-ranks 1
+  # Inductor compiles in parallel jobs: few compile workers each
+  export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}
+  E="examples/compile_backend.py --steps 4"
+  par compiled_tp2_llama $TR $E --tp 2 --dtype bfloat16 --check-cache
+  par compiled_tp2_llama_decode $TR $E --tp 2 --dtype bfloat16 --seq 1
+  par compiled_tp2_dp2_llama $TR $E --tp 2 --attn-dp 2 --dtype bfloat16
+  par compiled_afd1a1f_llama $TR $E --attention 1 --ffn 1 --dtype bfloat16
+  par compiled_afd1a1f_llama_decode $TR $E --attention 1 --ffn 1 --dtype bfloat16 --seq 1
+  par compiled_tp2_qwen3moe $TR $E --tp 2 --family qwen3_moe --dtype bfloat16
+  par compiled_tp2_qwen3moe_fp32 $TR $E --tp 2 --family qwen3_moe
+  par compiled_afd1a1f_qwen3moe $TR $E --attention 1 --ffn 1 --family qwen3_moe --dtype bfloat16
+  par compiled_afd1a1f_qwen3moe_fp32 $TR $E --attention 1 --ffn 1 --family qwen3_moe
+  par eager_afd1a1f_llama $TR examples/afd_torchrun.py --attention-ranks 1 --ffn-ranks 1
+  if want cpu; then  # the CPU suite alongside (it does not touch the GPUs)
+    par pytest_cpu env CUDA_VISIBLE_DEVICES= AFD_BACKEND=gloo python3 -m pytest -q -p no:cacheprovider tests
+  fi
+  TAIL=3 collect
+elif want cpu; then
+  par pytest_cpu env CUDA_VISIBLE_DEVICES= AFD_BACKEND=gloo python3 -m pytest -q -p no:cacheprovider tests
+  TAIL=15 collect
 fi
 if want exchange; then
   TAIL=9 run exchange $TR benchmarks/gpu_exchange.py --out "$OUT/exchange.json"
@@ -49,8 +82,5 @@ fi
 if want step; then
   TAIL=6 run step_tp $TR benchmarks/compile_step.py --mode tp --out "$OUT/step_tp.json"
   TAIL=6 run step_afd $TR benchmarks/compile_step.py --mode afd --out "$OUT/step_afd.json"
-fi
-if want cpu; then
-  TAIL=15 run pytest_cpu python3 -m pytest -q -p no:cacheprovider tests
 fi
 exit $status

@@ -20,7 +20,13 @@ import torch.distributed as dist
 
 from afd_compile.layout import AFDLayout
 from afd_compile.models import build_hf, export_lm
-from afd_compile.runtime import AttentionWorker, init_distributed, make_worker, max_rel_err
+from afd_compile.runtime import (
+    AttentionWorker,
+    init_distributed,
+    make_worker,
+    max_rel_err,
+    shutdown,
+)
 
 
 def main() -> int:
@@ -60,7 +66,7 @@ def main() -> int:
     ok = max(errs) <= 1e-5
     if rank == layout.ffn_ranks:
         print(f"{'OK' if ok else 'FAIL'} max_rel_err={max(errs):.3g}")
-    dist.destroy_process_group()
+    shutdown()
     return 0 if ok else 1
 
 

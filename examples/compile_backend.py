@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from afd_compile.models import build_hf
-from afd_compile.runtime import init_distributed, max_rel_err
+from afd_compile.runtime import init_distributed, max_rel_err, shutdown
 
 
 def main() -> int:
@@ -39,6 +39,7 @@ def main() -> int:
     parser.add_argument("--family", default="llama", choices=["llama", "qwen3_moe"])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=4, help="tokens per sequence (1: a decode step)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-inductor", action="store_true", help="run the FX programs (no Inductor)")
     parser.add_argument("--check-cache", action="store_true",
@@ -62,10 +63,11 @@ def main() -> int:
         group, ffn_rank = rank // attn_tp, False
     err = 0.0
     for step in range(args.steps):
-        # batch and sequence >= 2 on the first call: dynamo specialises dims of size 0/1; two token
+        # batch >= 2 on the first call: dynamo specialises dims of size 0/1 (a sequence of 1 is a
+        # decode graph, static in the sequence); two token
         # layouts per rank, alternating, so from step 2 on every step replays a compiled layout
         batch = 2 + (max(group, 0) + step) % 2
-        ids = torch.randint(0, 128, (batch, 4), generator=torch.Generator().manual_seed(100 * group + step))
+        ids = torch.randint(0, 128, (batch, args.seq), generator=torch.Generator().manual_seed(100 * group + step))
         ids = ids.to(device)
         with torch.no_grad():
             out = compiled(ids)
@@ -105,7 +107,7 @@ def main() -> int:
             print(f"rank {r}: max_rel_err={e:.3g}{cache} layouts_compiled={layouts} calls={calls} "
                   f"cudagraph_skips={skips}")
         print(f"{'OK' if ok else 'FAIL'} max_rel_err={max(errs):.3g}")
-    dist.destroy_process_group()
+    shutdown()
     return 0 if ok else 1
 
 

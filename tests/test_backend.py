@@ -72,12 +72,12 @@ def test_module_paths_of_lifted_parameters():
 
 def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return subprocess.run([torchrun, "--nproc-per-node", str(n), EXAMPLE, *args], capture_output=True, text=True,
+    return subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(n), EXAMPLE, *args], capture_output=True, text=True,
                           timeout=600, env={**os.environ, "AFD_BACKEND": "gloo"})
 
 
 RUNS = [  # (processes, example arguments)
-    (2, ("--tp", "2", "--check-cache")),
+    (2, ("--tp", "2", "--seq", "1", "--check-cache")),  # a decode graph (sequence 1, static)
     (2, ("--tp", "2", "--attn-dp", "2", "--family", "qwen3_moe")),
     (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--check-cache")),
 ]

@@ -46,6 +46,18 @@ def test_standard_tp_inserts_two_all_reduces_per_layer(exported):
     assert fixes == {(2, 1), (4, 2)}
 
 
+def test_decode_graph_with_one_token_per_sequence_splits_the_same_heads():
+    # seq == 1 is static in a decode graph (dynamo and export specialise size-1 dims): the head
+    # reshape x[B, 1, H*D] -> [B, 1, H, D] must split H, not the size-1 sequence dim
+    from afd_compile.models import build_hf, export_lm
+
+    gm = export_lm(build_hf("llama", num_layers=1), seq=1).module()
+    annotate_roles(gm)
+    prog = shard_for_rank(gm, TPLayout(2), 0, graph_name="decode", fuse_norm=False)
+    assert {(f.old, f.new) for f in prog.shards.arg_fixes} == {(2, 1), (4, 2)}
+    assert "each slice on" not in str(prog.shards)  # no KV head replicated
+
+
 def test_ranks_get_different_slices(exported):
     p0 = dict(_program(exported, "llama2", TPLayout(2), 0).program.named_parameters())
     p1 = dict(_program(exported, "llama2", TPLayout(2), 1).program.named_parameters())

@@ -220,9 +220,13 @@ def _reshape(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None =
     prefix = sympy.Integer(1)
     for x in ishape[:d]:
         prefix *= x
+    # the leading dims kept as they are (x[B, S, H*D] -> [B, S, H, D]): the split dim stays at d.
+    # Matching by the product of the leading dims alone is ambiguous when a size-1 dim follows
+    # them (decode: S == 1 makes [B, 1, H, D]'s dims 1 and 2 both start after a prefix B)
+    kept = len(oshape) > d and all(sympy.simplify(a - b) == 0 for a, b in zip(ishape[:d], oshape[:d], strict=False))
     acc = sympy.Integer(1)
     for j, size in enumerate(oshape):
-        if sympy.simplify(acc - prefix) == 0:
+        if (j == d) if kept else sympy.simplify(acc - prefix) == 0:
             if not (size.is_Integer and int(size) % parts == 0 and int(size) >= parts):
                 if size.is_Integer and int(size) > 0 and parts % int(size) == 0:
                     raise _Replicate(int(size))
