@@ -41,14 +41,14 @@ declare -a JOBS=()
 par() {  # name, then the command
   local name=$1; shift
   echo "== $name (background): $*"
-  ( timeout "${LIMIT:-500}" "$@" > "$OUT/$name.txt" 2>&1; echo $? > "$OUT/$name.rc" ) &
+  ( timeout -s INT -k 20 "${LIMIT:-500}" "$@" > "$OUT/$name.txt" 2>&1; echo $? > "$OUT/$name.rc" ) &
   JOBS+=("$name")
 }
 collect() {  # wait for the background jobs; show each one's exit status and last lines
   wait
   for name in "${JOBS[@]}"; do
     local rc; rc=$(cat "$OUT/$name.rc" 2>/dev/null || echo "?")
-    echo "== $name: exit $rc$([ "$rc" = 124 ] && echo ' (TIMEOUT: hung or too slow)')"
+    echo "== $name: exit $rc$([ "$rc" = 124 ] || [ "$rc" = 130 ] && echo ' (TIMEOUT: hung or too slow; interrupted)')"
     [ "$rc" = 0 ] || status=1
     grep -v "^W1\|Warning\|warnings.warn\|return cls" "$OUT/$name.txt" | tail -"${TAIL:-4}"
   done
