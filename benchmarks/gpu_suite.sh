@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks in one command, on a 2-GPU host (device tool kind nvidia-h200-x2).
-# Results (logs, JSON, tables) go under $OUT (default out/gpu).
+# Results (logs, JSON, tables) go under $OUT (default out/gpu), and all of them in $OUT/gpu_suite_logs.tgz.
+# ONLY=<grep -E pattern> runs the matching jobs only; PYTEST_ARGS narrows the CPU suite.
 #   bash benchmarks/gpu_suite.sh            # everything
 #   bash benchmarks/gpu_suite.sh tests step # or some sections: tests | exchange | step | cpu
 # tests:    torch.compile(backend="afd") on NCCL, Inductor + CUDA graphs, through
@@ -19,8 +20,9 @@ SECTIONS=" ${*:-all} "
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
-run() {  # name, then the command; keeps the log, shows its last lines
+run() {  # name, then the command; keeps the log, shows its last lines (skipped unless it matches $ONLY)
   local name=$1; shift
+  echo "$name" | grep -Eq "${ONLY:-.}" || return 0
   echo "== $name: $*"
   "$@" > "$OUT/$name.txt" 2>&1 || { status=1; echo "   FAILED (exit $?)"; }
   grep -v "^W1\|Warning\|warnings.warn\|return cls" "$OUT/$name.txt" | tail -${TAIL:-4}
@@ -38,8 +40,9 @@ cat "$OUT/env.txt"
 TR="torchrun --standalone --nproc-per-node 2"
 # background jobs (each with its own rendezvous port and a time limit: a hang shows as rc 124)
 declare -a JOBS=()
-par() {  # name, then the command
+par() {  # name, then the command (skipped unless the name matches $ONLY, a grep -E pattern)
   local name=$1; shift
+  echo "$name" | grep -Eq "${ONLY:-.}" || return 0
   echo "== $name (background): $*"
   ( timeout -s INT -k 20 "${LIMIT:-500}" "$@" > "$OUT/$name.txt" 2>&1; echo $? > "$OUT/$name.rc" ) &
   JOBS+=("$name")
@@ -69,11 +72,11 @@ if want tests; then
   par compiled_afd1a1f_qwen3moe_fp32 $TR $E --attention 1 --ffn 1 --family qwen3_moe
   par eager_afd1a1f_llama $TR examples/afd_torchrun.py --attention-ranks 1 --ffn-ranks 1
   if want cpu; then  # the CPU suite alongside (it does not touch the GPUs)
-    par pytest_cpu env CUDA_VISIBLE_DEVICES= AFD_BACKEND=gloo python3 -m pytest -q -p no:cacheprovider tests
+    par pytest_cpu env CUDA_VISIBLE_DEVICES= AFD_BACKEND=gloo python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests}
   fi
   TAIL=3 collect
 elif want cpu; then
-  par pytest_cpu env CUDA_VISIBLE_DEVICES= AFD_BACKEND=gloo python3 -m pytest -q -p no:cacheprovider tests
+  par pytest_cpu env CUDA_VISIBLE_DEVICES= AFD_BACKEND=gloo python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests}
   TAIL=15 collect
 fi
 if want exchange; then
@@ -83,4 +86,6 @@ if want step; then
   TAIL=6 run step_tp $TR benchmarks/compile_step.py --mode tp --out "$OUT/step_tp.json"
   TAIL=6 run step_afd $TR benchmarks/compile_step.py --mode afd --out "$OUT/step_afd.json"
 fi
+# everything in one archive as well (the device tool brings back a limited number of files)
+tar czf "$OUT/../gpu_suite_logs.tgz" -C "$OUT" . 2>/dev/null && mv "$OUT/../gpu_suite_logs.tgz" "$OUT/"
 exit $status

@@ -125,3 +125,20 @@ def test_explicit_matmul_softmax_attention_without_mlp_module_is_found_structura
     targets = [str(n.target) for n in gm.graph.nodes if n.meta[META_KEY].role is Role.FFN]
     assert targets.count("aten.linear.default") == 2 and "aten.gelu.default" in targets
     assert "aten.layer_norm.default" not in targets
+
+
+def test_in_place_op_nobody_reads_belongs_with_the_tensor_it_mutates(exported):
+    # transformers 5.17's MoE clamps the sorted expert ids in place (``expert_ids_g.clamp_``) and
+    # never reads the result: the mutation must stay in the FFN region, not leak to attention
+    from afd_compile.passes.split import plan_split
+
+    gm = exported("llama2")[0].module()
+    gate = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default
+                and "gate_proj" in str(n.meta.get("nn_module_stack", "")))
+    with gm.graph.inserting_after(gate):
+        clamp = gm.graph.call_function(torch.ops.aten.clamp_.default, (gate, None, 100.0))
+    clamp.meta["val"] = gate.meta["val"]
+    gm.recompile()
+    annotate_roles(gm)
+    assert clamp.meta[META_KEY] == gate.meta[META_KEY] == NodeRole(0, Role.FFN)
+    assert len(plan_split(gm).cuts) == 2  # the FFN region of layer 0 still has one output

@@ -369,6 +369,13 @@ class RoleSummary:
         )
 
 
+def _mutates_first_arg(n: fx.Node) -> bool:
+    if not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    args = n.target._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
 def annotate_roles(
     gm: fx.GraphModule,
     policy: RolePolicy = default_policy,
@@ -401,8 +408,11 @@ def annotate_roles(
                 f"{graph_name}: layer {layer} has an FFN region but no attention op on the attention side"
             )
     _share_size_arithmetic(gm, roles)
-    for n in gm.graph.nodes:  # a metadata assertion belongs with the tensor it checks
-        if n.target == aten._assert_tensor_metadata.default and isinstance(n.args[0], fx.Node):
+    for n in gm.graph.nodes:
+        # a metadata assertion belongs with the tensor it checks, and an in-place op nobody reads
+        # (transformers 5.17's MoE: ``expert_ids.clamp_(...)``) with the tensor it mutates
+        if isinstance(n.args[0] if n.args else None, fx.Node) and (
+                n.target == aten._assert_tensor_metadata.default or (not n.users and _mutates_first_arg(n))):
             roles[n] = roles[n.args[0]]
     routers: list[str | None] = []
     for layer in layers:
