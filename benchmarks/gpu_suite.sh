@@ -87,5 +87,5 @@ if want step; then
   TAIL=6 run step_afd $TR benchmarks/compile_step.py --mode afd --out "$OUT/step_afd.json"
 fi
 # everything in one archive as well (the device tool brings back a limited number of files)
-tar czf "$OUT/../gpu_suite_logs.tgz" -C "$OUT" . 2>/dev/null && mv "$OUT/../gpu_suite_logs.tgz" "$OUT/"
+tar czf "/tmp/gpu_suite_logs.$$.tgz" -C "$OUT" --exclude gpu_suite_logs.tgz . && mv "/tmp/gpu_suite_logs.$$.tgz" "$OUT/gpu_suite_logs.tgz"
 exit $status
