@@ -20,7 +20,10 @@ Options (all optional)::
     attention, ffn     AFD: the first `ffn` ranks serve FFN, the rest attention (world = A + F)
     rank, world_size   default: RANK / WORLD_SIZE from the environment (torchrun)
     inductor           compile each program with Inductor (default True; False: run the FX program)
-    cudagraphs         capture CUDA graphs (default: True when the inputs are on CUDA)
+    cudagraphs         capture CUDA graphs (default: on CUDA, yes unless a program holds an op that
+                       synchronises with the host (HOST_SYNC_OPS): then that program runs without
+                       capture, with a warning, counted in STATS["cudagraphs_off"]; True refuses such a
+                       program; False never captures)
     policy             role policy: default | module_path | structural
     comm_id            AFD communicator id (two AFD-compiled models in one process need two ids)
 
@@ -53,7 +56,13 @@ log = logging.getLogger("afd_compile.backend")
 PASS_VERSION = "afd-passes-1"
 
 #: counters of this process: graphs compiled per layout, calls, layouts seen
-STATS: dict[str, int] = {"graphs": 0, "layouts_compiled": 0, "calls": 0, "no_layout": 0}
+STATS: dict[str, int] = {"graphs": 0, "layouts_compiled": 0, "calls": 0, "no_layout": 0, "cudagraphs_off": 0}
+
+#: ops that synchronise with the host inside (so a CUDA graph cannot capture them), and why
+HOST_SYNC_OPS: dict[str, str] = {
+    "transformers::grouped_mm_fallback": "copies the per-expert offsets to the host (transformers' MoE fallback "
+                                         "for dtypes other than bf16 under torch.compile)",
+}
 
 
 class BackendOptionError(ValueError):
@@ -251,15 +260,36 @@ def _custom_pass(key: str) -> object:
     return AFDKey(key)
 
 
-class PerLayout:
-    """One compiled program per token layout; compiled on first sight, never shared."""
+def host_syncs(program: fx.GraphModule) -> list[tuple[str, str]]:
+    """(node, why) for every node of ``program`` a CUDA graph cannot capture (:data:`HOST_SYNC_OPS`)."""
+    found = []
+    for n in program.graph.nodes:
+        if isinstance(n.target, torch._ops.OpOverload) and n.target.name() in HOST_SYNC_OPS:
+            found.append((n.name, f"{n.target.name()} {HOST_SYNC_OPS[n.target.name()]}"))
+    return found
 
-    def __init__(self, program: fx.GraphModule, cache_key: str, inductor: bool, cudagraphs: bool,
+
+class PerLayout:
+    """One compiled program per token layout; compiled on first sight, never shared.
+
+    ``cudagraphs``: True / False, or None for "capture unless the program holds an op that
+    synchronises with the host" (then capture is off for this program, with a warning naming the
+    node, counted in ``STATS["cudagraphs_off"]``); True with such an op is an error."""
+
+    def __init__(self, program: fx.GraphModule, cache_key: str, inductor: bool, cudagraphs: bool | None,
                  name: str) -> None:
         self.program = program
         self.cache_key = cache_key
         self.inductor = inductor
-        self.cudagraphs = cudagraphs
+        syncs = host_syncs(program) if inductor and cudagraphs is not False else []
+        if syncs and cudagraphs:
+            raise BackendOptionError(f"afd backend: {name}: cudagraphs=True, but node {syncs[0][0]} cannot be captured "
+                                     f"in a CUDA graph: {syncs[0][1]}")
+        if syncs:
+            STATS["cudagraphs_off"] += 1
+            log.warning("afd: %s: no CUDA graphs for this program: node %s %s (%d such nodes); it runs compiled "
+                        "without graph capture", name, syncs[0][0], syncs[0][1], len(syncs))
+        self.cudagraphs = bool(cudagraphs is not False and not syncs)
         self.name = name
         self.compiled: dict[tuple, Callable[..., Any]] = {}
         _LIVE.add(self)
@@ -329,7 +359,8 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
         raise BackendOptionError(f"afd backend: layout {opts.mode} needs torch.distributed initialised on every "
                                  "rank first (torchrun + afd_compile.runtime.init_distributed())")
     device = _device_of(example_inputs)
-    cudagraphs = device.type == "cuda" if opts.cudagraphs is None else opts.cudagraphs
+    # None on CUDA: capture unless a program holds an op that cannot be captured (PerLayout)
+    cudagraphs = (None if device.type == "cuda" else False) if opts.cudagraphs is None else opts.cudagraphs
     from torch._guards import tracing
 
     # export and the passes run in a context of their own: dynamo's tracing context (its fake
@@ -345,7 +376,7 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
 
 
 def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, rank: int, world: int,
-                device: torch.device, cudagraphs: bool) -> tuple[Callable[..., Any], list[int]]:
+                device: torch.device, cudagraphs: bool | None) -> tuple[Callable[..., Any], list[int]]:
     lifted = _Lifted(gm, example_inputs)
     user = [example_inputs[i] for i in lifted.user_positions]
     t0 = time.perf_counter()
@@ -367,7 +398,7 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
 
 
 def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
-               cudagraphs: bool, device: torch.device) -> Callable[..., Any]:
+               cudagraphs: bool | None, device: torch.device) -> Callable[..., Any]:
     from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
     from .passes.roles import POLICIES, annotate_roles
     from .passes.tp_rewrite import shard_for_rank
@@ -399,7 +430,7 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
 
 
 def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
-                cudagraphs: bool, device: torch.device, gm: fx.GraphModule) -> Callable[..., Any]:
+                cudagraphs: bool | None, device: torch.device, gm: fx.GraphModule) -> Callable[..., Any]:
     from .layout import AFDLayout
     from .passes.roles import POLICIES
     from .runtime import AttentionWorker, make_worker

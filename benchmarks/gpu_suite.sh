@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks in one command, on a 2-GPU host (device tool kind nvidia-h200-x2).
-# Results (logs, JSON, tables) go under $OUT (default out/gpu), and all of them in $OUT/gpu_suite_logs.tgz.
+# Results (logs, JSON, tables) go under $OUT (default out/gpu), and all of them in $OUT/00_gpu_suite_logs.tgz.
 # ONLY=<grep -E pattern> runs the matching jobs only; PYTEST_ARGS narrows the CPU suite.
 #   bash benchmarks/gpu_suite.sh            # everything
 #   bash benchmarks/gpu_suite.sh tests step # or some sections: tests | exchange | step | cpu
@@ -66,9 +66,9 @@ if want tests; then
   par compiled_tp2_dp2_llama $TR $E --tp 2 --attn-dp 2 --dtype bfloat16
   par compiled_afd1a1f_llama $TR $E --attention 1 --ffn 1 --dtype bfloat16
   par compiled_afd1a1f_llama_decode $TR $E --attention 1 --ffn 1 --dtype bfloat16 --seq 1
-  par compiled_tp2_qwen3moe $TR $E --tp 2 --family qwen3_moe --dtype bfloat16
+  par compiled_tp2_qwen3moe $TR $E --tp 2 --family qwen3_moe --dtype bfloat16 --control
   par compiled_tp2_qwen3moe_fp32 $TR $E --tp 2 --family qwen3_moe
-  par compiled_afd1a1f_qwen3moe $TR $E --attention 1 --ffn 1 --family qwen3_moe --dtype bfloat16
+  par compiled_afd1a1f_qwen3moe $TR $E --attention 1 --ffn 1 --family qwen3_moe --dtype bfloat16 --control
   par compiled_afd1a1f_qwen3moe_fp32 $TR $E --attention 1 --ffn 1 --family qwen3_moe
   par eager_afd1a1f_llama $TR examples/afd_torchrun.py --attention-ranks 1 --ffn-ranks 1
   if want cpu; then  # the CPU suite alongside (it does not touch the GPUs)
@@ -87,5 +87,5 @@ if want step; then
   TAIL=6 run step_afd $TR benchmarks/compile_step.py --mode afd --out "$OUT/step_afd.json"
 fi
 # everything in one archive as well (the device tool brings back a limited number of files)
-tar czf "/tmp/gpu_suite_logs.$$.tgz" -C "$OUT" --exclude gpu_suite_logs.tgz . && mv "/tmp/gpu_suite_logs.$$.tgz" "$OUT/gpu_suite_logs.tgz"
+tar czf "/tmp/gpu_suite_logs.$$.tgz" -C "$OUT" --exclude 00_gpu_suite_logs.tgz . && mv "/tmp/gpu_suite_logs.$$.tgz" "$OUT/00_gpu_suite_logs.tgz"
 exit $status

@@ -12,7 +12,10 @@ the rank's program with Inductor. Each step every rank calls the compiled model 
 different batch sizes, 2 or 3, so no dim is specialised to 1); an FFN rank's call serves its attention peers. Attention/TP ranks compare
 with the uncompiled model on their tokens; rank 0 prints the last line ``OK max_rel_err=<x>`` or
 ``FAIL max_rel_err=<x>`` (fp32: 1e-5; bf16 with --dtype bfloat16: 1e-2). gloo on CPU; NCCL when
-CUDA is available (AFD_BACKEND=gloo forces gloo); on CUDA the programs are graph-captured.
+CUDA is available (AFD_BACKEND=gloo forces gloo); on CUDA the programs are graph-captured (except a
+program holding an op that syncs with the host, reported as programs_without_cudagraphs).
+``--control`` also reports the error of plain ``torch.compile`` (Inductor, one process) on the same
+tokens: the part of the error that compiling alone brings (bf16 MoE routing is sensitive to it).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ def main() -> int:
     parser.add_argument("--no-inductor", action="store_true", help="run the FX programs (no Inductor)")
     parser.add_argument("--check-cache", action="store_true",
                         help="compile a second time after torch._dynamo.reset(); fail unless the FX graph cache hits")
+    parser.add_argument("--control", action="store_true",
+                        help="also report plain torch.compile (backend='inductor', one process) against the same "
+                             "uncompiled model on the same tokens: the error compiling alone introduces")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the backend does")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
@@ -61,7 +67,7 @@ def main() -> int:
     else:
         attn_tp = args.tp // args.attn_dp
         group, ffn_rank = rank // attn_tp, False
-    err = 0.0
+    err, control, seen = 0.0, None, []
     for step in range(args.steps):
         # batch >= 2 on the first call: dynamo specialises dims of size 0/1 (a sequence of 1 is a
         # decode graph, static in the sequence); two token
@@ -73,6 +79,11 @@ def main() -> int:
             out = compiled(ids)
             if not ffn_rank:
                 err = max(err, max_rel_err(out.float(), model(ids).float()))
+                seen.append(ids)
+    if args.control and not ffn_rank:
+        alone = torch.compile(model, backend="inductor", dynamic=True)
+        with torch.no_grad():
+            control = max(max_rel_err(alone(ids).float(), model(ids).float()) for ids in seen)
     hits = None
     if args.check_cache:  # a second compile of the same model and layout: Inductor's FX graph cache serves it
         from torch._dynamo.utils import counters
@@ -89,7 +100,8 @@ def main() -> int:
 
     from afd_compile.backend import STATS  # imported by the backend already; read its counters
 
-    info = (STATS["layouts_compiled"], STATS["calls"], counters["inductor"]["cudagraph_skips"])
+    info = (STATS["layouts_compiled"], STATS["calls"], counters["inductor"]["cudagraph_skips"],
+            STATS["cudagraphs_off"], control)
     infos: list[tuple | None] = [None] * world
     dist.all_gather_object(infos, info)
     errs: list[float | None] = [None] * world
@@ -103,9 +115,10 @@ def main() -> int:
     if rank == 0:
         for r, e in enumerate(errs):
             cache = f" fx_graph_cache_hits_on_recompile={all_hits[r]}" if args.check_cache else ""
-            layouts, calls, skips = infos[r]
+            layouts, calls, skips, off, ctl = infos[r]
+            alone = f" inductor_alone_err={ctl:.3g}" if ctl is not None else ""
             print(f"rank {r}: max_rel_err={e:.3g}{cache} layouts_compiled={layouts} calls={calls} "
-                  f"cudagraph_skips={skips}")
+                  f"cudagraph_skips={skips} programs_without_cudagraphs={off}{alone}")
         print(f"{'OK' if ok else 'FAIL'} max_rel_err={max(errs):.3g}")
     shutdown()
     return 0 if ok else 1

@@ -107,3 +107,20 @@ def test_compiled_matches_eager_under_torchrun(n, args):
 @pytest.mark.parametrize("n,args", SLOW_RUNS, ids=[" ".join(a) for _, a in SLOW_RUNS])
 def test_compiled_matches_eager_under_torchrun_more_layouts(n, args):
     _check(_torchrun(n, *args), n, False)
+
+
+def test_programs_with_host_syncing_ops_are_not_graph_captured(exported):
+    # transformers' fp32 MoE fallback (transformers::grouped_mm_fallback) copies its offsets to the
+    # host: a CUDA graph cannot capture it. Default: that program runs uncaptured, with a warning
+    # and a count; cudagraphs=True: a clear error naming the node
+    from afd_compile.backend import STATS, BackendOptionError, PerLayout, host_syncs
+
+    gm = exported("qwen3moe2")[0].module()
+    syncs = host_syncs(gm)
+    assert len(syncs) == 4 and "grouped_mm_fallback" in syncs[0][1]  # 2 layers x (gate_up, down)
+    before = STATS["cudagraphs_off"]
+    assert PerLayout(gm, "k", True, None, "rank 0 tp").cudagraphs is False
+    assert STATS["cudagraphs_off"] == before + 1
+    with pytest.raises(BackendOptionError, match=f"rank 0 tp: cudagraphs=True, but node {syncs[0][0]} cannot be"):
+        PerLayout(gm, "k", True, True, "rank 0 tp")
+    assert PerLayout(exported("llama2")[0].module(), "k", True, None, "rank 0 tp").cudagraphs is True
