@@ -60,6 +60,18 @@ def _steps(fn, ids: torch.Tensor, iters: int) -> float:
     return statistics.median(times)
 
 
+def _profile(fn, ids: torch.Tensor, show: bool) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.device.type == "cuda" else [])
+    with torch.no_grad(), profile(activities=activities) as prof:
+        for _ in range(3):
+            fn(ids)
+        _sync(ids.device)
+    if show:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["tp", "afd"], default="tp")
@@ -67,6 +79,9 @@ def main() -> None:
     parser.add_argument("--tokens", default="8,128")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default="out/gpu/step.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile 3 steps of the compiled variant (first token count) on the measured rank and "
+                             "print the top host-side ops (shows cudaGraphLaunch and what else a step costs)")
     parser.add_argument("--small", action="store_true", help="a tiny model (hidden 64): checks the script on CPU")
     args = parser.parse_args()
     rank, world = init_distributed()
@@ -83,6 +98,8 @@ def main() -> None:
             fn = torch.compile(model, backend="afd", dynamic=True,
                                options={**layout, **extra, "comm_id": 10 * i + len(row)})
             row[f"{name}_us"] = _steps(fn, ids, args.iters)
+            if args.profile and name == "compiled" and i == 0:
+                _profile(fn, ids, rank == measured_rank)
         if rank == measured_rank:  # one GPU, same model, same input
             torch._dynamo.reset()
             row["one_gpu_eager_us"] = _steps(model, ids, args.iters)
