@@ -292,6 +292,8 @@ class PerLayout:
         self.cudagraphs = bool(cudagraphs is not False and not syncs)
         self.name = name
         self.compiled: dict[tuple, Callable[..., Any]] = {}
+        self.compile_id = torch._guards.CompileContext.current_compile_id()  # dynamo's, when built in the backend
+        self.static_inputs: int | None = None  # inputs Inductor keeps at fixed addresses (weights), once compiled
         _LIVE.add(self)
 
     def __call__(self, layout: tuple, *inputs: Any) -> Any:
@@ -320,8 +322,16 @@ class PerLayout:
         # fake inputs with a shape env (static: one program per layout) so the FX graph cache applies
         mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in inputs]
-        with inductor_config.patch(patches), tracing(TracingContext(mode)), torch.no_grad():
+        # mark the program as dynamo's: AOT then takes its parameters and buffers as static inputs.
+        # Without the mark it finds no static input, and every CUDA graph replay first copies every
+        # weight into the graph's input buffers (measured on the GPU host: 41 copies, ~0.7 ms per
+        # step of an 8B-shaped 4-layer TP2 program)
+        self.program.meta.setdefault("dynamo_compile_id", self.compile_id)
+        context = TracingContext(mode)
+        with inductor_config.patch(patches), tracing(context), torch.no_grad():
             fn = compile_fx(self.program, fake)
+        meta = context.fw_metadata
+        self.static_inputs = len(meta.static_input_indices) if meta is not None else None
         log.info("afd: %s: Inductor compile %.1fs", self.name, time.perf_counter() - t0)
         return fn
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "compile_backend.py")
 
@@ -124,3 +125,18 @@ def test_programs_with_host_syncing_ops_are_not_graph_captured(exported):
     with pytest.raises(BackendOptionError, match=f"rank 0 tp: cudagraphs=True, but node {syncs[0][0]} cannot be"):
         PerLayout(gm, "k", True, True, "rank 0 tp")
     assert PerLayout(exported("llama2")[0].module(), "k", True, None, "rank 0 tp").cudagraphs is True
+
+
+def test_weights_are_static_inputs_of_the_compiled_program(exported):
+    # CUDA graphs copy every non-static input into their buffers on each replay: the weights must
+    # be static (AOT decides it from the program's dynamo mark) or each step re-copies the model
+    from afd_compile.backend import PerLayout
+
+    gm = exported("llama2")[0].module()
+    per_layout = PerLayout(gm, "static-inputs-test", True, False, "rank 0 tp")
+    ids = torch.randint(0, 128, (2, 4))
+    out, ref = per_layout(((2, 4),), ids), gm(ids)
+    torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out,
+                               ref[0] if isinstance(ref, tuple) else ref)
+    weights = len(list(gm.parameters())) + len(list(gm.buffers()))
+    assert per_layout.static_inputs == weights
