@@ -23,6 +23,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)),
+    # explicit (eager) attention with logit soft-capping, sandwich norms
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128)),
+    # parallel residual, interleaved rotary (stack + flatten), biases
+    "gptj": ("GPTJForCausalLM", "GPTJConfig", dict(
+        vocab_size=128, n_embd=64, n_head=4, rotary_dim=8, n_positions=128, bos_token_id=0, eos_token_id=0)),
 }
 
 

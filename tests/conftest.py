@@ -18,6 +18,8 @@ MODELS = {
     "qwen3moe2": ("qwen3_moe", 2, {}),
     "qwen3moe3_mixed": ("qwen3_moe", 3, {"mlp_only_layers": [1]}),
     "phi3": ("phi3", 2, {}),
+    "gemma2": ("gemma2", 2, {}),
+    "gptj": ("gptj", 2, {}),
 }
 
 

@@ -58,6 +58,20 @@ def test_decode_graph_with_one_token_per_sequence_splits_the_same_heads():
     assert "each slice on" not in str(prog.shards)  # no KV head replicated
 
 
+def test_explicit_attention_shards_v_with_q_and_k(exported):
+    # softmax(q @ k^T) @ v: v enters after the softmax, and p @ v is not the output projection
+    prog = _program(exported, "gemma2", TPLayout(2), fuse_norm=False)
+    sharded = {w.target for w in prog.shards.weights}
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert f"model.model.layers.0.self_attn.{proj}.weight" in sharded
+
+
+@pytest.mark.parametrize("name,why", [("gptj", "parallel-residual block"), ("gemma2", "norm after the projection")])
+def test_dp_attention_with_attn_tp_refuses_unsupported_blocks_clearly(exported, name, why):
+    with pytest.raises(TPRewriteError, match=f"layer 0: DP attention with attn_tp > 1 .*{why}"):
+        _program(exported, name, TPLayout(4, 2))
+
+
 def test_ranks_get_different_slices(exported):
     p0 = dict(_program(exported, "llama2", TPLayout(2), 0).program.named_parameters())
     p1 = dict(_program(exported, "llama2", TPLayout(2), 1).program.named_parameters())
@@ -201,6 +215,9 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group)
     ("llama2_mha", 4, 2, (0, 2)),
     ("qwen3moe3_mixed", 4, 2, (2, 5)),   # MoE under DP attention: expert buffers sized from all groups' tokens
     ("qwen3moe2", 2, 2, (3, 0)),         # attn_tp == 1, a group with zero tokens
+    ("gemma2", 4, 1, (2,)),              # explicit softmax attention (soft-capped), KV replicated
+    ("gptj", 2, 2, (3, 1)),              # parallel residual, stack/flatten rotary; attn_tp == 1
+    ("gptj", 4, 1, (2,)),
 ]
 
 

@@ -39,7 +39,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .roles import LINEAR_OPS, SDPA_OPS, Role, is_attention_op, role_of
+from .roles import LINEAR_OPS, MATMUL_OPS, SDPA_OPS, Role, is_attention_op, role_of
 from .split import _getattr
 from .symbolic import sym_expr
 
@@ -185,6 +185,34 @@ def _along_other_dim(node: fx.Node, sdim: dict, parts: int) -> int | None:
     return d
 
 
+def _stack(node: fx.Node, sdim: dict, parts: int) -> int | None:
+    """stack(xs, dim): a new dim at ``dim``; the split dim moves right when it is at or after it
+    (GPT-J's rotary stacks the rotated halves along a new last dim)."""
+    srcs = node.args[0]
+    split = {sdim[s] for s in srcs if s in sdim}
+    if len(split) != 1 or any(s not in sdim for s in srcs):
+        raise ShardError(f"{node.name} ({node.target}) mixes split and unsplit inputs")
+    d = split.pop()
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % _ndim(node)
+    return d if d < dim else d + 1
+
+
+def _flatten(node: fx.Node, sdim: dict, parts: int) -> int | None:
+    """flatten(x, start, end): dims start..end merge; the split dim may only be the outermost of them."""
+    src = node.args[0]
+    n = _ndim(src)
+    start = (node.args[1] if len(node.args) > 1 else 0) % max(n, 1)
+    end = (node.args[2] if len(node.args) > 2 else -1) % max(n, 1)
+    d = sdim[src]
+    if d < start:
+        return d
+    if d > end:
+        return d - (end - start)
+    if d != start:
+        raise ShardError(f"{node.name}: flatten merges the split dim {d} into dims {start}..{end} as an inner dim")
+    return start
+
+
 def _getitem(node: fx.Node, sdim: dict, parts: int) -> int | None:
     return sdim[node.args[0]]
 
@@ -263,7 +291,7 @@ RULES.update({
     aten.transpose.int: _transpose, aten.permute.default: _permute, aten.unsqueeze.default: _unsqueeze,
     aten.slice.Tensor: _along_other_dim, aten.cat.default: _along_other_dim, aten.chunk.default: _along_other_dim,
     aten.split.Tensor: _along_other_dim, aten.split_with_sizes.default: _along_other_dim,
-    aten.select.int: _along_other_dim,
+    aten.select.int: _along_other_dim, aten.stack.default: _stack, aten.flatten.using_ints: _flatten,
     operator.getitem: _getitem,
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.matmul.default: _matmul, aten.bmm.default: _matmul,
@@ -545,6 +573,7 @@ def _check_linear_path(rows: list[fx.Node], out: fx.Node, where: str) -> None:
         ok |= n.target in (aten.mul.Tensor, aten.div.Tensor) and len(on) == 1 and (
             n.target == aten.mul.Tensor or n.args[0] in on)
         ok |= n.target == aten.masked_fill.Scalar and len(on) == 1 and n.args[0] in on and n.args[2] == 0
+        ok |= n.target == aten.dropout.default and n.args[0] in on and (n.args[1] == 0 or not n.args[2])  # identity
         ok |= n.target in (aten.add.Tensor, aten.sub.Tensor) and len(n.all_input_nodes) == 2 and len(on) == 2
         if not ok:
             raise ShardError(f"{where}: {n.name} ({n.target}) sits between the row-parallel "
@@ -577,7 +606,8 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
         attn = attn_ops[0]
         lin = [n for n in members if n.target in LINEAR_OPS and role_of(n).role is Role.ATTENTION
                and not role_of(n).router]
-        before, after = _ancestors([attn]), _descendants(attn)
+        anchor = _attention_output(attn)  # explicit attention: v enters at the matmul after the softmax
+        before, after = _ancestors([anchor]), _descendants(anchor)
         cols = [n for n in lin if n in before and _reads_weight(n)]  # not e.g. the rotary inv_freq matmul
         rows = [n for n in lin if n in after and _reads_weight(n)]
         if not cols or len(rows) != 1:
@@ -618,6 +648,20 @@ def _reads_weight(n: fx.Node) -> bool:
         if isinstance(a, fx.Node) and a.op == "get_attr" and _ndim(a) in (0, 2):
             return True
     return False
+
+
+def _attention_output(attn: fx.Node) -> fx.Node:
+    """The node where attention's inputs (q, k and v) have all arrived: SDPA itself, or for an
+    explicit ``softmax(q @ k^T) @ v`` the first matmul after the softmax (within a few ops)."""
+    if attn.target in SDPA_OPS:
+        return attn
+    frontier = list(attn.users)
+    for _ in range(6):
+        hit = next((n for n in frontier if n.target in MATMUL_OPS), None)
+        if hit is not None:
+            return hit
+        frontier = [u for n in frontier for u in n.users]
+    return attn
 
 
 def _attention_heads(attn: fx.Node) -> int | None:

@@ -193,6 +193,11 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
                     u.replace_input_with(ffn_in, gathered)
         else:
             h1, row_out, x_res = _residual_add_after_attention(members, ffn[0], where)
+            if ffn_in is not h1 and ffn_in not in _descendants(h1):
+                raise TPRewriteError(
+                    f"{where}: DP attention with attn_tp > 1 needs the MLP to read the residual sum after "
+                    f"attention ({h1.name}); its input {ffn_in.name} does not come from it (a parallel-residual "
+                    "block, GPT-J / GPT-NeoX style): not supported yet; use attn_dp == 1 or attn_tp == 1")
             norm_nodes = sorted((_descendants(h1) & _ancestors([ffn_in])) - {h1},
                                 key={n: i for i, n in enumerate(graph.nodes)}.__getitem__)
             with graph.inserting_before(h1):
@@ -277,11 +282,12 @@ def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, wh
     """The add joining the attention output projection with the residual: (add, o, x)."""
     from .roles import ADD_OPS, LINEAR_OPS, Role, is_attention_op
     from .roles import META_KEY as RKEY
+    from .shard import _reads_weight
 
     pos = {n: i for i, n in enumerate(members)}
     attn = next(n for n in members if is_attention_op(n))
     rows = [n for n in members if n.target in LINEAR_OPS and pos[attn] < pos[n] < pos.get(first_ffn, 1 << 30)
-            and n.meta[RKEY].role is Role.ATTENTION]
+            and n.meta[RKEY].role is Role.ATTENTION and _reads_weight(n)]  # not explicit attention's p @ v
     if not rows:
         raise TPRewriteError(f"{where}: no output projection after the attention op")
     row = rows[0]
@@ -291,7 +297,10 @@ def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, wh
         if u.target in ADD_OPS and len(u.all_input_nodes) == 2:
             other = next(a for a in u.all_input_nodes if a is not row)
             return u, row, other
-    raise TPRewriteError(f"{where}: the output projection {row.name} is not added to the residual directly")
+    raise TPRewriteError(
+        f"{where}: DP attention with attn_tp > 1 needs the attention output projection {row.name} added to the "
+        f"residual directly; it feeds {[f'{u.name} ({u.target})' for u in row.users]} (e.g. Gemma-2's norm after "
+        "the projection): not supported yet; use attn_dp == 1 or attn_tp == 1")
 
 
 def _is_identity(n: fx.Node) -> bool:
