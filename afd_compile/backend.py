@@ -327,6 +327,10 @@ class PerLayout:
         # weight into the graph's input buffers (measured on the GPU host: 41 copies, ~0.7 ms per
         # step of an 8B-shaped 4-layer TP2 program)
         self.program.meta.setdefault("dynamo_compile_id", self.compile_id)
+        if "_param_name_to_source" in vars(self.program) and self.program._param_name_to_source is None:
+            # torch 2.11's AOT cache key leaves this field behind as None after a compile; the next
+            # layout's compile would then take the program for a dynamo graph without its sources
+            del self.program._param_name_to_source
         context = TracingContext(mode)
         with inductor_config.patch(patches), tracing(context), torch.no_grad():
             fn = compile_fx(self.program, fake)

@@ -310,14 +310,44 @@ def is_grouped_mm(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and "grouped_mm" in t.name()
 
 
-def _weight_of(linear: fx.Node) -> fx.Node:
-    if linear.target != aten.linear.default:
-        raise ShardError(f"{linear.name}: {linear.target} projections (e.g. GPT-2's Conv1D, weight [in, out]) "
-                         "cannot be tensor-sharded yet; only aten.linear(x, weight[out, in]) is")
-    w = linear.args[1]
-    if not (isinstance(w, fx.Node) and w.op == "get_attr"):
-        raise ShardError(f"{linear.name}: linear weight is not a graph attribute ({w})")
-    return w
+@dataclass(frozen=True)
+class _Proj:
+    """A projection's operands: activation ``x``, the weight attribute, which weight dim holds the
+    output features (0: ``linear``'s ``[out, in]``; 1: ``[in, out]`` as GPT-2's Conv1D ``addmm``
+    or a plain ``x @ W``), and the bias attribute if any."""
+
+    x: fx.Node
+    weight: fx.Node
+    out_dim: int
+    bias: fx.Node | None
+
+
+def _projection(n: fx.Node) -> _Proj:
+    """``linear(x, W[out, in], b)``, ``addmm(b, x, W[in, out])``, ``mm/matmul(x, W[in, out])``, or
+    ``mm/matmul(x, W.t())`` with ``W[out, in]``."""
+    bias = None
+    if n.target == aten.linear.default:
+        x, w = n.args[:2]
+        bias, out_dim = (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")), 0
+    elif n.target == aten.addmm.default:
+        if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+            raise ShardError(f"{n.name}: addmm with beta/alpha other than 1 cannot be tensor-sharded")
+        bias, x, w = n.args[:3]
+        out_dim = 1
+    elif n.target in (aten.mm.default, aten.matmul.default):
+        x, w = n.args[:2]
+        out_dim = 1
+    else:
+        raise ShardError(f"{n.name}: {n.target} is not a projection afd-compile can tensor-shard (linear, addmm, "
+                         "mm or matmul with a 2-D weight attribute)")
+    if isinstance(w, fx.Node) and n.target != aten.linear.default and (
+            w.target == aten.t.default or (w.target == aten.transpose.int and {a % 2 for a in w.args[1:3]} == {0, 1})):
+        w, out_dim = w.args[0], 1 - out_dim  # x @ W.t(): W is stored [out, in]
+    if not (isinstance(w, fx.Node) and w.op == "get_attr" and _ndim(w) in (0, 2)):
+        raise ShardError(f"{n.name}: projection weight is not a 2-D graph attribute ({w})")
+    if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr"):
+        raise ShardError(f"{n.name}: projection bias is not a graph attribute ({bias})")
+    return _Proj(x, w, out_dim, bias)
 
 
 def _expert_weight(mm: fx.Node, operand_dim: int) -> tuple[fx.Node, int]:
@@ -451,7 +481,7 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
         seen.add(n)
         split_in = [a for a in n.all_input_nodes if a in sdim]
         if n in rows:
-            a = n.args[0]
+            a = n.args[0] if is_grouped_mm(n) else _projection(n).x
             if sdim.get(a) != _ndim(a) - 1:
                 raise ShardError(f"{where}: row-parallel {n.name} gets an input not split along its last dim")
             if t.factor[a] != parts:
@@ -543,10 +573,14 @@ def _column_row_pairs(projs: list[fx.Node], where: str) -> list[tuple[list[fx.No
     from .roles import _ancestors
 
     pset = set(projs)
-    rows = [n for n in projs if _ancestors([n.args[0]]) & pset]
+
+    def act(n: fx.Node) -> fx.Node:  # the activation operand
+        return n.args[0] if is_grouped_mm(n) else _projection(n).x
+
+    rows = [n for n in projs if _ancestors([act(n)]) & pset]
     pairs = []
     for row in rows:
-        cols = [c for c in projs if c in _ancestors([row.args[0]]) and c not in rows]
+        cols = [c for c in projs if c in _ancestors([act(row)]) and c not in rows]
         if not cols:
             raise ShardError(f"{where}: {row.name} reads another down projection's output")
         pairs.append((cols, row))
@@ -693,9 +727,9 @@ def _projection_weight(gm: fx.GraphModule, proj: fx.Node, column: bool) -> tuple
     if is_grouped_mm(proj):
         w, dim = _expert_weight(proj, 2 if column else 1)
         return str(w.target), dim, int(_getattr(gm, w.target).shape[dim])
-    w = _weight_of(proj)
-    dim = 0 if column else 1
-    return str(w.target), dim, int(_getattr(gm, w.target).shape[dim])
+    p = _projection(proj)
+    dim = p.out_dim if column else 1 - p.out_dim
+    return str(p.weight.target), dim, int(_getattr(gm, p.weight.target).shape[dim])
 
 
 def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int, group: str,
@@ -720,12 +754,14 @@ def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: in
         target, dim, size = _projection_weight(gm, c, True)
         blocks, rep = _block_fixes(c, track, parts, fixes)
         weights.append(ShardedWeight(target, dim, parts, group, "column", blocks, rep))
-        if c.target == aten.linear.default and len(c.args) > 2 and isinstance(c.args[2], fx.Node):
-            weights.append(ShardedWeight(str(c.args[2].target), 0, parts, group, "column", blocks, rep))
+        bias = None if is_grouped_mm(c) else _projection(c).bias
+        if bias is not None:
+            weights.append(ShardedWeight(str(bias.target), 0, parts, group, "column", blocks, rep))
     target, dim, size = _projection_weight(gm, row, False)
     weights.append(ShardedWeight(target, dim, parts, group, "row", (size,)))
-    if row.target == aten.linear.default and len(row.args) > 2 and isinstance(row.args[2], fx.Node):
-        weights.append(ShardedWeight(str(row.args[2].target), -1, parts, group, "row_bias"))
+    bias = None if is_grouped_mm(row) else _projection(row).bias
+    if bias is not None:  # added once: kept on group rank 0, zeros elsewhere
+        weights.append(ShardedWeight(str(bias.target), -1, parts, group, "row_bias"))
 
 
 def shard_tensor(t: torch.Tensor, w: ShardedWeight, rank: int) -> torch.Tensor:
