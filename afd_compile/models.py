@@ -27,6 +27,9 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=128)),
+    # Conv1D projections (addmm with weight [in, out]), fused c_attn split into q/k/v, biases
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(
+        vocab_size=128, n_embd=64, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),
     # parallel residual, interleaved rotary (stack + flatten), biases
     "gptj": ("GPTJForCausalLM", "GPTJConfig", dict(
         vocab_size=128, n_embd=64, n_head=4, rotary_dim=8, n_positions=128, bos_token_id=0, eos_token_id=0)),

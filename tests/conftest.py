@@ -20,6 +20,7 @@ MODELS = {
     "phi3": ("phi3", 2, {}),
     "gemma2": ("gemma2", 2, {}),
     "gptj": ("gptj", 2, {}),
+    "gpt2": ("gpt2", 2, {}),
 }
 
 

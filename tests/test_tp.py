@@ -58,6 +58,20 @@ def test_decode_graph_with_one_token_per_sequence_splits_the_same_heads():
     assert "each slice on" not in str(prog.shards)  # no KV head replicated
 
 
+def test_conv1d_projections_shard_their_out_features_blockwise(exported):
+    # GPT-2: c_attn is addmm(bias, x, W[in, 3 * hidden]) split into q/k/v; c_proj is row-parallel
+    prog = _program(exported, "gpt2", TPLayout(2), fuse_norm=False)
+    by_target = {w.target: w for w in prog.shards.weights}
+    attn = "model.transformer.h.0.attn."
+    c_attn, c_attn_bias = by_target[attn + "c_attn.weight"], by_target[attn + "c_attn.bias"]
+    assert (c_attn.dim, c_attn.kind, c_attn.blocks) == (1, "column", (64, 64, 64))
+    assert (c_attn_bias.dim, c_attn_bias.blocks) == (0, (64, 64, 64))
+    assert (by_target[attn + "c_proj.weight"].dim, by_target[attn + "c_proj.weight"].kind) == (0, "row")
+    assert by_target[attn + "c_proj.bias"].kind == "row_bias"
+    params = dict(prog.program.named_parameters())
+    assert tuple(params[attn + "c_attn.weight"].shape) == (64, 96)
+
+
 def test_explicit_attention_shards_v_with_q_and_k(exported):
     # softmax(q @ k^T) @ v: v enters after the softmax, and p @ v is not the output projection
     prog = _program(exported, "gemma2", TPLayout(2), fuse_norm=False)
@@ -218,6 +232,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group)
     ("gemma2", 4, 1, (2,)),              # explicit softmax attention (soft-capped), KV replicated
     ("gptj", 2, 2, (3, 1)),              # parallel residual, stack/flatten rotary; attn_tp == 1
     ("gptj", 4, 1, (2,)),
+    ("gpt2", 4, 2, (2, 3)),              # Conv1D (addmm, weight [in, out]), fused c_attn split; DP attention
 ]
 
 

@@ -291,7 +291,8 @@ def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, wh
     if not rows:
         raise TPRewriteError(f"{where}: no output projection after the attention op")
     row = rows[0]
-    while len(row.users) == 1 and _is_identity(next(iter(row.users))):  # e.g. dropout in eval
+    # e.g. dropout in eval, or the view back to [batch, seq, hidden] after a 2-D addmm (GPT-2)
+    while len(row.users) == 1 and (_is_identity(next(iter(row.users))) or next(iter(row.users)).target in _VIEWS):
         row = next(iter(row.users))
     for u in row.users:
         if u.target in ADD_OPS and len(u.all_input_nodes) == 2:
@@ -301,6 +302,9 @@ def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, wh
         f"{where}: DP attention with attn_tp > 1 needs the attention output projection {row.name} added to the "
         f"residual directly; it feeds {[f'{u.name} ({u.target})' for u in row.users]} (e.g. Gemma-2's norm after "
         "the projection): not supported yet; use attn_dp == 1 or attn_tp == 1")
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
 
 
 def _is_identity(n: fx.Node) -> bool:
