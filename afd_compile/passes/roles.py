@@ -195,24 +195,27 @@ def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
 # --- structural policy -------------------------------------------------------------------------
 
 
-def _ancestors(nodes: Iterable[fx.Node], stop: Callable[[fx.Node], bool] = lambda n: False) -> set[fx.Node]:
+def _ancestors(nodes: Iterable[fx.Node], stop: Callable[[fx.Node], bool] = lambda n: False,
+               within: set[fx.Node] | None = None) -> set[fx.Node]:
+    """``nodes`` and every node they read, transitively (not past ``stop``; only inside ``within``)."""
     seen: set[fx.Node] = set()
     stack = list(nodes)
     while stack:
         n = stack.pop()
-        if n in seen or stop(n):
+        if n in seen or stop(n) or (within is not None and n not in within):
             continue
         seen.add(n)
         stack.extend(n.all_input_nodes)
     return seen
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
+def _descendants(node: fx.Node, within: set[fx.Node] | None = None) -> set[fx.Node]:
+    """``node`` and every node reached through its users (only through ``within`` when given)."""
     seen: set[fx.Node] = set()
     stack = [node]
     while stack:
         n = stack.pop()
-        if n in seen:
+        if n in seen or (within is not None and n not in within):
             continue
         seen.add(n)
         stack.extend(n.users)

@@ -566,7 +566,8 @@ _LINEAR_IN_PARTIAL = {
 }
 
 
-def _column_row_pairs(projs: list[fx.Node], where: str) -> list[tuple[list[fx.Node], fx.Node]]:
+def _column_row_pairs(projs: list[fx.Node], region: set[fx.Node],
+                      where: str) -> list[tuple[list[fx.Node], fx.Node]]:
     """Group an MLP's projections into (column-parallel inputs, row-parallel output) pairs: a row
     reads a value computed from other projections, its columns are those projections. Others
     (a shared expert's gate: a linear to one sigmoid) stay replicated."""
@@ -577,10 +578,13 @@ def _column_row_pairs(projs: list[fx.Node], where: str) -> list[tuple[list[fx.No
     def act(n: fx.Node) -> fx.Node:  # the activation operand
         return n.args[0] if is_grouped_mm(n) else _projection(n).x
 
-    rows = [n for n in projs if _ancestors([act(n)]) & pset]
+    def up(n: fx.Node) -> set[fx.Node]:  # ancestors inside the MLP region (a walk linear in its size)
+        return _ancestors([act(n)], within=region)
+
+    rows = [n for n in projs if up(n) & pset]
     pairs = []
     for row in rows:
-        cols = [c for c in projs if c in _ancestors([act(row)]) and c not in rows]
+        cols = [c for c in projs if c in up(row) and c not in rows]
         if not cols:
             raise ShardError(f"{where}: {row.name} reads another down projection's output")
         pairs.append((cols, row))
@@ -590,14 +594,14 @@ def _column_row_pairs(projs: list[fx.Node], where: str) -> list[tuple[list[fx.No
     return pairs
 
 
-def _check_linear_path(rows: list[fx.Node], out: fx.Node, where: str) -> None:
+def _check_linear_path(rows: list[fx.Node], out: fx.Node, region: set[fx.Node], where: str) -> None:
     """Everything between the row-parallel outputs and the block output must be linear in them
     (partial sums may be scaled, indexed, reshaped, summed, added to each other), so settling
     the sum once at the block output equals settling each at its row."""
     from .roles import _ancestors, _descendants
 
-    up = _ancestors([out]) | {out}
-    path = {n for r in rows for n in _descendants(r) & up} - set(rows)
+    up = _ancestors([out], within=region) | {out}
+    path = {n for r in rows for n in _descendants(r, region) & up} - set(rows)
     partial = path | set(rows)
     for n in path:
         if n.target in IGNORED:
@@ -641,7 +645,9 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
         lin = [n for n in members if n.target in LINEAR_OPS and role_of(n).role is Role.ATTENTION
                and not role_of(n).router]
         anchor = _attention_output(attn)  # explicit attention: v enters at the matmul after the softmax
-        before, after = _ancestors([anchor]), _descendants(anchor)
+        layer_nodes = set(members)  # walks stay inside the layer: linear in the graph, not quadratic
+        before = _ancestors([anchor], within=layer_nodes)
+        after = _descendants(anchor, layer_nodes)
         cols = [n for n in lin if n in before and _reads_weight(n)]  # not e.g. the rotary inv_freq matmul
         rows = [n for n in lin if n in after and _reads_weight(n)]
         if not cols or len(rows) != 1:
@@ -659,7 +665,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
         router = _find_router(ffn)
         projs = [n for n in ffn if (n.target in LINEAR_OPS or is_grouped_mm(n)) and n is not router
                  and not role_of(n).router]
-        pairs = _column_row_pairs(projs, where)
+        pairs = _column_row_pairs(projs, ffn_set, where)
         if not pairs:
             raise ShardError(f"{where}: the MLP has no down projection fed by up projections "
                              f"(projections found: {[n.name for n in projs]})")
@@ -669,7 +675,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
             if len(pairs) == 1 and _producer_linear(out, ffn_set) is pairs[0][1]:
                 rows_out.append((pairs[0][1].name, "mlp", layer))  # settle right after the down projection
             else:  # several partial sums (experts + shared experts) or a combine step: settle at the block output
-                _check_linear_path([row for _, row in pairs], out, where)
+                _check_linear_path([row for _, row in pairs], out, ffn_set, where)
                 rows_out.append((out.name, "mlp", layer))
     return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out))
 

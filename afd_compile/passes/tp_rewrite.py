@@ -193,13 +193,14 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
                     u.replace_input_with(ffn_in, gathered)
         else:
             h1, row_out, x_res = _residual_add_after_attention(members, ffn[0], where)
-            if ffn_in is not h1 and ffn_in not in _descendants(h1):
+            layer_nodes = set(members)
+            if ffn_in is not h1 and ffn_in not in _descendants(h1, layer_nodes):
                 raise TPRewriteError(
                     f"{where}: DP attention with attn_tp > 1 needs the MLP to read the residual sum after "
                     f"attention ({h1.name}); its input {ffn_in.name} does not come from it (a parallel-residual "
                     "block, GPT-J / GPT-NeoX style): not supported yet; use attn_dp == 1 or attn_tp == 1")
-            norm_nodes = sorted((_descendants(h1) & _ancestors([ffn_in])) - {h1},
-                                key={n: i for i, n in enumerate(graph.nodes)}.__getitem__)
+            between = _descendants(h1, layer_nodes) & _ancestors([ffn_in], within=layer_nodes)
+            norm_nodes = sorted(between - {h1}, key=members.index)
             with graph.inserting_before(h1):
                 scaled = b.call(aten_mul, (x_res, root), "dp_residual_once")
                 pre = b.call(aten_add, (row_out, scaled), "dp_pre_gather")
