@@ -21,6 +21,7 @@ MODELS = {
     "gemma2": ("gemma2", 2, {}),
     "gptj": ("gptj", 2, {}),
     "gpt2": ("gpt2", 2, {}),
+    "granite": ("granite", 2, {}),
 }
 
 

@@ -80,6 +80,14 @@ def test_explicit_attention_shards_v_with_q_and_k(exported):
         assert f"model.model.layers.0.self_attn.{proj}.weight" in sharded
 
 
+def test_dp_attention_looks_through_a_scalar_residual_multiplier(exported):
+    # Granite scales o_proj's output before the residual add: linear, so the partial sum is
+    # gathered (and settled) after the scaling
+    prog = _program(exported, "granite", TPLayout(4, 2), fuse_norm=False)
+    pre = [n for n in prog.program.graph.nodes if n.name.startswith("dp_pre_gather")]
+    assert len(pre) == 2 and all(n.args[0].target == torch.ops.aten.mul.Tensor for n in pre)
+
+
 @pytest.mark.parametrize("name,why", [("gptj", "parallel-residual block"), ("gemma2", "norm after the projection")])
 def test_dp_attention_with_attn_tp_refuses_unsupported_blocks_clearly(exported, name, why):
     with pytest.raises(TPRewriteError, match=f"layer 0: DP attention with attn_tp > 1 .*{why}"):

@@ -292,8 +292,9 @@ def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, wh
     if not rows:
         raise TPRewriteError(f"{where}: no output projection after the attention op")
     row = rows[0]
-    # e.g. dropout in eval, or the view back to [batch, seq, hidden] after a 2-D addmm (GPT-2)
-    while len(row.users) == 1 and (_is_identity(next(iter(row.users))) or next(iter(row.users)).target in _VIEWS):
+    # dropout in eval, the view back to [batch, seq, hidden] after a 2-D addmm (GPT-2), a scalar
+    # multiplier (Granite's residual_multiplier): linear, so the partial sum passes through them
+    while len(row.users) == 1 and _passes_partial(next(iter(row.users)), row):
         row = next(iter(row.users))
     for u in row.users:
         if u.target in ADD_OPS and len(u.all_input_nodes) == 2:
@@ -306,6 +307,13 @@ def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, wh
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
+
+def _passes_partial(n: fx.Node, src: fx.Node) -> bool:
+    scalar_mul = n.target in (torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, torch.ops.aten.div.Tensor) and (
+        n.args[0] is src and isinstance(n.args[1], (int, float)))
+    scalar_mul |= n.target == torch.ops.aten.mul.Tensor and n.args[1] is src and isinstance(n.args[0], (int, float))
+    return _is_identity(n) or n.target in _VIEWS or scalar_mul
 
 
 def _is_identity(n: fx.Node) -> bool:
