@@ -4,13 +4,14 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+EXTRA_SPEC ?=
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-torch211 lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)" $(EXTRA_SPEC)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
@@ -21,8 +22,14 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check afd_compile tests benchmarks examples
 	$(PY) -m pytest -q
 
+# the oldest supported torch (the GPU host's: torch 2.11, transformers 5.17) in a second venv,
+# CPU only (the torch 2.11 wheel pulls its CUDA libraries: a few GB)
+test-torch211:
+	CUDA_VISIBLE_DEVICES= AFD_BACKEND=gloo \
+		$(MAKE) test VENV=.venv-211 TORCH_SPEC=torch==2.11.0 EXTRA_SPEC=transformers==5.17.0
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/pass_time.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-211 build *.egg-info
