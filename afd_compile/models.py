@@ -30,6 +30,10 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # Conv1D projections (addmm with weight [in, out]), fused c_attn split into q/k/v, biases
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(
         vocab_size=128, n_embd=64, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),
+    # q/k RMSNorm over all heads before the head split; norms after attention and MLP
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=0, eos_token_id=0)),
     # scalar multipliers on the embedding, the residual branches and the logits
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,

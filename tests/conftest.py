@@ -22,6 +22,7 @@ MODELS = {
     "gptj": ("gptj", 2, {}),
     "gpt2": ("gpt2", 2, {}),
     "granite": ("granite", 2, {}),
+    "olmo2": ("olmo2", 2, {}),
 }
 
 

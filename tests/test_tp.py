@@ -72,6 +72,22 @@ def test_conv1d_projections_shard_their_out_features_blockwise(exported):
     assert tuple(params[attn + "c_attn.weight"].shape) == (64, 96)
 
 
+def test_norm_over_all_heads_settles_its_mean_across_ranks(exported):
+    # OLMo-2 normalises q and k over all heads before splitting them: each rank's mean covers its
+    # slice, one all-reduce / tp makes it the full mean; the norm's scale is sharded like q / k
+    prog = _program(exported, "olmo2", TPLayout(2), fuse_norm=False)
+    assert len(prog.shards.split_means) == 4  # q and k norm, 2 layers
+    means = {m for m, *_ in prog.shards.split_means}
+    for n in prog.program.graph.nodes:
+        if n.name in means:
+            (ar,) = n.users
+            assert ar.target == torch.ops.afd.all_reduce.default
+            (div,) = ar.users
+            assert div.target == torch.ops.aten.div.Tensor and div.args[1] == 2
+    params = dict(prog.program.named_parameters())
+    assert tuple(params["model.model.layers.0.self_attn.q_norm.weight"].shape) == (32,)
+
+
 def test_explicit_attention_shards_v_with_q_and_k(exported):
     # softmax(q @ k^T) @ v: v enters after the softmax, and p @ v is not the output projection
     prog = _program(exported, "gemma2", TPLayout(2), fuse_norm=False)
@@ -241,6 +257,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group)
     ("gptj", 2, 2, (3, 1)),              # parallel residual, stack/flatten rotary; attn_tp == 1
     ("gptj", 4, 1, (2,)),
     ("gpt2", 4, 2, (2, 3)),              # Conv1D (addmm, weight [in, out]), fused c_attn split; DP attention
+    ("olmo2", 4, 1, (2,)),               # q/k norm over all heads: all-reduced mean; k norm over replicated KV
 ]
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 import torch
@@ -95,9 +95,14 @@ class ShardPlan:
     weights: tuple[ShardedWeight, ...]
     arg_fixes: tuple[ArgFix, ...]
     row_outputs: tuple[tuple[str, str, int], ...]  # (node, group, layer): partial sums to settle
+    # (node, group, layer, parts): a mean over a split dim (OLMo-2's q/k norm over all heads):
+    # each rank's mean of its slice; all-reduced over the group and divided by parts = the full mean
+    split_means: tuple[tuple[str, str, int, int], ...] = ()
 
     def __str__(self) -> str:
         return "\n".join([*(str(w) for w in self.weights),
+                          *(f"{m}: mean over the split dim, all-reduced over {g} / {p}"
+                            for m, g, _, p in self.split_means),
                           *(f"{f.node} arg {f.arg}{'' if f.index is None else f'[{f.index}]'}: {f.old} -> "
                             f"{f.new}" for f in self.arg_fixes)])
 
@@ -388,6 +393,8 @@ class _Track:
     replicate: dict[Block, int]  # block -> ranks per slice
     pieces: dict[fx.Node, tuple[fx.Node, list[int]]]  # cut node -> (column, start of each output piece)
     cuts: list[tuple[fx.Node, fx.Node, int, int | None, int, int]]  # (column, node, arg, index, start, end)
+    means: list[fx.Node] = field(default_factory=list)  # means over the split dim (settled by an all-reduce)
+    attrs: list[fx.Node] = field(default_factory=list)  # weights spanning the split dim (a norm's scale)
 
 
 def _cut_into_blocks(n: fx.Node, src: fx.Node, t: _Track) -> None:
@@ -465,6 +472,25 @@ def _block_fixes(col: fx.Node, t: _Track, parts: int, fixes: list[ArgFix]) -> tu
     return tuple(b - a for a, b in blocks), tuple(rep) if any(k > 1 for k in rep) else ()
 
 
+def _reduced_dims(n: fx.Node, src: fx.Node) -> list[int]:
+    dims = n.args[1] if len(n.args) > 1 else list(range(_ndim(src)))
+    return [x % _ndim(src) for x in (dims if isinstance(dims, (list, tuple)) else [dims])]
+
+
+def _split_attrs(gm: fx.GraphModule, n: fx.Node, src: fx.Node, t: _Track) -> None:
+    """A weight attribute an elementwise op applies along the split dim (a norm's scale over all
+    heads, OLMo-2's q_norm) is split with the column it meets: recorded in ``t.attrs``."""
+    d = t.dim[src] + _ndim(n) - _ndim(src)
+    for a in n.all_input_nodes:
+        if a.op != "get_attr" or a in t.dim:
+            continue
+        shape = tuple(_getattr(gm, a.target).shape)
+        ad = d - (_ndim(n) - len(shape))
+        if ad >= 0 and shape[ad] != 1:
+            t.dim[a], t.factor[a], t.origin[a] = ad, t.factor[src], t.origin.get(src)
+            t.attrs.append(a)
+
+
 def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], parts: int, group: str,
             fixes: list[ArgFix], where: str) -> _Track:
     t = _Track({c: _ndim(c) - 1 for c in columns}, {c: parts for c in columns}, {c: (c, None) for c in columns},
@@ -513,6 +539,13 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
                 frontier.extend(sorted(n.users, key=order.__getitem__))
                 frontier.sort(key=order.__getitem__)
                 continue
+        if target in RULES and RULES[target] is _elementwise and n.args and src0 in sdim:
+            _split_attrs(gm, n, src0, t)
+        if target == aten.mean.dim and sdim[src0] in _reduced_dims(n, src0):
+            # equal slices per rank, so (sum of slice means) / parts is the full mean; with
+            # replicated KV heads too (each distinct slice counted parts / factor times)
+            t.means.append(n)  # replicated once all-reduced: its users see an unsplit value
+            continue
         if target in RESHAPE_RULES:
             try:
                 sdim[n] = RESHAPE_RULES[target](n, sdim, f, fixes)
@@ -630,6 +663,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
     weights: list[ShardedWeight] = []
     fixes: list[ArgFix] = []
     rows_out: list[tuple[str, str, int]] = []
+    split_means: list[tuple[str, str, int, int]] = []
     by_layer: dict[int, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         r = role_of(n)
@@ -658,8 +692,10 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
             raise ShardError(f"{where}: {attn.name} has {heads} attention heads, which {attn_parts} attention-TP ranks "
                              "cannot divide (only KV heads may be replicated)")
         if attn_parts > 1:
-            _shard_pair(gm, cols, rows[0], attn_parts, "attn", weights, fixes, where)
+            means: list[fx.Node] = []
+            _shard_pair(gm, cols, rows[0], attn_parts, "attn", weights, fixes, where, means)
             rows_out.append((rows[0].name, "attn", layer))
+            split_means.extend((m.name, "attn", layer, attn_parts) for m in means)
         ffn_set = set(ffn)
         out = next(n for n in reversed(ffn) if any(u not in ffn_set for u in n.users))
         router = _find_router(ffn)
@@ -677,7 +713,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
             else:  # several partial sums (experts + shared experts) or a combine step: settle at the block output
                 _check_linear_path([row for _, row in pairs], out, ffn_set, where)
                 rows_out.append((out.name, "mlp", layer))
-    return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out))
+    return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out), tuple(split_means))
 
 
 def _reads_weight(n: fx.Node) -> bool:
@@ -739,7 +775,8 @@ def _projection_weight(gm: fx.GraphModule, proj: fx.Node, column: bool) -> tuple
 
 
 def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int, group: str,
-                weights: list[ShardedWeight], fixes: list[ArgFix], where: str) -> None:
+                weights: list[ShardedWeight], fixes: list[ArgFix], where: str,
+                means: list[fx.Node] | None = None) -> None:
     names = ", ".join(_projection_weight(gm, c, True)[0] for c in cols)
     for c in cols:
         target, dim, size = _projection_weight(gm, c, True)
@@ -763,6 +800,15 @@ def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: in
         bias = None if is_grouped_mm(c) else _projection(c).bias
         if bias is not None:
             weights.append(ShardedWeight(str(bias.target), 0, parts, group, "column", blocks, rep))
+        for a in track.attrs:
+            if track.origin.get(a) == (c, None):
+                weights.append(ShardedWeight(str(a.target), track.dim[a], parts, group, "column", blocks, rep))
+            elif track.origin.get(a) is None or track.origin[a][0] is c:
+                raise ShardError(f"{where}: {a.target} spans the split dim of {c.name} but not its whole output")
+    if means is not None:
+        means.extend(track.means)
+    elif track.means:
+        raise ShardError(f"{where}: {track.means[0].name} averages over a split dim")
     target, dim, size = _projection_weight(gm, row, False)
     weights.append(ShardedWeight(target, dim, parts, group, "row", (size,)))
     bias = None if is_grouped_mm(row) else _projection(row).bias

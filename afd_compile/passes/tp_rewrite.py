@@ -83,6 +83,7 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
     apply_shards(new, shards, {"attn": layout.attn_tp_rank(rank), "mlp": rank})
     fake_mode = detect_fake_mode([n.meta.get("val") for n in new.graph.nodes if "val" in n.meta])
     by_name = {n.name: n for n in new.graph.nodes}
+    _settle_split_means(new, shards, by_name, fake_mode)
     if layout.attn_dp > 1:
         _rewrite_dp_attention(new, layout, rank, fake_mode, skip=scattered)
         new.graph.lint()
@@ -107,6 +108,27 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
 
         fuse_allreduce_add_rmsnorm(new)
     return TPProgram(new, plan, shards, rank)
+
+
+def _settle_split_means(new: fx.GraphModule, shards: ShardPlan, by_name: dict[str, fx.Node],
+                        fake_mode: object) -> None:
+    """A mean over a split dim (OLMo-2's q/k RMSNorm over all heads) becomes the full mean::
+
+        v = mean(x_slice, -1, keepdim)        ->   v = afd.all_reduce(mean(x_slice, -1, keepdim)) / parts
+
+    (every rank holds an equal slice, so the mean of the slice means is the full mean)."""
+    for node_name, group, _layer, parts in shards.split_means:
+        mean = by_name[node_name]
+        with new.graph.inserting_after(mean):
+            ar = new.graph.call_function(torch.ops.afd.all_reduce.default,
+                                         (mean, GROUP_ATTN_TP if group == "attn" else GROUP_TP))
+        with new.graph.inserting_after(ar):
+            full = new.graph.call_function(torch.ops.aten.div.Tensor, (ar, parts))
+        for x in (ar, full):
+            x.meta[ROLE_KEY] = mean.meta.get(ROLE_KEY)
+            if fake_mode is not None and "val" in mean.meta:
+                x.meta["val"] = mean.meta["val"]
+        mean.replace_all_uses_with(full, delete_user_cb=lambda u, _ar=ar: u is not _ar)
 
 
 # --- DP attention (attn_dp > 1) ---------------------------------------------------------------
