@@ -59,10 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("rewrite", help="write attention.pt2, ffn.pt2 and plan.json for a layout")
+    p = sub.add_parser("rewrite", help="write attention.pt2, ffn.pt2 and plan.json for an AFD layout (-A/-F), "
+                       "or rank<r>.pt2 per TP rank and plan.json for a TP layout (--tp)")
     p.add_argument("model", metavar="MODEL.pt2")
     p.add_argument("-o", "--output", required=True, metavar="OUTDIR")
     _add_layout(p)
+    _add_tp(p)
 
     p = sub.add_parser("plan", help="AFD: per layer, which nodes go to which role and what crosses the wire; "
                        "with --tp: per layer, the five scatter modes and the junction collectives")
@@ -164,7 +166,46 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_rewrite_tp(args: argparse.Namespace) -> int:
+    """One sharded program per TP rank, re-exported: ``rank<r>.pt2`` (its weight slices, its
+    collectives with group ids) and ``plan.json`` (layout, groups, the scatter-mode plan)."""
+    import torch
+
+    from .passes.tp_rewrite import shard_for_rank
+    from .programs import dynamic_shapes_of, example_inputs, load_program, write_json
+
+    t = time.perf_counter()
+    layout, gm = _tp_graph(args)
+    inputs = example_inputs(load_program(args.model))
+    os.makedirs(args.output, exist_ok=True)
+    files = []
+    for rank in range(layout.tp):
+        prog = shard_for_rank(gm, layout, rank, graph_name=args.model)
+        x = tuple(inputs)
+        if layout.attn_dp > 1:  # the carrier of all DP groups' tokens (equal groups in the example)
+            x = (*x, torch.empty(layout.attn_dp * int(inputs[0].numel()), 0))
+        with torch.no_grad():
+            ep = torch.export.export(prog.program, x, dynamic_shapes=dynamic_shapes_of(prog.program))
+        files.append(f"rank{rank}.pt2")
+        torch.export.save(ep, os.path.join(args.output, files[-1]))
+        print(f"rewrite: rank {rank}: {len(prog.shards.weights)} weights sharded, "
+              f"{sum(1 for n in ep.graph.nodes if 'afd.' in str(n.target))} afd collectives", flush=True)
+    plan = {"layout": {"tp": layout.tp, "attn_dp": layout.attn_dp, "attn_tp": layout.attn_tp,
+                       "attn_tp_groups": [list(range(g * layout.attn_tp, (g + 1) * layout.attn_tp))
+                                          for g in range(layout.attn_dp)]},
+            "programs": files, "scatter_plan": prog.plan.to_json(),
+            "inputs": "the original inputs (this rank's DP group's tokens)" + (
+                ", then dp_token_slots: an empty (total tokens of all DP groups, 0) tensor; before each step the "
+                "runtime sets the per-group counts (afd_compile.verify._dp_step_counts)" if layout.attn_dp > 1 else "")}
+    write_json(os.path.join(args.output, "plan.json"), plan)
+    print(prog.plan.table())
+    print(f"rewrite: wrote {', '.join(files)}, plan.json to {args.output} ({time.perf_counter() - t:.1f}s)")
+    return EXIT_OK
+
+
 def cmd_rewrite(args: argparse.Namespace) -> int:
+    if args.tp is not None:
+        return cmd_rewrite_tp(args)
     from .programs import example_inputs, export_split, write_json
 
     layout = _layout(args, required=True)

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from . import ops as _ops  # noqa: F401  (torch.export.load needs afd:: registered)
+from .passes import fuse_norm as _fuse_norm  # noqa: F401  (afd::all_reduce_add_rms_norm)
 
 
 class ProgramLoadError(ValueError):

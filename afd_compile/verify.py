@@ -9,6 +9,7 @@ Error measure: ``max |split - original| / max |original|`` per output, max over 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ class Case:
     gate: bool = False
     steps: int = 2
     policy: str = "default"
+    saved: str | None = None  # a directory written by ``afd-compile rewrite --tp``: run its rank<r>.pt2
 
 
 def _loaded(path: str, cache: dict) -> tuple:
@@ -195,6 +197,7 @@ class TPCase:
     batches: tuple[int, ...] | None = None  # one batch size per attention DP group
     steps: int = 2
     policy: str = "default"
+    saved: str | None = None  # a directory written by ``afd-compile rewrite --tp``: run its rank<r>.pt2
 
 
 def _tp_groups(world: int, layouts: Sequence[TPLayout]) -> dict:
@@ -223,9 +226,15 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
     lay = case.layout
     register_group(GROUP_TP, groups[("tp", lay.tp)])
     register_group(GROUP_ATTN_TP, groups[("attn", lay.attn_tp_group(rank))])
-    gm = ep.module()
-    annotate_roles(gm, POLICIES[case.policy], graph_name=case.path)
-    prog = shard_for_rank(gm, lay, rank, graph_name=case.path)
+    if case.saved is not None:  # the saved rank program, re-loaded: what `rewrite --tp` wrote
+        from .programs import load_program
+
+        program, sharded = load_program(os.path.join(case.saved, f"rank{rank}.pt2")).module(), None
+    else:
+        gm = ep.module()
+        annotate_roles(gm, POLICIES[case.policy], graph_name=case.path)
+        prog = shard_for_rank(gm, lay, rank, graph_name=case.path)
+        program, sharded = prog.program, len(prog.shards.weights)
     _, dims = batch_symbol_dims(original)
     err, seen = 0.0, []
     g = lay.attn_dp_rank(rank)
@@ -243,13 +252,13 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
             x = resize_inputs(inputs, dims, 1, salt=0)
         with torch.no_grad():
             if lay.attn_dp > 1:
-                out = _dp_step(prog.program, x, lay, rank)
+                out = _dp_step(program, x, lay, rank)
             else:
-                out = prog.program(*x)
+                out = program(*x)
             if not empty:
                 err = max(err, max_rel_err(out, original(*x)))
         seen.append(0 if empty else int(x[0].shape[0]))
-    return {"max_rel_err": err, "sharded_weights": len(prog.shards.weights), "batches": seen}
+    return {"max_rel_err": err, "sharded_weights": sharded, "batches": seen}
 
 
 def _dp_step_counts(x: Sequence[torch.Tensor], lay: TPLayout, rank: int) -> tuple[int, ...]:
