@@ -208,6 +208,8 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
         return cmd_rewrite_tp(args)
     from .programs import example_inputs, export_split, write_json
 
+    if args.attention_ranks is None and args.ffn_ranks is None:
+        raise UsageError("give an AFD layout (--attention-ranks/--ffn-ranks) or a TP layout (--tp)")
     layout = _layout(args, required=True)
     t = time.perf_counter()
     ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy)
