@@ -104,10 +104,20 @@ def test_dp_attention_looks_through_a_scalar_residual_multiplier(exported):
     assert len(pre) == 2 and all(n.args[0].target == torch.ops.aten.mul.Tensor for n in pre)
 
 
-@pytest.mark.parametrize("name,why", [("gptj", "parallel-residual block"), ("gemma2", "norm after the projection")])
-def test_dp_attention_with_attn_tp_refuses_unsupported_blocks_clearly(exported, name, why):
-    with pytest.raises(TPRewriteError, match=f"layer 0: DP attention with attn_tp > 1 .*{why}"):
-        _program(exported, name, TPLayout(4, 2))
+def test_dp_attention_with_attn_tp_refuses_a_parallel_residual_block_clearly(exported):
+    with pytest.raises(TPRewriteError, match="layer 0: DP attention with attn_tp > 1 .*parallel-residual block"):
+        _program(exported, "gptj", TPLayout(4, 2))
+
+
+def test_dp_attention_settles_o_proj_before_a_post_attention_norm(exported):
+    # Gemma-2: o_proj -> norm -> + residual. The partial sum is all-reduced in the attention
+    # group before the norm; the (full) middle residual is then gathered once per group
+    prog = _program(exported, "gemma2", TPLayout(4, 2), fuse_norm=False)
+    nodes = {n.name: n for n in prog.program.graph.nodes}
+    ars = [n for n in nodes.values() if n.name.startswith("dp_attn_all_reduce")]
+    assert len(ars) == 2 and all(n.args[0].target == torch.ops.aten.linear.default for n in ars)
+    gathers = [n for n in nodes.values() if n.target == torch.ops.afd.gather_partial_tokens.default]
+    assert len(gathers) == 2 and not [n for n in nodes.values() if n.target == torch.ops.afd.scatter_tokens.default]
 
 
 def test_ranks_get_different_slices(exported):
@@ -254,6 +264,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group)
     ("qwen3moe3_mixed", 4, 2, (2, 5)),   # MoE under DP attention: expert buffers sized from all groups' tokens
     ("qwen3moe2", 2, 2, (3, 0)),         # attn_tp == 1, a group with zero tokens
     ("gemma2", 4, 1, (2,)),              # explicit softmax attention (soft-capped), KV replicated
+    ("gemma2", 4, 2, (3, 0)),            # norm after o_proj under DP attention; a group with zero tokens
     ("gptj", 2, 2, (3, 1)),              # parallel residual, stack/flatten rotary; attn_tp == 1
     ("gptj", 4, 1, (2,)),
     ("gpt2", 4, 2, (2, 3)),              # Conv1D (addmm, weight [in, out]), fused c_attn split; DP attention

@@ -223,15 +223,19 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
                     "block, GPT-J / GPT-NeoX style): not supported yet; use attn_dp == 1 or attn_tp == 1")
             between = _descendants(h1, layer_nodes) & _ancestors([ffn_in], within=layer_nodes)
             norm_nodes = sorted(between - {h1}, key=members.index)
-            with graph.inserting_before(h1):
-                scaled = b.call(aten_mul, (x_res, root), "dp_residual_once")
-                pre = b.call(aten_add, (row_out, scaled), "dp_pre_gather")
-                flat = b.call(aten_view, (pre, [-1, hidden]), "dp_flat")
-                gathered = b.call(torch.ops.afd.gather_partial_tokens.default, (flat, GROUP_TP, total), "dp_gather")
-                own = b.call(aten_sym_size, (flat, 0), "dp_own_tokens")
-                local = b.call(torch.ops.afd.scatter_tokens.default, (gathered, total, own), "dp_scatter")
-                h1_local = b.call(aten_view, (local, _shape_args(b, tuple(h1.meta["val"].shape), sources)),
-                                  "dp_middle_residual")
+            if x_res is None:  # post-norm: settle o's partial sum in the group before the norm
+                gathered = _post_norm_gather(b, graph, row_out, h1, root, hidden, total)
+            else:
+                with graph.inserting_before(h1):
+                    scaled = b.call(aten_mul, (x_res, root), "dp_residual_once")
+                    pre = b.call(aten_add, (row_out, scaled), "dp_pre_gather")
+                    flat = b.call(aten_view, (pre, [-1, hidden]), "dp_flat")
+                    gathered = b.call(torch.ops.afd.gather_partial_tokens.default, (flat, GROUP_TP, total),
+                                      "dp_gather")
+                    own = b.call(aten_sym_size, (flat, 0), "dp_own_tokens")
+                    local = b.call(torch.ops.afd.scatter_tokens.default, (gathered, total, own), "dp_scatter")
+                    h1_local = b.call(aten_view, (local, _shape_args(b, tuple(h1.meta["val"].shape), sources)),
+                                      "dp_middle_residual")
             env: dict[fx.Node, fx.Node] = {h1: gathered}
             with graph.inserting_before(ffn[0]):
                 for n in norm_nodes:
@@ -240,8 +244,9 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
             for u in list(ffn_in.users):
                 if u in ffn_set:
                     u.replace_input_with(ffn_in, env[ffn_in])
-            h1.replace_all_uses_with(h1_local)
-            graph.erase_node(h1)
+            if x_res is not None:
+                h1.replace_all_uses_with(h1_local)
+                graph.erase_node(h1)
         # postprocess_layer: reduce-scatter the MLP's partial output back to this group's tokens
         users = [u for u in out.users if u not in ffn_set]
         anchor = users[0]
@@ -302,8 +307,9 @@ def _flat_rows(b: object, node: fx.Node, hidden: int) -> fx.Node:
 
 
 def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, where: str):
-    """The add joining the attention output projection with the residual: (add, o, x)."""
-    from .roles import ADD_OPS, LINEAR_OPS, Role, is_attention_op
+    """The add joining the attention output projection with the residual: (add, o, x), or
+    (add, o, None) when something non-linear (a norm) sits between o and the add."""
+    from .roles import ADD_OPS, LINEAR_OPS, Role, _descendants, is_attention_op
     from .roles import META_KEY as RKEY
     from .shard import _reads_weight
 
@@ -322,10 +328,34 @@ def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, wh
         if u.target in ADD_OPS and len(u.all_input_nodes) == 2:
             other = next(a for a in u.all_input_nodes if a is not row)
             return u, row, other
-    raise TPRewriteError(
-        f"{where}: DP attention with attn_tp > 1 needs the attention output projection {row.name} added to the "
-        f"residual directly; it feeds {[f'{u.name} ({u.target})' for u in row.users]} (e.g. Gemma-2's norm after "
-        "the projection): not supported yet; use attn_dp == 1 or attn_tp == 1")
+    # a norm between the projection and the residual add (Gemma-2, OLMo-2): the first add that
+    # joins a value computed from the projection with one that is not (the residual)
+    inside = set(members)
+    down = _descendants(row, inside)
+    for n in members[pos[row] + 1:]:
+        if n in down and n.target in ADD_OPS and len(n.all_input_nodes) == 2 and (
+                sum(a in down for a in n.all_input_nodes) == 1):
+            return n, row, None
+    raise TPRewriteError(f"{where}: the attention output projection {row.name} never reaches a residual add "
+                         f"(it feeds {[f'{u.name} ({u.target})' for u in row.users]})")
+
+
+def _post_norm_gather(b: object, graph: fx.Graph, row: fx.Node, h1: fx.Node, root: float, hidden: int,
+                      total: fx.Node) -> fx.Node:
+    """DP attention, attn_tp > 1, a norm between o_proj and the residual add (Gemma-2, OLMo-2)::
+
+        o = afd.all_reduce(o, group=ATTN_TP)              # settled before the (non-linear) norm
+        h1 = x + norm(o)                                   # middle residual: own tokens, full
+        G = afd.gather_partial_tokens(view(h1 * [attn_tp_rank == 0], [-1, H]))   # prepare_mlp: FULL
+
+    (every rank of an attention group holds the same h1; one of them contributes it)."""
+    with graph.inserting_after(row):
+        ar = b.call(torch.ops.afd.all_reduce.default, (row, GROUP_ATTN_TP), "dp_attn_all_reduce")
+    row.replace_all_uses_with(ar, delete_user_cb=lambda u: u is not ar)
+    with graph.inserting_before(h1.next):  # (inserting_after would stack them in reverse)
+        once = b.call(aten_mul, (h1, root), "dp_residual_once")
+        flat = b.call(aten_view, (once, [-1, hidden]), "dp_flat")
+        return b.call(torch.ops.afd.gather_partial_tokens.default, (flat, GROUP_TP, total), "dp_gather")
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
