@@ -3,7 +3,7 @@
 # Results (logs, JSON, tables) go under $OUT (default out/gpu), and all of them in $OUT/00_gpu_suite_logs.tgz.
 # ONLY=<grep -E pattern> runs the matching jobs only; PYTEST_ARGS narrows the CPU suite.
 #   bash benchmarks/gpu_suite.sh            # everything
-#   bash benchmarks/gpu_suite.sh tests step # or some sections: tests | exchange | step | cpu
+#   bash benchmarks/gpu_suite.sh tests step # or some sections: tests | exchange | step | cpu | four
 # tests:    torch.compile(backend="afd") on NCCL, Inductor + CUDA graphs, through
 #           examples/compile_backend.py: TP=2 and AFD 1A1F for HF Llama and HF Qwen3-MoE (bf16, and
 #           fp32 for the MoE), TP=2 with DP attention; 4 steps over 2 token layouts (graph replays
@@ -14,6 +14,8 @@
 # exchange: benchmarks/gpu_exchange.py (AFD layer exchange in CUDA graphs vs the bare NCCL floor)
 # step:     benchmarks/compile_step.py for tp and afd (compiled+graphed vs eager, vs one GPU)
 # cpu:      the CPU test suite under this host's torch (checks the torch>=2.11 claim), GPUs hidden
+# four:     (only when named; a 4-GPU host) compiled AFD 2A1F / 3A1F and TP=4 (with DP attention)
+#           on NCCL, bf16, Llama and Qwen3-MoE (MoE with --control); the jobs run side by side
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 SECTIONS=" ${*:-all} "
@@ -78,6 +80,19 @@ if want tests; then
 elif want cpu; then
   par pytest_cpu env CUDA_VISIBLE_DEVICES= AFD_BACKEND=gloo python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests}
   TAIL=15 collect
+fi
+if [[ $SECTIONS == *" four "* ]]; then  # issue 5: needs a 4-GPU host (device tool kind nvidia-h200-x4); not in "all"
+  export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}
+  E="examples/compile_backend.py --steps 4 --dtype bfloat16"
+  T3="torchrun --standalone --nproc-per-node 3" T4="torchrun --standalone --nproc-per-node 4"
+  par four_afd2a1f_llama $T3 $E --attention 2 --ffn 1
+  par four_afd3a1f_llama $T4 $E --attention 3 --ffn 1
+  par four_afd2a1f_qwen3moe $T3 $E --attention 2 --ffn 1 --family qwen3_moe --control
+  par four_afd3a1f_qwen3moe $T4 $E --attention 3 --ffn 1 --family qwen3_moe --control
+  par four_tp4_llama $T4 $E --tp 4
+  par four_tp4_dp2_llama $T4 $E --tp 4 --attn-dp 2
+  par four_tp4_dp2_qwen3moe $T4 $E --tp 4 --attn-dp 2 --family qwen3_moe --control
+  TAIL=3 collect
 fi
 if want exchange; then
   TAIL=9 run exchange $TR benchmarks/gpu_exchange.py --out "$OUT/exchange.json"
