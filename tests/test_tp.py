@@ -88,6 +88,16 @@ def test_norm_over_all_heads_settles_its_mean_across_ranks(exported):
     assert tuple(params["model.model.layers.0.self_attn.q_norm.weight"].shape) == (32,)
 
 
+def test_a_scale_sliced_for_a_split_path_must_not_be_read_whole_elsewhere(exported):
+    gm = exported("olmo2")[0].module()
+    w = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith("layers.0.self_attn.q_norm.weight"))
+    with gm.graph.inserting_after(w):
+        gm.graph.call_function(torch.ops.aten.neg.default, (w,))  # a second, unsplit reader
+    annotate_roles(gm)
+    with pytest.raises(ShardError, match="q_norm.weight is applied along the split dim .* also read it whole"):
+        shard_for_rank(gm, TPLayout(2), 0, graph_name="olmo2")
+
+
 def test_explicit_attention_shards_v_with_q_and_k(exported):
     # softmax(q @ k^T) @ v: v enters after the softmax, and p @ v is not the output projection
     prog = _program(exported, "gemma2", TPLayout(2), fuse_norm=False)

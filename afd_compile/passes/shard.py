@@ -793,6 +793,11 @@ def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: in
         if not msg.startswith(where):
             msg = f"{where} ({names}): {msg}"
         raise ShardError(msg) from None
+    for a in track.attrs:  # sliced for this path: nothing else may read it whole
+        other = [u.name for u in a.users if u not in track.dim]
+        if other:
+            raise ShardError(f"{where}: {a.target} is applied along the split dim of {names} and would be sliced, "
+                             f"but {other} also read it whole")
     for c in cols:
         target, dim, size = _projection_weight(gm, c, True)
         blocks, rep = _block_fixes(c, track, parts, fixes)
