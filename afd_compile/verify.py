@@ -71,7 +71,6 @@ class Case:
     gate: bool = False
     steps: int = 2
     policy: str = "default"
-    saved: str | None = None  # a directory written by ``afd-compile rewrite --tp``: run its rank<r>.pt2
 
 
 def _loaded(path: str, cache: dict) -> tuple:
