@@ -32,7 +32,7 @@ Anything the rules do not know that touches a split tensor is an error naming th
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import sympy
@@ -177,13 +177,18 @@ def _unsqueeze(node: fx.Node, sdim: dict, parts: int) -> int | None:
     return d + 1 if at <= d else d
 
 
-def _along_other_dim(node: fx.Node, sdim: dict, parts: int) -> int | None:
-    src = node.args[0][0] if isinstance(node.args[0], (list, tuple)) else node.args[0]
-    srcs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+def _common_split(node: fx.Node, srcs: Sequence[fx.Node], sdim: dict) -> int:
+    """The split dim every one of ``srcs`` shares (cat / stack / chunk need all split alike)."""
     split = {sdim[s] for s in srcs if s in sdim}
     if len(split) != 1 or any(s not in sdim for s in srcs):
         raise ShardError(f"{node.name} ({node.target}) mixes split and unsplit inputs")
-    d = split.pop()
+    return split.pop()
+
+
+def _along_other_dim(node: fx.Node, sdim: dict, parts: int) -> int | None:
+    src = node.args[0][0] if isinstance(node.args[0], (list, tuple)) else node.args[0]
+    srcs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+    d = _common_split(node, srcs, sdim)
     dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % _ndim(src)
     if dim == d:
         raise ShardError(f"{node.name} ({node.target}) works along the split dim {d}")
@@ -193,11 +198,7 @@ def _along_other_dim(node: fx.Node, sdim: dict, parts: int) -> int | None:
 def _stack(node: fx.Node, sdim: dict, parts: int) -> int | None:
     """stack(xs, dim): a new dim at ``dim``; the split dim moves right when it is at or after it
     (GPT-J's rotary stacks the rotated halves along a new last dim)."""
-    srcs = node.args[0]
-    split = {sdim[s] for s in srcs if s in sdim}
-    if len(split) != 1 or any(s not in sdim for s in srcs):
-        raise ShardError(f"{node.name} ({node.target}) mixes split and unsplit inputs")
-    d = split.pop()
+    d = _common_split(node, node.args[0], sdim)
     dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % _ndim(node)
     return d if d < dim else d + 1
 
