@@ -140,3 +140,16 @@ def test_weights_are_static_inputs_of_the_compiled_program(exported):
                                ref[0] if isinstance(ref, tuple) else ref)
     weights = len(list(gm.parameters())) + len(list(gm.buffers()))
     assert per_layout.static_inputs == weights
+
+
+def test_release_drops_every_compiled_layout(exported):
+    # shutdown() frees compiled programs (and with them their CUDA graphs) before the process
+    # group goes: NCCL cannot destroy a communicator a live graph captured work on
+    from afd_compile.backend import PerLayout, release
+
+    gm = exported("llama2")[0].module()
+    per_layout = PerLayout(gm, "release-test", False, False, "rank 0 tp")
+    per_layout(((2, 4),), torch.randint(0, 128, (2, 4)))
+    assert len(per_layout.compiled) == 1
+    release()
+    assert per_layout.compiled == {}
