@@ -116,6 +116,8 @@ _ELEMENTWISE = {
     aten._to_copy.default, aten.contiguous.default, aten.clone.default, aten.alias.default,
     aten.dropout.default, aten.type_as.default, aten.where.self, aten.masked_fill.Scalar,
     aten.add.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.sub.Scalar, aten.sqrt.default,
+    aten.square.default, aten.abs.default, aten.erf.default, aten.log.default, aten.pow.Tensor_Tensor,
+    aten.clamp.default, aten.minimum.default, aten.maximum.default, aten.sin.default, aten.cos.default,
     aten.gelu_tanh.default if hasattr(aten, "gelu_tanh") else aten.gelu.default,
 }
 
@@ -189,7 +191,8 @@ def _along_other_dim(node: fx.Node, sdim: dict, parts: int) -> int | None:
     src = node.args[0][0] if isinstance(node.args[0], (list, tuple)) else node.args[0]
     srcs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
     d = _common_split(node, srcs, sdim)
-    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % _ndim(src)
+    pos = 2 if node.target in (aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default) else 1
+    dim = (node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", 0)) % _ndim(src)
     if dim == d:
         raise ShardError(f"{node.name} ({node.target}) works along the split dim {d}")
     return d
@@ -227,6 +230,11 @@ def _sdpa(node: fx.Node, sdim: dict, parts: int) -> int | None:
     q, k, v = node.args[:3]
     if not all(x in sdim for x in (q, k, v)):
         raise ShardError(f"{node.name}: attention with q/k/v not all split over heads")
+    bad = {x.name: sdim[x] for x in (q, k, v) if sdim[x] != _ndim(x) - 3}
+    if bad:  # [batch, heads, seq, head_dim]: a split head_dim would be a silently wrong attention
+        raise ShardError(f"{node.name}: attention inputs must be split along the heads dim (-3); {bad} are split "
+                         "along another dim (a projection whose output is one head, e.g. multi-query attention's "
+                         "single K/V head, is not supported yet)")
     return sdim[q]
 
 
