@@ -20,7 +20,7 @@ fused kernel to replace).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -30,6 +30,7 @@ from ..comm import GROUP_ATTN_TP, GROUP_TP
 from ..scatter import Collective, ScatterMode, TPLayout
 from .dist_states import TPPlan, annotate_dist_states, plan_tp
 from .roles import META_KEY as ROLE_KEY
+from .scattered import ScatteredRewriteError, expert_parallel, rewrite_scattered_layers
 from .shard import ShardPlan, apply_shards, plan_shards
 from .split import _copy_graph_module
 
@@ -47,20 +48,14 @@ class TPProgram:
 
 
 SUPPORTED = {
-    "prepare_attn": set(),
-    "prepare_mlp": {Collective.ALL_REDUCE, Collective.ALL_GATHER},
-    "postprocess_layer": {Collective.ALL_REDUCE, Collective.REDUCE_SCATTER},
+    "prepare_attn": {Collective.ALL_GATHER},
+    "prepare_mlp": {Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER},
+    "postprocess_layer": {Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER},
 }
 
 
 def _check_supported(plan: TPPlan) -> None:
     for modes, junctions in plan.layers:
-        local = plan.layout.attn_tp == 1 and modes.kind == "dense"  # fully data-parallel: no collective
-        if modes.mlp is ScatterMode.SCATTERED and not local:
-            raise TPRewriteError(
-                f"layer {modes.index}: a SCATTERED {modes.kind} MLP with attn_tp={plan.layout.attn_tp} (MoE "
-                "all-to-all, or a data-parallel dense MLP inside an attention-TP group) is planned, but its "
-                "rewrite is not implemented yet; `afd-compile plan` shows the full plan")
         for name in ("prepare_attn", "prepare_mlp", "postprocess_layer"):
             for t in getattr(junctions, name):
                 if t.collective not in SUPPORTED[name]:
@@ -84,12 +79,27 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
     fake_mode = detect_fake_mode([n.meta.get("val") for n in new.graph.nodes if "val" in n.meta])
     by_name = {n.name: n for n in new.graph.nodes}
     _settle_split_means(new, shards, by_name, fake_mode)
+    experts = []
+    for m, _ in plan.layers:  # MoE with all-to-all: experts split over the TP group
+        if m.kind == "moe" and m.mlp is ScatterMode.SCATTERED and layout.tp > 1:
+            try:
+                experts.extend(expert_parallel(new, m.index, layout.tp, rank, fake_mode))
+            except ScatteredRewriteError as e:
+                raise TPRewriteError(str(e)) from None
+    if experts:
+        apply_shards(new, ShardPlan(tuple(experts), (), ()), {"mlp": rank})
+        shards = replace(shards, weights=shards.weights + tuple(experts))
+    settled = rewrite_scattered_layers(new, plan, layout, rank, fake_mode)
+    if settled or experts:
+        new.graph.eliminate_dead_code()
     if layout.attn_dp > 1:
         _rewrite_dp_attention(new, layout, rank, fake_mode, skip=scattered)
         new.graph.lint()
         new.recompile()
         return TPProgram(new, plan, shards, rank)
-    for node_name, group, _layer in shards.row_outputs:
+    for node_name, group, layer in shards.row_outputs:
+        if layer in settled:  # o_proj's partial sum went into a reduce-scatter (SCATTERED MLP)
+            continue
         row = by_name[node_name]
         while len(row.users) == 1 and _is_identity(next(iter(row.users))):  # keep all-reduce + add adjacent
             row = next(iter(row.users))

@@ -1,0 +1,412 @@
+"""SCATTERED MLPs: junction collectives inside an attention-TP group, and MoE expert parallelism.
+
+A layer whose MLP mode is SCATTERED (``--dense-dp``: a data-parallel dense MLP; ``--moe-a2a``: an
+MoE whose tokens travel by all-to-all) keeps its residual stream SCATTERED: each rank of an
+attention-TP group of ``k`` ranks holds its share of the group's ``T`` tokens
+(:func:`afd_compile.ops.group_token_sizes`: the first ``T % k`` ranks one row more). One layer at
+``attn_tp = k > 1``, before / after (a pre-norm decoder)::
+
+    h1 = x + o_proj(attn(norm(x)))          xf = view(afd.all_gather_group_tokens(x), [b, s, H])  # prepare_attn
+    h2 = h1 + mlp(norm(h1))                 o = o_proj(attn(norm(xf)))                            # TP_ATTN_FULL+P
+                                            h1 = x + afd.reduce_scatter_group_tokens(view(o, [-1, H]))  # prepare_mlp
+                                            h2 = h1 + view(mlp(norm(h1)), [-1, H])                # SCATTERED, local
+
+The first layer's residual comes from TP_ATTN_FULL tokens: ``afd.scatter_group_tokens`` takes
+this rank's rows (a local slice). The last layer returns to TP_ATTN_FULL at postprocess_layer by
+gathering ``h2``: the residual is added *before* communicating, so one tensor crosses, not two.
+Into a SCATTERED MoE, o_proj's partial sum is settled by a reduce-scatter, never an all-reduce.
+
+MoE with all-to-all (:func:`expert_parallel`): experts are split over the TP group (rank ``d``
+owns experts ``[d * E/P, (d+1) * E/P)``); router and shared experts run replicated on the rank's
+own tokens; the expert computation (everything downstream of top-k's indices up to the
+per-token combine) runs on the tokens an ``afd.ep_dispatch`` all-to-all brings, and
+``afd.ep_combine`` returns the partial outputs to their tokens' ranks and sums them.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..comm import GROUP_ATTN_TP, GROUP_TP
+from ..scatter import ScatterMode, TPLayout
+from .dist_states import TPPlan
+from .roles import META_KEY as ROLE_KEY
+from .roles import Role, _ancestors, _descendants
+from .shard import ShardedWeight, ShardError
+from .split import _Builder, _getattr, _shape_args, _symbol_sources
+
+aten = torch.ops.aten
+
+
+class ScatteredRewriteError(ValueError):
+    pass
+
+
+def _set_val(node: fx.Node, fake_mode: object, shape: tuple, like: torch.Tensor) -> None:
+    if fake_mode is not None:
+        with fake_mode:
+            node.meta["val"] = torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout, rank: int,
+                             fake_mode: object) -> set[int]:
+    """Rewrite every layer the plan makes SCATTERED (and every layer whose input is SCATTERED).
+    Returns the layers whose attention partial sum this pass settled (the caller must not
+    all-reduce them again)."""
+    from .tp_rewrite import TPRewriteError, _residual_add_after_attention
+
+    k, i = layout.attn_tp, layout.attn_tp_rank(rank)
+    graph = new.graph
+    members_of = _layers(new)
+    modes = {m.index: m for m, _ in plan.layers}
+    if k == 1:
+        return set()
+    sources = _symbol_sources(graph)
+    settled: set[int] = set()
+    token_nodes: tuple[fx.Node, object] | None = None  # (T, own), computed once before layer 0
+    prev_out: fx.Node | None = None  # the previous layer's SCATTERED output
+    for layer in sorted(members_of):
+        m = modes[layer]
+        if m.mlp is not ScatterMode.SCATTERED and m.layer_input is not ScatterMode.SCATTERED:
+            continue
+        where = f"layer {layer}"
+        members = members_of[layer]
+        member_set = set(members)
+        ffn = [n for n in members if n.meta[ROLE_KEY].role is Role.FFN]
+        ffn_set = set(ffn)
+        b = _Builder(graph, fake_mode, layer)
+        h1, row, x_res = _residual_add_after_attention(members, ffn[0], where)
+        x = x_res if x_res is not None else next(a for a in h1.all_input_nodes if a not in _descendants(row, member_set))
+        hidden = int(row.meta["val"].shape[-1])
+        full_shape = tuple(row.meta["val"].shape)
+        if token_nodes is None:
+            with graph.inserting_before(x.next):
+                flat = b.call(aten.view.default, (x, [-1, hidden]), "sc_tokens_flat")
+                total = b.call(aten.sym_size.int, (flat, 0), "sc_group_tokens")
+                plus = b.call(operator.add, (total, k - 1 - i))
+                own = b.call(operator.floordiv, (plus, k), "sc_own_tokens")
+            token_nodes = (total, own)
+        total, own = token_nodes
+        like = row.meta["val"]
+        if m.layer_input is ScatterMode.SCATTERED:  # prepare_attn: gather the group's tokens
+            _check_from(x, prev_out, where)
+            _set_val(x, fake_mode, (own.meta.get("val"), hidden), x.meta["val"])
+            users = [u for u in x.users if u in member_set and (u is not h1 or m.mlp is not ScatterMode.SCATTERED)]
+            with graph.inserting_before(min(users, key=lambda u: members.index(u))):
+                g = b.call(torch.ops.afd.all_gather_group_tokens.default, (x, GROUP_ATTN_TP, total, own),
+                           "sc_gather_attn")
+                xf = b.call(aten.view.default, (g, _shape_args(b, full_shape, sources)), "sc_attn_input")
+            for u in users:
+                u.replace_input_with(x, xf)
+        if m.mlp is not ScatterMode.SCATTERED:
+            continue
+        if any(a not in member_set and a is not x for u in ffn for a in u.all_input_nodes
+               if isinstance(a.meta.get("val"), torch.Tensor) and a.op != "get_attr"):
+            raise TPRewriteError(f"{where}: a SCATTERED MLP must read only the residual stream after attention; it "
+                                 "reads a tensor from before the layer (a parallel-residual block, GPT-J / GPT-NeoX "
+                                 "style): not supported with attn_tp > 1")
+        ffn_in_nodes = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"
+                        and isinstance(a.meta.get("val"), torch.Tensor)]
+        if any(a is x or a not in _descendants(h1, member_set) | {h1} for a in ffn_in_nodes):
+            raise TPRewriteError(f"{where}: the MLP does not read the residual sum after attention ({h1.name}) (a "
+                                 "parallel-residual block): a SCATTERED MLP with attn_tp > 1 is not supported there")
+        # prepare_mlp: settle o_proj's partial sum by a reduce-scatter into this rank's rows
+        with graph.inserting_before(row.next):
+            flat = b.call(aten.view.default, (row, [-1, hidden]), "sc_o_flat")
+            rs = b.call(torch.ops.afd.reduce_scatter_group_tokens.default, (flat, GROUP_ATTN_TP, total, own),
+                        "sc_reduce_scatter")
+        row.replace_all_uses_with(rs, delete_user_cb=lambda u, _f=flat: u is not _f)
+        settled.add(layer)
+        if m.layer_input is not ScatterMode.SCATTERED:  # the residual: a local slice of the group's tokens
+            with graph.inserting_before(h1):
+                xflat = b.call(aten.view.default, (x, [-1, hidden]), "sc_residual_flat")
+                xs = b.call(torch.ops.afd.scatter_group_tokens.default, (xflat, GROUP_ATTN_TP, total, own),
+                            "sc_residual")
+            h1.replace_input_with(x, xs)
+        _set_val(h1, fake_mode, (own.meta.get("val"), hidden), like)
+        sizes = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"
+                 and not isinstance(a.meta.get("val"), torch.Tensor)]
+        if sizes:
+            from .tp_rewrite import _rebind_token_sizes
+
+            _rebind_token_sizes(b, ffn, list(dict.fromkeys(sizes)), ffn_in_nodes[0], own, where)
+        out = next(n for n in reversed(ffn) if any(u not in ffn_set for u in n.users))
+        outside = [u for u in out.users if u not in ffn_set]
+        with graph.inserting_before(min(outside, key=lambda u: members.index(u) if u in member_set else 1 << 30)):
+            out2d = b.call(aten.view.default, (out, [-1, hidden]), "sc_mlp_out")
+        _set_val(out2d, fake_mode, (own.meta.get("val"), hidden), like)
+        for u in outside:
+            u.replace_input_with(out, out2d)
+        h2 = _layer_output(members, member_set, full_shape, where)
+        _set_val(h2, fake_mode, (own.meta.get("val"), hidden), like)
+        if m.layer_output is ScatterMode.TP_ATTN_FULL:  # postprocess_layer: add first, then gather once
+            after = [u for u in h2.users if (u.meta.get(ROLE_KEY) is None or u.meta[ROLE_KEY].layer != layer)]
+            with graph.inserting_before(h2.next):
+                g = b.call(torch.ops.afd.all_gather_group_tokens.default, (h2, GROUP_ATTN_TP, total, own),
+                           "sc_gather_out")
+                back = b.call(aten.view.default, (g, _shape_args(b, full_shape, sources)), "sc_layer_out")
+            for u in after:
+                u.replace_input_with(h2, back)
+        prev_out = h2
+    return settled
+
+
+_CASTS = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.alias.default, aten.contiguous.default}
+
+
+def _check_from(x: fx.Node, prev: fx.Node | None, where: str) -> None:
+    """The layer's residual input ``x`` must be the previous layer's SCATTERED output, directly or
+    through casts (transformers' fp32 residual), so it holds the same rows."""
+    from .tp_rewrite import TPRewriteError
+
+    n = x
+    while n is not prev and n.target in _CASTS and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    if n is not prev:
+        raise TPRewriteError(f"{where}: the layer input {x.name} does not come from the previous layer's output "
+                             f"{prev.name if prev is not None else None} (only casts may sit between)")
+
+
+def _layers(gm: fx.GraphModule) -> dict[int, list[fx.Node]]:
+    out: dict[int, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        r = n.meta.get(ROLE_KEY)
+        if r is not None and r.layer is not None:
+            out.setdefault(r.layer, []).append(n)
+    return out
+
+
+def _layer_output(members: list[fx.Node], member_set: set[fx.Node], shape: tuple, where: str) -> fx.Node:
+    """The residual stream leaving the layer: the one hidden-sized tensor read after it."""
+    from .tp_rewrite import TPRewriteError
+
+    layer = members[0].meta[ROLE_KEY].layer
+
+    def outside(u: fx.Node) -> bool:
+        r = u.meta.get(ROLE_KEY)
+        return r is None or r.layer != layer
+
+    outs = [n for n in members if n.graph is not None and any(outside(u) for u in n.users)
+            and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].shape[-1] == shape[-1]]
+    if len(outs) != 1:
+        raise TPRewriteError(f"{where}: expected one hidden-state tensor leaving the layer, found "
+                             f"{[n.name for n in outs]}")
+    return outs[0]
+
+
+# --- MoE expert parallelism ---------------------------------------------------------------------
+
+_TOKEN_MAJOR = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.to.dtype,
+                aten._to_copy.default, aten.unsqueeze.default, aten.contiguous.default, aten.clone.default,
+                aten.flatten.using_ints}
+
+
+def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake_mode: object) -> list[ShardedWeight]:
+    """Split one MoE layer's experts over ``parts`` ranks and route tokens with all-to-all.
+
+    Before (transformers' grouped experts, one layer)::
+
+        logits = linear(x2d, gate.weight); w, ids = topk(softmax(logits), k)       # router
+        y = experts(x2d, ids, normalize(w))     # sort, histc(ids, E), grouped_mm(w_e[E, ...]), combine
+        out = reshape(y, [b, s, H]) (+ shared experts)
+
+    After, on rank ``d`` (experts ``[d*E/P, (d+1)*E/P)``, weights sliced along the expert dim)::
+
+        logits, w, ids: unchanged, on this rank's tokens
+        xr, wr, ids_l, valid, counts = afd.ep_dispatch([x2d, w], ids, group=TP, E, P)   # all-to-all
+        yr = experts(xr, ids_l, wr * valid)     # histc(ids_l, E/P), w_e[E/P, ...]: local experts only
+        y = afd.ep_combine(yr, ids, counts, group=TP, E)                                # all-to-all back
+
+    The expert computation is found from the graph: the nodes downstream of top-k's indices up
+    to the first ``(tokens, H)`` tensor (the per-token combine). Its other inputs must be
+    per-token rows (token-major); expert-count constants (``histc`` bins, ``one_hot`` classes)
+    become the local count, any other use of the count is an error naming the node.
+    """
+    from .symbolic import TokenBinding, emit_with, sym_expr
+
+    where = f"layer {layer}"
+    graph = new.graph
+    members = _layers(new)[layer]
+    ffn = [n for n in members if n.meta[ROLE_KEY].role is Role.FFN or n.meta[ROLE_KEY].router]
+    ffn_set = set(ffn)
+    topks = [n for n in ffn if n.target == aten.topk.default]
+    if len(topks) != 1:
+        raise ScatteredRewriteError(f"{where}: expert parallelism needs one top-k routing op in the MoE, found "
+                                    f"{[n.name for n in topks]}")
+    topk = topks[0]
+    ids = next((u for u in topk.users if u.target == operator.getitem and u.args[1] == 1), None)
+    vals = next((u for u in topk.users if u.target == operator.getitem and u.args[1] == 0), None)
+    if ids is None:
+        raise ScatteredRewriteError(f"{where}: {topk.name}'s expert indices are never read")
+    n_tok = ids.meta["val"].shape[0]
+    kk = int(ids.meta["val"].shape[1])
+    down = _descendants(ids, ffn_set)
+    order = {n: j for j, n in enumerate(graph.nodes)}
+    end = None
+    for n in sorted(down, key=order.__getitem__):
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.dim() == 2 and _same(v.shape[0], n_tok) and v.shape[1] != kk:
+            end = n
+            break
+    if end is None:
+        raise ScatteredRewriteError(f"{where}: no per-token (tokens, hidden) tensor after the experts: cannot find "
+                                    "where the expert outputs are combined")
+    region = (_ancestors([end], within=down) | {end}) & down
+    region_list = sorted(region, key=order.__getitem__)
+    inputs = [a for n in region_list for a in n.all_input_nodes if a not in region and a is not ids]
+    inputs = list(dict.fromkeys(inputs))
+    params = [a for a in inputs if a.op == "get_attr"]
+    sizes = [a for a in inputs if a.op != "get_attr" and not isinstance(a.meta.get("val"), torch.Tensor)]
+    tensors = [a for a in inputs if a not in params and a not in sizes]
+    from_vals = _descendants(vals, ffn_set) if vals is not None else set()
+    payload_shapes = []
+    for t in tensors:
+        _check_token_major(t, n_tok, where)
+        payload_shapes.append(tuple(t.meta["val"].shape))
+    num_experts = _num_experts(new, params, region_list, where)
+    if num_experts % parts:
+        raise ShardError(f"{where}: {num_experts} experts do not divide over {parts} expert-parallel ranks")
+    local = num_experts // parts
+    weights = []
+    for p in params:
+        shape = tuple(_getattr(new, p.target).shape)
+        if shape and shape[0] == num_experts:
+            weights.append(ShardedWeight(str(p.target), 0, parts, "mlp", "expert"))
+    b = _Builder(graph, fake_mode, layer)
+    anchor = max([*tensors, ids], key=order.__getitem__)
+    role = end.meta[ROLE_KEY]
+    made: list[fx.Node] = []
+
+    def call(target: object, args: tuple, name: str | None = None) -> fx.Node:
+        node = b.call(target, args, name)
+        node.meta[ROLE_KEY] = role
+        made.append(node)
+        return node
+
+    with graph.inserting_after(anchor):
+        count = n_tok_node(call, ids)  # (explicit widths: a view to [0, -1] is ambiguous with no tokens)
+        rows = [call(aten.view.default, (t, [count, _row_width(t, n_tok)])) for t in tensors]
+        disp = call(torch.ops.afd.ep_dispatch.default, (rows, ids, GROUP_TP, num_experts, parts), "ep_dispatch")
+        got = [call(operator.getitem, (disp, j)) for j in range(len(tensors) + 3)]
+        env: dict[fx.Node, object] = {ids: got[len(tensors)]}
+        valid = got[len(tensors) + 1]
+        m_rows = call(aten.sym_size.int, (got[0] if tensors else env[ids], 0), "ep_rows")
+        binding = TokenBinding.for_token_dims([n_tok], where)
+        for t, r, shape in zip(tensors, got, payload_shapes, strict=True):
+            back = call(aten.view.default, (r, [-1, *[int(s) for s in shape[1:]]]))
+            if t in from_vals:  # a routing weight: zero the slots whose expert lives elsewhere
+                mask = call(aten.view.default, (call(aten.to.dtype, (valid, t.meta["val"].dtype)), [-1, *[
+                    int(s) for s in shape[1:]]]))
+                back = call(aten.mul.Tensor, (back, mask))
+            env[t] = back
+        for s in sizes:
+            expr = binding.substitute(sym_expr(s.meta["val"]))
+            if not binding.known(expr):
+                raise ScatteredRewriteError(f"{where}: the experts read {s.name} ({s.meta['val']}), which is not a "
+                                            "function of the token count")
+            env[s] = emit_with(lambda tgt, a: call(tgt, a), expr, {binding.sigma: call(
+                operator.floordiv, (m_rows, binding.coeff)) if binding.coeff != 1 else m_rows})
+        last = made[-1]
+        for n in region_list:
+            with graph.inserting_after(last):
+                c = graph.node_copy(n, lambda a: env.get(a, a))
+            _fix_expert_count(c, num_experts, local, where)
+            _propagate(c, fake_mode)
+            env[n] = c
+            last = c
+        with graph.inserting_after(last):
+            y = call(torch.ops.afd.ep_combine.default, (env[end], ids, got[len(tensors) + 2], GROUP_TP, num_experts),
+                     "ep_combine")
+    end.replace_all_uses_with(y, delete_user_cb=lambda u: u not in region)
+    for n in region_list:
+        for u in list(n.users):
+            if u not in region and u.target == aten._assert_tensor_metadata.default:
+                graph.erase_node(u)
+            elif u not in region:
+                raise ScatteredRewriteError(f"{where}: {u.name} reads {n.name} from inside the experts' computation")
+    for n in reversed(region_list):  # in-place ops (index_put_) would survive dead-code elimination
+        graph.erase_node(n)
+    return weights
+
+
+def n_tok_node(call: object, ids: fx.Node) -> fx.Node:
+    return call(aten.sym_size.int, (ids, 0))
+
+
+def _row_width(t: fx.Node, n_tok: object) -> int:
+    from .symbolic import sym_expr
+
+    v = t.meta["val"]
+    width = sym_expr(v.numel()) / sym_expr(n_tok)
+    if not width.is_Integer:
+        raise ScatteredRewriteError(f"{t.name}: {tuple(v.shape)} is not a fixed number of values per token")
+    return int(width)
+
+
+def _same(a: object, b: object) -> bool:
+    from .symbolic import sym_expr
+
+    return sym_expr(a) == sym_expr(b)
+
+
+def _check_token_major(t: fx.Node, n_tok: object, where: str) -> None:
+    """``t``'s rows must be tokens in order (``[n, ...]``, or ``[c * n, ...]`` flattened from
+    ``[n, c, ...]``): it is dispatched row-block by token."""
+    from .symbolic import sym_expr
+
+    n = t
+    while True:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and _same(v.shape[0], n_tok):
+            break
+        if n.target not in _TOKEN_MAJOR or not isinstance(n.args[0], fx.Node):
+            raise ScatteredRewriteError(f"{where}: the experts read {t.name}, which is not per-token rows (token-major "
+                                        f"[tokens, ...]); cannot dispatch it with its tokens")
+        n = n.args[0]
+    ratio = sym_expr(t.meta["val"].shape[0]) / sym_expr(n_tok) if t.meta["val"].dim() else None
+    if ratio is None or not ratio.is_Integer:
+        raise ScatteredRewriteError(f"{where}: {t.name} has {t.meta['val'].shape[0] if t.meta['val'].dim() else 0} rows, "
+                                    "not a multiple of the token count")
+
+
+def _num_experts(gm: fx.GraphModule, params: list[fx.Node], region: list[fx.Node], where: str) -> int:
+    counts = {int(_getattr(gm, p.target).shape[0]) for p in params if _getattr(gm, p.target).dim() == 3}
+    if len(counts) != 1:
+        raise ScatteredRewriteError(f"{where}: expert parallelism needs 3-D expert weights [experts, ...] read by "
+                                    f"the experts; found {[str(p.target) for p in params]}")
+    return counts.pop()
+
+
+def _fix_expert_count(n: fx.Node, num_experts: int, local: int, where: str) -> None:
+    if n.target == aten.histc.default:
+        args = list(n.args) + [100, 0, 0][len(n.args) - 1:]
+        bins, lo, hi = args[1:4]
+        if (bins, lo, hi) != (num_experts, 0, num_experts - 1):
+            raise ScatteredRewriteError(f"{where}: {n.name}: histc over ({bins}, {lo}, {hi}), expected the expert "
+                                        f"count ({num_experts}, 0, {num_experts - 1})")
+        n.args = (args[0], local, 0, local - 1)
+        return
+    if n.target == aten.one_hot.default:
+        if n.args[1] != num_experts:
+            raise ScatteredRewriteError(f"{where}: {n.name}: one_hot over {n.args[1]} classes, not the expert count")
+        n.args = (n.args[0], local)
+        return
+    flat = [a for a in n.args if isinstance(a, int) and not isinstance(a, bool)] + [
+        x for a in n.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, int)]
+    if num_experts in flat:
+        raise ScatteredRewriteError(f"{where}: {n.name} ({n.target}) reads the expert count {num_experts} as a "
+                                    "constant; afd-compile cannot tell it is the expert count to localize it")
+
+
+def _propagate(n: fx.Node, fake_mode: object) -> None:
+    if fake_mode is None:
+        return
+    args = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
+    if n.target == operator.getitem:
+        n.meta["val"] = args[0][0][args[0][1]]
+        return
+    with fake_mode:
+        n.meta["val"] = n.target(*args[0], **args[1])
