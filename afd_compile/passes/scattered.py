@@ -35,7 +35,7 @@ from ..scatter import ScatterMode, TPLayout
 from .dist_states import TPPlan
 from .roles import META_KEY as ROLE_KEY
 from .roles import Role, _ancestors, _descendants
-from .shard import ShardedWeight, ShardError
+from .shard import ShardedWeight, ShardError, ShardPlan, apply_shards
 from .split import _Builder, _getattr, _shape_args, _symbol_sources
 
 aten = torch.ops.aten
@@ -254,12 +254,22 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
     if end is None:
         raise ScatteredRewriteError(f"{where}: no per-token (tokens, hidden) tensor after the experts: cannot find "
                                     "where the expert outputs are combined")
-    region = (_ancestors([end], within=down) | {end}) & down
+    region = ((_ancestors([end], within=down) | {end}) & down) - {ids}
+    while True:  # weight-only inputs (a transposed expert weight) are recomputed from the sliced weights
+        inputs = list(dict.fromkeys(a for n in sorted(region, key=order.__getitem__) for a in n.all_input_nodes
+                                    if a not in region and a is not ids))  # graph order: same on every rank
+        extra = {a for a in inputs if a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor)
+                 and _weights_only(a)}
+        if not extra:
+            break
+        region |= extra
     region_list = sorted(region, key=order.__getitem__)
-    inputs = [a for n in region_list for a in n.all_input_nodes if a not in region and a is not ids]
-    inputs = list(dict.fromkeys(inputs))
     params = [a for a in inputs if a.op == "get_attr"]
-    sizes = [a for a in inputs if a.op != "get_attr" and not isinstance(a.meta.get("val"), torch.Tensor)]
+    sizes = [a for a in inputs if isinstance(a.meta.get("val"), (int, torch.SymInt))]
+    odd = [a for a in inputs if a.op != "get_attr" and a not in sizes and not isinstance(a.meta.get("val"), torch.Tensor)]
+    if odd:
+        raise ScatteredRewriteError(f"{where}: the experts read {[f'{a.name} ({a.target})' for a in odd]} for "
+                                    f"{[u.name for a in odd for u in a.users if u in region]}, neither tensors nor sizes")
     tensors = [a for a in inputs if a not in params and a not in sizes]
     from_vals = _descendants(vals, ffn_set) if vals is not None else set()
     payload_shapes = []
@@ -275,6 +285,10 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
         shape = tuple(_getattr(new, p.target).shape)
         if shape and shape[0] == num_experts:
             weights.append(ShardedWeight(str(p.target), 0, parts, "mlp", "expert"))
+    apply_shards(new, ShardPlan(tuple(weights), (), ()), {"mlp": rank})
+    for p in params:  # the copies below are shape-propagated with the sliced weights
+        if fake_mode is not None and "val" in p.meta:
+            p.meta["val"] = fake_mode.from_tensor(_getattr(new, p.target), static_shapes=True)
     b = _Builder(graph, fake_mode, layer)
     anchor = max([*tensors, ids], key=order.__getitem__)
     role = end.meta[ROLE_KEY]
@@ -286,7 +300,7 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
         made.append(node)
         return node
 
-    with graph.inserting_after(anchor):
+    with graph.inserting_before(anchor.next):
         count = n_tok_node(call, ids)  # (explicit widths: a view to [0, -1] is ambiguous with no tokens)
         rows = [call(aten.view.default, (t, [count, _row_width(t, n_tok)])) for t in tensors]
         disp = call(torch.ops.afd.ep_dispatch.default, (rows, ids, GROUP_TP, num_experts, parts), "ep_dispatch")
@@ -295,7 +309,7 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
         valid = got[len(tensors) + 1]
         m_rows = call(aten.sym_size.int, (got[0] if tensors else env[ids], 0), "ep_rows")
         binding = TokenBinding.for_token_dims([n_tok], where)
-        for t, r, shape in zip(tensors, got, payload_shapes, strict=True):
+        for t, r, shape in zip(tensors, got[: len(tensors)], payload_shapes, strict=True):
             back = call(aten.view.default, (r, [-1, *[int(s) for s in shape[1:]]]))
             if t in from_vals:  # a routing weight: zero the slots whose expert lives elsewhere
                 mask = call(aten.view.default, (call(aten.to.dtype, (valid, t.meta["val"].dtype)), [-1, *[
@@ -334,6 +348,21 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
 
 def n_tok_node(call: object, ids: fx.Node) -> fx.Node:
     return call(aten.sym_size.int, (ids, 0))
+
+
+def _weights_only(n: fx.Node) -> bool:
+    """Computed from graph attributes and sizes alone (a transposed expert weight, an
+    ``arange`` over the token count): no token data reaches it, so the region recomputes it."""
+    seen, todo = set(), [n]
+    while todo:
+        x = todo.pop()
+        if x.op == "placeholder":
+            return False
+        if x in seen or (x is not n and isinstance(x.meta.get("val"), (int, torch.SymInt))):
+            continue  # a size (SymInt): rebound to the dispatched token count
+        seen.add(x)
+        todo.extend(x.all_input_nodes)
+    return True
 
 
 def _row_width(t: fx.Node, n_tok: object) -> int:

@@ -86,8 +86,7 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
                 experts.extend(expert_parallel(new, m.index, layout.tp, rank, fake_mode))
             except ScatteredRewriteError as e:
                 raise TPRewriteError(str(e)) from None
-    if experts:
-        apply_shards(new, ShardPlan(tuple(experts), (), ()), {"mlp": rank})
+    if experts:  # (expert_parallel sliced them)
         shards = replace(shards, weights=shards.weights + tuple(experts))
     settled = rewrite_scattered_layers(new, plan, layout, rank, fake_mode)
     if settled or experts:
