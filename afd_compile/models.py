@@ -41,6 +41,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # parallel residual, interleaved rotary (stack + flatten), biases
     "gptj": ("GPTJForCausalLM", "GPTJConfig", dict(
         vocab_size=128, n_embd=64, n_head=4, rotary_dim=8, n_positions=128, bos_token_id=0, eos_token_id=0)),
+    # relu^2 MLP (aten.square), LayerNorm with a (1 + weight) scale
+    "nemotron": ("NemotronForCausalLM", "NemotronConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    # multi-query attention: fused c_attn [q | one K head | one V head]
+    "gpt_bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig", dict(
+        vocab_size=128, n_embd=64, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),
 }
 
 

@@ -23,6 +23,8 @@ MODELS = {
     "gpt2": ("gpt2", 2, {}),
     "granite": ("granite", 2, {}),
     "olmo2": ("olmo2", 2, {}),
+    "nemotron": ("nemotron", 2, {}),
+    "gpt_bigcode": ("gpt_bigcode", 1, {}),
 }
 
 

@@ -149,3 +149,14 @@ def test_inductor_compiled_graph_still_calls_the_ops():
     for r in (1, 2):
         assert "afd.p2p_send" in res[r]["code"] and "afd.p2p_recv" in res[r]["code"]
         assert res[r]["err"] < 1e-6
+
+
+@pytest.mark.parametrize("total,parts,sizes", [
+    (5, 2, [3, 2]), (4, 2, [2, 2]), (0, 2, [0, 0]), (1, 4, [1, 0, 0, 0]), (7, 4, [2, 2, 2, 1]),
+])
+def test_group_token_sizes_follow_tensor_split(total, parts, sizes):
+    from afd_compile.ops import group_token_sizes
+
+    assert group_token_sizes(total, parts) == sizes
+    assert [(total + parts - 1 - i) // parts for i in range(parts)] == sizes  # the graph's own-share formula
+    assert [len(c) for c in torch.arange(total).tensor_split(parts)] == sizes

@@ -204,11 +204,62 @@ def test_shard_tensor_blocks_and_replication():
     assert shard_tensor(torch.arange(4).reshape(1, 4), row, 1).tolist() == [[2, 3]]
 
 
-def test_unsupported_parts_are_refused_clearly(exported):
-    with pytest.raises(TPRewriteError, match="layer 0: a SCATTERED dense MLP with attn_tp=2 .* not implemented yet"):
-        _program(exported, "llama2", TPLayout(4, 2, dense_dp=True))
-    with pytest.raises(TPRewriteError, match="layer 0: a SCATTERED moe MLP with attn_tp=1 .* not implemented yet"):
-        _program(exported, "qwen3moe2", TPLayout(2, 2, moe_a2a=True))
+def test_scattered_mlp_on_a_parallel_residual_block_is_refused_clearly(exported):
+    with pytest.raises(TPRewriteError, match="layer 0: .*parallel-residual"):
+        _program(exported, "gptj", TPLayout(2, dense_dp=True))
+
+
+def test_dense_dp_with_attn_tp_2_keeps_the_residual_scattered(exported):
+    # tp=4 attn_dp=2 dense_dp: prepare_mlp reduce-scatters o_proj's partial sum into this rank's
+    # share of its group's tokens, the MLP runs there with full weights, layer 1 gathers its
+    # attention input, and the last layer adds the residual before its one gather
+    prog = _program(exported, "llama2", TPLayout(4, 2, dense_dp=True), rank=1, fuse_norm=False)
+    afd = torch.ops.afd
+    t = _targets(prog)
+    assert t.count(afd.reduce_scatter_group_tokens.default) == 2
+    assert t.count(afd.scatter_group_tokens.default) == 1  # layer 0's residual: a local slice
+    assert t.count(afd.all_gather_group_tokens.default) == 2  # layer 1's prepare_attn, the last postprocess
+    assert afd.all_reduce.default not in t and afd.all_gather_tokens.default not in t
+    nodes = {n.name: n for n in prog.program.graph.nodes}
+    rs = [n for n in nodes.values() if n.target == afd.reduce_scatter_group_tokens.default]
+    assert all(n.args[0].args[0].target == torch.ops.aten.linear.default for n in rs)  # right on o_proj
+    last = nodes["sc_gather_out"]
+    assert last.args[0].target == torch.ops.aten.add.Tensor  # h1 + mlp: added before communicating
+    assert any(a.name.startswith("sc_mlp_out") for a in last.args[0].args)
+    full = exported("llama2")[0].module()
+    name = "model.model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(prog.program.get_parameter(name), full.get_parameter(name))
+    q = prog.program.get_parameter("model.model.layers.0.self_attn.q_proj.weight")
+    assert tuple(q.shape) == (32, 64)  # attention still sharded over the attention-TP group
+
+
+def test_moe_a2a_splits_experts_and_reduce_scatters_into_the_moe(exported):
+    # standard TP (attn_tp 2) with MoE all-to-all: o_proj's partial sum goes into the SCATTERED
+    # MoE by a reduce-scatter (never an all-reduce); each rank owns half of the experts
+    prog = _program(exported, "qwen3moe2", TPLayout(2, moe_a2a=True), rank=1, fuse_norm=False)
+    afd = torch.ops.afd
+    t = _targets(prog)
+    assert t.count(afd.ep_dispatch.default) == 2 and t.count(afd.ep_combine.default) == 2
+    assert t.count(afd.reduce_scatter_group_tokens.default) == 2
+    assert afd.all_reduce.default not in t
+    full = exported("qwen3moe2")[0].module()
+    for name in ("model.model.layers.0.mlp.experts.gate_up_proj", "model.model.layers.0.mlp.experts.down_proj"):
+        assert torch.equal(prog.program.get_parameter(name), full.get_parameter(name)[2:4])
+    gate = "model.model.layers.0.mlp.gate.weight"
+    assert torch.equal(prog.program.get_parameter(gate), full.get_parameter(gate))  # router replicated
+    histc = [n for n in prog.program.graph.nodes if n.target == torch.ops.aten.histc.default]
+    assert [n.args[1:] for n in histc] == [(2, 0, 1)] * 2  # expert counting over the local experts
+    weights = [w for w in prog.shards.weights if w.kind == "expert"]
+    assert {(w.dim, w.parts) for w in weights} == {(0, 2)} and len(weights) == 4
+    # the routing weights of slots whose expert lives on another rank are zeroed after dispatch
+    disp = next(n for n in prog.program.graph.nodes if n.target == afd.ep_dispatch.default)
+    valid = next(u for u in disp.users if u.args[1] == 3)
+    assert any(u.target == torch.ops.aten.to.dtype for u in valid.users)
+
+
+def test_expert_parallel_needs_experts_that_divide(exported):
+    with pytest.raises(ShardError, match="layer 0: 4 experts do not divide over 8"):
+        _program(exported, "qwen3moe2", TPLayout(8, 8, moe_a2a=True))
 
 
 def test_dense_dp_with_attn_tp_1_runs_dense_mlps_locally(exported):
@@ -259,7 +310,9 @@ def test_dp_attention_with_attn_tp_2_gathers_partial_sums_once(exported):
     assert any(u.target == torch.ops.aten.to.dtype for u in gather.users)
 
 
-NUMERICS = [  # (model, tp, attn_dp, batch per DP group)
+A2A, DDP = {"moe_a2a": True}, {"dense_dp": True}
+
+NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("llama3", 2, 1, (3,)),
     ("llama2_mha", 4, 1, (2,)),
     ("llama2_mha", 2, 1, (1,)),
@@ -279,18 +332,26 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group)
     ("gptj", 4, 1, (2,)),
     ("gpt2", 4, 2, (2, 3)),              # Conv1D (addmm, weight [in, out]), fused c_attn split; DP attention
     ("olmo2", 4, 1, (2,)),               # q/k norm over all heads: all-reduced mean; k norm over replicated KV
+    ("qwen3moe2", 2, 1, (3,), A2A),      # experts over 2 ranks, all-to-all; reduce-scatter into the MoE
+    ("qwen3moe3_mixed", 4, 2, (2, 5), A2A),  # MoE a2a + a dense FULL layer between, uneven groups
+    ("qwen3moe2", 4, 4, (2, 0, 3, 1), A2A),  # attn_tp == 1: a2a only; a group with zero tokens
+    ("llama3", 4, 2, (3, 0), DDP),       # SCATTERED residual in attention-TP groups; zero-token group
+    ("gemma2", 4, 2, (1, 2), DDP),       # norm after o_proj on the SCATTERED rows
+    ("nemotron", 2, 1, (2,)),            # relu^2 MLP (square), LayerNorm1P
 ]
 
 
 @pytest.fixture(scope="module")
 def tp_results(exported):
-    return run_tp_cases([TPCase(exported(m)[1], TPLayout(tp, dp), b) for m, tp, dp, b in NUMERICS])
+    return run_tp_cases([TPCase(exported(m)[1], TPLayout(tp, dp, **(f[0] if f else {})), b)
+                         for m, tp, dp, b, *f in NUMERICS])
 
 
 @pytest.mark.parametrize("index", range(len(NUMERICS)),
-                         ids=[f"{m}-tp{tp}-dp{dp}-{'_'.join(map(str, b))}" for m, tp, dp, b in NUMERICS])
+                         ids=[f"{m}-tp{tp}-dp{dp}-{'_'.join(map(str, b))}{''.join('-' + k for k in (f[0] if f else ()))}"
+                              for m, tp, dp, b, *f in NUMERICS])
 def test_tp_matches_single_process_model(tp_results, index):
-    _, tp, dp, batches = NUMERICS[index]
+    _, tp, dp, batches, *_ = NUMERICS[index]
     res = tp_results[index]
     assert sorted(res) == list(range(tp))
     for r, v in res.items():
@@ -299,3 +360,10 @@ def test_tp_matches_single_process_model(tp_results, index):
         lay = TPLayout(tp, dp)
         assert res[0]["batches"] == [batches[0], batches[1 % dp]]
         assert {tuple(res[r]["batches"]) for r in lay.attn_tp_group(0)} == {tuple(res[0]["batches"])}
+
+
+def test_multi_query_attention_is_refused_not_silently_wrong(exported):
+    # GPT-BigCode's single K/V head has no head dim to split: cutting its features would split
+    # head_dim (the run gave NaN before this check)
+    with pytest.raises(ShardError, match="split along the heads dim .*multi-query"):
+        _program(exported, "gpt_bigcode", TPLayout(2))
