@@ -192,7 +192,8 @@ def cmd_rewrite_tp(args: argparse.Namespace) -> int:
               f"{sum(1 for n in ep.graph.nodes if 'afd.' in str(n.target))} afd collectives", flush=True)
     plan = {"layout": {"tp": layout.tp, "attn_dp": layout.attn_dp, "attn_tp": layout.attn_tp,
                        "attn_tp_groups": [list(range(g * layout.attn_tp, (g + 1) * layout.attn_tp))
-                                          for g in range(layout.attn_dp)]},
+                                          for g in range(layout.attn_dp)],
+                       "moe_a2a": layout.moe_a2a, "dense_dp": layout.dense_dp},
             "programs": files, "scatter_plan": prog.plan.to_json(),
             "inputs": "the original inputs (this rank's DP group's tokens)" + (
                 ", then dp_token_slots: an empty (total tokens of all DP groups, 0) tensor; before each step the "

@@ -31,18 +31,20 @@ def test_rewrite_tp_writes_rank_programs_that_reload_and_match(exported, tmp_pat
     from afd_compile.scatter import TPLayout
     from afd_compile.verify import TPCase, run_tp_cases
 
-    path = exported("llama2")[1]
     cases = []
-    for tp, dp, batches in ((2, 1, None), (4, 2, (2, 3))):
-        out = tmp_path / f"tp{tp}dp{dp}"
-        res = _run("rewrite", path, "-o", str(out), "--tp", str(tp), "--attn-dp", str(dp))
+    for model, tp, dp, batches, flags in (("llama2", 2, 1, None, ()), ("llama2", 4, 2, (2, 3), ()),
+                                          ("qwen3moe2", 2, 1, None, ("--moe-a2a",))):
+        path = exported(model)[1]
+        out = tmp_path / f"{model}tp{tp}dp{dp}"
+        res = _run("rewrite", path, "-o", str(out), "--tp", str(tp), "--attn-dp", str(dp), *flags)
         assert res.returncode == 0, res.stderr[-3000:]
         files = [f"rank{r}.pt2" for r in range(tp)]
         assert f"rewrite: wrote {', '.join(files)}, plan.json" in res.stdout
         plan = json.loads((out / "plan.json").read_text())
         assert plan["layout"]["attn_tp"] == tp // dp and plan["programs"] == files
         assert len(plan["scatter_plan"]["layers"]) == 2
-        cases.append(TPCase(path, TPLayout(tp, dp), batches, saved=str(out)))
+        assert plan["layout"]["moe_a2a"] == bool(flags)
+        cases.append(TPCase(path, TPLayout(tp, dp, moe_a2a=bool(flags)), batches, saved=str(out)))
     for result in run_tp_cases(cases):
         assert max(r["max_rel_err"] for r in result.values()) <= 1e-5
 
