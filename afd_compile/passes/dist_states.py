@@ -44,18 +44,26 @@ class TPPlan:
             "graph": self.graph_name,
             "layout": {"tp": self.layout.tp, "attn_dp": self.layout.attn_dp, "attn_tp": self.layout.attn_tp,
                        "moe_a2a": self.layout.moe_a2a, "dense_dp": self.layout.dense_dp},
-            "layers": [{"index": m.index, "kind": m.kind, "modes": m.modes(), "junctions": j.names()}
-                       for m, j in self.layers],
+            "layers": [{"index": m.index, "kind": m.kind, "modes": m.modes(), "junctions": j.names(),
+                        "inside_mlp": self.inside_mlp(m)} for m, j in self.layers],
         }
+
+    def inside_mlp(self, m: LayerModes) -> list[str]:
+        """Collectives inside the MLP itself: an MoE with all-to-all dispatches its tokens to the
+        experts' ranks and combines the results back (``afd.ep_dispatch`` / ``afd.ep_combine``)."""
+        if m.kind == "moe" and m.mlp is ScatterMode.SCATTERED and self.layout.tp > 1:
+            return ["all_to_all_dispatch", "all_to_all_combine"]
+        return []
 
     def table(self) -> str:
         head = ("layer", "kind", "layer_input", "attn", "mlp", "middle_residual", "layer_output",
-                "prepare_attn", "prepare_mlp", "postprocess_layer")
+                "prepare_attn", "prepare_mlp", "inside_mlp", "postprocess_layer")
         rows = [head]
         for m, j in self.layers:
             names = j.names()
             rows.append((str(m.index), m.kind, *m.modes().values(),
-                         *[", ".join(names[k]) or "-" for k in ("prepare_attn", "prepare_mlp", "postprocess_layer")]))
+                         *[", ".join(names[k]) or "-" for k in ("prepare_attn", "prepare_mlp")],
+                         ", ".join(self.inside_mlp(m)) or "-", ", ".join(names["postprocess_layer"]) or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         return "\n".join([f"plan: {self.graph_name}: {self.layout} (attn_tp={self.layout.attn_tp})", *lines])
