@@ -222,6 +222,16 @@ def _flatten(node: fx.Node, sdim: dict, parts: int) -> int | None:
     return start
 
 
+def _layer_norm(node: fx.Node, sdim: dict, parts: int) -> int | None:
+    """layer_norm / rms_norm over trailing dims that leave the split dim alone (Persimmon's
+    per-head q/k LayerNorm over head_dim): the split dim passes through."""
+    src, shape = node.args[0], node.args[1]
+    d = sdim[src]
+    if d >= _ndim(src) - len(shape) or any(a in sdim for a in node.all_input_nodes if a is not src):
+        raise ShardError(f"{node.name} ({node.target}) normalises over the split dim {d}")
+    return d
+
+
 def _getitem(node: fx.Node, sdim: dict, parts: int) -> int | None:
     return sdim[node.args[0]]
 
@@ -306,7 +316,8 @@ RULES.update({
     aten.slice.Tensor: _along_other_dim, aten.cat.default: _along_other_dim, aten.chunk.default: _along_other_dim,
     aten.split.Tensor: _along_other_dim, aten.split_with_sizes.default: _along_other_dim,
     aten.select.int: _along_other_dim, aten.stack.default: _stack, aten.flatten.using_ints: _flatten,
-    operator.getitem: _getitem,
+    operator.getitem: _getitem, aten.layer_norm.default: _layer_norm,
+    **({aten.rms_norm.default: _layer_norm} if hasattr(aten, "rms_norm") else {}),
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.matmul.default: _matmul, aten.bmm.default: _matmul,
 })
