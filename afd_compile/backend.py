@@ -17,6 +17,8 @@ needed after ``pip install``. Per graph dynamo captures, on every rank:
 Options (all optional)::
 
     tp, attn_dp        tensor parallelism over all ranks (tp must equal the world size)
+    moe_a2a, dense_dp  SCATTERED MLPs: MoE experts split over the TP group with all-to-all, or
+                       data-parallel dense MLPs (as the CLI's --moe-a2a / --dense-dp)
     attention, ffn     AFD: the first `ffn` ranks serve FFN, the rest attention (world = A + F)
     rank, world_size   default: RANK / WORLD_SIZE from the environment (torchrun)
     inductor           compile each program with Inductor (default True; False: run the FX program)
@@ -53,7 +55,7 @@ from .passes.split import _getattr, _setattr
 log = logging.getLogger("afd_compile.backend")
 
 #: pass versions: bump when a pass changes what it emits (part of the Inductor cache key)
-PASS_VERSION = "afd-passes-1"
+PASS_VERSION = "afd-passes-2"
 
 #: counters of this process: graphs compiled per layout, calls, layouts seen
 STATS: dict[str, int] = {"graphs": 0, "layouts_compiled": 0, "calls": 0, "no_layout": 0, "cudagraphs_off": 0}
@@ -62,6 +64,8 @@ STATS: dict[str, int] = {"graphs": 0, "layouts_compiled": 0, "calls": 0, "no_lay
 HOST_SYNC_OPS: dict[str, str] = {
     "transformers::grouped_mm_fallback": "copies the per-expert offsets to the host (transformers' MoE fallback "
                                          "for dtypes other than bf16 under torch.compile)",
+    "afd::ep_dispatch": "exchanges per-rank token counts and sizes its outputs from them (MoE all-to-all)",
+    "afd::ep_combine": "sizes its all-to-all from the dispatch's token counts on the host",
 }
 
 
@@ -97,6 +101,8 @@ def release() -> None:
 class BackendOptions:
     tp: int = 1
     attn_dp: int = 1
+    moe_a2a: bool = False
+    dense_dp: bool = False
     attention: int = 0
     ffn: int = 0
     rank: int | None = None
@@ -341,8 +347,8 @@ class PerLayout:
 
 
 def _layout_key(opts: BackendOptions, rank: int, world: int) -> str:
-    fields = (PASS_VERSION, torch.__version__, opts.mode, opts.tp, opts.attn_dp, opts.attention, opts.ffn, rank,
-              world, opts.policy)
+    fields = (PASS_VERSION, torch.__version__, opts.mode, opts.tp, opts.attn_dp, opts.moe_a2a, opts.dense_dp,
+              opts.attention, opts.ffn, rank, world, opts.policy)
     return hashlib.sha256(repr(fields).encode()).hexdigest()
 
 
@@ -419,7 +425,7 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     from .scatter import TPLayout
     from .verify import _dp_step_counts, _tp_groups
 
-    layout = TPLayout(opts.tp, opts.attn_dp)
+    layout = TPLayout(opts.tp, opts.attn_dp, moe_a2a=opts.moe_a2a, dense_dp=opts.dense_dp)
     if layout.tp != world:
         raise BackendOptionError(f"afd backend: tp={layout.tp} must equal the world size ({world})")
     groups = _tp_groups(world, [layout])

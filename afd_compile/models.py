@@ -45,6 +45,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "nemotron": ("NemotronForCausalLM", "NemotronConfig", dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    # fused query_key_value packed per KV group [q.. | k | v] (new decoder architecture), x @ W.T
+    # (numpy_T), K/V picked out of each group by index and broadcast_to, parallel attention + MLP
+    "falcon": ("FalconForCausalLM", "FalconConfig", dict(
+        vocab_size=128, hidden_size=64, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2,
+        bos_token_id=0, eos_token_id=0)),
     # multi-query attention: fused c_attn [q | one K head | one V head]
     "gpt_bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig", dict(
         vocab_size=128, n_embd=64, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),

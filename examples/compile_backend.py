@@ -49,6 +49,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--attn-dp", type=int, default=1)
+    parser.add_argument("--moe-a2a", action="store_true", help="MoE experts over the TP group, all-to-all")
+    parser.add_argument("--dense-dp", action="store_true", help="dense MLPs data-parallel (SCATTERED)")
     parser.add_argument("--attention", type=int, default=0, help="AFD: attention ranks")
     parser.add_argument("--ffn", type=int, default=0, help="AFD: FFN ranks")
     parser.add_argument("--family", default="llama", choices=["llama", "qwen3_moe"])
@@ -70,7 +72,7 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     model = build_hf(args.family, num_layers=args.layers).to(device=device, dtype=dtype)
     options = {"tp": args.tp, "attn_dp": args.attn_dp, "attention": args.attention, "ffn": args.ffn,
-               "inductor": not args.no_inductor}
+               "inductor": not args.no_inductor, "moe_a2a": args.moe_a2a, "dense_dp": args.dense_dp}
     # token counts change per step (and per DP group / attention peer): dynamic shapes
     compiled = torch.compile(model, backend="afd", options=options, dynamic=True)
     if args.attention:

@@ -25,6 +25,7 @@ MODELS = {
     "olmo2": ("olmo2", 2, {}),
     "nemotron": ("nemotron", 2, {}),
     "gpt_bigcode": ("gpt_bigcode", 1, {}),
+    "falcon": ("falcon", 2, {}),
 }
 
 

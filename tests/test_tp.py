@@ -338,6 +338,8 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("llama3", 4, 2, (3, 0), DDP),       # SCATTERED residual in attention-TP groups; zero-token group
     ("gemma2", 4, 2, (1, 2), DDP),       # norm after o_proj on the SCATTERED rows
     ("nemotron", 2, 1, (2,)),            # relu^2 MLP (square), LayerNorm1P
+    ("falcon", 2, 2, (2, 1)),            # qkv packed per KV group; parallel attention; attn_tp == 1
+    ("falcon", 2, 1, (3,)),
 ]
 
 
@@ -367,3 +369,17 @@ def test_multi_query_attention_is_refused_not_silently_wrong(exported):
     # head_dim (the run gave NaN before this check)
     with pytest.raises(ShardError, match="split along the heads dim .*multi-query"):
         _program(exported, "gpt_bigcode", TPLayout(2))
+
+
+def test_falcon_qkv_packed_per_kv_group_shards_whole_groups(exported):
+    # [kv groups, q per group + 2, head_dim]: each rank takes whole groups (q heads with their K
+    # and V), so the group count in the view is left to -1 and broadcast_to's count is divided
+    prog = _program(exported, "falcon", TPLayout(2), rank=1, fuse_norm=False)
+    qkv = next(w for w in prog.shards.weights if w.target.endswith("h.0.self_attention.query_key_value.weight"))
+    assert (qkv.dim, qkv.kind, qkv.blocks) == (0, "column", ())
+    full = exported("falcon")[0].module().get_parameter(qkv.target)
+    assert torch.equal(prog.program.get_parameter(qkv.target), full[64:])
+    b = [n for n in prog.program.graph.nodes if n.target == torch.ops.aten.broadcast_to.default]
+    assert b and all(n.args[1][2:] == [1, 2, 16] for n in b)
+    with pytest.raises(ShardError, match="reads heads replicated over 2 ranks"):  # 2 KV groups, 4 ranks
+        _program(exported, "falcon", TPLayout(4))

@@ -189,7 +189,7 @@ def _layer_output(members: list[fx.Node], member_set: set[fx.Node], shape: tuple
         r = u.meta.get(ROLE_KEY)
         return r is None or r.layer != layer
 
-    outs = [n for n in members if n.graph is not None and any(outside(u) for u in n.users)
+    outs = [n for n in members if n.op == "call_function" and any(outside(u) for u in n.users)
             and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].shape[-1] == shape[-1]]
     if len(outs) != 1:
         raise TPRewriteError(f"{where}: expected one hidden-state tensor leaving the layer, found "

@@ -232,6 +232,19 @@ def _layer_norm(node: fx.Node, sdim: dict, parts: int) -> int | None:
     return d
 
 
+def _index(node: fx.Node, sdim: dict, parts: int) -> int | None:
+    """x[..., idx] with ``None`` for every dim up to and including the split dim and 1-D
+    indices after it (Falcon picks K and V out of each KV group): the split dim stays."""
+    src, idx = node.args[0], node.args[1]
+    d = sdim[src]
+    if any(i in sdim for i in idx if isinstance(i, fx.Node)) or len(idx) <= d or any(i is not None for i in idx[: d + 1]):
+        raise ShardError(f"{node.name}: indexing touches the split dim {d}")
+    if sum(1 for i in idx if i is not None) > 1 or any(
+            isinstance(i, fx.Node) and _ndim(i) != 1 for i in idx):
+        raise ShardError(f"{node.name}: only one 1-D index after the split dim is understood")
+    return d
+
+
 def _getitem(node: fx.Node, sdim: dict, parts: int) -> int | None:
     return sdim[node.args[0]]
 
@@ -316,13 +329,13 @@ RULES.update({
     aten.slice.Tensor: _along_other_dim, aten.cat.default: _along_other_dim, aten.chunk.default: _along_other_dim,
     aten.split.Tensor: _along_other_dim, aten.split_with_sizes.default: _along_other_dim,
     aten.select.int: _along_other_dim, aten.stack.default: _stack, aten.flatten.using_ints: _flatten,
-    operator.getitem: _getitem, aten.layer_norm.default: _layer_norm,
+    operator.getitem: _getitem, aten.layer_norm.default: _layer_norm, aten.index.Tensor: _index,
     **({aten.rms_norm.default: _layer_norm} if hasattr(aten, "rms_norm") else {}),
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.matmul.default: _matmul, aten.bmm.default: _matmul,
 })
 RESHAPE_RULES = {aten.view.default: _reshape, aten.reshape.default: _reshape, aten._unsafe_view.default: _reshape,
-                 aten.expand.default: _expand}
+                 aten.expand.default: _expand, aten.broadcast_to.default: _expand}
 IGNORED = {aten._assert_tensor_metadata.default}
 # ops that cut a tensor into pieces along a dim: along the split dim they mark a fused projection
 BLOCK_OPS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor}
@@ -366,7 +379,8 @@ def _projection(n: fx.Node) -> _Proj:
         raise ShardError(f"{n.name}: {n.target} is not a projection afd-compile can tensor-shard (linear, addmm, "
                          "mm or matmul with a 2-D weight attribute)")
     if isinstance(w, fx.Node) and n.target != aten.linear.default and (
-            w.target == aten.t.default or (w.target == aten.transpose.int and {a % 2 for a in w.args[1:3]} == {0, 1})):
+            w.target in (aten.t.default, aten.numpy_T.default)
+            or (w.target == aten.transpose.int and {a % 2 for a in w.args[1:3]} == {0, 1})):
         w, out_dim = w.args[0], 1 - out_dim  # x @ W.t(): W is stored [out, in]
     if not (isinstance(w, fx.Node) and w.op == "get_attr" and _ndim(w) in (0, 2)):
         raise ShardError(f"{n.name}: projection weight is not a 2-D graph attribute ({w})")
@@ -739,7 +753,8 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
 def _reads_weight(n: fx.Node) -> bool:
     """A projection: one operand is a 2-D graph attribute (directly or transposed)."""
     for a in n.args[:3]:
-        while isinstance(a, fx.Node) and a.target in (aten.t.default, aten.transpose.int, aten.permute.default):
+        while isinstance(a, fx.Node) and a.target in (aten.t.default, aten.numpy_T.default, aten.transpose.int,
+                                                      aten.permute.default):
             a = a.args[0]
         if isinstance(a, fx.Node) and a.op == "get_attr" and _ndim(a) in (0, 2):
             return True
