@@ -9,7 +9,8 @@
 #           fp32 for the MoE), TP=2 with DP attention; 4 steps over 2 token layouts (graph replays
 #           with new inputs); each prints OK only within rel err 1e-2 (bf16) / 1e-5 (fp32) of the
 #           uncompiled model and with zero cudagraph skips. Plus the eager-FX AFD runner
-#           (examples/afd_torchrun.py, fp32). The jobs run side by side, each under `timeout`.
+#           (examples/afd_torchrun.py, fp32); TP=2 with --moe-a2a (fp32) and --dense-dp (bf16).
+#           The jobs run side by side, each under `timeout`.
 #           With "all", the CPU section runs alongside them.
 # exchange: benchmarks/gpu_exchange.py (AFD layer exchange in CUDA graphs vs the bare NCCL floor)
 # step:     benchmarks/compile_step.py for tp and afd (compiled+graphed vs eager, vs one GPU)
@@ -73,6 +74,11 @@ if want tests; then
   par compiled_afd1a1f_qwen3moe $TR $E --attention 1 --ffn 1 --family qwen3_moe --dtype bfloat16 --control
   par compiled_afd1a1f_qwen3moe_fp32 $TR $E --attention 1 --ffn 1 --family qwen3_moe
   par eager_afd1a1f_llama $TR examples/afd_torchrun.py --attention-ranks 1 --ffn-ranks 1
+  # SCATTERED MLPs (issue 3): MoE experts over 2 GPUs with all-to-all (fp32; the EP ops sync with
+  # the host, so that program runs compiled without CUDA graphs), and a data-parallel dense MLP
+  # inside a 2-rank attention-TP group (reduce-scatter / all-gather of token shares, graphed)
+  par compiled_tp2_qwen3moe_a2a $TR $E --tp 2 --family qwen3_moe --moe-a2a
+  par compiled_tp2_llama_densedp $TR $E --tp 2 --dense-dp --dtype bfloat16
   if want cpu; then  # the CPU suite alongside (it does not touch the GPUs)
     par pytest_cpu env CUDA_VISIBLE_DEVICES= AFD_BACKEND=gloo python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests}
   fi
