@@ -34,7 +34,7 @@ from ..comm import GROUP_ATTN_TP, GROUP_TP
 from ..scatter import ScatterMode, TPLayout
 from .dist_states import TPPlan
 from .roles import META_KEY as ROLE_KEY
-from .roles import Role, _ancestors, _descendants
+from .roles import Role, _ancestors, _descendants, _mutates_first_arg
 from .shard import ShardedWeight, ShardError, ShardPlan, apply_shards
 from .split import _Builder, _getattr, _shape_args, _symbol_sources
 
@@ -260,6 +260,9 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
                                     if a not in region and a is not ids))  # graph order: same on every rank
         extra = {a for a in inputs if a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor)
                  and _weights_only(a)}
+        # an in-place op on a region tensor (transformers 5.17 clamps the sorted ids in place)
+        extra |= {u for n in region for u in n.users if u not in region and not u.users
+                  and _mutates_first_arg(u) and u.args[0] in region}
         if not extra:
             break
         region |= extra
@@ -423,11 +426,29 @@ def _fix_expert_count(n: fx.Node, num_experts: int, local: int, where: str) -> N
             raise ScatteredRewriteError(f"{where}: {n.name}: one_hot over {n.args[1]} classes, not the expert count")
         n.args = (n.args[0], local)
         return
+    if n.target in _COMPARE and n.args[1] in (num_experts, num_experts - 1):
+        # transformers' EP sentinels: ids >= E mark slots routed elsewhere (then clamped to E - 1)
+        n.args = (n.args[0], local if n.args[1] == num_experts else local - 1, *n.args[2:])
+        return
+    if n.target in _CLAMP:
+        bounds = list(n.args[1:]) + [n.kwargs.get("min"), n.kwargs.get("max")][len(n.args) - 1:]
+        if n.target in (aten.clamp_max.default, aten.clamp_max_.default):
+            bounds = [None, n.args[1]]
+        if bounds[1] == num_experts - 1 and bounds[0] in (None, 0):
+            if n.target in (aten.clamp_max.default, aten.clamp_max_.default):
+                n.args = (n.args[0], local - 1)
+            else:
+                n.args, n.kwargs = (n.args[0], bounds[0], local - 1), {}
+            return
     flat = [a for a in n.args if isinstance(a, int) and not isinstance(a, bool)] + [
         x for a in n.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, int)]
     if num_experts in flat:
         raise ScatteredRewriteError(f"{where}: {n.name} ({n.target}) reads the expert count {num_experts} as a "
                                     "constant; afd-compile cannot tell it is the expert count to localize it")
+
+
+_COMPARE = {aten.ge.Scalar, aten.gt.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.eq.Scalar, aten.ne.Scalar}
+_CLAMP = {aten.clamp.default, aten.clamp_.default, aten.clamp_max.default, aten.clamp_max_.default}
 
 
 def _propagate(n: fx.Node, fake_mode: object) -> None:
