@@ -83,6 +83,15 @@ def main() -> None:
         result = split(gm, layout=AFDLayout(2, 1))
         nodes = len(gm.graph.nodes)
         tp = tp_timings(ep.module(), TPLayout(8))
+        # SCATTERED dense MLPs inside attention-TP groups of 4 (scattered.py's rewrite on top)
+        gm_dp = ep.module()
+        from afd_compile.passes.roles import annotate_roles
+        from afd_compile.passes.tp_rewrite import shard_for_rank
+
+        annotate_roles(gm_dp)
+        t = time.perf_counter()
+        shard_for_rank(gm_dp, TPLayout(8, 2, dense_dp=True), 1)
+        tp["dp2_dense_dp_shard_for_rank"] = time.perf_counter() - t
         row = {"layers": n, "graph_nodes": nodes, "export_s": export_s, "unlift_s": module_s,
                **{f"{k}_s": v for k, v in result.timings.items()},
                "passes_total_s": sum(result.timings.values()),
@@ -91,7 +100,7 @@ def main() -> None:
         print(f"pass_time: {n} layers done ({nodes} nodes, passes {row['passes_total_s']:.2f}s)", flush=True)
     keys = ["annotate_roles_s", "plan_split_s", "build_attention_program_s", "build_ffn_program_s",
             "verify_schedule_s", "passes_total_s", "tp8_plan_tp_s", "tp8_annotate_dist_states_s",
-            "tp8_plan_shards_s", "tp8_shard_for_rank_s"]
+            "tp8_plan_shards_s", "tp8_shard_for_rank_s", "tp8_dp2_dense_dp_shard_for_rank_s"]
     head = ["layers", "nodes", "export (s)", *[k.removesuffix("_s") + " (s)" for k in keys]]
     table = [head] + [[str(r["layers"]), str(r["graph_nodes"]), f"{r['export_s']:.2f}",
                        *[f"{r[k]:.3f}" for k in keys]] for r in rows]

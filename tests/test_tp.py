@@ -114,9 +114,19 @@ def test_dp_attention_looks_through_a_scalar_residual_multiplier(exported):
     assert len(pre) == 2 and all(n.args[0].target == torch.ops.aten.mul.Tensor for n in pre)
 
 
-def test_dp_attention_with_attn_tp_refuses_a_parallel_residual_block_clearly(exported):
-    with pytest.raises(TPRewriteError, match="layer 0: DP attention with attn_tp > 1 .*parallel-residual block"):
-        _program(exported, "gptj", TPLayout(4, 2))
+def test_dp_attention_with_attn_tp_gathers_a_parallel_residual_mlp_input_alone(exported):
+    # GPT-J: h = x + attn(ln(x)) + mlp(ln(x)). The MLP does not wait for attention: its input is
+    # gathered once per group (contributed by attention-TP rank 0), o_proj is all-reduced in the
+    # attention group, the MLP output reduce-scattered back
+    prog = _program(exported, "gptj", TPLayout(4, 2), rank=1, fuse_norm=False)
+    afd = torch.ops.afd
+    t = _targets(prog)
+    assert t.count(afd.all_reduce.default) == 2 and t.count(afd.gather_partial_tokens.default) == 2
+    assert t.count(afd.reduce_scatter_tokens.default) == 2 and afd.scatter_tokens.default not in t
+    once = [n for n in prog.program.graph.nodes if n.name.startswith("dp_mlp_input_once")]
+    assert len(once) == 2 and all(n.args[1] == 0.0 for n in once)  # rank 1 of its group contributes nothing
+    for ar in (n for n in prog.program.graph.nodes if n.target == afd.all_reduce.default):
+        assert ar.args[1] == 1  # the attention-TP group
 
 
 def test_dp_attention_settles_o_proj_before_a_post_attention_norm(exported):
@@ -330,6 +340,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("gemma2", 4, 2, (3, 0)),            # norm after o_proj under DP attention; a group with zero tokens
     ("gptj", 2, 2, (3, 1)),              # parallel residual, stack/flatten rotary; attn_tp == 1
     ("gptj", 4, 1, (2,)),
+    ("gptj", 4, 2, (3, 0)),              # parallel residual under DP attention with attn_tp == 2
     ("gpt2", 4, 2, (2, 3)),              # Conv1D (addmm, weight [in, out]), fused c_attn split; DP attention
     ("olmo2", 4, 1, (2,)),               # q/k norm over all heads: all-reduced mean; k norm over replicated KV
     ("qwen3moe2", 2, 1, (3,), A2A),      # experts over 2 ranks, all-to-all; reduce-scatter into the MoE

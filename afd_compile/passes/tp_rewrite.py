@@ -222,14 +222,16 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
             for u in list(ffn_in.users):
                 if u in ffn_set:
                     u.replace_input_with(ffn_in, gathered)
+        elif _parallel_residual(members, ffn_in, ffn[0]):
+            gathered = _parallel_residual_gather(b, graph, members, ffn, ffn_in, root, hidden, total, where)
         else:
             h1, row_out, x_res = _residual_add_after_attention(members, ffn[0], where)
             layer_nodes = set(members)
             if ffn_in is not h1 and ffn_in not in _descendants(h1, layer_nodes):
                 raise TPRewriteError(
                     f"{where}: DP attention with attn_tp > 1 needs the MLP to read the residual sum after "
-                    f"attention ({h1.name}); its input {ffn_in.name} does not come from it (a parallel-residual "
-                    "block, GPT-J / GPT-NeoX style): not supported yet; use attn_dp == 1 or attn_tp == 1")
+                    f"attention ({h1.name}) or not depend on attention at all (parallel residual); its input "
+                    f"{ffn_in.name} depends on attention some other way")
             between = _descendants(h1, layer_nodes) & _ancestors([ffn_in], within=layer_nodes)
             norm_nodes = sorted(between - {h1}, key=members.index)
             if x_res is None:  # post-norm: settle o's partial sum in the group before the norm
@@ -347,6 +349,54 @@ def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, wh
             return n, row, None
     raise TPRewriteError(f"{where}: the attention output projection {row.name} never reaches a residual add "
                          f"(it feeds {[f'{u.name} ({u.target})' for u in row.users]})")
+
+
+def _parallel_residual(members: list[fx.Node], ffn_in: fx.Node, first_ffn: fx.Node) -> bool:
+    """The MLP reads nothing the attention computed (GPT-J, GPT-NeoX, Phi, Falcon, Cohere:
+    ``h = x + attn(ln1(x)) + mlp(ln2(x))``)."""
+    from .roles import _ancestors, is_attention_op
+
+    attn = next((n for n in members if is_attention_op(n)), None)
+    return attn is not None and attn not in _ancestors([ffn_in], within=set(members))
+
+
+def _parallel_residual_gather(b: object, graph: fx.Graph, members: list[fx.Node], ffn: list[fx.Node],
+                              ffn_in: fx.Node, root: float, hidden: int, total: fx.Node, where: str) -> fx.Node:
+    """DP attention, attn_tp > 1, a parallel-residual block: the MLP input does not wait for
+    attention, so it is gathered on its own and o_proj's sum is settled in the attention group::
+
+        o = afd.all_reduce(o, group=ATTN_TP)                                     # attention: TP_ATTN_FULL
+        G = afd.gather_partial_tokens(view(ln2(x) * [attn_tp_rank == 0], [-1, H]))  # prepare_mlp: FULL
+        h = x + o + view(afd.reduce_scatter_tokens(mlp(G)), ...)                  # postprocess_layer
+
+    (every rank of an attention group holds the same ``ln2(x)``; one of them contributes it)."""
+    from .roles import ADD_OPS, LINEAR_OPS, Role, is_attention_op
+    from .roles import META_KEY as RKEY
+    from .shard import _reads_weight
+
+    attn = next(n for n in members if is_attention_op(n))
+    pos = {n: i for i, n in enumerate(members)}
+    rows = [n for n in members if n.target in LINEAR_OPS and pos[n] > pos[attn] and n.meta[RKEY].role is Role.ATTENTION
+            and _reads_weight(n)]
+    if not rows:
+        raise TPRewriteError(f"{where}: no output projection after the attention op")
+    row = rows[0]
+    while len(row.users) == 1 and _passes_partial(next(iter(row.users)), row):
+        row = next(iter(row.users))
+    if not any(u.target in ADD_OPS for u in row.users):
+        raise TPRewriteError(f"{where}: the attention output projection {row.name} does not feed an add")
+    with graph.inserting_before(row.next):
+        ar = b.call(torch.ops.afd.all_reduce.default, (row, GROUP_ATTN_TP), "dp_attn_all_reduce")
+    row.replace_all_uses_with(ar, delete_user_cb=lambda u: u is not ar)
+    ffn_set = set(ffn)
+    with graph.inserting_before(ffn[0]):
+        once = b.call(aten_mul, (ffn_in, root), "dp_mlp_input_once")
+        flat = b.call(aten_view, (once, [-1, hidden]), "dp_flat")
+        gathered = b.call(torch.ops.afd.gather_partial_tokens.default, (flat, GROUP_TP, total), "dp_gather")
+    for u in list(ffn_in.users):
+        if u in ffn_set:
+            u.replace_input_with(ffn_in, gathered)
+    return gathered
 
 
 def _post_norm_gather(b: object, graph: fx.Graph, row: fx.Node, h1: fx.Node, root: float, hidden: int,
