@@ -50,6 +50,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "falcon": ("FalconForCausalLM", "FalconConfig", dict(
         vocab_size=128, hidden_size=64, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2,
         bos_token_id=0, eos_token_id=0)),
+    # MLA (low-rank q / kv projections, shared rotary key part), group-limited sigmoid routing,
+    # shared experts, the first layer dense
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, bos_token_id=0, eos_token_id=0)),
     # multi-query attention: fused c_attn [q | one K head | one V head]
     "gpt_bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig", dict(
         vocab_size=128, n_embd=64, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),

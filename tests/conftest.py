@@ -26,6 +26,7 @@ MODELS = {
     "nemotron": ("nemotron", 2, {}),
     "gpt_bigcode": ("gpt_bigcode", 1, {}),
     "falcon": ("falcon", 2, {}),
+    "deepseek_v3": ("deepseek_v3", 2, {}),
 }
 
 

@@ -351,6 +351,8 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("nemotron", 2, 1, (2,)),            # relu^2 MLP (square), LayerNorm1P
     ("falcon", 2, 2, (2, 1)),            # qkv packed per KV group; parallel attention; attn_tp == 1
     ("falcon", 2, 1, (3,)),
+    ("deepseek_v3", 2, 1, (2,)),         # MLA; a dense layer, then MoE with group-limited routing
+    ("deepseek_v3", 4, 2, (1, 2)),
 ]
 
 
@@ -394,3 +396,20 @@ def test_falcon_qkv_packed_per_kv_group_shards_whole_groups(exported):
     assert b and all(n.args[1][2:] == [1, 2, 16] for n in b)
     with pytest.raises(ShardError, match="reads heads replicated over 2 ranks"):  # 2 KV groups, 4 ranks
         _program(exported, "falcon", TPLayout(4))
+
+
+def test_mla_shards_the_up_projections_and_keeps_the_low_rank_ones(exported):
+    # DeepSeek-V3: q = q_b(norm(q_a(x))), kv = kv_b(norm(kv_a(x)[:16])); the rotary key part
+    # kv_a(x)[16:] is shared by every head (expand to 4 heads -> 2 per rank). q_b / kv_b are
+    # column-parallel, the low-rank q_a / kv_a stay whole
+    prog = _program(exported, "deepseek_v3", TPLayout(2), rank=0, fuse_norm=False)
+    kinds = {w.target.rsplit("self_attn.", 1)[-1]: w.kind for w in prog.shards.weights if ".layers.0.self_attn." in w.target}
+    assert kinds == {"q_b_proj.weight": "column", "kv_b_proj.weight": "column", "o_proj.weight": "row"}
+    nodes = {n.name: n for n in prog.program.graph.nodes}
+    fixed = {f.node: (f.old, f.new) for f in prog.shards.arg_fixes}
+    empties = [n for n in nodes.values() if n.target == torch.ops.aten.new_empty.default]
+    assert empties and all(fixed[n.name] == (4, 2) for n in empties)  # the key buffer: 2 heads here
+    expands = [n for n in nodes.values() if n.target == torch.ops.aten.expand.default and n.name in fixed]
+    assert expands and all(fixed[n.name] == (4, 2) for n in expands)  # the shared rotary part
+    with pytest.raises(TPRewriteError, match="layer 1: the expert computation reads per-expert router scores"):
+        _program(exported, "deepseek_v3", TPLayout(2, moe_a2a=True))

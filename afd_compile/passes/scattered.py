@@ -233,22 +233,25 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
     ffn = [n for n in members if n.meta[ROLE_KEY].role is Role.FFN or n.meta[ROLE_KEY].router]
     ffn_set = set(ffn)
     topks = [n for n in ffn if n.target == aten.topk.default]
-    if len(topks) != 1:
-        raise ScatteredRewriteError(f"{where}: expert parallelism needs one top-k routing op in the MoE, found "
-                                    f"{[n.name for n in topks]}")
-    topk = topks[0]
+    # the expert choice is the last top-k; earlier ones (DeepSeek's group-limited routing picks
+    # groups first) must only feed it
+    topk = topks[-1] if topks else None
+    if topk is None or not set(topks[:-1]) <= _ancestors([topk], within=ffn_set):
+        raise ScatteredRewriteError(f"{where}: expert parallelism needs one final top-k routing op in the MoE, "
+                                    f"found {[n.name for n in topks]}")
     ids = next((u for u in topk.users if u.target == operator.getitem and u.args[1] == 1), None)
     vals = next((u for u in topk.users if u.target == operator.getitem and u.args[1] == 0), None)
     if ids is None:
         raise ScatteredRewriteError(f"{where}: {topk.name}'s expert indices are never read")
     n_tok = ids.meta["val"].shape[0]
-    kk = int(ids.meta["val"].shape[1])
     down = _descendants(ids, ffn_set)
     order = {n: j for j, n in enumerate(graph.nodes)}
+    out = next(n for n in reversed(ffn) if any(u not in ffn_set for u in n.users))
+    hidden = out.meta["val"].shape[-1]
     end = None
     for n in sorted(down, key=order.__getitem__):
         v = n.meta.get("val")
-        if isinstance(v, torch.Tensor) and v.dim() == 2 and _same(v.shape[0], n_tok) and v.shape[1] != kk:
+        if isinstance(v, torch.Tensor) and v.dim() == 2 and _same(v.shape[0], n_tok) and _same(v.shape[1], hidden):
             end = n
             break
     if end is None:
@@ -280,6 +283,12 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
         _check_token_major(t, n_tok, where)
         payload_shapes.append(tuple(t.meta["val"].shape))
     num_experts = _num_experts(new, params, region_list, where)
+    scores = [t for t in tensors if t.meta["val"].dim() >= 2 and _same(t.meta["val"].shape[-1], num_experts)]
+    if scores:  # indexed by global expert ids inside: dispatched with local ids it would pick wrong scores
+        raise ScatteredRewriteError(
+            f"{where}: the expert computation reads per-expert router scores {[t.name for t in scores]} after "
+            "top-k (routing weights gathered by expert id, DeepSeek-V3 style); expert parallelism needs the "
+            "routing weights complete before the experts: not supported yet (use the FULL MoE: drop --moe-a2a)")
     if num_experts % parts:
         raise ShardError(f"{where}: {num_experts} experts do not divide over {parts} expert-parallel ranks")
     local = num_experts // parts

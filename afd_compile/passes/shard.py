@@ -116,7 +116,7 @@ _ELEMENTWISE = {
     aten._to_copy.default, aten.contiguous.default, aten.clone.default, aten.alias.default,
     aten.dropout.default, aten.type_as.default, aten.where.self, aten.masked_fill.Scalar,
     aten.add.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.sub.Scalar, aten.sqrt.default,
-    aten.square.default, aten.abs.default, aten.erf.default, aten.log.default, aten.pow.Tensor_Tensor,
+    aten.copy_.default, aten.square.default, aten.abs.default, aten.erf.default, aten.log.default, aten.pow.Tensor_Tensor,
     aten.clamp.default, aten.minimum.default, aten.maximum.default, aten.sin.default, aten.cos.default,
     aten.gelu_tanh.default if hasattr(aten, "gelu_tanh") else aten.gelu.default,
 }
@@ -245,6 +245,19 @@ def _index(node: fx.Node, sdim: dict, parts: int) -> int | None:
     return d
 
 
+def _new_empty(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """``x.new_empty(size)`` with ``x`` split: the new tensor is split where ``x`` is (MLA builds
+    its key from a split k_nope and a broadcast k_pe this way); its size there is divided."""
+    src = node.args[0]
+    d = sdim[src]
+    size = node.args[1]
+    if len(size) != _ndim(src) or not isinstance(size[d], int) or size[d] % parts:
+        raise ShardError(f"{node.name}: new_empty of size {size} does not keep the split dim {d} as a constant")
+    if fixes is not None:
+        fixes.append(ArgFix(node.name, d, size[d], size[d] // parts))
+    return d
+
+
 def _getitem(node: fx.Node, sdim: dict, parts: int) -> int | None:
     return sdim[node.args[0]]
 
@@ -335,7 +348,7 @@ RULES.update({
     aten.matmul.default: _matmul, aten.bmm.default: _matmul,
 })
 RESHAPE_RULES = {aten.view.default: _reshape, aten.reshape.default: _reshape, aten._unsafe_view.default: _reshape,
-                 aten.expand.default: _expand, aten.broadcast_to.default: _expand}
+                 aten.expand.default: _expand, aten.broadcast_to.default: _expand, aten.new_empty.default: _new_empty}
 IGNORED = {aten._assert_tensor_metadata.default}
 # ops that cut a tensor into pieces along a dim: along the split dim they mark a fused projection
 BLOCK_OPS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor}
@@ -525,6 +538,27 @@ def _split_attrs(gm: fx.GraphModule, n: fx.Node, src: fx.Node, t: _Track) -> Non
             t.attrs.append(a)
 
 
+def _split_broadcasts(n: fx.Node, src: fx.Node, t: _Track, fixes: list[ArgFix], where: str) -> None:
+    """An unsplit operand broadcast to the split dim by ``expand`` from size 1 (MLA's shared
+    rotary key part, expanded to every head) is split by expanding to this rank's count."""
+    d = t.dim[src] + _ndim(n) - _ndim(src)
+    for a in n.all_input_nodes:
+        if a in t.dim or not isinstance(a.meta.get("val"), torch.Tensor) or a.op == "get_attr":
+            continue
+        ad = d - (_ndim(n) - _ndim(a))
+        if ad < 0 or sym_expr(a.meta["val"].shape[ad]) == 1:
+            continue
+        ok = a.target in (aten.expand.default, aten.broadcast_to.default) and len(a.users) == 1
+        arg = a.args[1][ad] if ok and ad < len(a.args[1]) else None
+        inner = a.args[0] if ok else None
+        ok = ok and isinstance(arg, int) and isinstance(inner, fx.Node) and _ndim(inner) == _ndim(a) and (
+            sym_expr(inner.meta["val"].shape[ad]) == 1) and arg % t.factor[src] == 0
+        if not ok:
+            continue  # the elementwise rule names it
+        fixes.append(ArgFix(a.name, ad, arg, arg // t.factor[src]))
+        t.dim[a], t.factor[a], t.origin[a] = ad, t.factor[src], None
+
+
 def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], parts: int, group: str,
             fixes: list[ArgFix], where: str) -> _Track:
     t = _Track({c: _ndim(c) - 1 for c in columns}, {c: parts for c in columns}, {c: (c, None) for c in columns},
@@ -575,6 +609,7 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
                 continue
         if target in RULES and RULES[target] is _elementwise and n.args and src0 in sdim:
             _split_attrs(gm, n, src0, t)
+            _split_broadcasts(n, src0, t, fixes, where)
         if target == aten.mean.dim and sdim[src0] in _reduced_dims(n, src0):
             # equal slices per rank, so (sum of slice means) / parts is the full mean; with
             # replicated KV heads too (each distinct slice counted parts / factor times)
@@ -717,6 +752,9 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
         before = _ancestors([anchor], within=layer_nodes)
         after = _descendants(anchor, layer_nodes)
         cols = [n for n in lin if n in before and _reads_weight(n)]  # not e.g. the rotary inv_freq matmul
+        # only the projections that feed attention directly: a low-rank down projection before
+        # another one (DeepSeek's MLA q_a_proj / kv_a_proj) stays replicated
+        cols = [c for c in cols if not ((_descendants(c, before) - {c}) & set(cols))]
         rows = [n for n in lin if n in after and _reads_weight(n)]
         if not cols or len(rows) != 1:
             raise ShardError(f"{where}: expected q/k/v projections before {attn.name} and one output projection after "
