@@ -353,6 +353,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("falcon", 2, 1, (3,)),
     ("deepseek_v3", 2, 1, (2,)),         # MLA; a dense layer, then MoE with group-limited routing
     ("deepseek_v3", 4, 2, (1, 2)),
+    ("gpt_bigcode", 4, 1, (2,)),         # multi-query: K/V replicated whole
 ]
 
 
@@ -377,11 +378,20 @@ def test_tp_matches_single_process_model(tp_results, index):
         assert {tuple(res[r]["batches"]) for r in lay.attn_tp_group(0)} == {tuple(res[0]["batches"])}
 
 
-def test_multi_query_attention_is_refused_not_silently_wrong(exported):
-    # GPT-BigCode's single K/V head has no head dim to split: cutting its features would split
-    # head_dim (the run gave NaN before this check)
-    with pytest.raises(ShardError, match="split along the heads dim .*multi-query"):
-        _program(exported, "gpt_bigcode", TPLayout(2))
+def test_multi_query_kv_is_replicated_whole_and_repeated_to_the_local_heads(exported):
+    # GPT-BigCode: c_attn [q 64 | k 16 | v 16], one K/V head with no head dim. Cutting its 16
+    # features would split head_dim (the run gave NaN once); instead K and V are replicated whole
+    # and repeat_kv's expand / reshape repeat them to this rank's 2 query heads
+    prog = _program(exported, "gpt_bigcode", TPLayout(2), rank=1, fuse_norm=False)
+    c_attn = next(w for w in prog.shards.weights if w.target.endswith("h.0.attn.c_attn.weight"))
+    assert (c_attn.blocks, c_attn.replicate) == ((64, 16, 16), (1, 2, 2))
+    full = exported("gpt_bigcode")[0].module().get_parameter(c_attn.target)
+    mine = prog.program.get_parameter(c_attn.target)
+    assert torch.equal(mine, torch.cat([full[32:64], full[64:96]]))  # q heads 2-3, all of k and v
+    split = next(n for n in prog.program.graph.nodes if n.target == torch.ops.aten.split_with_sizes.default)
+    assert split.args[1] == [32, 16, 16]
+    heads = [(f.old, f.new) for f in prog.shards.arg_fixes if f.old == 4]
+    assert heads == [(4, 2)] * 4  # K and V: an expand and a reshape each
 
 
 def test_falcon_qkv_packed_per_kv_group_shards_whole_groups(exported):

@@ -559,10 +559,40 @@ def _split_broadcasts(n: fx.Node, src: fx.Node, t: _Track, fixes: list[ArgFix], 
         t.dim[a], t.factor[a], t.origin[a] = ad, t.factor[src], None
 
 
+class _WholeBlocks(Exception):
+    """Blocks of a fused projection that are one head without a head dim (multi-query attention's
+    K and V): they must be replicated whole, not cut along head_dim."""
+
+    def __init__(self, blocks: set) -> None:
+        super().__init__(blocks)
+        self.blocks = blocks
+
+
+def _broadcast_heads(x: fx.Node, heads: int, f: int, fixes: list[ArgFix], where: str) -> None:
+    """An unsplit K/V (one head, replicated whole) repeated to every query head by
+    ``reshape(expand(k, [.., heads, ..]), [b, heads, s, d])``: repeat it to this rank's heads."""
+    d = _ndim(x) - 3
+    if x.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default) and len(x.users) == 1:
+        arg = x.args[1][d] if d < len(x.args[1]) else None
+        if arg == heads:
+            fixes.append(ArgFix(x.name, d, heads, heads // f))
+            x = x.args[0]
+    if x.target in (aten.expand.default, aten.broadcast_to.default) and len(x.users) == 1:
+        inner = x.args[0]
+        hits = [j for j, a in enumerate(x.args[1]) if a == heads and sym_expr(inner.meta["val"].shape[j]) == 1]
+        if len(hits) == 1:
+            fixes.append(ArgFix(x.name, hits[0], heads, heads // f))
+            return
+    raise ShardError(f"{where}: {x.name} ({x.target}) reaches attention unsplit and is not a single head "
+                     f"expanded to the {heads} query heads")
+
+
 def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], parts: int, group: str,
-            fixes: list[ArgFix], where: str) -> _Track:
+            fixes: list[ArgFix], where: str, whole: frozenset = frozenset()) -> _Track:
     t = _Track({c: _ndim(c) - 1 for c in columns}, {c: parts for c in columns}, {c: (c, None) for c in columns},
                {}, {}, {}, [])
+    for key in whole:
+        t.replicate[key] = parts
     sdim = t.dim
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     frontier = sorted({u for c in columns for u in c.users}, key=order.__getitem__)
@@ -642,6 +672,16 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
                 merged[n] = d
                 f = parts
         elif target in RULES:
+            if target in SDPA_OPS and n.args[0] in sdim:
+                q = n.args[0]
+                heads = int(sym_expr(q.meta["val"].shape[-3]))  # (meta holds the unsharded shape)
+                single = {t.origin.get(x) for x in n.args[1:3] if x in sdim and sdim[x] == _ndim(x) - 1}
+                if single and None not in single and all(k[1] is not None for k in single):
+                    raise _WholeBlocks(single)
+                for x in n.args[1:3]:
+                    if x not in sdim and isinstance(x, fx.Node):
+                        _broadcast_heads(x, heads, t.factor[q], fixes, where)
+                        sdim[x], t.factor[x], t.origin[x] = _ndim(x) - 3, t.factor[q], None
             if src0 in merged:
                 raise ShardError(f"{where}: {n.name} ({target}) reads repeated KV heads before they are merged")
             sdim[n] = RULES[target](n, sdim, f)
@@ -653,6 +693,9 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
         if target == operator.getitem and n.args[0] in t.pieces:  # one piece of a chunk/split
             col, starts = t.pieces[n.args[0]]
             t.origin[n] = (col, starts[n.args[1]])
+            if t.origin[n] in whole:  # replicated whole: every rank computes the same, not followed
+                del sdim[n]
+                continue
         else:
             t.origin[n] = origins.pop() if len(origins) == 1 else None
         frontier.extend(sorted(n.users, key=order.__getitem__))
@@ -859,8 +902,18 @@ def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: in
     target, dim, size = _projection_weight(gm, row, False)
     if size % parts:
         raise ShardError(f"{where}: {parts} ranks do not divide dim {dim} (size {size}) of row-parallel weight {target}")
+    whole: frozenset = frozenset()
+    mark = len(fixes)
     try:
-        track = _follow(gm, cols, {row}, parts, group, fixes, where)
+        for _ in range(3):
+            try:
+                track = _follow(gm, cols, {row}, parts, group, fixes, where, whole)
+                break
+            except _WholeBlocks as w:  # multi-query K/V: retry with those blocks replicated whole
+                del fixes[mark:]
+                whole = whole | frozenset(w.blocks)
+        else:
+            raise ShardError(f"attention inputs still split along head_dim with {sorted(map(str, whole))} whole")
     except ShardError as e:
         msg = str(e)
         if not msg.startswith(where):
