@@ -317,16 +317,17 @@ def _flat_rows(b: object, node: fx.Node, hidden: int) -> fx.Node:
     return b.call(aten_sym_size, (flat, 0))
 
 
-def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, where: str):
-    """The add joining the attention output projection with the residual: (add, o, x), or
-    (add, o, None) when something non-linear (a norm) sits between o and the add."""
-    from .roles import ADD_OPS, LINEAR_OPS, Role, _descendants, is_attention_op
+def _attention_row(members: list[fx.Node], where: str, first_ffn: fx.Node | None = None) -> fx.Node:
+    """The attention output projection (the first weight-reading linear after the attention op,
+    before ``first_ffn`` if given), followed through ops its partial sum passes unchanged."""
+    from .roles import LINEAR_OPS, Role, is_attention_op
     from .roles import META_KEY as RKEY
     from .shard import _reads_weight
 
     pos = {n: i for i, n in enumerate(members)}
     attn = next(n for n in members if is_attention_op(n))
-    rows = [n for n in members if n.target in LINEAR_OPS and pos[attn] < pos[n] < pos.get(first_ffn, 1 << 30)
+    end = pos[first_ffn] if first_ffn is not None else 1 << 30
+    rows = [n for n in members if n.target in LINEAR_OPS and pos[attn] < pos[n] < end
             and n.meta[RKEY].role is Role.ATTENTION and _reads_weight(n)]  # not explicit attention's p @ v
     if not rows:
         raise TPRewriteError(f"{where}: no output projection after the attention op")
@@ -335,6 +336,16 @@ def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, wh
     # multiplier (Granite's residual_multiplier): linear, so the partial sum passes through them
     while len(row.users) == 1 and _passes_partial(next(iter(row.users)), row):
         row = next(iter(row.users))
+    return row
+
+
+def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, where: str):
+    """The add joining the attention output projection with the residual: (add, o, x), or
+    (add, o, None) when something non-linear (a norm) sits between o and the add."""
+    from .roles import ADD_OPS, _descendants
+
+    pos = {n: i for i, n in enumerate(members)}
+    row = _attention_row(members, where, first_ffn)
     for u in row.users:
         if u.target in ADD_OPS and len(u.all_input_nodes) == 2:
             other = next(a for a in u.all_input_nodes if a is not row)
@@ -370,19 +381,9 @@ def _parallel_residual_gather(b: object, graph: fx.Graph, members: list[fx.Node]
         h = x + o + view(afd.reduce_scatter_tokens(mlp(G)), ...)                  # postprocess_layer
 
     (every rank of an attention group holds the same ``ln2(x)``; one of them contributes it)."""
-    from .roles import ADD_OPS, LINEAR_OPS, Role, is_attention_op
-    from .roles import META_KEY as RKEY
-    from .shard import _reads_weight
+    from .roles import ADD_OPS
 
-    attn = next(n for n in members if is_attention_op(n))
-    pos = {n: i for i, n in enumerate(members)}
-    rows = [n for n in members if n.target in LINEAR_OPS and pos[n] > pos[attn] and n.meta[RKEY].role is Role.ATTENTION
-            and _reads_weight(n)]
-    if not rows:
-        raise TPRewriteError(f"{where}: no output projection after the attention op")
-    row = rows[0]
-    while len(row.users) == 1 and _passes_partial(next(iter(row.users)), row):
-        row = next(iter(row.users))
+    row = _attention_row(members, where)
     if not any(u.target in ADD_OPS for u in row.users):
         raise TPRewriteError(f"{where}: the attention output projection {row.name} does not feed an add")
     with graph.inserting_before(row.next):
