@@ -103,11 +103,6 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
                 u.replace_input_with(x, xf)
         if m.mlp is not ScatterMode.SCATTERED:
             continue
-        if any(a not in member_set and a is not x for u in ffn for a in u.all_input_nodes
-               if isinstance(a.meta.get("val"), torch.Tensor) and a.op != "get_attr"):
-            raise TPRewriteError(f"{where}: a SCATTERED MLP must read only the residual stream after attention; it "
-                                 "reads a tensor from before the layer (a parallel-residual block, GPT-J / GPT-NeoX "
-                                 "style): not supported with attn_tp > 1")
         ffn_in_nodes = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"
                         and isinstance(a.meta.get("val"), torch.Tensor)]
         if any(a is x or a not in _descendants(h1, member_set) | {h1} for a in ffn_in_nodes):
@@ -140,7 +135,7 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
         _set_val(out2d, fake_mode, (own.meta.get("val"), hidden), like)
         for u in outside:
             u.replace_input_with(out, out2d)
-        h2 = _layer_output(members, member_set, full_shape, where)
+        h2 = _layer_output(members, full_shape, where)
         _set_val(h2, fake_mode, (own.meta.get("val"), hidden), like)
         if m.layer_output is ScatterMode.TP_ATTN_FULL:  # postprocess_layer: add first, then gather once
             after = [u for u in h2.users if (u.meta.get(ROLE_KEY) is None or u.meta[ROLE_KEY].layer != layer)]
@@ -179,7 +174,7 @@ def _layers(gm: fx.GraphModule) -> dict[int, list[fx.Node]]:
     return out
 
 
-def _layer_output(members: list[fx.Node], member_set: set[fx.Node], shape: tuple, where: str) -> fx.Node:
+def _layer_output(members: list[fx.Node], shape: tuple, where: str) -> fx.Node:
     """The residual stream leaving the layer: the one hidden-sized tensor read after it."""
     from .tp_rewrite import TPRewriteError
 
@@ -313,7 +308,7 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
         return node
 
     with graph.inserting_before(anchor.next):
-        count = n_tok_node(call, ids)  # (explicit widths: a view to [0, -1] is ambiguous with no tokens)
+        count = call(aten.sym_size.int, (ids, 0))  # (explicit widths: a view to [0, -1] is ambiguous with no tokens)
         rows = [call(aten.view.default, (t, [count, _row_width(t, n_tok)])) for t in tensors]
         disp = call(torch.ops.afd.ep_dispatch.default, (rows, ids, GROUP_TP, num_experts, parts), "ep_dispatch")
         got = [call(operator.getitem, (disp, j)) for j in range(len(tensors) + 3)]
@@ -356,10 +351,6 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
     for n in reversed(region_list):  # in-place ops (index_put_) would survive dead-code elimination
         graph.erase_node(n)
     return weights
-
-
-def n_tok_node(call: object, ids: fx.Node) -> fx.Node:
-    return call(aten.sym_size.int, (ids, 0))
 
 
 def _weights_only(n: fx.Node) -> bool:
