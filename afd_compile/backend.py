@@ -28,6 +28,14 @@ Options (all optional)::
                        program; False never captures)
     policy             role policy: default | module_path | structural
     comm_id            AFD communicator id (two AFD-compiled models in one process need two ids)
+    timeout_s          how long a rank waits for a peer before failing: the backend's process groups
+                       get this timeout (default: the initialised group's)
+    check_wire         AFD: a check header ahead of every transfer (default: AFD_CHECK_WIRE; see
+                       afd_compile.comm.AFDCommunicator); every rank must agree; not with CUDA graphs
+                       (the comparison runs on the host): needs cudagraphs=False on CUDA
+
+Every option is checked (type, range, rank / world size against the live process group) before
+anything runs: a wrong value is a BackendOptionError naming the option.
 
 With no layout (or one process and ``tp=1``) the backend is Inductor itself, with a log line
 saying no distribution was applied. On an FFN rank each call of the compiled model serves one
@@ -39,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import re
 import time
@@ -97,6 +106,30 @@ def release() -> None:
         torch.cuda.synchronize()
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+#: per option: (check, what it must be)
+_OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "attn_dp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "moe_a2a": (lambda v: isinstance(v, bool), "a bool"),
+    "dense_dp": (lambda v: isinstance(v, bool), "a bool"),
+    "attention": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "ffn": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "rank": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an int >= 0"),
+    "world_size": (lambda v: v is None or (_is_int(v) and v >= 1), "None or an int >= 1"),
+    "inductor": (lambda v: isinstance(v, bool), "a bool"),
+    "cudagraphs": (lambda v: v is None or isinstance(v, bool), "None or a bool"),
+    "policy": (lambda v: isinstance(v, str), "a str"),
+    "comm_id": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "timeout_s": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                          and math.isfinite(v) and v > 0), "None or a finite number of seconds > 0"),
+    "check_wire": (lambda v: v is None or isinstance(v, bool), "None or a bool"),
+}
+
+
 @dataclass(frozen=True)
 class BackendOptions:
     tp: int = 1
@@ -111,6 +144,8 @@ class BackendOptions:
     cudagraphs: bool | None = None
     policy: str = "default"
     comm_id: int = 0
+    timeout_s: float | None = None
+    check_wire: bool | None = None
 
     @staticmethod
     def parse(options: dict[str, Any] | None) -> BackendOptions:
@@ -119,13 +154,23 @@ class BackendOptions:
         unknown = sorted(set(options) - names)
         if unknown:
             raise BackendOptionError(f"afd backend: unknown option(s) {unknown}; known: {sorted(names)}")
+        for name, value in options.items():
+            ok, what = _OPTION_TYPES[name]
+            if not ok(value):
+                raise BackendOptionError(f"afd backend: option {name}={value!r} ({type(value).__name__}) must be {what}")
         opts = BackendOptions(**options)
         if opts.tp > 1 and (opts.attention or opts.ffn):
             raise BackendOptionError("afd backend: give either a TP layout (tp, attn_dp) or an AFD layout "
                                      "(attention, ffn), not both")
+        if opts.attn_dp > 1 and opts.tp == 1:
+            raise BackendOptionError(f"afd backend: attn_dp={opts.attn_dp} needs a TP layout (tp > 1)")
+        if (opts.moe_a2a or opts.dense_dp) and opts.tp == 1:
+            raise BackendOptionError("afd backend: moe_a2a / dense_dp need a TP layout (tp > 1)")
         if bool(opts.attention) != bool(opts.ffn):
             raise BackendOptionError(f"afd backend: AFD needs both attention and ffn ranks (attention="
                                      f"{opts.attention}, ffn={opts.ffn})")
+        if opts.check_wire is not None and not opts.attention:
+            raise BackendOptionError("afd backend: check_wire applies to an AFD layout (attention, ffn) only")
         from .passes.roles import POLICIES
 
         if opts.policy not in POLICIES:
@@ -137,6 +182,18 @@ class BackendOptions:
         return "afd" if self.attention else "tp" if self.tp > 1 or self.attn_dp > 1 else "none"
 
     def resolved(self) -> tuple[int, int]:
+        """(rank, world size): the live process group's when there is one (a ``rank`` /
+        ``world_size`` option must then agree with it), else the options, else RANK / WORLD_SIZE."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            live = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+            for name, value in live.items():
+                given = getattr(self, name)
+                if given is not None and given != value:
+                    raise BackendOptionError(f"afd backend: option {name}={given}, but this process is {name} "
+                                             f"{value} of the initialised process group")
+            return live["rank"], live["world_size"]
         rank = self.rank if self.rank is not None else int(os.environ.get("RANK", "0"))
         world = self.world_size if self.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         return rank, world
@@ -428,7 +485,7 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     layout = TPLayout(opts.tp, opts.attn_dp, moe_a2a=opts.moe_a2a, dense_dp=opts.dense_dp)
     if layout.tp != world:
         raise BackendOptionError(f"afd backend: tp={layout.tp} must equal the world size ({world})")
-    groups = _tp_groups(world, [layout])
+    groups = _tp_groups(world, [layout], timeout_s=opts.timeout_s)
     register_group(GROUP_TP, groups[("tp", layout.tp)])
     register_group(GROUP_ATTN_TP, groups[("attn", layout.attn_tp_group(rank))])
     gm = ep.module()
@@ -460,8 +517,22 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     if layout.world_size != world:
         raise BackendOptionError(f"afd backend: attention={opts.attention} + ffn={opts.ffn} ranks must equal the "
                                  f"world size ({world})")
+    from .comm import wire_checks_from_env
+
+    check = wire_checks_from_env() if opts.check_wire is None else opts.check_wire
+    if check and cudagraphs is not False:
+        raise BackendOptionError(
+            f"afd backend: rank {rank}: wire checks (check_wire / AFD_CHECK_WIRE=1) compare headers on the host, "
+            "which a CUDA graph cannot capture nor replay; pass cudagraphs=False with them, or turn them off")
     config = SplitConfig(policy=POLICIES[opts.policy], graph_name="dynamo", comm_id=opts.comm_id)
-    worker = make_worker(ep.module(), layout, rank, config, device=device)
+    group = None
+    if opts.timeout_s is not None:  # a group of its own, with the asked-for timeout
+        import datetime
+
+        import torch.distributed as dist
+
+        group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=opts.timeout_s))
+    worker = make_worker(ep.module(), layout, rank, config, device=device, group=group, check_wire=check)
     if isinstance(worker, AttentionWorker):
         compiled = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} attention")
         worker.program = lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)  # type: ignore[assignment]

@@ -7,11 +7,13 @@ structure, impossible layout), printed as one line without a traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import shutil
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .layout import AFDLayout, LayoutError
 
@@ -20,6 +22,10 @@ EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
 class UsageError(ValueError):
     pass
+
+
+class OutputError(UsageError):
+    """The output folder cannot be written (the path and the reason)."""
 
 
 def _layout(args: argparse.Namespace, required: bool) -> AFDLayout | None:
@@ -32,10 +38,21 @@ def _layout(args: argparse.Namespace, required: bool) -> AFDLayout | None:
     return AFDLayout(args.attention_ranks, args.ffn_ranks)
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return v
+
+
 def _add_layout(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--attention-ranks", "-A", type=int, metavar="A", help="number of attention ranks")
-    p.add_argument("--ffn-ranks", "-F", type=int, metavar="F", help="number of FFN ranks (each fans in a block of attention ranks)")
-    p.add_argument("--gate-on-attention", action="store_true",
+    g = p.add_argument_group("AFD layout (attention-FFN disaggregation)")
+    g.add_argument("--attention-ranks", "-A", type=int, metavar="A", help="number of attention ranks")
+    g.add_argument("--ffn-ranks", "-F", type=int, metavar="F", help="number of FFN ranks (each fans in a block of attention ranks)")
+    g.add_argument("--gate-on-attention", action="store_true",
                    help="compute the MoE router on the attention side and send router logits (compute_gate_on_attention)")
     p.add_argument("--policy", choices=["default", "module_path", "structural"], default="default",
                    help="how FFN regions are found: module paths (nn_module_stack), data-flow structure, "
@@ -43,11 +60,30 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
 
 
 def _add_tp(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, metavar="T", help="tensor-parallel group size (scatter-mode plan)")
-    p.add_argument("--attn-dp", type=int, default=1, metavar="D",
+    g = p.add_argument_group("TP layout (tensor parallelism, scatter modes); not with -A/-F")
+    g.add_argument("--tp", type=int, metavar="T", help="tensor-parallel group size (scatter-mode plan)")
+    g.add_argument("--attn-dp", type=int, metavar="D",
                    help="data-parallel attention groups inside the TP group (attn_tp = T / D; default 1)")
-    p.add_argument("--moe-a2a", action="store_true", help="MoE layers dispatch with all-to-all (MLP mode SCATTERED)")
-    p.add_argument("--dense-dp", action="store_true", help="dense MLPs run fully data-parallel (MLP mode SCATTERED)")
+    g.add_argument("--moe-a2a", action="store_true", help="MoE layers dispatch with all-to-all (MLP mode SCATTERED)")
+    g.add_argument("--dense-dp", action="store_true", help="dense MLPs run fully data-parallel (MLP mode SCATTERED)")
+
+
+_TP_FLAGS = {"attn_dp": "--attn-dp", "moe_a2a": "--moe-a2a", "dense_dp": "--dense-dp"}
+_AFD_FLAGS = {"attention_ranks": "-A/--attention-ranks", "ffn_ranks": "-F/--ffn-ranks",
+              "gate_on_attention": "--gate-on-attention"}
+
+
+def _check_mode_flags(args: argparse.Namespace) -> None:
+    """A flag of the other mode is an error, never silently ignored."""
+    if getattr(args, "tp", None) is None:
+        given = [flag for dest, flag in _TP_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
+        if given:
+            raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to a TP layout: "
+                             "add --tp T")
+        return
+    given = [flag for dest, flag in _AFD_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
+    if given:
+        raise UsageError(f"give either an AFD layout ({', '.join(given)}) or a TP layout (--tp ...), not both")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rewrite", help="write attention.pt2, ffn.pt2 and plan.json for an AFD layout (-A/-F), "
                        "or rank<r>.pt2 per TP rank and plan.json for a TP layout (--tp)")
     p.add_argument("model", metavar="MODEL.pt2")
-    p.add_argument("-o", "--output", required=True, metavar="OUTDIR")
+    p.add_argument("-o", "--output", required=True, metavar="OUTDIR",
+                   help="a new or empty folder (written into a temporary sibling, then renamed: never half-written)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty OUTDIR whole (no stale files are kept)")
     _add_layout(p)
     _add_tp(p)
 
@@ -81,8 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", metavar="N1,N2,...",
                    help="batch size per attention rank (default: 1,2,3,... when the batch dim is dynamic); "
                    "with --tp: one batch size per attention DP group (default 1,2,...; as saved when attn_dp=1)")
-    p.add_argument("--steps", type=int, default=2, help="steps per rank (default 2)")
-    p.add_argument("--tol", type=float, help="max relative error (default 1e-5 for fp32, 1e-2 otherwise)")
+    p.add_argument("--steps", type=int, default=2, help="steps per rank (default 2, at least 1)")
+    p.add_argument("--tol", type=float, help="max relative error (default 1e-5 for fp32, 1e-2 otherwise; finite, >= 0)")
+    p.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
+                   help="how long a rank waits for a peer before the run fails (default 300); a rank that dies "
+                   "or is stopped fails the run at once")
 
     sub.add_parser("demo", help="build a small HF Llama, split it 2 attention : 1 FFN, run and verify it")
     return parser
@@ -129,9 +170,7 @@ def _tp_graph(args: argparse.Namespace):
     from .programs import load_program
     from .scatter import TPLayout
 
-    if args.attention_ranks is not None or args.ffn_ranks is not None:
-        raise UsageError("give either an AFD layout (-A/-F) or a TP layout (--tp/--attn-dp), not both")
-    layout = TPLayout(args.tp, args.attn_dp, moe_a2a=args.moe_a2a, dense_dp=args.dense_dp)
+    layout = TPLayout(args.tp, args.attn_dp or 1, moe_a2a=args.moe_a2a, dense_dp=args.dense_dp)
     gm = load_program(args.model).module()
     annotate_roles(gm, POLICIES[args.policy], graph_name=args.model)
     return layout, gm
@@ -140,11 +179,11 @@ def _tp_graph(args: argparse.Namespace):
 def cmd_plan_tp(args: argparse.Namespace) -> int:
     import json
 
-    from .passes.dist_states import annotate_dist_states, plan_tp
+    from .passes.tp_rewrite import shard_for_rank
 
     layout, gm = _tp_graph(args)
-    plan = plan_tp(gm, layout, graph_name=args.model)
-    annotate_dist_states(gm, plan)
+    # shard rank 0 as verify and rewrite do: a layout the model cannot take is refused here too
+    plan = shard_for_rank(gm, layout, 0, graph_name=args.model).plan
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
     return EXIT_OK
 
@@ -166,6 +205,53 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class _AtomicFolder:
+    """Write a folder whole or not at all: into a temporary sibling, renamed over the target on
+    success, removed on any failure. A non-empty target is refused unless ``force`` (then it is
+    replaced whole: no stale file of an earlier rewrite survives)."""
+
+    def __init__(self, path: str, force: bool) -> None:
+        self.target = os.path.abspath(path)
+        if os.path.lexists(self.target):
+            if not os.path.isdir(self.target):
+                raise UsageError(f"-o {path}: exists and is not a folder")
+            if os.listdir(self.target) and not force:
+                raise UsageError(f"-o {path}: the folder exists and is not empty; pass --force to replace it whole")
+        self.tmp: str | None = None
+
+    def __enter__(self) -> str:
+        import tempfile
+
+        parent = os.path.dirname(self.target)
+        try:
+            self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.tmp-", dir=parent)
+        except OSError as e:
+            raise OutputError(f"-o {self.target}: cannot write in {parent}: {e.strerror or e}") from None
+        return self.tmp
+
+    def __exit__(self, kind, value, tb) -> None:
+        assert self.tmp is not None
+        if kind is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            if isinstance(value, OSError):
+                raise OutputError(f"-o {self.target}: writing {value.filename or 'a file'} failed: "
+                                  f"{value.strerror or value}; nothing was written") from None
+            return
+        old = None
+        try:
+            if os.path.lexists(self.target):
+                old = f"{self.tmp}.old"
+                os.rename(self.target, old)
+            os.rename(self.tmp, self.target)
+        except OSError as e:
+            if old is not None and not os.path.lexists(self.target):
+                os.rename(old, self.target)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise OutputError(f"-o {self.target}: cannot move the result into place: {e.strerror or e}") from None
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def cmd_rewrite_tp(args: argparse.Namespace) -> int:
     """One sharded program per TP rank, re-exported: ``rank<r>.pt2`` (its weight slices, its
     collectives with group ids) and ``plan.json`` (layout, groups, the scatter-mode plan)."""
@@ -175,22 +261,23 @@ def cmd_rewrite_tp(args: argparse.Namespace) -> int:
     from .programs import dynamic_shapes_of, example_inputs, load_program, write_json
 
     t = time.perf_counter()
+    out = _AtomicFolder(args.output, args.force)
     layout, gm = _tp_graph(args)
     inputs = example_inputs(load_program(args.model))
-    os.makedirs(args.output, exist_ok=True)
-    files = []
-    for rank in range(layout.tp):
+    programs = []
+    for rank in range(layout.tp):  # every rank planned and exported before anything is written
         prog = shard_for_rank(gm, layout, rank, graph_name=args.model)
         x = tuple(inputs)
         if layout.attn_dp > 1:  # the carrier of all DP groups' tokens (equal groups in the example)
             x = (*x, torch.empty(layout.attn_dp * int(inputs[0].numel()), 0))
         with torch.no_grad():
             ep = torch.export.export(prog.program, x, dynamic_shapes=dynamic_shapes_of(prog.program))
-        files.append(f"rank{rank}.pt2")
-        torch.export.save(ep, os.path.join(args.output, files[-1]))
+        programs.append((f"rank{rank}.pt2", ep))
         print(f"rewrite: rank {rank}: {len(prog.shards.weights)} weights sharded, "
               f"{sum(1 for n in ep.graph.nodes if 'afd.' in str(n.target))} afd collectives", flush=True)
-    plan = {"layout": {"tp": layout.tp, "attn_dp": layout.attn_dp, "attn_tp": layout.attn_tp,
+    files = [name for name, _ in programs]
+    plan = {"kind": "tp",
+            "layout": {"tp": layout.tp, "attn_dp": layout.attn_dp, "attn_tp": layout.attn_tp,
                        "attn_tp_groups": [list(range(g * layout.attn_tp, (g + 1) * layout.attn_tp))
                                           for g in range(layout.attn_dp)],
                        "moe_a2a": layout.moe_a2a, "dense_dp": layout.dense_dp},
@@ -198,7 +285,10 @@ def cmd_rewrite_tp(args: argparse.Namespace) -> int:
             "inputs": "the original inputs (this rank's DP group's tokens)" + (
                 ", then dp_token_slots: an empty (total tokens of all DP groups, 0) tensor; before each step the "
                 "runtime sets the per-group counts (afd_compile.verify._dp_step_counts)" if layout.attn_dp > 1 else "")}
-    write_json(os.path.join(args.output, "plan.json"), plan)
+    with out as d:
+        for name, ep in programs:
+            torch.export.save(ep, os.path.join(d, name))
+        write_json(os.path.join(d, "plan.json"), plan)
     print(prog.plan.table())
     print(f"rewrite: wrote {', '.join(files)}, plan.json to {args.output} ({time.perf_counter() - t:.1f}s)")
     return EXIT_OK
@@ -207,67 +297,75 @@ def cmd_rewrite_tp(args: argparse.Namespace) -> int:
 def cmd_rewrite(args: argparse.Namespace) -> int:
     if args.tp is not None:
         return cmd_rewrite_tp(args)
+    import torch
+
     from .programs import example_inputs, export_split, write_json
+    from .runtime import TokenCount
 
     if args.attention_ranks is None and args.ffn_ranks is None:
         raise UsageError("give an AFD layout (--attention-ranks/--ffn-ranks) or a TP layout (--tp)")
     layout = _layout(args, required=True)
     t = time.perf_counter()
+    out = _AtomicFolder(args.output, args.force)
     ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy)
     att, ffn = export_split(result.attention, result.ffn, ep.module(), example_inputs(ep))
-    os.makedirs(args.output, exist_ok=True)
-    import torch
-
-    torch.export.save(att, os.path.join(args.output, "attention.pt2"))
-    torch.export.save(ffn, os.path.join(args.output, "ffn.pt2"))
     plan = result.plan.to_json()
+    plan["kind"] = "afd"
     plan["layout"] = {"attention_ranks": layout.attention_ranks, "ffn_ranks": layout.ffn_ranks,
                       "ffn_peers": {str(f): list(layout.peers_of_ffn(f)) for f in range(layout.ffn_ranks)}}
     plan["programs"] = {"attention": "attention.pt2", "ffn": "ffn.pt2"}
     plan["compute_gate_on_attention"] = args.gate_on_attention
-    from .runtime import TokenCount
-
     plan["token_count"] = TokenCount.for_graph(ep.module(), result.plan.cuts[0].token_dims).to_json()
-    write_json(os.path.join(args.output, "plan.json"), plan)
+    with out as d:
+        torch.export.save(att, os.path.join(d, "attention.pt2"))
+        torch.export.save(ffn, os.path.join(d, "ffn.pt2"))
+        write_json(os.path.join(d, "plan.json"), plan)
     print(plan_table(result, layout))
     print(f"rewrite: wrote attention.pt2, ffn.pt2, plan.json to {args.output} "
           f"({time.perf_counter() - t:.1f}s)")
     return EXIT_OK
 
 
+def _tokens(args: argparse.Namespace) -> list[int] | None:
+    if not args.tokens:
+        return None
+    try:
+        return [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        raise UsageError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
+
+
+def _verdict(run: Callable[[], object]) -> int:
+    """Run a verify, print its verdict; a failed rank is FAIL naming the rank that failed first."""
+    from .runtime import RankFailure
+
+    try:
+        report = run()
+    except RankFailure as e:
+        print(f"verify: rank {e.rank} failed: {e.short}", file=sys.stderr)
+        print(f"verify: FAIL max_rel_err=nan (rank {e.rank} failed: {e.short})")
+        return EXIT_FAIL
+    print(report.line())  # type: ignore[attr-defined]
+    return EXIT_OK if report.ok else EXIT_FAIL  # type: ignore[attr-defined]
+
+
 def cmd_verify_tp(args: argparse.Namespace) -> int:
     from .passes.tp_rewrite import shard_for_rank
-    from .runtime import RankFailure
-    from .verify import TPCase, run_tp_cases
+    from .verify import ProgramFacts, check_verify_inputs, verify_tp
 
     layout, gm = _tp_graph(args)
+    batches = _tokens(args)
+    # the same checks verify_tp makes, before sharding: bad input fails fast
+    from .programs import load_program
+
+    check_verify_inputs(ProgramFacts.of(load_program(args.model), gm), units=layout.attn_dp,
+                        unit="attention DP group", world_size=layout.tp, batches=batches, steps=args.steps,
+                        tol=args.tol, zero_runs_dummy=layout.attn_dp > 1)
     prog = shard_for_rank(gm, layout, 0, graph_name=args.model)  # fail fast, before spawning
     print(prog.plan.table())
-    print(f"verify: {layout} on {layout.tp} local gloo processes, {len(prog.shards.weights)} weights sharded, "
-          f"{len(prog.shards.arg_fixes)} head counts divided")
-    batches = None
-    if args.tokens:
-        try:
-            batches = tuple(int(t) for t in args.tokens.split(","))
-        except ValueError:
-            raise UsageError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
-        if len(batches) != layout.attn_dp:
-            raise UsageError(f"--tokens has {len(batches)} entries, one per attention DP group ({layout.attn_dp}) expected")
-    elif layout.attn_dp > 1:
-        batches = tuple(1 + g for g in range(layout.attn_dp))
-    try:
-        (res,) = run_tp_cases([TPCase(args.model, layout, batches, args.steps, args.policy)])
-    except RankFailure as e:
-        print(f"verify: rank {e.rank} raised {e.short}", file=sys.stderr)
-        print("verify: FAIL max_rel_err=nan")
-        return EXIT_FAIL
-    for r in sorted(res):
-        print(f"  rank {r}: max_rel_err={res[r]['max_rel_err']:.3g}")
-    err = max(v["max_rel_err"] for v in res.values())
-    tol = args.tol if args.tol is not None else 1e-5
-    ok = err <= tol
-    print(f"verify: {'OK' if ok else 'FAIL'} max_rel_err={err:.3g}")
-    return EXIT_OK if ok else EXIT_FAIL
+    print(f"verify: {len(prog.shards.weights)} weights sharded, {len(prog.shards.arg_fixes)} head counts divided")
+    return _verdict(lambda: verify_tp(args.model, layout, batches=batches, steps=args.steps, tol=args.tol,
+                                      policy=args.policy, timeout_s=args.timeout, log=print))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -275,29 +373,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     if args.tp is not None:
         return cmd_verify_tp(args)
-
     layout = _layout(args, required=True)
-    batches = None
-    if args.tokens:
-        try:
-            batches = [int(x) for x in args.tokens.split(",")]
-        except ValueError:
-            raise UsageError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
-        if any(b < 0 for b in batches):
-            raise UsageError(f"--tokens must be >= 0, got {batches}")
+    batches = _tokens(args)
     _, result = _plan(args.model, layout, args.gate_on_attention, args.policy)  # fail fast, before spawning
     print(plan_table(result, layout))
-    from .runtime import RankFailure
-
-    try:
-        report = verify_afd(args.model, layout, batches=batches, gate=args.gate_on_attention,
-                            steps=args.steps, tol=args.tol, policy=args.policy, log=print)
-    except RankFailure as e:
-        print(f"verify: rank {e.rank} raised {e.short}", file=sys.stderr)
-        print("verify: FAIL max_rel_err=nan")
-        return EXIT_FAIL
-    print(report.line())
-    return EXIT_OK if report.ok else EXIT_FAIL
+    return _verdict(lambda: verify_afd(args.model, layout, batches=batches, gate=args.gate_on_attention,
+                                       steps=args.steps, tol=args.tol, policy=args.policy, timeout_s=args.timeout,
+                                       log=print))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -340,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"plan": cmd_plan, "rewrite": cmd_rewrite, "verify": cmd_verify, "demo": cmd_demo}
     try:
+        _check_mode_flags(args)
         return handlers[args.command](args)
     except _bad_input_types() as e:
         print(f"afd-compile {args.command}: error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ counts), which the runtime learns once per step from a small control message.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,19 @@ class TransferMetadata:
         return len(shape) >= 1 and shape[0] == self.total_tokens
 
 
+def wire_checks_from_env() -> bool:
+    """``AFD_CHECK_WIRE=1``: every transfer is preceded by a check header (see AFDCommunicator)."""
+    return os.environ.get("AFD_CHECK_WIRE", "0") not in ("", "0")
+
+
+class WireMismatch(ValueError):
+    """A received transfer is not what the receiver expects (layer, stage, kind, dtype, shape)."""
+
+
+#: one transfer: (tensor, peer world rank, wire kind)
+Transfer = tuple[torch.Tensor, int, str]
+
+
 @dataclass
 class AFDCommunicator:
     """This rank's view of the AFD exchange.
@@ -39,6 +53,13 @@ class AFDCommunicator:
     ``peers`` are world ranks: for an attention rank, ``[its FFN rank]``; for an FFN rank, its
     attention peers in order. ``step_seq_lens[stage]`` holds the token count per peer for the
     current step (set by the runtime before the program runs).
+
+    ``check_wire`` (default: ``AFD_CHECK_WIRE``; on in ``verify`` and the tests): each transfer
+    is preceded by a small header (layer, stage, kind, dtype, shape) in a batched exchange of its
+    own; the receiver compares it with what it expects and raises :class:`WireMismatch` naming
+    layer, stage, peer and both values before any data is received. It costs one more small
+    round trip per exchange, so it is off by default; both sides of a pair must agree (the
+    per-step control message carries the flag, and the FFN rank refuses a mismatch).
     """
 
     role: str
@@ -46,6 +67,7 @@ class AFDCommunicator:
     peers: tuple[int, ...]
     group: dist.ProcessGroup | None = None
     step_seq_lens: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    check_wire: bool = field(default_factory=wire_checks_from_env)
 
     def __post_init__(self) -> None:
         if self.role not in ("attention", "ffn"):
@@ -71,23 +93,47 @@ class AFDCommunicator:
     def set_step(self, seq_lens_per_stage: dict[int, Sequence[int]]) -> None:
         self.step_seq_lens = {s: tuple(int(n) for n in v) for s, v in seq_lens_per_stage.items()}
 
-    def exchange(
-        self,
-        sends: Sequence[tuple[torch.Tensor, int]],
-        recvs: Sequence[tuple[torch.Tensor, int]],
-    ) -> None:
+    def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *, layer_idx: int = -1,
+                 stage_idx: int = -1, where: str = "afd") -> None:
         """Send and receive in one batched call and wait for all of it.
 
         Batched so that cross-rank order comes from one call, not from source order (DESIGN §8);
         waited on before returning so no buffer is reused while in flight. Zero-length tensors
-        are skipped on both sides (both sides know the counts).
+        are skipped on both sides (both sides know the counts). With ``check_wire`` the headers
+        of every transfer go first (:meth:`_check_headers`).
         """
-        ops = [dist.P2POp(dist.isend, t.contiguous(), p, self.group) for t, p in sends if t.numel()]
-        ops += [dist.P2POp(dist.irecv, t, p, self.group) for t, p in recvs if t.numel()]
-        if not ops:
+        sends = [s for s in sends if s[0].numel()]
+        recvs = [r for r in recvs if r[0].numel()]
+        if not sends and not recvs:
             return
+        if self.check_wire:
+            self._check_headers(sends, recvs, layer_idx, stage_idx, where)
+        ops = [dist.P2POp(dist.isend, t.contiguous(), p, self.group) for t, p, _ in sends]
+        ops += [dist.P2POp(dist.irecv, t, p, self.group) for t, p, _ in recvs]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+
+    def _check_headers(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], layer_idx: int,
+                       stage_idx: int, where: str) -> None:
+        """Exchange one header per transfer; raise WireMismatch on the first that differs from
+        what this rank expects to receive (its own buffer's dtype and shape, layer, stage)."""
+        from .wire import HEADER_SLOTS, describe_header, wire_header
+
+        dev = (sends or recvs)[0][0].device
+        out = [torch.tensor(wire_header(k, t.dtype, tuple(t.shape), layer_idx, stage_idx), dtype=torch.int64,
+                            device=dev) for t, _, k in sends]
+        got = [torch.full((HEADER_SLOTS,), -1, dtype=torch.int64, device=dev) for _ in recvs]
+        ops = [dist.P2POp(dist.isend, h, p, self.group) for h, (_, p, _) in zip(out, sends, strict=True)]
+        ops += [dist.P2POp(dist.irecv, h, p, self.group) for h, (_, p, _) in zip(got, recvs, strict=True)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for h, (t, p, k) in zip(got, recvs, strict=True):
+            expected = wire_header(k, t.dtype, tuple(t.shape), layer_idx, stage_idx)
+            received = [int(v) for v in h.tolist()]
+            if received != expected:
+                raise WireMismatch(
+                    f"{where}: from peer rank {p}: expected {describe_header(expected)}, received "
+                    f"{describe_header(received)}")
 
 
 _REGISTRY: dict[int, AFDCommunicator] = {}

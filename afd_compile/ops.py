@@ -119,7 +119,8 @@ def p2p_send(
     wspec = _spec(spec)
     if not torch.compiler.is_compiling():
         check_wire_tensors(tensors, wspec, comm.metadata(layer_idx, stage_idx), comm, where)
-    comm.exchange([(t, comm.peers[0]) for t in tensors], [])
+    comm.exchange([(t, comm.peers[0], w.kind) for t, w in zip(tensors, wspec.tensors, strict=True)], [],
+                  layer_idx=layer_idx, stage_idx=stage_idx, where=where)
     return _token(tensors[0])
 
 
@@ -133,16 +134,18 @@ def p2p_recv(
     dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int, spec: str
 ) -> list[torch.Tensor]:
     comm = get_communicator(comm_id)
+    where = _where("p2p_recv", comm, layer_idx, stage_idx)
     wspec = _spec(spec)
     if not torch.compiler.is_compiling():
         meta = comm.metadata(layer_idx, stage_idx)
         if meta.total_tokens != num_tokens:
             raise ValueError(
-                f"{_where('p2p_recv', comm, layer_idx, stage_idx)}: shape mismatch: expecting "
+                f"{where}: shape mismatch: expecting "
                 f"{num_tokens} tokens but the transfer metadata says {meta.total_tokens}"
             )
     outs = [torch.empty(w.shape(num_tokens), dtype=w.dtype, device=dep.device) for w in wspec.tensors]
-    comm.exchange([], [(t, comm.peers[0]) for t in outs])
+    comm.exchange([], [(t, comm.peers[0], w.kind) for t, w in zip(outs, wspec.tensors, strict=True)],
+                  layer_idx=layer_idx, stage_idx=stage_idx, where=where)
     return outs
 
 
@@ -170,7 +173,9 @@ def p2p_recv_group(
         [torch.empty(w.shape(n), dtype=w.dtype, device=dep.device) for w in wspec.tensors]
         for n in sizes
     ]
-    comm.exchange([], [(t, p) for p, ts in zip(comm.peers, per_peer, strict=True) for t in ts])
+    comm.exchange([], [(t, p, w.kind) for p, ts in zip(comm.peers, per_peer, strict=True)
+                       for t, w in zip(ts, wspec.tensors, strict=True)],
+                  layer_idx=layer_idx, stage_idx=stage_idx, where=where)
     if len(per_peer) == 1:
         return per_peer[0]
     return [torch.cat([ts[i] for ts in per_peer], dim=0) for i in range(len(wspec.tensors))]
@@ -197,12 +202,12 @@ def p2p_send_group(
     if not torch.compiler.is_compiling():
         check_wire_tensors(tensors, wspec, None, comm, where)
     sends = []
-    for t in tensors:
+    for t, w in zip(tensors, wspec.tensors, strict=True):
         for piece, peer in zip(torch.split(t, sizes, dim=0), comm.peers, strict=True):
-            sends.append((piece, peer))
+            sends.append((piece, peer, w.kind))
     # Order on the wire per peer must be spec order: group the sends by peer.
     sends.sort(key=lambda sp: comm.peers.index(sp[1]))
-    comm.exchange(sends, [])
+    comm.exchange(sends, [], layer_idx=layer_idx, stage_idx=stage_idx, where=where)
     return _token(tensors[0])
 
 

@@ -17,6 +17,7 @@ environment.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import queue as queue_mod
 import socket
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from .comm import AFDCommunicator, register_communicator
+from .comm import AFDCommunicator, register_communicator, wire_checks_from_env
 from .layout import AFDLayout
 from .passes.symbolic import sym_expr
 from .split_api import SplitConfig, split_graph_module
@@ -137,7 +138,8 @@ class AttentionWorker:
 
     def _control(self, n: int) -> None:
         dev = "cuda" if self.comm.device_transport else "cpu"
-        dist.send(torch.tensor([n], dtype=torch.int64, device=dev), self.comm.peers[0], group=self.comm.group)
+        dist.send(torch.tensor([n, int(self.comm.check_wire)], dtype=torch.int64, device=dev), self.comm.peers[0],
+                  group=self.comm.group)
 
 
 @dataclass
@@ -161,14 +163,12 @@ class FFNWorker:
         """Receive one step's per-peer token counts (the control message) and run the program
         once; returns the counts, or None when every peer said stop."""
         dev = "cuda" if self.comm.device_transport else "cpu"
-        bufs = [torch.empty(1, dtype=torch.int64, device=dev) for _ in self.comm.peers]
+        bufs = [torch.empty(2, dtype=torch.int64, device=dev) for _ in self.comm.peers]
         for b, p in zip(bufs, self.comm.peers, strict=True):
             dist.recv(b, p, group=self.comm.group)
-        counts = tuple(int(b.item()) for b in bufs)
-        if all(c == STOP for c in counts):
+        counts = self._check_control([[int(v) for v in b.tolist()] for b in bufs])
+        if counts is None:
             return None
-        if any(c == STOP for c in counts):
-            raise RuntimeError(f"afd: FFN rank {self.comm.rank}: some peers stopped and some did not: {counts}")
         self.comm.set_step({self.stage: counts})
         if on_step:
             on_step(counts)
@@ -181,19 +181,46 @@ class FFNWorker:
         return counts
 
 
+    def _check_control(self, messages: list[list[int]]) -> tuple[int, ...] | None:
+        """The per-peer counts of a step's control messages ``[tokens, check_wire]``, checked:
+        None when every peer stopped; a negative count, a partial stop or a peer whose wire checks
+        differ from this rank's is a ControlError naming the peer."""
+        counts = tuple(m[0] for m in messages)
+        if all(c == STOP for c in counts):
+            return None
+        for (n, check), p in zip(messages, self.comm.peers, strict=True):
+            if n == STOP:
+                raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {p} stopped while others did "
+                                   f"not (counts {list(counts)})")
+            if n < 0:
+                raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {p} announced {n} tokens for "
+                                   "the next step; a token count is >= 0")
+            if bool(check) != self.comm.check_wire:
+                raise ControlError(f"afd: FFN rank {self.comm.rank} runs with wire checks "
+                                   f"{'on' if self.comm.check_wire else 'off'}, attention rank {p} with them "
+                                   f"{'on' if check else 'off'}; set AFD_CHECK_WIRE (or check_wire) alike on every rank")
+        return counts
+
+
+class ControlError(ValueError):
+    """A per-step control message an FFN rank cannot accept."""
+
+
 def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig | None = None,
                 device: torch.device | None = None, group: dist.ProcessGroup | None = None,
-                ) -> AttentionWorker | FFNWorker:
-    """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id."""
+                check_wire: bool | None = None) -> AttentionWorker | FFNWorker:
+    """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id.
+    ``check_wire``: header checks on every transfer (None: ``AFD_CHECK_WIRE``; see AFDCommunicator)."""
     config = config or SplitConfig()
     result = split_graph_module(gm, config, layout=layout)
     role, idx = layout.role_of(rank)
     device = device or torch.device("cpu")
+    check = wire_checks_from_env() if check_wire is None else check_wire
     if role == "ffn":
-        comm = AFDCommunicator("ffn", rank, layout.peers_of_ffn(idx), group)
+        comm = AFDCommunicator("ffn", rank, layout.peers_of_ffn(idx), group, check_wire=check)
         register_communicator(comm, config.comm_id)
         return FFNWorker(result.ffn.to(device), comm, device)
-    comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),), group)
+    comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),), group, check_wire=check)
     register_communicator(comm, config.comm_id)
     counter = TokenCount.for_graph(gm, result.plan.cuts[0].token_dims)
     return AttentionWorker(result.attention.to(device), comm, counter)
@@ -203,10 +230,16 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     """This rank's worker from the files ``afd-compile rewrite`` wrote (plan.json + role .pt2)."""
     import json
 
-    from .programs import load_program
+    from .programs import ProgramLoadError, load_program
 
-    with open(os.path.join(outdir, "plan.json")) as f:
-        plan = json.load(f)
+    try:
+        with open(os.path.join(outdir, "plan.json")) as f:
+            plan = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ProgramLoadError(f"{outdir}: cannot read plan.json: {e}") from None
+    if plan.get("kind", "afd") != "afd" or "attention_ranks" not in plan.get("layout", {}):
+        raise ProgramLoadError(f"{outdir}: plan.json was written by rewrite --tp (layout {plan.get('layout')}); "
+                               "load its rank<r>.pt2 with afd_compile.programs.load_program, not as an AFD deployment")
     layout = AFDLayout(plan["layout"]["attention_ranks"], plan["layout"]["ffn_ranks"])
     role, idx = layout.role_of(rank)
     device = device or torch.device("cpu")
@@ -222,18 +255,55 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     return AttentionWorker(program, comm, TokenCount.from_json(plan["token_count"]))
 
 
-def max_rel_err(out: Any, ref: Any) -> float:
-    """max |out - ref| / max |ref| over all tensors of a (nested) output; inf on a shape mismatch."""
+@dataclass(frozen=True)
+class Comparison:
+    """One output compared with its reference: ``max |out - ref| / max |ref|`` over every tensor,
+    and what made the comparison meaningless, if anything (a non-finite value, another
+    structure or shape), naming the output. ``max_rel_err`` is ``inf`` then, never NaN: Python's
+    ``max(0.0, nan)`` is ``0.0``, so a NaN error would vanish in any running maximum."""
+
+    max_rel_err: float
+    problem: str | None = None
+    values: int = 0  # elements compared
+
+    def passes(self, tol: float) -> bool:
+        return self.problem is None and self.values > 0 and self.max_rel_err <= tol
+
+
+def _nonfinite(t: torch.Tensor) -> str | None:
+    if not t.is_floating_point() and not t.is_complex():
+        return None
+    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    return f"{nan} NaN and {inf} Inf of {t.numel()} values" if nan or inf else None
+
+
+def compare(out: Any, ref: Any) -> Comparison:
+    """Compare a (nested) output with the reference: see :class:`Comparison`."""
     outs, refs = _flat(out), _flat(ref)
     if len(outs) != len(refs):
-        return float("inf")
-    err = 0.0
-    for o, r in zip(outs, refs, strict=True):
+        return Comparison(math.inf, f"{len(outs)} output tensors, the reference has {len(refs)}")
+    err, values = 0.0, 0
+    for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
         if o.shape != r.shape:
-            return float("inf")
-        denom = r.detach().abs().max().clamp_min(1e-30).float()
-        err = max(err, float((o.detach().float() - r.detach().float()).abs().max() / denom))
-    return err
+            return Comparison(math.inf, f"output {i} has shape {tuple(o.shape)}, the reference {tuple(r.shape)}")
+        o, r = o.detach(), r.detach()
+        bad = _nonfinite(r)
+        if bad:
+            return Comparison(math.inf, f"the reference output {i} holds {bad}: nothing to compare against")
+        bad = _nonfinite(o)
+        if bad:
+            return Comparison(math.inf, f"output {i} holds {bad}")
+        if o.numel():
+            denom = r.abs().max().clamp_min(1e-30).float()
+            err = max(err, float((o.float() - r.float()).abs().max() / denom))
+        values += o.numel()
+    return Comparison(err, None, values)
+
+
+def max_rel_err(out: Any, ref: Any) -> float:
+    """max |out - ref| / max |ref| over all tensors of a (nested) output; ``inf`` on a structure
+    or shape mismatch and on any NaN / Inf (see :func:`compare` for which output)."""
+    return compare(out, ref).max_rel_err
 
 
 def _flat(x: Any) -> list[torch.Tensor]:
@@ -242,8 +312,30 @@ def _flat(x: Any) -> list[torch.Tensor]:
 
 # --- local launch ------------------------------------------------------------------------------
 
+#: memory a local process is assumed to need (torch, a small program, gloo buffers)
+LOCAL_PROCESS_BYTES = 512 << 20
+LOCAL_PROCESS_LIMIT_RULE = "available memory / 512 MiB per process, or AFD_MAX_LOCAL_PROCESSES"
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+
+def max_local_processes() -> int:
+    """How many processes :func:`run_local` may start: ``AFD_MAX_LOCAL_PROCESSES`` when set,
+    else the available memory (``/proc/meminfo``) over :data:`LOCAL_PROCESS_BYTES`, at least 2."""
+    env = os.environ.get("AFD_MAX_LOCAL_PROCESSES")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise ValueError(f"AFD_MAX_LOCAL_PROCESSES must be an integer, got {env!r}") from None
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        avail = 8 << 30
+    return max(2, avail // LOCAL_PROCESS_BYTES)
+
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, timeout_s: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -251,7 +343,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     try:
-        init_distributed(rank, world_size, backend="gloo")
+        init_distributed(rank, world_size, backend="gloo", timeout_s=timeout_s)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException as e:  # report, never hang the parent
@@ -261,49 +353,104 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 
 class RankFailure(RuntimeError):
+    """A rank of a local run failed: it raised, died, stopped, or gave no result in time.
+    ``rank`` is the rank that failed first (one that died or stopped is named before a
+    survivor that only saw its peer go away)."""
+
     def __init__(self, rank: int, message: str):
         super().__init__(f"rank {rank} failed: {message}")
         self.rank = rank
         self.short = message.splitlines()[0] if message else ""
 
 
-def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0) -> dict[int, Any]:
+def _proc_state(pid: int | None) -> str | None:
+    """The state letter of a live process from /proc (``T``: stopped); None where unknown."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _casualty(procs: Sequence[Any], reported: set[int]) -> RankFailure | None:
+    """A rank that died without reporting, or is stopped (SIGSTOP, a debugger): the cause,
+    whatever its peers then report."""
+    for r, p in enumerate(procs):
+        if r in reported:
+            continue
+        code = p.exitcode
+        if code not in (None, 0):
+            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            return RankFailure(r, f"process {how} before reporting (pid {p.pid})")
+        if code is None and _proc_state(p.pid) in ("T", "t"):
+            return RankFailure(r, f"process is stopped (pid {p.pid}, SIGSTOP or a debugger); its peers cannot "
+                               "progress")
+    return None
+
+
+def _end_all(procs: Sequence[Any], grace_s: float) -> None:
+    """Join every process within ``grace_s`` in all; then SIGKILL what is left (a stopped
+    process ignores SIGTERM until continued) and reap it."""
+    end = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0,
+              deadline_s: float | None = None) -> dict[int, Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; returns
-    {rank: result}. A failing rank raises RankFailure (the others are terminated)."""
+    {rank: result}.
+
+    Never waits unbounded: ``timeout_s`` is the process group's timeout (a rank blocked on a peer
+    raises after it); ``deadline_s`` (default ``2 * timeout_s + 60``) bounds the whole run. A rank
+    that raises, dies (SIGKILL, a crash) or is stopped (SIGSTOP) fails the run at once, as
+    RankFailure naming the rank that failed first; every process is gone when it is raised.
+    """
+    if world_size > max_local_processes():
+        raise ValueError(f"run_local: {world_size} processes exceed the local limit {max_local_processes()} "
+                         f"({LOCAL_PROCESS_LIMIT_RULE})")
+    deadline_s = 2 * timeout_s + 60 if deadline_s is None else deadline_s
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, timeout_s), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     failure: RankFailure | None = None
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + deadline_s
     try:
         while len(results) < world_size and failure is None:
             try:
-                rank, status, payload = queue.get(timeout=1.0)
+                rank, status, payload = queue.get(timeout=0.2)
             except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    failure = RankFailure(dead[0], f"process exited with code {procs[dead[0]].exitcode} "
-                                          "before reporting (crash, or a function spawn cannot import)")
-                elif time.monotonic() > deadline:
+                failure = _casualty(procs, set(results))
+                if failure is None and time.monotonic() > deadline:
                     missing = [r for r in range(world_size) if r not in results]
-                    failure = RankFailure(missing[0], f"no result within {timeout_s:.0f}s from ranks {missing}")
+                    failure = RankFailure(missing[0], f"no result within {deadline_s:.0f}s from ranks {missing}")
                 continue
-            if status == "error":
-                failure = RankFailure(rank, payload)
-            else:
+            if status == "ok":
                 results[rank] = payload
+                continue
+            # a survivor often reports first ("connection reset" from the rank that died): look
+            # for a rank that died or stopped before blaming the one that reported
+            failure = RankFailure(rank, payload)
+            for _ in range(10):
+                cause = _casualty(procs, set(results) | {rank})
+                if cause is not None:
+                    failure = RankFailure(cause.rank, f"{cause.short} (rank {rank} then raised: {failure.short})")
+                    break
+                time.sleep(0.1)
     finally:
-        for p in procs:
-            p.join(timeout=1 if failure else 30)
-            if p.is_alive():
-                p.terminate()
-                p.join()
+        _end_all(procs, grace_s=2 if failure else 30)
     if failure:
         raise failure
     return results
-

@@ -1,14 +1,20 @@
-"""Run the original program and the split deployment on local gloo processes and compare.
+"""Run the original program and the split or sharded deployment on local gloo processes and compare.
 
-Every process loads the same ``.pt2`` and splits it for its own rank. Each attention rank gets its
-own batch size (the saved example input resized along its batch dimension), runs ``steps`` steps
-(the sizes rotate between steps so every FFN rank sees several token layouts), and compares its
-output with the original program run on the same input in the same process.
-Error measure: ``max |split - original| / max |original|`` per output, max over steps.
+Every process loads the same ``.pt2`` and builds its own rank's program. Each attention rank (AFD)
+or attention DP group (TP) gets its own batch size (the saved example input resized along its
+batch dimension), runs ``steps`` steps (the sizes rotate between steps so every FFN rank sees
+several token layouts), and compares its output with the original program run on the same input
+in the same process. Error measure: ``max |split - original| / max |original|`` per output, max
+over steps (:func:`afd_compile.runtime.compare`).
+
+A verdict is only given on something compared: the inputs are checked before any process starts
+(:func:`check_verify_inputs`, one path for AFD and TP), a NaN or Inf in any output fails the run
+naming the rank, step and output, and a run that compared nothing is an error, never an OK.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -20,13 +26,104 @@ import torch.fx as fx
 from .layout import AFDLayout
 from .passes.roles import POLICIES
 from .programs import example_inputs, load_program
-from .runtime import AttentionWorker, make_worker, max_rel_err, run_local
+from .runtime import (
+    LOCAL_PROCESS_LIMIT_RULE,
+    AttentionWorker,
+    Comparison,
+    compare,
+    make_worker,
+    max_local_processes,
+    run_local,
+)
 from .scatter import TPLayout
 from .split_api import SplitConfig
+
+#: the communication timeout of a verify run (seconds a rank waits for a peer before failing)
+DEFAULT_TIMEOUT_S = 300.0
 
 
 class VerifyInputError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class ProgramFacts:
+    """What the input checks need to know of a saved program, read once."""
+
+    inputs: tuple[torch.Tensor, ...]
+    batch_dims: tuple[tuple[int, int], ...]  # (input, dim) carrying the batch symbol; () when static
+    batch_range: tuple[int, int | float] | None  # the export's [min, max] for the batch; None when static
+    default_tol: float  # 1e-5 when every float is fp32/fp64, else 1e-2
+
+    @staticmethod
+    def of(ep: torch.export.ExportedProgram, gm: fx.GraphModule | None = None) -> ProgramFacts:
+        inputs = example_inputs(ep)  # ProgramLoadError for keyword inputs: before any process starts
+        sym, dims = batch_symbol_dims(gm if gm is not None else ep.module())
+        rng = None
+        if sym is not None:
+            rng = (1, math.inf)
+            for s, vr in ep.range_constraints.items():
+                if str(s) == sym:
+                    rng = (int(vr.lower), int(vr.upper) if vr.upper.is_finite else math.inf)
+        dtypes = {t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()} | {
+            p.dtype for p in ep.state_dict.values() if p.is_floating_point()}
+        tol = 1e-5 if dtypes <= {torch.float32, torch.float64} else 1e-2
+        return ProgramFacts(tuple(inputs), tuple(dims), rng, tol)
+
+
+@dataclass(frozen=True)
+class VerifyInputs:
+    """A verify run's inputs after :func:`check_verify_inputs`: one batch size per unit (attention
+    rank or attention DP group; None: every unit runs the saved example), steps, tolerance."""
+
+    batches: tuple[int, ...] | None
+    steps: int
+    tol: float
+
+
+def check_verify_inputs(facts: ProgramFacts, *, units: int, unit: str, world_size: int,
+                        batches: Sequence[int] | None, steps: int, tol: float | None,
+                        zero_runs_dummy: bool = False) -> VerifyInputs:
+    """Check what a verify run is asked to do, before any process starts; the one path for AFD
+    (``unit="attention rank"``) and TP (``unit="attention DP group"``).
+
+    Refused (VerifyInputError): more processes than :func:`~afd_compile.runtime.max_local_processes`,
+    ``steps < 1``, a negative or non-finite ``tol``, a batch list of the wrong length, negative
+    sizes, all sizes zero (nothing would be compared), sizes beyond the export's range for the
+    batch dimension, sizes on a static batch dimension. ``zero_runs_dummy``: a unit with zero
+    tokens still runs a one-sequence dummy (DP attention), so 1 must be in range too.
+    """
+    limit = max_local_processes()
+    if world_size > limit:
+        raise VerifyInputError(f"the layout needs {world_size} local processes, more than this machine can hold "
+                               f"({limit}: {LOCAL_PROCESS_LIMIT_RULE}); use a smaller layout, or set "
+                               "AFD_MAX_LOCAL_PROCESSES")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise VerifyInputError(f"--steps must be an integer >= 1, got {steps!r}: a run of no steps compares nothing")
+    if tol is None:
+        tol = facts.default_tol
+    elif isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
+        raise VerifyInputError(f"--tol must be a finite number >= 0, got {tol!r}")
+    if batches is None:
+        return VerifyInputs(None, steps, float(tol))
+    batches = tuple(batches)
+    if len(batches) != units:
+        raise VerifyInputError(f"--tokens has {len(batches)} entries, one per {unit} ({units}) expected")
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in batches):
+        raise VerifyInputError(f"--tokens must be integers >= 0, got {list(batches)}")
+    if not sum(batches):
+        raise VerifyInputError(f"--tokens {list(batches)}: every {unit} has zero tokens, so nothing would be compared")
+    if facts.batch_range is None:
+        raise VerifyInputError(f"the batch dimension is static, cannot resize inputs to {list(batches)}")
+    lo, hi = facts.batch_range
+    sizes = {b for b in batches if b} | ({1} if zero_runs_dummy and 0 in batches else set())
+    outside = sorted(b for b in sizes if not lo <= b <= hi)
+    if outside:
+        raise VerifyInputError(
+            f"--tokens {list(batches)}: batch size {outside[0]} is outside the range the program was exported "
+            f"for ([{lo}, {hi if math.isfinite(hi) else 'inf'}]{'; a DP group with zero tokens runs a one-sequence dummy' if zero_runs_dummy and 0 in batches else ''}); "
+            "re-export with a wider torch.export.Dim for the batch")
+    return VerifyInputs(batches, steps, float(tol))
 
 
 def batch_symbol_dims(gm: fx.GraphModule) -> tuple[object | None, list[tuple[int, int]]]:
@@ -60,6 +157,25 @@ def resize_inputs(inputs: Sequence[torch.Tensor], dims: list[tuple[int, int]], b
     return tuple(out)
 
 
+@dataclass
+class Tally:
+    """One rank's comparisons over its steps: the worst error, how many steps compared
+    something, and the first problem (non-finite output, shape mismatch) with its step."""
+
+    max_rel_err: float = 0.0
+    compared: int = 0
+    problem: str | None = None
+
+    def add(self, step: int, c: Comparison) -> None:
+        self.compared += c.values > 0 or c.problem is not None  # a NaN output was examined: a FAIL, not nothing
+        self.max_rel_err = max(self.max_rel_err, c.max_rel_err)
+        if c.problem is not None and self.problem is None:
+            self.problem = f"step {step}: {c.problem}"
+
+    def to_json(self) -> dict:
+        return {"max_rel_err": self.max_rel_err, "compared": self.compared, "problem": self.problem}
+
+
 @dataclass(frozen=True)
 class Case:
     """One verification: a saved program, a layout, batch sizes per attention rank (None: as
@@ -84,12 +200,12 @@ def _loaded(path: str, cache: dict) -> tuple:
 def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
     ep, original, inputs = _loaded(case.path, cache)
     config = SplitConfig(compute_gate_on_attention=case.gate, policy=POLICIES[case.policy], graph_name=case.path)
-    worker = make_worker(ep.module(), case.layout, rank, config, group=group)
+    worker = make_worker(ep.module(), case.layout, rank, config, group=group, check_wire=True)
     if not isinstance(worker, AttentionWorker):
         return {"role": "ffn", "steps": worker.serve()}
     a = case.layout.role_of(rank)[1]
     _, dims = batch_symbol_dims(original)
-    err, sizes = 0.0, []
+    tally, sizes = Tally(), []
     try:
         for step in range(case.steps):
             if case.batches is None:
@@ -101,10 +217,10 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
                 out = worker.step(*x)
                 if out is None:  # zero tokens this step
                     continue
-                err = max(err, max_rel_err(out, original(*x)))
+                tally.add(step, compare(out, original(*x)))
     finally:
         worker.stop()
-    return {"role": "attention", "batches": sizes, "max_rel_err": err}
+    return {"role": "attention", "batches": sizes, **tally.to_json()}
 
 
 def _verify_cases(rank: int, world: int, cases: Sequence[Case]) -> list[dict | None]:
@@ -123,64 +239,82 @@ def _verify_cases(rank: int, world: int, cases: Sequence[Case]) -> list[dict | N
     return out
 
 
-def run_cases(cases: Sequence[Case], timeout_s: float = 600.0) -> list[dict[int, dict]]:
-    """Verify several cases with one spawn; per case, {rank: result}."""
+def run_cases(cases: Sequence[Case], timeout_s: float = DEFAULT_TIMEOUT_S,
+              deadline_s: float | None = None) -> list[dict[int, dict]]:
+    """Verify several cases with one spawn; per case, {rank: result}. ``timeout_s``: how long a
+    rank waits for a peer; ``deadline_s``: the whole run (see :func:`run_local`)."""
     world = max(c.layout.world_size for c in cases)
-    results = run_local(_verify_cases, world, list(cases), timeout_s=timeout_s)
+    results = run_local(_verify_cases, world, list(cases), timeout_s=timeout_s, deadline_s=deadline_s)
     return [{r: results[r][i] for r in results if results[r][i] is not None} for i in range(len(cases))]
 
 
 @dataclass
 class VerifyReport:
-    layout: AFDLayout
+    """The verdict of a verify run. OK only when something was compared, no output held a
+    NaN / Inf or had the wrong shape, and the worst error is within ``tol``."""
+
+    layout: AFDLayout | TPLayout
     per_rank: dict[int, dict]
-    max_rel_err: float
     tol: float
     seconds: float
 
     @property
+    def compared(self) -> int:
+        """Rank-steps that compared an output."""
+        return sum(r.get("compared", 0) for r in self.per_rank.values())
+
+    @property
+    def max_rel_err(self) -> float:
+        return max((r["max_rel_err"] for r in self.per_rank.values() if "max_rel_err" in r), default=math.inf)
+
+    @property
+    def problem(self) -> str | None:
+        """The first problem, naming its rank and step (None when every output was finite)."""
+        return next((f"rank {r} {res['problem']}" for r, res in sorted(self.per_rank.items())
+                     if res.get("problem")), None)
+
+    @property
     def ok(self) -> bool:
-        return self.max_rel_err <= self.tol
+        return self.compared > 0 and self.problem is None and self.max_rel_err <= self.tol
 
     def line(self) -> str:
-        return f"verify: {'OK' if self.ok else 'FAIL'} max_rel_err={self.max_rel_err:.3g}"
+        why = f" ({self.problem})" if self.problem else ""
+        return f"verify: {'OK' if self.ok else 'FAIL'} max_rel_err={self.max_rel_err:.3g}{why}"
 
 
-def verify_afd(path: str, layout: AFDLayout, *, batches: list[int] | None = None, gate: bool = False,
+def _report(layout: AFDLayout | TPLayout, results: dict[int, dict], tol: float, seconds: float) -> VerifyReport:
+    report = VerifyReport(layout, results, tol, seconds)
+    if not report.compared:  # the input checks make this unreachable; a verdict on nothing is never OK
+        raise VerifyInputError(f"verify compared no output on any rank ({layout}): nothing to judge")
+    return report
+
+
+def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = None, gate: bool = False,
                steps: int = 2, tol: float | None = None, policy: str = "default",
-               log: Callable[[str], None] = lambda s: None) -> VerifyReport:
+               timeout_s: float = DEFAULT_TIMEOUT_S, log: Callable[[str], None] = lambda s: None) -> VerifyReport:
     """Verify the AFD split of the ``.pt2`` at ``path``; ``batches`` per attention rank (None:
-    default sizes 1, 2, 3, ... when the batch dim is dynamic, the saved example otherwise)."""
-    ep = load_program(path)
-    inputs = example_inputs(ep)
-    sym, dims = batch_symbol_dims(ep.module())
-    if batches is not None and len(batches) != layout.attention_ranks:
-        raise VerifyInputError(f"--tokens has {len(batches)} entries, layout {layout} has "
-                               f"{layout.attention_ranks} attention ranks")
-    if sym is None:
-        if batches is not None:
-            raise VerifyInputError(f"{path}: the batch dimension is static, cannot resize inputs to {batches}")
-        log(f"verify: {path} has a static batch dimension; every attention rank uses the saved example input")
-    elif batches is None:
+    default sizes 1, 2, 3, ... when the batch dim is dynamic, the saved example otherwise).
+    Raises VerifyInputError (before any process starts) on inputs :func:`check_verify_inputs` refuses."""
+    facts = ProgramFacts.of(load_program(path))
+    if batches is None and facts.batch_range is not None:
         batches = [1 + a for a in range(layout.attention_ranks)]
-    if tol is None:
-        dtypes = {t.dtype for t in inputs if t.is_floating_point()} | {
-            p.dtype for p in ep.state_dict.values() if p.is_floating_point()}
-        tol = 1e-5 if dtypes <= {torch.float32, torch.float64} else 1e-2
+    checked = check_verify_inputs(facts, units=layout.attention_ranks, unit="attention rank",
+                                  world_size=layout.world_size, batches=batches, steps=steps, tol=tol)
+    if checked.batches is None:
+        log(f"verify: {path} has a static batch dimension; every attention rank uses the saved example input")
     log(f"verify: {layout} on {layout.world_size} local gloo processes (FFN ranks 0..{layout.ffn_ranks - 1}), "
-        f"batch per attention rank {batches if batches is not None else 'as saved'}, {steps} steps")
+        f"batch per attention rank {list(checked.batches) if checked.batches is not None else 'as saved'}, "
+        f"{checked.steps} steps")
     t = time.perf_counter()
-    case = Case(path, layout, tuple(batches) if batches is not None else None, gate, steps, policy)
-    results = run_cases([case])[0]
-    seconds = time.perf_counter() - t
+    case = Case(path, layout, checked.batches, gate, checked.steps, policy)
+    results = run_cases([case], timeout_s=timeout_s)[0]
     for r in sorted(results):
         res = results[r]
         if res["role"] == "ffn":
             log(f"  rank {r} ffn: served {res['steps']} steps from peers {list(layout.peers_of_ffn(r))}")
         else:
             log(f"  rank {r} attention: batches {res['batches']} max_rel_err={res['max_rel_err']:.3g}")
-    err = max((res["max_rel_err"] for res in results.values() if res["role"] == "attention"), default=0.0)
-    return VerifyReport(layout, results, err, tol, seconds)
+    return _report(layout, results, checked.tol, time.perf_counter() - t)
 
 
 # --- tensor parallelism ------------------------------------------------------------------------
@@ -199,20 +333,24 @@ class TPCase:
     saved: str | None = None  # a directory written by ``afd-compile rewrite --tp``: run its rank<r>.pt2
 
 
-def _tp_groups(world: int, layouts: Sequence[TPLayout]) -> dict:
-    """Every process group the cases need, created in the same order on every rank."""
+def _tp_groups(world: int, layouts: Sequence[TPLayout], timeout_s: float | None = None) -> dict:
+    """Every process group the cases need, created in the same order on every rank; with
+    ``timeout_s`` each is a new group with that timeout (else the world group where it fits)."""
+    import datetime
+
     import torch.distributed as dist
 
+    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     groups: dict = {}
     for lay in layouts:
         key = ("tp", lay.tp)
         if key not in groups:
-            groups[key] = dist.group.WORLD if lay.tp == world else dist.new_group(list(range(lay.tp)))
+            groups[key] = dist.group.WORLD if lay.tp == world and not kw else dist.new_group(list(range(lay.tp)), **kw)
         for g in range(lay.attn_dp):
             ranks = tuple(range(g * lay.attn_tp, (g + 1) * lay.attn_tp))
             k = ("attn", ranks)
             if k not in groups:
-                groups[k] = groups[key] if lay.attn_tp == lay.tp else dist.new_group(list(ranks))
+                groups[k] = groups[key] if lay.attn_tp == lay.tp else dist.new_group(list(ranks), **kw)
     return groups
 
 
@@ -235,7 +373,7 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
         prog = shard_for_rank(gm, lay, rank, graph_name=case.path)
         program, sharded = prog.program, len(prog.shards.weights)
     _, dims = batch_symbol_dims(original)
-    err, seen = 0.0, []
+    tally, seen = Tally(), []
     g = lay.attn_dp_rank(rank)
     for step in range(case.steps):
         if case.batches is None:
@@ -255,9 +393,9 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
             else:
                 out = program(*x)
             if not empty:
-                err = max(err, max_rel_err(out, original(*x)))
+                tally.add(step, compare(out, original(*x)))
         seen.append(0 if empty else int(x[0].shape[0]))
-    return {"max_rel_err": err, "sharded_weights": sharded, "batches": seen}
+    return {"sharded_weights": sharded, "batches": seen, **tally.to_json()}
 
 
 def _dp_step_counts(x: Sequence[torch.Tensor], lay: TPLayout, rank: int) -> tuple[int, ...]:
@@ -299,7 +437,29 @@ def _verify_tp_cases(rank: int, world: int, cases: Sequence[TPCase]) -> list[dic
     return out
 
 
-def run_tp_cases(cases: Sequence[TPCase], timeout_s: float = 600.0) -> list[dict[int, dict]]:
+def run_tp_cases(cases: Sequence[TPCase], timeout_s: float = DEFAULT_TIMEOUT_S,
+                 deadline_s: float | None = None) -> list[dict[int, dict]]:
     world = max(c.layout.tp for c in cases)
-    results = run_local(_verify_tp_cases, world, list(cases), timeout_s=timeout_s)
+    results = run_local(_verify_tp_cases, world, list(cases), timeout_s=timeout_s, deadline_s=deadline_s)
     return [{r: results[r][i] for r in results if results[r][i] is not None} for i in range(len(cases))]
+
+
+def verify_tp(path: str, layout: TPLayout, *, batches: Sequence[int] | None = None, steps: int = 2,
+              tol: float | None = None, policy: str = "default", timeout_s: float = DEFAULT_TIMEOUT_S,
+              log: Callable[[str], None] = lambda s: None) -> VerifyReport:
+    """Verify the TP sharding of the ``.pt2`` at ``path`` on ``layout.tp`` local processes;
+    ``batches`` per attention DP group (None: 1, 2, ... with DP attention, else as saved). The
+    same input checks as :func:`verify_afd`."""
+    ep = load_program(path)
+    facts = ProgramFacts.of(ep)
+    if batches is None and layout.attn_dp > 1:
+        batches = [1 + g for g in range(layout.attn_dp)]
+    checked = check_verify_inputs(facts, units=layout.attn_dp, unit="attention DP group", world_size=layout.tp,
+                                  batches=batches, steps=steps, tol=tol, zero_runs_dummy=layout.attn_dp > 1)
+    log(f"verify: {layout} on {layout.tp} local gloo processes, batch per DP group "
+        f"{list(checked.batches) if checked.batches is not None else 'as saved'}, {checked.steps} steps")
+    t = time.perf_counter()
+    (results,) = run_tp_cases([TPCase(path, layout, checked.batches, checked.steps, policy)], timeout_s=timeout_s)
+    for r in sorted(results):
+        log(f"  rank {r}: batches {results[r]['batches']} max_rel_err={results[r]['max_rel_err']:.3g}")
+    return _report(layout, results, checked.tol, time.perf_counter() - t)

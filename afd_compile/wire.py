@@ -88,3 +88,29 @@ class WireSpec:
     @property
     def bytes_per_token(self) -> int:
         return sum(t.bytes_per_token for t in self.tensors)
+
+
+# --- the check header (debug mode) --------------------------------------------------------------
+
+#: slots of a check header: magic, layer, stage, kind, dtype, ndim, dim 0, dim 1
+HEADER_SLOTS = 8
+HEADER_MAGIC = 0xAFD
+_DTYPE_LIST = list(_DTYPES)
+
+
+def wire_header(kind: str, dtype: torch.dtype, shape: tuple[int, ...], layer_idx: int, stage_idx: int) -> list[int]:
+    """What a transfer is, as the int64 slots that travel ahead of it when wire checks are on:
+    the receiver compares them with what it expects before it receives the data."""
+    dims = list(shape) + [0] * (2 - len(shape))
+    return [HEADER_MAGIC, layer_idx, stage_idx, WIRE_ORDER.index(kind), _DTYPE_LIST.index(dtype_name(dtype)),
+            len(shape), *dims[:2]]
+
+
+def describe_header(slots: list[int]) -> str:
+    """``layer 1 stage 0 hidden float32 (10, 64)`` (or what is wrong with the header)."""
+    if len(slots) != HEADER_SLOTS or slots[0] != HEADER_MAGIC:
+        return f"no afd wire header (got {slots}: the peer does not run with wire checks, or sent other data)"
+    _, layer, stage, kind, dtype, ndim, *dims = slots
+    k = WIRE_ORDER[kind] if 0 <= kind < len(WIRE_ORDER) else f"kind#{kind}"
+    d = _DTYPE_LIST[dtype] if 0 <= dtype < len(_DTYPE_LIST) else f"dtype#{dtype}"
+    return f"layer {layer} stage {stage} {k} {d} {tuple(dims[:ndim])}"

@@ -10,7 +10,9 @@ graph of ``--layers`` exchanges is captured and replayed:
 - ``bare``: ``dist.batch_isend_irecv`` directly (the floor: the same bytes, nothing else);
 - ``afd``: our ops (``afd::p2p_send`` + ``afd::p2p_recv`` on the attention rank,
   ``afd::p2p_recv_group`` + ``afd::p2p_send_group`` on the FFN rank), as the split programs call them;
-- ``bare_1batch``: send and receive in one batched call (the shared LIMITS.md measurement: 12.9 us at T=32).
+- ``bare_1batch``: send and receive in one batched call (the shared LIMITS.md measurement: 12.9 us at T=32);
+- ``afd_eager`` / ``afd_eager_checked``: our ops outside a graph, with the wire check header off / on
+  (the header's comparison runs on the host, so checked mode never runs inside a graph).
 
 Prints a table (us per layer exchange, median of 5 timed replays) and writes JSON.
 """
@@ -94,7 +96,25 @@ def _measure(T: int, args: argparse.Namespace, rank: int, comm: AFDCommunicator,
     row = {"tokens": T, "bytes_each_way": T * args.hidden * 2}
     for name, fn in (("bare", bare), ("afd", afd), ("bare_1batch", one_batch)):
         row[f"{name}_us"] = _time(_graph(fn), args.layers)
+    for check in (False, True):  # outside graphs: what the wire check header costs (verify's mode)
+        comm.check_wire = check
+        row[f"afd_eager{'_checked' if check else ''}_us"] = _time_eager(afd, args.layers)
+    comm.check_wire = False
     return row
+
+
+def _time_eager(fn, layers: int, reps: int = 5) -> float:
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / layers)
+    return statistics.median(times[1:])
 
 
 def main() -> None:
@@ -116,11 +136,13 @@ def main() -> None:
     if rank == 1:
         print(f"AFD layer exchange in CUDA graphs, hidden {args.hidden} bf16, {args.layers} layers per graph, "
               f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
-        print("| tokens | bytes each way | bare send+recv (us) | afd ops (us) | afd / bare | bare 1 batch (us) |")
-        print("|---|---|---|---|---|---|")
+        print("| tokens | bytes each way | bare send+recv (us) | afd ops (us) | afd / bare | bare 1 batch (us) "
+              "| afd eager (us) | afd eager, wire checks (us) |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['tokens']} | {r['bytes_each_way']} | {r['bare_us']:.1f} | {r['afd_us']:.1f} | "
-                  f"{r['afd_us'] / r['bare_us']:.2f} | {r['bare_1batch_us']:.1f} |")
+                  f"{r['afd_us'] / r['bare_us']:.2f} | {r['bare_1batch_us']:.1f} | {r['afd_eager_us']:.1f} | "
+                  f"{r['afd_eager_checked_us']:.1f} |")
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"hidden": args.hidden, "layers": args.layers, "torch": torch.__version__, "rows": rows}, f,

@@ -36,9 +36,10 @@ def main() -> int:
     parser.add_argument("--ffn-ranks", type=int, default=1)
     parser.add_argument("--family", default="llama", choices=["llama", "qwen3_moe"])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a peer before failing")
     args = parser.parse_args()
     layout = AFDLayout(args.attention_ranks, args.ffn_ranks)
-    rank, world = init_distributed()
+    rank, world = init_distributed(timeout_s=args.timeout)
     if world != layout.world_size:
         raise SystemExit(f"layout {layout} needs {layout.world_size} processes, torchrun started {world}")
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

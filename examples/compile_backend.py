@@ -64,15 +64,18 @@ def main() -> int:
     parser.add_argument("--control", action="store_true",
                         help="also report plain torch.compile (backend='inductor', one process) against the same "
                              "uncompiled model on the same tokens: the error compiling alone introduces")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds a rank waits for a peer before failing (process group and backend timeout_s)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the backend does")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    rank, world = init_distributed()
+    rank, world = init_distributed(timeout_s=args.timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     dtype = getattr(torch, args.dtype)
     model = build_hf(args.family, num_layers=args.layers).to(device=device, dtype=dtype)
     options = {"tp": args.tp, "attn_dp": args.attn_dp, "attention": args.attention, "ffn": args.ffn,
-               "inductor": not args.no_inductor, "moe_a2a": args.moe_a2a, "dense_dp": args.dense_dp}
+               "inductor": not args.no_inductor, "moe_a2a": args.moe_a2a, "dense_dp": args.dense_dp,
+               "timeout_s": args.timeout}
     # token counts change per step (and per DP group / attention peer): dynamic shapes
     compiled = torch.compile(model, backend="afd", options=options, dynamic=True)
     if args.attention:

@@ -10,6 +10,9 @@ import torch
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
+# every transfer of every test run carries its check header (spawned ranks inherit the setting)
+os.environ.setdefault("AFD_CHECK_WIRE", "1")
+
 # name -> (family, layers, overrides); the MoE numerics model mixes MoE and dense layers.
 MODELS = {
     "llama2": ("llama", 2, {}),
