@@ -215,7 +215,11 @@ class _AtomicFolder:
         if os.path.lexists(self.target):
             if not os.path.isdir(self.target):
                 raise UsageError(f"-o {path}: exists and is not a folder")
-            if os.listdir(self.target) and not force:
+            try:
+                entries = os.listdir(self.target)
+            except OSError as e:
+                raise OutputError(f"-o {path}: cannot read the folder: {e.strerror or e}") from None
+            if entries and not force:
                 raise UsageError(f"-o {path}: the folder exists and is not empty; pass --force to replace it whole")
         self.tmp: str | None = None
 
@@ -426,6 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handlers[args.command](args)
     except _bad_input_types() as e:
         print(f"afd-compile {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:  # a file we read or write (the path and the reason, not a traceback)
+        print(f"afd-compile {args.command}: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

@@ -268,6 +268,8 @@ def test_rewrite_refuses_a_non_empty_folder_and_force_replaces_it_whole(exported
     (tmp_path / "file").write_text("x")
     assert cli.main(["rewrite", path, "-o", str(tmp_path / "file"), "-A", "1", "-F", "1"]) == 2
     assert "exists and is not a folder" in capsys.readouterr().err
+    assert cli.main(["rewrite", path, "-o", str(tmp_path / "no" / "such" / "out"), "-A", "1", "-F", "1"]) == 2
+    assert "cannot write in" in capsys.readouterr().err and sorted(os.listdir(tmp_path)) == ["file", "out"]
 
 
 def test_rewrite_failing_mid_write_leaves_the_old_folder_untouched(exported, tmp_path, capsys, monkeypatch):
