@@ -45,6 +45,7 @@ step for its attention peers (the inputs are ignored) and returns empty tensors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -59,12 +60,25 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .passes.split import _getattr, _setattr
+from .errors import AFDCompileError
+from .passes.graph_utils import get_attr_path, set_attr_path
 
 log = logging.getLogger("afd_compile.backend")
 
-#: pass versions: bump when a pass changes what it emits (part of the Inductor cache key)
-PASS_VERSION = "afd-passes-2"
+@functools.cache
+def source_id() -> str:
+    """A hash of afd-compile's own source (every module of the package): part of the Inductor
+    cache key, so a change to any pass, op or rule invalidates cached programs by itself (no
+    hand-bumped version string)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for dirpath, _, files in sorted(os.walk(root)):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(dirpath, name)
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
 
 #: counters of this process: graphs compiled per layout, calls, layouts seen
 STATS: dict[str, int] = {"graphs": 0, "layouts_compiled": 0, "calls": 0, "no_layout": 0, "cudagraphs_off": 0}
@@ -78,7 +92,7 @@ HOST_SYNC_OPS: dict[str, str] = {
 }
 
 
-class BackendOptionError(ValueError):
+class BackendOptionError(AFDCompileError):
     pass
 
 
@@ -230,7 +244,7 @@ class _Lifted(torch.nn.Module):
             path = _module_path(p.name)
             if isinstance(x, torch.Tensor) and path is not None and path not in used:
                 used.add(path)
-                _setattr(self, path, x)
+                set_attr_path(self, path, x)
                 self.slots.append(("attr", path))
             elif isinstance(x, torch.Tensor) and x.dim() == 0 and p.name.startswith("l_self_") and _only_item(p):
                 # a float module attribute (an RMSNorm eps) dynamo passes as a 0-d tensor under
@@ -263,7 +277,7 @@ class _Lifted(torch.nn.Module):
         args = []
         for kind, ref in self.slots:
             if kind == "attr":
-                args.append(_getattr(self, ref))
+                args.append(get_attr_path(self, ref))
             elif kind == "user":
                 args.append(user[ref])
             elif kind == "drop":
@@ -404,7 +418,7 @@ class PerLayout:
 
 
 def _layout_key(opts: BackendOptions, rank: int, world: int) -> str:
-    fields = (PASS_VERSION, torch.__version__, opts.mode, opts.tp, opts.attn_dp, opts.moe_a2a, opts.dense_dp,
+    fields = (source_id(), torch.__version__, opts.mode, opts.tp, opts.attn_dp, opts.moe_a2a, opts.dense_dp,
               opts.attention, opts.ffn, rank, world, opts.policy)
     return hashlib.sha256(repr(fields).encode()).hexdigest()
 
@@ -479,13 +493,13 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
     from .passes.roles import POLICIES, annotate_roles
     from .passes.tp_rewrite import shard_for_rank
+    from .runtime import dp_step_counts, tp_groups
     from .scatter import TPLayout
-    from .verify import _dp_step_counts, _tp_groups
 
     layout = TPLayout(opts.tp, opts.attn_dp, moe_a2a=opts.moe_a2a, dense_dp=opts.dense_dp)
     if layout.tp != world:
         raise BackendOptionError(f"afd backend: tp={layout.tp} must equal the world size ({world})")
-    groups = _tp_groups(world, [layout], timeout_s=opts.timeout_s)
+    groups = tp_groups(world, [layout], timeout_s=opts.timeout_s)
     register_group(GROUP_TP, groups[("tp", layout.tp)])
     register_group(GROUP_ATTN_TP, groups[("attn", layout.attn_tp_group(rank))])
     gm = ep.module()
@@ -499,7 +513,7 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
         shapes = tuple(tuple(x.shape) for x in user)
         if layout.attn_dp == 1:
             return compiled(shapes, *user)
-        counts = _dp_step_counts(user, layout, rank)  # one small all-gather per step
+        counts = dp_step_counts(user, layout, rank)  # one small all-gather per step
         slots = torch.empty(sum(counts), 0, device=device)
         return compiled((shapes, counts), *user, slots)
 

@@ -15,12 +15,13 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 
-from .layout import AFDLayout, LayoutError
+from .errors import AFDCompileError
+from .layout import AFDLayout
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
 
-class UsageError(ValueError):
+class UsageError(AFDCompileError):
     pass
 
 
@@ -288,7 +289,7 @@ def cmd_rewrite_tp(args: argparse.Namespace) -> int:
             "programs": files, "scatter_plan": prog.plan.to_json(),
             "inputs": "the original inputs (this rank's DP group's tokens)" + (
                 ", then dp_token_slots: an empty (total tokens of all DP groups, 0) tensor; before each step the "
-                "runtime sets the per-group counts (afd_compile.verify._dp_step_counts)" if layout.attn_dp > 1 else "")}
+                "runtime sets the per-group counts (afd_compile.runtime.dp_step_counts)" if layout.attn_dp > 1 else "")}
     with out as d:
         for name, ep in programs:
             torch.export.save(ep, os.path.join(d, name))
@@ -407,20 +408,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_FAIL
 
 
-def _bad_input_types() -> tuple[type[BaseException], ...]:
-    from .passes.roles import NoStructureError
-    from .passes.schedule import ScheduleError
-    from .passes.shard import ShardError
-    from .passes.split import SplitError
-    from .passes.tp_rewrite import TPRewriteError
-    from .programs import ProgramLoadError
-    from .scatter import TransitionError
-    from .verify import VerifyInputError
-
-    return (ShardError, TPRewriteError, TransitionError, UsageError, LayoutError, NoStructureError, SplitError, ScheduleError, ProgramLoadError,
-            VerifyInputError)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     args = build_parser().parse_args(argv)
@@ -428,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_mode_flags(args)
         return handlers[args.command](args)
-    except _bad_input_types() as e:
+    except AFDCompileError as e:
         print(f"afd-compile {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as e:  # a file we read or write (the path and the reason, not a traceback)

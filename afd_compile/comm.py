@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .errors import AFDCompileError
+
 
 @dataclass(frozen=True)
 class TransferMetadata:
@@ -38,7 +40,7 @@ def wire_checks_from_env() -> bool:
     return os.environ.get("AFD_CHECK_WIRE", "0") not in ("", "0")
 
 
-class WireMismatch(ValueError):
+class WireMismatch(AFDCompileError):
     """A received transfer is not what the receiver expects (layer, stage, kind, dtype, shape)."""
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import AFDCompileError
 
-class LayoutError(ValueError):
+
+class LayoutError(AFDCompileError):
     """An impossible layout (no ranks, more FFN ranks than attention ranks, ...)."""
 
 

@@ -15,10 +15,11 @@ import torch
 import torch.fx as fx
 
 from . import ops as _ops  # noqa: F401  (torch.export.load needs afd:: registered)
+from .errors import AFDCompileError
 from .passes import fuse_norm as _fuse_norm  # noqa: F401  (afd::all_reduce_add_rms_norm)
 
 
-class ProgramLoadError(ValueError):
+class ProgramLoadError(AFDCompileError):
     pass
 
 

@@ -33,8 +33,10 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .comm import AFDCommunicator, register_communicator, wire_checks_from_env
+from .errors import AFDCompileError
 from .layout import AFDLayout
 from .passes.symbolic import sym_expr
+from .scatter import TPLayout
 from .split_api import SplitConfig, split_graph_module
 
 STOP = -1
@@ -202,7 +204,7 @@ class FFNWorker:
         return counts
 
 
-class ControlError(ValueError):
+class ControlError(AFDCompileError):
     """A per-step control message an FFN rank cannot accept."""
 
 
@@ -308,6 +310,45 @@ def max_rel_err(out: Any, ref: Any) -> float:
 
 def _flat(x: Any) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+# --- tensor parallelism: process groups and per-step DP token counts --------------------------
+
+
+def tp_groups(world: int, layouts: Sequence[TPLayout], timeout_s: float | None = None) -> dict:
+    """Every process group the cases need, created in the same order on every rank; with
+    ``timeout_s`` each is a new group with that timeout (else the world group where it fits)."""
+    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    groups: dict = {}
+    for lay in layouts:
+        key = ("tp", lay.tp)
+        if key not in groups:
+            groups[key] = dist.group.WORLD if lay.tp == world and not kw else dist.new_group(list(range(lay.tp)), **kw)
+        for g in range(lay.attn_dp):
+            ranks = tuple(range(g * lay.attn_tp, (g + 1) * lay.attn_tp))
+            k = ("attn", ranks)
+            if k not in groups:
+                groups[k] = groups[key] if lay.attn_tp == lay.tp else dist.new_group(list(ranks), **kw)
+    return groups
+
+
+def dp_step_counts(x: Sequence[torch.Tensor], lay: TPLayout, rank: int) -> tuple[int, ...]:
+    """All TP ranks exchange their token counts (one small all-gather per step) and record the
+    step's per-DP-group counts for the DP collectives; returns them."""
+    from .comm import GROUP_TP, TPStep, get_group, set_tp_step
+
+    own = int(x[0].numel())  # tokens of this rank's input (batch x sequence)
+    group = get_group(GROUP_TP)
+    dev = x[0].device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(lay.tp)]
+    dist.all_gather(counts, torch.tensor([own], device=dev), group=group)
+    per_rank = [int(c) for c in counts]
+    groups = [per_rank[i * lay.attn_tp] for i in range(lay.attn_dp)]
+    for r, c in enumerate(per_rank):
+        if c != groups[lay.attn_dp_rank(r)]:
+            raise RuntimeError(f"ranks of attention DP group {lay.attn_dp_rank(r)} disagree on tokens: {per_rank}")
+    set_tp_step(TPStep(lay.attn_dp_rank(rank), tuple(groups)))
+    return tuple(groups)
 
 
 # --- local launch ------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from .errors import AFDCompileError
 from .layout import LayoutError
 
 
@@ -121,7 +122,7 @@ class Transition:
         return f"{self.collective}{r} {self.src}[{self.src_size}] -> {self.dst}[{self.dst_size}]"
 
 
-class TransitionError(ValueError):
+class TransitionError(AFDCompileError):
     pass
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .errors import AFDCompileError
 from .layout import AFDLayout
 from .passes.roles import POLICIES
 from .programs import example_inputs, load_program
@@ -31,9 +32,11 @@ from .runtime import (
     AttentionWorker,
     Comparison,
     compare,
+    dp_step_counts,
     make_worker,
     max_local_processes,
     run_local,
+    tp_groups,
 )
 from .scatter import TPLayout
 from .split_api import SplitConfig
@@ -42,7 +45,7 @@ from .split_api import SplitConfig
 DEFAULT_TIMEOUT_S = 300.0
 
 
-class VerifyInputError(ValueError):
+class VerifyInputError(AFDCompileError):
     pass
 
 
@@ -333,27 +336,6 @@ class TPCase:
     saved: str | None = None  # a directory written by ``afd-compile rewrite --tp``: run its rank<r>.pt2
 
 
-def _tp_groups(world: int, layouts: Sequence[TPLayout], timeout_s: float | None = None) -> dict:
-    """Every process group the cases need, created in the same order on every rank; with
-    ``timeout_s`` each is a new group with that timeout (else the world group where it fits)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    groups: dict = {}
-    for lay in layouts:
-        key = ("tp", lay.tp)
-        if key not in groups:
-            groups[key] = dist.group.WORLD if lay.tp == world and not kw else dist.new_group(list(range(lay.tp)), **kw)
-        for g in range(lay.attn_dp):
-            ranks = tuple(range(g * lay.attn_tp, (g + 1) * lay.attn_tp))
-            k = ("attn", ranks)
-            if k not in groups:
-                groups[k] = groups[key] if lay.attn_tp == lay.tp else dist.new_group(list(ranks), **kw)
-    return groups
-
-
 def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
     from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
     from .passes.roles import annotate_roles
@@ -398,37 +380,16 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
     return {"sharded_weights": sharded, "batches": seen, **tally.to_json()}
 
 
-def _dp_step_counts(x: Sequence[torch.Tensor], lay: TPLayout, rank: int) -> tuple[int, ...]:
-    """All TP ranks exchange their token counts (one small all-gather per step) and record the
-    step's per-DP-group counts for the DP collectives; returns them."""
-    import torch.distributed as dist
-
-    from .comm import GROUP_TP, TPStep, get_group, set_tp_step
-
-    own = int(x[0].numel())  # tokens of this rank's input (batch x sequence)
-    group = get_group(GROUP_TP)
-    dev = x[0].device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(lay.tp)]
-    dist.all_gather(counts, torch.tensor([own], device=dev), group=group)
-    per_rank = [int(c) for c in counts]
-    groups = [per_rank[i * lay.attn_tp] for i in range(lay.attn_dp)]
-    for r, c in enumerate(per_rank):
-        if c != groups[lay.attn_dp_rank(r)]:
-            raise RuntimeError(f"ranks of attention DP group {lay.attn_dp_rank(r)} disagree on tokens: {per_rank}")
-    set_tp_step(TPStep(lay.attn_dp_rank(rank), tuple(groups)))
-    return tuple(groups)
-
-
 def _dp_step(program: fx.GraphModule, x: tuple, lay: TPLayout, rank: int) -> object:
     """One DP-attention step: exchange token counts, then run with a carrier of the total."""
-    groups = _dp_step_counts(x, lay, rank)
+    groups = dp_step_counts(x, lay, rank)
     return program(*x, torch.empty(sum(groups), 0))
 
 
 def _verify_tp_cases(rank: int, world: int, cases: Sequence[TPCase]) -> list[dict | None]:
     import torch.distributed as dist
 
-    groups = _tp_groups(world, [c.layout for c in cases])
+    groups = tp_groups(world, [c.layout for c in cases])
     cache: dict = {}
     out: list[dict | None] = []
     for case in cases:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
+from ..errors import AFDCompileError
+
 META_KEY = "afd.role"
 
 aten = torch.ops.aten
@@ -57,7 +59,7 @@ class NodeRole:
         return f"{where}:{self.role.value}{'+router' if self.router else ''}"
 
 
-class NoStructureError(ValueError):
+class NoStructureError(AFDCompileError):
     """No attention/FFN structure could be found in a graph."""
 
 
@@ -195,7 +197,7 @@ def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
 # --- structural policy -------------------------------------------------------------------------
 
 
-def _ancestors(nodes: Iterable[fx.Node], stop: Callable[[fx.Node], bool] = lambda n: False,
+def ancestors(nodes: Iterable[fx.Node], stop: Callable[[fx.Node], bool] = lambda n: False,
                within: set[fx.Node] | None = None) -> set[fx.Node]:
     """``nodes`` and every node they read, transitively (not past ``stop``; only inside ``within``)."""
     seen: set[fx.Node] = set()
@@ -209,7 +211,7 @@ def _ancestors(nodes: Iterable[fx.Node], stop: Callable[[fx.Node], bool] = lambd
     return seen
 
 
-def _descendants(node: fx.Node, within: set[fx.Node] | None = None) -> set[fx.Node]:
+def descendants(node: fx.Node, within: set[fx.Node] | None = None) -> set[fx.Node]:
     """``node`` and every node reached through its users (only through ``within`` when given)."""
     seen: set[fx.Node] = set()
     stack = [node]
@@ -250,8 +252,8 @@ def structural_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
     roles = {n: NodeRole(None, Role.ATTENTION) for n in nodes}
     prev_end = -1
     for li, anchor in enumerate(anchors):
-        before = _ancestors([anchor])
-        after = _descendants(anchor)
+        before = ancestors([anchor])
+        after = descendants(anchor)
         h1 = next(
             (
                 n
@@ -267,7 +269,7 @@ def structural_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
         if h1 is None:
             raise NoStructureError(f"attention op {anchor.name} has no residual add after it")
         chain = _cast_chain(h1)
-        below = _descendants(h1)
+        below = descendants(h1)
         h2 = mlp_out = None
         for n in nodes[pos[h1] + 1 :]:
             if n.op != "call_function" or n.target not in ADD_OPS or len(n.all_input_nodes) != 2:
@@ -275,7 +277,7 @@ def structural_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
             a, b = n.all_input_nodes
             for res, other in ((a, b), (b, a)):
                 if res in chain and other in below and other not in chain:
-                    anc = _ancestors([other]) & below
+                    anc = ancestors([other]) & below
                     if any(x.op == "call_function" and x.target in LINEAR_OPS for x in anc):
                         h2, mlp_out = n, other
                         break
@@ -283,7 +285,7 @@ def structural_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
                 break
         if h2 is None or mlp_out is None:
             raise NoStructureError(f"layer {li} (attention {anchor.name}): no MLP residual add after {h1.name}")
-        region = sorted(_ancestors([mlp_out]) & below, key=pos.__getitem__)
+        region = sorted(ancestors([mlp_out]) & below, key=pos.__getitem__)
         first_linear = next(
             (i for i, n in enumerate(region) if n.op == "call_function" and n.target in LINEAR_OPS), None
         )
@@ -300,8 +302,8 @@ def structural_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
             raise NoStructureError(f"layer {li}: cannot find the FFN input between {h1.name} and {h2.name}")
         ffn = set(region[rpos[cut] + 1 :])
         # constants computed inside the MLP (no data from h1) go with the nodes that use them
-        from_cut = _descendants(cut)
-        upstream = [n for n in _ancestors([mlp_out]) if n not in from_cut and n.op == "call_function"]
+        from_cut = descendants(cut)
+        upstream = [n for n in ancestors([mlp_out]) if n not in from_cut and n.op == "call_function"]
         changed = True
         while changed:
             changed = False
@@ -337,7 +339,7 @@ POLICIES: dict[str, RolePolicy] = {
 # --- the mechanism -----------------------------------------------------------------------------
 
 
-def _find_router(ffn_nodes: list[fx.Node]) -> fx.Node | None:
+def find_router(ffn_nodes: list[fx.Node]) -> fx.Node | None:
     """The router (gate) linear: a linear op in the region whose output reaches a softmax /
     sigmoid / topk through pass-through ops only."""
     members = set(ffn_nodes)
@@ -372,7 +374,7 @@ class RoleSummary:
         )
 
 
-def _mutates_first_arg(n: fx.Node) -> bool:
+def mutates_first_arg(n: fx.Node) -> bool:
     if not isinstance(n.target, torch._ops.OpOverload):
         return False
     args = n.target._schema.arguments
@@ -415,15 +417,15 @@ def annotate_roles(
         # a metadata assertion belongs with the tensor it checks, and an in-place op nobody reads
         # (transformers 5.17's MoE: ``expert_ids.clamp_(...)``) with the tensor it mutates
         if isinstance(n.args[0] if n.args else None, fx.Node) and (
-                n.target == aten._assert_tensor_metadata.default or (not n.users and _mutates_first_arg(n))):
+                n.target == aten._assert_tensor_metadata.default or (not n.users and mutates_first_arg(n))):
             roles[n] = roles[n.args[0]]
     routers: list[str | None] = []
     for layer in layers:
         ffn_nodes = [n for n in by_layer.get(layer, []) if roles[n] == NodeRole(layer, Role.FFN)]
-        router = _find_router(ffn_nodes)
+        router = find_router(ffn_nodes)
         routers.append(router.name if router else None)
         if compute_gate_on_attention and router is not None:
-            moved = _ancestors([router]) & set(ffn_nodes)
+            moved = ancestors([router]) & set(ffn_nodes)
             for n in moved:
                 roles[n] = replace(roles[n], role=Role.ATTENTION, router=(n is router))
     for node in gm.graph.nodes:

@@ -31,17 +31,19 @@ import torch
 import torch.fx as fx
 
 from ..comm import GROUP_ATTN_TP, GROUP_TP
+from ..errors import AFDCompileError, TPRewriteError
 from ..scatter import ScatterMode, TPLayout
+from .anatomy import rebind_token_sizes, residual_add_after_attention
 from .dist_states import TPPlan
+from .graph_utils import Builder, get_attr_path, shape_args, symbol_sources
 from .roles import META_KEY as ROLE_KEY
-from .roles import Role, _ancestors, _descendants, _mutates_first_arg
+from .roles import Role, ancestors, descendants, mutates_first_arg
 from .shard import ShardedWeight, ShardError, ShardPlan, apply_shards
-from .split import _Builder, _getattr, _shape_args, _symbol_sources
 
 aten = torch.ops.aten
 
 
-class ScatteredRewriteError(ValueError):
+class ScatteredRewriteError(AFDCompileError):
     pass
 
 
@@ -56,7 +58,6 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
     """Rewrite every layer the plan makes SCATTERED (and every layer whose input is SCATTERED).
     Returns the layers whose attention partial sum this pass settled (the caller must not
     all-reduce them again)."""
-    from .tp_rewrite import TPRewriteError, _residual_add_after_attention
 
     k, i = layout.attn_tp, layout.attn_tp_rank(rank)
     graph = new.graph
@@ -64,7 +65,7 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
     modes = {m.index: m for m, _ in plan.layers}
     if k == 1:
         return set()
-    sources = _symbol_sources(graph)
+    sources = symbol_sources(graph)
     settled: set[int] = set()
     token_nodes: tuple[fx.Node, object] | None = None  # (T, own), computed once before layer 0
     prev_out: fx.Node | None = None  # the previous layer's SCATTERED output
@@ -77,9 +78,9 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
         member_set = set(members)
         ffn = [n for n in members if n.meta[ROLE_KEY].role is Role.FFN]
         ffn_set = set(ffn)
-        b = _Builder(graph, fake_mode, layer)
-        h1, row, x_res = _residual_add_after_attention(members, ffn[0], where)
-        x = x_res if x_res is not None else next(a for a in h1.all_input_nodes if a not in _descendants(row, member_set))
+        b = Builder(graph, fake_mode, layer)
+        h1, row, x_res = residual_add_after_attention(members, ffn[0], where)
+        x = x_res if x_res is not None else next(a for a in h1.all_input_nodes if a not in descendants(row, member_set))
         hidden = int(row.meta["val"].shape[-1])
         full_shape = tuple(row.meta["val"].shape)
         if token_nodes is None:
@@ -98,14 +99,14 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
             with graph.inserting_before(min(users, key=lambda u: members.index(u))):
                 g = b.call(torch.ops.afd.all_gather_group_tokens.default, (x, GROUP_ATTN_TP, total, own),
                            "sc_gather_attn")
-                xf = b.call(aten.view.default, (g, _shape_args(b, full_shape, sources)), "sc_attn_input")
+                xf = b.call(aten.view.default, (g, shape_args(b, full_shape, sources)), "sc_attn_input")
             for u in users:
                 u.replace_input_with(x, xf)
         if m.mlp is not ScatterMode.SCATTERED:
             continue
         ffn_in_nodes = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"
                         and isinstance(a.meta.get("val"), torch.Tensor)]
-        if any(a is x or a not in _descendants(h1, member_set) | {h1} for a in ffn_in_nodes):
+        if any(a is x or a not in descendants(h1, member_set) | {h1} for a in ffn_in_nodes):
             raise TPRewriteError(f"{where}: the MLP does not read the residual sum after attention ({h1.name}) (a "
                                  "parallel-residual block): a SCATTERED MLP with attn_tp > 1 is not supported there")
         # prepare_mlp: settle o_proj's partial sum by a reduce-scatter into this rank's rows
@@ -125,9 +126,8 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
         sizes = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"
                  and not isinstance(a.meta.get("val"), torch.Tensor)]
         if sizes:
-            from .tp_rewrite import _rebind_token_sizes
 
-            _rebind_token_sizes(b, ffn, list(dict.fromkeys(sizes)), ffn_in_nodes[0], own, where)
+            rebind_token_sizes(b, ffn, list(dict.fromkeys(sizes)), ffn_in_nodes[0], own, where)
         out = next(n for n in reversed(ffn) if any(u not in ffn_set for u in n.users))
         outside = [u for u in out.users if u not in ffn_set]
         with graph.inserting_before(min(outside, key=lambda u: members.index(u) if u in member_set else 1 << 30)):
@@ -142,7 +142,7 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
             with graph.inserting_before(h2.next):
                 g = b.call(torch.ops.afd.all_gather_group_tokens.default, (h2, GROUP_ATTN_TP, total, own),
                            "sc_gather_out")
-                back = b.call(aten.view.default, (g, _shape_args(b, full_shape, sources)), "sc_layer_out")
+                back = b.call(aten.view.default, (g, shape_args(b, full_shape, sources)), "sc_layer_out")
             for u in after:
                 u.replace_input_with(h2, back)
         prev_out = h2
@@ -155,7 +155,6 @@ _CASTS = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.alias.d
 def _check_from(x: fx.Node, prev: fx.Node | None, where: str) -> None:
     """The layer's residual input ``x`` must be the previous layer's SCATTERED output, directly or
     through casts (transformers' fp32 residual), so it holds the same rows."""
-    from .tp_rewrite import TPRewriteError
 
     n = x
     while n is not prev and n.target in _CASTS and isinstance(n.args[0], fx.Node):
@@ -176,7 +175,6 @@ def _layers(gm: fx.GraphModule) -> dict[int, list[fx.Node]]:
 
 def _layer_output(members: list[fx.Node], shape: tuple, where: str) -> fx.Node:
     """The residual stream leaving the layer: the one hidden-sized tensor read after it."""
-    from .tp_rewrite import TPRewriteError
 
     layer = members[0].meta[ROLE_KEY].layer
 
@@ -231,7 +229,7 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
     # the expert choice is the last top-k; earlier ones (DeepSeek's group-limited routing picks
     # groups first) must only feed it
     topk = topks[-1] if topks else None
-    if topk is None or not set(topks[:-1]) <= _ancestors([topk], within=ffn_set):
+    if topk is None or not set(topks[:-1]) <= ancestors([topk], within=ffn_set):
         raise ScatteredRewriteError(f"{where}: expert parallelism needs one final top-k routing op in the MoE, "
                                     f"found {[n.name for n in topks]}")
     ids = next((u for u in topk.users if u.target == operator.getitem and u.args[1] == 1), None)
@@ -239,7 +237,7 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
     if ids is None:
         raise ScatteredRewriteError(f"{where}: {topk.name}'s expert indices are never read")
     n_tok = ids.meta["val"].shape[0]
-    down = _descendants(ids, ffn_set)
+    down = descendants(ids, ffn_set)
     order = {n: j for j, n in enumerate(graph.nodes)}
     out = next(n for n in reversed(ffn) if any(u not in ffn_set for u in n.users))
     hidden = out.meta["val"].shape[-1]
@@ -252,7 +250,7 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
     if end is None:
         raise ScatteredRewriteError(f"{where}: no per-token (tokens, hidden) tensor after the experts: cannot find "
                                     "where the expert outputs are combined")
-    region = ((_ancestors([end], within=down) | {end}) & down) - {ids}
+    region = ((ancestors([end], within=down) | {end}) & down) - {ids}
     while True:  # weight-only inputs (a transposed expert weight) are recomputed from the sliced weights
         inputs = list(dict.fromkeys(a for n in sorted(region, key=order.__getitem__) for a in n.all_input_nodes
                                     if a not in region and a is not ids))  # graph order: same on every rank
@@ -260,7 +258,7 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
                  and _weights_only(a)}
         # an in-place op on a region tensor (transformers 5.17 clamps the sorted ids in place)
         extra |= {u for n in region for u in n.users if u not in region and not u.users
-                  and _mutates_first_arg(u) and u.args[0] in region}
+                  and mutates_first_arg(u) and u.args[0] in region}
         if not extra:
             break
         region |= extra
@@ -272,7 +270,7 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
         raise ScatteredRewriteError(f"{where}: the experts read {[f'{a.name} ({a.target})' for a in odd]} for "
                                     f"{[u.name for a in odd for u in a.users if u in region]}, neither tensors nor sizes")
     tensors = [a for a in inputs if a not in params and a not in sizes]
-    from_vals = _descendants(vals, ffn_set) if vals is not None else set()
+    from_vals = descendants(vals, ffn_set) if vals is not None else set()
     payload_shapes = []
     for t in tensors:
         _check_token_major(t, n_tok, where)
@@ -289,14 +287,14 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
     local = num_experts // parts
     weights = []
     for p in params:
-        shape = tuple(_getattr(new, p.target).shape)
+        shape = tuple(get_attr_path(new, p.target).shape)
         if shape and shape[0] == num_experts:
             weights.append(ShardedWeight(str(p.target), 0, parts, "mlp", "expert"))
     apply_shards(new, ShardPlan(tuple(weights), (), ()), {"mlp": rank})
     for p in params:  # the copies below are shape-propagated with the sliced weights
         if fake_mode is not None and "val" in p.meta:
-            p.meta["val"] = fake_mode.from_tensor(_getattr(new, p.target), static_shapes=True)
-    b = _Builder(graph, fake_mode, layer)
+            p.meta["val"] = fake_mode.from_tensor(get_attr_path(new, p.target), static_shapes=True)
+    b = Builder(graph, fake_mode, layer)
     anchor = max([*tensors, ids], key=order.__getitem__)
     role = end.meta[ROLE_KEY]
     made: list[fx.Node] = []
@@ -405,7 +403,7 @@ def _check_token_major(t: fx.Node, n_tok: object, where: str) -> None:
 
 
 def _num_experts(gm: fx.GraphModule, params: list[fx.Node], region: list[fx.Node], where: str) -> int:
-    counts = {int(_getattr(gm, p.target).shape[0]) for p in params if _getattr(gm, p.target).dim() == 3}
+    counts = {int(get_attr_path(gm, p.target).shape[0]) for p in params if get_attr_path(gm, p.target).dim() == 3}
     if len(counts) != 1:
         raise ScatteredRewriteError(f"{where}: expert parallelism needs 3-D expert weights [experts, ...] read by "
                                     f"the experts; found {[str(p.target) for p in params]}")

@@ -14,11 +14,12 @@ import torch
 import torch.fx as fx
 
 from .. import ops as afd_ops  # noqa: F401
+from ..errors import AFDCompileError
 
 afd = torch.ops.afd
 
 
-class ScheduleError(ValueError):
+class ScheduleError(AFDCompileError):
     pass
 
 

@@ -39,15 +39,16 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..errors import AFDCompileError
+from .graph_utils import get_attr_path
 from .roles import LINEAR_OPS, MATMUL_OPS, SDPA_OPS, Role, is_attention_op, role_of
-from .split import _getattr
 from .symbolic import sym_expr
 
 aten = torch.ops.aten
 META_KEY = "afd.shard"
 
 
-class ShardError(ValueError):
+class ShardError(AFDCompileError):
     """A layout that does not divide a dimension, or a graph the sharding rules cannot follow."""
 
 
@@ -531,7 +532,7 @@ def _split_attrs(gm: fx.GraphModule, n: fx.Node, src: fx.Node, t: _Track) -> Non
     for a in n.all_input_nodes:
         if a.op != "get_attr" or a in t.dim:
             continue
-        shape = tuple(_getattr(gm, a.target).shape)
+        shape = tuple(get_attr_path(gm, a.target).shape)
         ad = d - (_ndim(n) - len(shape))
         if ad >= 0 and shape[ad] != 1:
             t.dim[a], t.factor[a], t.origin[a] = ad, t.factor[src], t.origin.get(src)
@@ -716,7 +717,7 @@ def _column_row_pairs(projs: list[fx.Node], region: set[fx.Node],
     """Group an MLP's projections into (column-parallel inputs, row-parallel output) pairs: a row
     reads a value computed from other projections, its columns are those projections. Others
     (a shared expert's gate: a linear to one sigmoid) stay replicated."""
-    from .roles import _ancestors
+    from .roles import ancestors
 
     pset = set(projs)
 
@@ -724,7 +725,7 @@ def _column_row_pairs(projs: list[fx.Node], region: set[fx.Node],
         return n.args[0] if is_grouped_mm(n) else _projection(n).x
 
     def up(n: fx.Node) -> set[fx.Node]:  # ancestors inside the MLP region (a walk linear in its size)
-        return _ancestors([act(n)], within=region)
+        return ancestors([act(n)], within=region)
 
     rows = [n for n in projs if up(n) & pset]
     pairs = []
@@ -743,10 +744,10 @@ def _check_linear_path(rows: list[fx.Node], out: fx.Node, region: set[fx.Node], 
     """Everything between the row-parallel outputs and the block output must be linear in them
     (partial sums may be scaled, indexed, reshaped, summed, added to each other), so settling
     the sum once at the block output equals settling each at its row."""
-    from .roles import _ancestors, _descendants
+    from .roles import ancestors, descendants
 
-    up = _ancestors([out], within=region) | {out}
-    path = {n for r in rows for n in _descendants(r, region) & up} - set(rows)
+    up = ancestors([out], within=region) | {out}
+    path = {n for r in rows for n in descendants(r, region) & up} - set(rows)
     partial = path | set(rows)
     for n in path:
         if n.target in IGNORED:
@@ -770,7 +771,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
                 replicated_mlp: frozenset[int] = frozenset()) -> ShardPlan:
     """Find the linears of every layer and follow their splits. Needs ``afd.role``. The MLPs of
     the ``replicated_mlp`` layers keep their full weights (a data-parallel MLP)."""
-    from .roles import _ancestors, _descendants, _find_router
+    from .roles import ancestors, descendants, find_router
 
     weights: list[ShardedWeight] = []
     fixes: list[ArgFix] = []
@@ -792,13 +793,13 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
                and not role_of(n).router]
         anchor = _attention_output(attn)  # explicit attention: v enters at the matmul after the softmax
         layer_nodes = set(members)  # walks stay inside the layer: linear in the graph, not quadratic
-        before = _ancestors([anchor], within=layer_nodes)
-        after = _descendants(anchor, layer_nodes)
-        cols = [n for n in lin if n in before and _reads_weight(n)]  # not e.g. the rotary inv_freq matmul
+        before = ancestors([anchor], within=layer_nodes)
+        after = descendants(anchor, layer_nodes)
+        cols = [n for n in lin if n in before and reads_weight(n)]  # not e.g. the rotary inv_freq matmul
         # only the projections that feed attention directly: a low-rank down projection before
         # another one (DeepSeek's MLA q_a_proj / kv_a_proj) stays replicated
-        cols = [c for c in cols if not ((_descendants(c, before) - {c}) & set(cols))]
-        rows = [n for n in lin if n in after and _reads_weight(n)]
+        cols = [c for c in cols if not ((descendants(c, before) - {c}) & set(cols))]
+        rows = [n for n in lin if n in after and reads_weight(n)]
         if not cols or len(rows) != 1:
             raise ShardError(f"{where}: expected q/k/v projections before {attn.name} and one output projection after "
                              f"it, found {[n.name for n in cols]} / {[n.name for n in rows]}")
@@ -813,7 +814,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
             split_means.extend((m.name, "attn", layer, attn_parts) for m in means)
         ffn_set = set(ffn)
         out = next(n for n in reversed(ffn) if any(u not in ffn_set for u in n.users))
-        router = _find_router(ffn)
+        router = find_router(ffn)
         projs = [n for n in ffn if (n.target in LINEAR_OPS or is_grouped_mm(n)) and n is not router
                  and not role_of(n).router]
         pairs = _column_row_pairs(projs, ffn_set, where)
@@ -831,7 +832,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
     return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out), tuple(split_means))
 
 
-def _reads_weight(n: fx.Node) -> bool:
+def reads_weight(n: fx.Node) -> bool:
     """A projection: one operand is a 2-D graph attribute (directly or transposed)."""
     for a in n.args[:3]:
         while isinstance(a, fx.Node) and a.target in (aten.t.default, aten.numpy_T.default, aten.transpose.int,
@@ -884,10 +885,10 @@ def _projection_weight(gm: fx.GraphModule, proj: fx.Node, column: bool) -> tuple
     """(target, dim, size) of the weight dim a column (out features) / row (in features) split cuts."""
     if is_grouped_mm(proj):
         w, dim = _expert_weight(proj, 2 if column else 1)
-        return str(w.target), dim, int(_getattr(gm, w.target).shape[dim])
+        return str(w.target), dim, int(get_attr_path(gm, w.target).shape[dim])
     p = _projection(proj)
     dim = p.out_dim if column else 1 - p.out_dim
-    return str(p.weight.target), dim, int(_getattr(gm, p.weight.target).shape[dim])
+    return str(p.weight.target), dim, int(get_attr_path(gm, p.weight.target).shape[dim])
 
 
 def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int, group: str,
@@ -966,7 +967,7 @@ def apply_shards(gm: fx.GraphModule, plan: ShardPlan, rank_of_group: dict[str, i
     divide the head counts and fused-projection bounds the plan found. A row-parallel bias stays
     on group rank 0 only."""
     for w in plan.weights:
-        t = _getattr(gm, w.target)
+        t = get_attr_path(gm, w.target)
         new = shard_tensor(t, w, rank_of_group[w.group])
         *path, leaf = w.target.split(".")
         mod: object = gm

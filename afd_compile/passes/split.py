@@ -26,7 +26,6 @@ token count, so one program serves every token layout)::
 
 from __future__ import annotations
 
-import copy
 import math
 import operator
 from dataclasses import dataclass, field
@@ -36,15 +35,21 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from .. import ops as afd_ops  # noqa: F401  (registers torch.ops.afd)
+from ..errors import SplitError
 from ..wire import WireSpec, WireTensor
-from .roles import META_KEY, NodeRole, Role, role_of
-from .symbolic import TokenBinding, emit_expr, emit_with, sym_expr
+from .graph_utils import (
+    Builder,
+    copy_graph_module,
+    del_attr_path,
+    get_attr_path,
+    set_attr_path,
+    shape_args,
+    symbol_sources,
+)
+from .roles import NodeRole, Role, role_of
+from .symbolic import TokenBinding, emit_expr, sym_expr
 
 aten = torch.ops.aten
-
-
-class SplitError(ValueError):
-    """The graph cannot be cut as asked; the message names the layer and node."""
 
 
 @dataclass(frozen=True)
@@ -227,79 +232,14 @@ def sympy_prod(dims: list[object]) -> object:
 # --- building the programs ---------------------------------------------------------------------
 
 
-class _Builder:
-    """Inserts nodes and gives each a ``meta['val']`` computed under the graph's fake mode."""
-
-    def __init__(self, graph: fx.Graph, fake_mode: object, layer: int | None) -> None:
-        self.graph, self.mode, self.layer = graph, fake_mode, layer
-
-    def call(self, target: object, args: tuple, name: str | None = None) -> fx.Node:
-        node = self.graph.call_function(target, args)
-        if name:
-            node._rename(name)
-        node.meta[META_KEY] = NodeRole(self.layer, Role.ATTENTION)
-        if self.mode is not None:
-            fargs = fx.node.map_arg(args, lambda n: n.meta.get("val"))
-            if isinstance(target, torch._ops.OpOverload):
-                with self.mode:
-                    node.meta["val"] = target(*fargs)
-            else:  # SymInt arithmetic
-                node.meta["val"] = target(*fargs)
-        return node
-
-
-def _shape_args(b: _Builder, shape: tuple, sources: dict) -> list:
-    """``shape`` as graph values: ints for static dims; symbolic dims computed from sym_size
-    nodes on the graph's inputs (``sources``: symbol -> (placeholder, dim))."""
-    out: list = []
-    for size in shape:
-        e = sym_expr(size)
-        if e.is_Integer:
-            out.append(int(e))
-            continue
-        symbols = {}
-        for s in e.free_symbols:
-            if s not in sources:
-                raise SplitError(f"size {e}: symbol {s} is not a dimension of any graph input")
-            ph, d = sources[s]
-            symbols[s] = b.call(aten.sym_size.int, (ph, d))
-        out.append(emit_with(b.call, e, symbols))
-    return out
-
-
-def _symbol_sources(graph: fx.Graph) -> dict:
-    out: dict = {}
-    for n in graph.nodes:
-        val = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(val, torch.Tensor):
-            for d, size in enumerate(val.shape):
-                e = sym_expr(size)
-                if e.is_Symbol and e not in out:
-                    out[e] = (n, d)
-    return out
-
-
-def _copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(gm.graph, env)
-    graph.output(out)
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    new = fx.GraphModule(gm, graph)
-    for k in ("_in_spec", "_out_spec"):
-        if hasattr(gm, k):
-            setattr(new, k, getattr(gm, k))
-    return new, env
-
-
 def build_attention_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
     """The original graph with every FFN region replaced by send -> recv; FFN weights dropped."""
-    new, env = _copy_graph_module(gm)
+    new, env = copy_graph_module(gm)
     by_name = {n.name: n for n in new.graph.nodes}
     fake_mode = detect_fake_mode([n.meta.get("val") for n in new.graph.nodes if "val" in n.meta])
-    sources = _symbol_sources(new.graph)
+    sources = symbol_sources(new.graph)
     for cut in plan.cuts:
-        b = _Builder(new.graph, fake_mode, cut.layer)
+        b = Builder(new.graph, fake_mode, cut.layer)
         h, out = by_name[cut.hidden], by_name[cut.output]
         hval = h.meta["val"]
         with new.graph.inserting_before(out):
@@ -318,7 +258,7 @@ def build_attention_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModu
             recv = b.call(torch.ops.afd.p2p_recv.default,
                           (send, plan.comm_id, cut.layer, plan.stage, n_tok, str(cut.wire_out)), "afd_recv")
             got = b.call(operator.getitem, (recv, 0))
-            shaped = b.call(aten.view.default, (got, _shape_args(b, tuple(out.meta["val"].shape), sources)),
+            shaped = b.call(aten.view.default, (got, shape_args(b, tuple(out.meta["val"].shape), sources)),
                             "afd_ffn_out")
         out.replace_all_uses_with(shaped)
         doomed = [by_name[name] for name in cut.ffn_nodes]
@@ -342,35 +282,7 @@ def _drop_unused_attrs(gm: fx.GraphModule) -> None:
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     for name, _ in list(gm.named_parameters()) + list(gm.named_buffers()):
         if name not in used:
-            _delattr(gm, name)
-
-
-def _delattr(root: torch.nn.Module, dotted: str) -> None:
-    *path, leaf = dotted.split(".")
-    mod = root
-    for p in path:
-        mod = getattr(mod, p)
-    delattr(mod, leaf)
-
-
-def _setattr(root: torch.nn.Module, dotted: str, value: torch.Tensor) -> None:
-    *path, leaf = dotted.split(".")
-    mod = root
-    for p in path:
-        if not hasattr(mod, p):
-            mod.add_module(p, torch.nn.Module())
-        mod = getattr(mod, p)
-    if isinstance(value, torch.nn.Parameter):
-        mod.register_parameter(leaf, value)
-    else:
-        mod.register_buffer(leaf, value)
-
-
-def _getattr(root: torch.nn.Module, dotted: str) -> torch.Tensor:
-    obj: object = root
-    for p in dotted.split("."):
-        obj = getattr(obj, p)
-    return obj  # type: ignore[return-value]
+            del_attr_path(gm, name)
 
 
 def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
@@ -422,7 +334,7 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
                 return _env[a]
             if a.op == "get_attr":
                 if a.target not in copied:
-                    _setattr(root, a.target, _getattr(gm, a.target))
+                    set_attr_path(root, a.target, get_attr_path(gm, a.target))
                     copied.add(a.target)
                 _env[a] = graph.get_attr(a.target)
                 return _env[a]

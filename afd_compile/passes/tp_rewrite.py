@@ -27,16 +27,14 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from ..comm import GROUP_ATTN_TP, GROUP_TP
+from ..errors import TPRewriteError
 from ..scatter import Collective, ScatterMode, TPLayout
+from .anatomy import attention_row, is_identity, rebind_token_sizes, residual_add_after_attention
 from .dist_states import TPPlan, annotate_dist_states, plan_tp
+from .graph_utils import copy_graph_module
 from .roles import META_KEY as ROLE_KEY
 from .scattered import ScatteredRewriteError, expert_parallel, rewrite_scattered_layers
 from .shard import ShardPlan, apply_shards, plan_shards
-from .split import _copy_graph_module
-
-
-class TPRewriteError(ValueError):
-    pass
 
 
 @dataclass
@@ -74,7 +72,7 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
     _check_supported(plan)
     scattered = frozenset(m.index for m, _ in plan.layers if m.mlp is ScatterMode.SCATTERED)
     shards = plan_shards(gm, attn_parts=layout.attn_tp, mlp_parts=layout.tp, replicated_mlp=scattered)
-    new, _ = _copy_graph_module(gm)
+    new, _ = copy_graph_module(gm)
     apply_shards(new, shards, {"attn": layout.attn_tp_rank(rank), "mlp": rank})
     fake_mode = detect_fake_mode([n.meta.get("val") for n in new.graph.nodes if "val" in n.meta])
     by_name = {n.name: n for n in new.graph.nodes}
@@ -100,7 +98,7 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
         if layer in settled:  # o_proj's partial sum went into a reduce-scatter (SCATTERED MLP)
             continue
         row = by_name[node_name]
-        while len(row.users) == 1 and _is_identity(next(iter(row.users))):  # keep all-reduce + add adjacent
+        while len(row.users) == 1 and is_identity(next(iter(row.users))):  # keep all-reduce + add adjacent
             row = next(iter(row.users))
         with new.graph.inserting_after(row):
             ar = new.graph.call_function(torch.ops.afd.all_reduce.default,
@@ -166,9 +164,9 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
     groups' tokens), so every size stays a graph value.
     """
     from ..comm import GROUP_TP
+    from .graph_utils import Builder, shape_args, symbol_sources
     from .roles import META_KEY as RKEY
-    from .roles import Role, _ancestors, _descendants
-    from .split import _Builder, _shape_args, _symbol_sources
+    from .roles import Role, ancestors, descendants
 
     graph = new.graph
     graph._codegen = fx.graph.CodeGen()  # flat positional inputs: the model's, then dp_token_slots
@@ -186,10 +184,10 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
         slots.meta["val"] = fake_mode.from_tensor(torch.empty(8, 0), source=ConstantSource("dp_token_slots"),
                                                   symbolic_context=StatelessSymbolicContext(
             dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
-    b0 = _Builder(graph, fake_mode, None)
+    b0 = Builder(graph, fake_mode, None)
     with graph.inserting_after(slots):
         total = b0.call(aten_sym_size, (slots, 0), "dp_total_tokens")
-    sources = _symbol_sources(graph)
+    sources = symbol_sources(graph)
     nodes = list(graph.nodes)
     by_layer: dict[int, list[fx.Node]] = {}
     for n in nodes:
@@ -212,9 +210,9 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
                                  f"{[a.name for a in tensors]}")
         ffn_in = tensors[0]
         hidden = int(ffn_in.meta["val"].shape[-1])
-        b = _Builder(graph, fake_mode, layer)
+        b = Builder(graph, fake_mode, layer)
         if sizes:  # an MoE block sizes its buffers from the token count: now all groups' tokens
-            _rebind_token_sizes(b, ffn, sizes, ffn_in, total, where)
+            rebind_token_sizes(b, ffn, sizes, ffn_in, total, where)
         if layout.attn_tp == 1:
             with graph.inserting_before(ffn[0]):
                 flat = b.call(aten_view, (ffn_in, [-1, hidden]), "dp_flat")
@@ -225,14 +223,14 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
         elif _parallel_residual(members, ffn_in, ffn[0]):
             gathered = _parallel_residual_gather(b, graph, members, ffn, ffn_in, root, hidden, total, where)
         else:
-            h1, row_out, x_res = _residual_add_after_attention(members, ffn[0], where)
+            h1, row_out, x_res = residual_add_after_attention(members, ffn[0], where)
             layer_nodes = set(members)
-            if ffn_in is not h1 and ffn_in not in _descendants(h1, layer_nodes):
+            if ffn_in is not h1 and ffn_in not in descendants(h1, layer_nodes):
                 raise TPRewriteError(
                     f"{where}: DP attention with attn_tp > 1 needs the MLP to read the residual sum after "
                     f"attention ({h1.name}) or not depend on attention at all (parallel residual); its input "
                     f"{ffn_in.name} depends on attention some other way")
-            between = _descendants(h1, layer_nodes) & _ancestors([ffn_in], within=layer_nodes)
+            between = descendants(h1, layer_nodes) & ancestors([ffn_in], within=layer_nodes)
             norm_nodes = sorted(between - {h1}, key=members.index)
             if x_res is None:  # post-norm: settle o's partial sum in the group before the norm
                 gathered = _post_norm_gather(b, graph, row_out, h1, root, hidden, total)
@@ -245,7 +243,7 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
                                       "dp_gather")
                     own = b.call(aten_sym_size, (flat, 0), "dp_own_tokens")
                     local = b.call(torch.ops.afd.scatter_tokens.default, (gathered, total, own), "dp_scatter")
-                    h1_local = b.call(aten_view, (local, _shape_args(b, tuple(h1.meta["val"].shape), sources)),
+                    h1_local = b.call(aten_view, (local, shape_args(b, tuple(h1.meta["val"].shape), sources)),
                                       "dp_middle_residual")
             env: dict[fx.Node, fx.Node] = {h1: gathered}
             with graph.inserting_before(ffn[0]):
@@ -266,37 +264,10 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
             out2d = b.call(aten_view, (out, [-1, hidden]))  # the MLP ran on (tokens, hidden) rows
             out2d.meta["val"] = gathered.meta.get("val")
             rs = b.call(torch.ops.afd.reduce_scatter_tokens.default, (out2d, GROUP_TP, total, ref), "dp_reduce_scatter")
-            back = b.call(aten_view, (rs, _shape_args(b, tuple(out.meta["val"].shape), sources)), "dp_layer_out")
+            back = b.call(aten_view, (rs, shape_args(b, tuple(out.meta["val"].shape), sources)), "dp_layer_out")
         for u in users:
             u.replace_input_with(out, back)
     graph.eliminate_dead_code()  # the original norm nodes the gathered copy replaced
-
-
-def _rebind_token_sizes(b: object, ffn: list[fx.Node], sizes: list[fx.Node], ffn_in: fx.Node,
-                        total: fx.Node, where: str) -> None:
-    """The MLP runs on the gathered tokens: re-express the sizes it reads (computed from this
-    group's batch and sequence symbols) in the gathered count ``total``, binding the token
-    symbols as the AFD FFN program does (all but one to 1, the last to ``total // c``)."""
-    import operator
-
-    from .symbolic import TokenBinding, emit_with, sym_expr
-
-    try:
-        binding = TokenBinding.for_token_dims(list(ffn_in.meta["val"].shape[:-1]), where)
-    except ValueError as e:
-        raise TPRewriteError(str(e)) from None
-    graph = ffn[0].graph
-    with graph.inserting_before(ffn[0]):
-        sigma = total if binding.coeff == 1 else b.call(operator.floordiv, (total, binding.coeff))
-        for sz in sizes:
-            val = sz.meta.get("val")
-            expr = binding.substitute(sym_expr(val)) if isinstance(val, (int, torch.SymInt)) else None
-            if expr is None or not binding.known(expr):
-                raise TPRewriteError(f"{where}: the MLP reads {sz.name} ({val}), which is not a function of the "
-                                     "token count")
-            new = emit_with(b.call, expr, {binding.sigma: sigma} if binding.sigma is not None else {})
-            for u in ffn:
-                u.replace_input_with(sz, new)
 
 
 def drop_export_guards(gm: fx.GraphModule) -> None:
@@ -317,58 +288,13 @@ def _flat_rows(b: object, node: fx.Node, hidden: int) -> fx.Node:
     return b.call(aten_sym_size, (flat, 0))
 
 
-def _attention_row(members: list[fx.Node], where: str, first_ffn: fx.Node | None = None) -> fx.Node:
-    """The attention output projection (the first weight-reading linear after the attention op,
-    before ``first_ffn`` if given), followed through ops its partial sum passes unchanged."""
-    from .roles import LINEAR_OPS, Role, is_attention_op
-    from .roles import META_KEY as RKEY
-    from .shard import _reads_weight
-
-    pos = {n: i for i, n in enumerate(members)}
-    attn = next(n for n in members if is_attention_op(n))
-    end = pos[first_ffn] if first_ffn is not None else 1 << 30
-    rows = [n for n in members if n.target in LINEAR_OPS and pos[attn] < pos[n] < end
-            and n.meta[RKEY].role is Role.ATTENTION and _reads_weight(n)]  # not explicit attention's p @ v
-    if not rows:
-        raise TPRewriteError(f"{where}: no output projection after the attention op")
-    row = rows[0]
-    # dropout in eval, the view back to [batch, seq, hidden] after a 2-D addmm (GPT-2), a scalar
-    # multiplier (Granite's residual_multiplier): linear, so the partial sum passes through them
-    while len(row.users) == 1 and _passes_partial(next(iter(row.users)), row):
-        row = next(iter(row.users))
-    return row
-
-
-def _residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, where: str):
-    """The add joining the attention output projection with the residual: (add, o, x), or
-    (add, o, None) when something non-linear (a norm) sits between o and the add."""
-    from .roles import ADD_OPS, _descendants
-
-    pos = {n: i for i, n in enumerate(members)}
-    row = _attention_row(members, where, first_ffn)
-    for u in row.users:
-        if u.target in ADD_OPS and len(u.all_input_nodes) == 2:
-            other = next(a for a in u.all_input_nodes if a is not row)
-            return u, row, other
-    # a norm between the projection and the residual add (Gemma-2, OLMo-2): the first add that
-    # joins a value computed from the projection with one that is not (the residual)
-    inside = set(members)
-    down = _descendants(row, inside)
-    for n in members[pos[row] + 1:]:
-        if n in down and n.target in ADD_OPS and len(n.all_input_nodes) == 2 and (
-                sum(a in down for a in n.all_input_nodes) == 1):
-            return n, row, None
-    raise TPRewriteError(f"{where}: the attention output projection {row.name} never reaches a residual add "
-                         f"(it feeds {[f'{u.name} ({u.target})' for u in row.users]})")
-
-
 def _parallel_residual(members: list[fx.Node], ffn_in: fx.Node, first_ffn: fx.Node) -> bool:
     """The MLP reads nothing the attention computed (GPT-J, GPT-NeoX, Phi, Falcon, Cohere:
     ``h = x + attn(ln1(x)) + mlp(ln2(x))``)."""
-    from .roles import _ancestors, is_attention_op
+    from .roles import ancestors, is_attention_op
 
     attn = next((n for n in members if is_attention_op(n)), None)
-    return attn is not None and attn not in _ancestors([ffn_in], within=set(members))
+    return attn is not None and attn not in ancestors([ffn_in], within=set(members))
 
 
 def _parallel_residual_gather(b: object, graph: fx.Graph, members: list[fx.Node], ffn: list[fx.Node],
@@ -383,7 +309,7 @@ def _parallel_residual_gather(b: object, graph: fx.Graph, members: list[fx.Node]
     (every rank of an attention group holds the same ``ln2(x)``; one of them contributes it)."""
     from .roles import ADD_OPS
 
-    row = _attention_row(members, where)
+    row = attention_row(members, where)
     if not any(u.target in ADD_OPS for u in row.users):
         raise TPRewriteError(f"{where}: the attention output projection {row.name} does not feed an add")
     with graph.inserting_before(row.next):
@@ -416,22 +342,6 @@ def _post_norm_gather(b: object, graph: fx.Graph, row: fx.Node, h1: fx.Node, roo
         once = b.call(aten_mul, (h1, root), "dp_residual_once")
         flat = b.call(aten_view, (once, [-1, hidden]), "dp_flat")
         return b.call(torch.ops.afd.gather_partial_tokens.default, (flat, GROUP_TP, total), "dp_gather")
-
-
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
-
-
-def _passes_partial(n: fx.Node, src: fx.Node) -> bool:
-    scalar_mul = n.target in (torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, torch.ops.aten.div.Tensor) and (
-        n.args[0] is src and isinstance(n.args[1], (int, float)))
-    scalar_mul |= n.target == torch.ops.aten.mul.Tensor and n.args[1] is src and isinstance(n.args[0], (int, float))
-    return _is_identity(n) or n.target in _VIEWS or scalar_mul
-
-
-def _is_identity(n: fx.Node) -> bool:
-    if n.target == torch.ops.aten.dropout.default:
-        return n.args[1] == 0 or not n.args[2]
-    return n.target in (torch.ops.aten.alias.default, torch.ops.aten.clone.default)
 
 
 aten_view = torch.ops.aten.view.default

@@ -1,0 +1,20 @@
+"""The errors afd-compile raises for input it cannot take.
+
+Every one derives from :class:`AFDCompileError` (itself a ``ValueError``): the CLI turns exactly
+these into exit code 2 with one line on stderr, and callers can catch the one base. Each message
+names the node / rank / layer and what was expected.
+"""
+
+from __future__ import annotations
+
+
+class AFDCompileError(ValueError):
+    """Input afd-compile cannot take: a graph, a layout, an option, a file."""
+
+
+class SplitError(AFDCompileError):
+    """The graph cannot be cut as asked; the message names the layer and node."""
+
+
+class TPRewriteError(AFDCompileError):
+    """A TP layout's rewrite cannot be built for this graph; the message names the layer."""

@@ -1,0 +1,100 @@
+"""Where the parts of a layer are, for the TP rewrites: the attention output projection (and the
+ops its partial sum passes unchanged), the residual add after it, and the token sizes an MLP reads.
+
+Shared by ``tp_rewrite`` (DP attention) and ``scattered`` (SCATTERED MLPs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..errors import TPRewriteError
+
+
+def rebind_token_sizes(b: object, ffn: list[fx.Node], sizes: list[fx.Node], ffn_in: fx.Node,
+                        total: fx.Node, where: str) -> None:
+    """The MLP runs on the gathered tokens: re-express the sizes it reads (computed from this
+    group's batch and sequence symbols) in the gathered count ``total``, binding the token
+    symbols as the AFD FFN program does (all but one to 1, the last to ``total // c``)."""
+    import operator
+
+    from .symbolic import TokenBinding, emit_with, sym_expr
+
+    try:
+        binding = TokenBinding.for_token_dims(list(ffn_in.meta["val"].shape[:-1]), where)
+    except ValueError as e:
+        raise TPRewriteError(str(e)) from None
+    graph = ffn[0].graph
+    with graph.inserting_before(ffn[0]):
+        sigma = total if binding.coeff == 1 else b.call(operator.floordiv, (total, binding.coeff))
+        for sz in sizes:
+            val = sz.meta.get("val")
+            expr = binding.substitute(sym_expr(val)) if isinstance(val, (int, torch.SymInt)) else None
+            if expr is None or not binding.known(expr):
+                raise TPRewriteError(f"{where}: the MLP reads {sz.name} ({val}), which is not a function of the "
+                                     "token count")
+            new = emit_with(b.call, expr, {binding.sigma: sigma} if binding.sigma is not None else {})
+            for u in ffn:
+                u.replace_input_with(sz, new)
+
+
+def attention_row(members: list[fx.Node], where: str, first_ffn: fx.Node | None = None) -> fx.Node:
+    """The attention output projection (the first weight-reading linear after the attention op,
+    before ``first_ffn`` if given), followed through ops its partial sum passes unchanged."""
+    from .roles import LINEAR_OPS, Role, is_attention_op
+    from .roles import META_KEY as RKEY
+    from .shard import reads_weight
+
+    pos = {n: i for i, n in enumerate(members)}
+    attn = next(n for n in members if is_attention_op(n))
+    end = pos[first_ffn] if first_ffn is not None else 1 << 30
+    rows = [n for n in members if n.target in LINEAR_OPS and pos[attn] < pos[n] < end
+            and n.meta[RKEY].role is Role.ATTENTION and reads_weight(n)]  # not explicit attention's p @ v
+    if not rows:
+        raise TPRewriteError(f"{where}: no output projection after the attention op")
+    row = rows[0]
+    # dropout in eval, the view back to [batch, seq, hidden] after a 2-D addmm (GPT-2), a scalar
+    # multiplier (Granite's residual_multiplier): linear, so the partial sum passes through them
+    while len(row.users) == 1 and passes_partial(next(iter(row.users)), row):
+        row = next(iter(row.users))
+    return row
+
+
+def residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, where: str):
+    """The add joining the attention output projection with the residual: (add, o, x), or
+    (add, o, None) when something non-linear (a norm) sits between o and the add."""
+    from .roles import ADD_OPS, descendants
+
+    pos = {n: i for i, n in enumerate(members)}
+    row = attention_row(members, where, first_ffn)
+    for u in row.users:
+        if u.target in ADD_OPS and len(u.all_input_nodes) == 2:
+            other = next(a for a in u.all_input_nodes if a is not row)
+            return u, row, other
+    # a norm between the projection and the residual add (Gemma-2, OLMo-2): the first add that
+    # joins a value computed from the projection with one that is not (the residual)
+    inside = set(members)
+    down = descendants(row, inside)
+    for n in members[pos[row] + 1:]:
+        if n in down and n.target in ADD_OPS and len(n.all_input_nodes) == 2 and (
+                sum(a in down for a in n.all_input_nodes) == 1):
+            return n, row, None
+    raise TPRewriteError(f"{where}: the attention output projection {row.name} never reaches a residual add "
+                         f"(it feeds {[f'{u.name} ({u.target})' for u in row.users]})")
+
+
+VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
+
+def passes_partial(n: fx.Node, src: fx.Node) -> bool:
+    scalar_mul = n.target in (torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, torch.ops.aten.div.Tensor) and (
+        n.args[0] is src and isinstance(n.args[1], (int, float)))
+    scalar_mul |= n.target == torch.ops.aten.mul.Tensor and n.args[1] is src and isinstance(n.args[0], (int, float))
+    return is_identity(n) or n.target in VIEW_OPS or scalar_mul
+
+
+def is_identity(n: fx.Node) -> bool:
+    if n.target == torch.ops.aten.dropout.default:
+        return n.args[1] == 0 or not n.args[2]
+    return n.target in (torch.ops.aten.alias.default, torch.ops.aten.clone.default)

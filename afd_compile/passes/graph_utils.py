@@ -1,0 +1,111 @@
+"""Graph helpers every pass shares: copying a GraphModule, reading and writing dotted attribute
+paths, inserting nodes with fake values, and rebuilding symbolic sizes from the graph's inputs.
+
+Public within the package (no pass reaches into another pass's private names).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.fx as fx
+
+from ..errors import SplitError
+from .roles import META_KEY, NodeRole, Role
+from .symbolic import emit_with, sym_expr
+
+aten = torch.ops.aten
+
+
+class Builder:
+    """Inserts nodes and gives each a ``meta['val']`` computed under the graph's fake mode."""
+
+    def __init__(self, graph: fx.Graph, fake_mode: object, layer: int | None) -> None:
+        self.graph, self.mode, self.layer = graph, fake_mode, layer
+
+    def call(self, target: object, args: tuple, name: str | None = None) -> fx.Node:
+        node = self.graph.call_function(target, args)
+        if name:
+            node._rename(name)
+        node.meta[META_KEY] = NodeRole(self.layer, Role.ATTENTION)
+        if self.mode is not None:
+            fargs = fx.node.map_arg(args, lambda n: n.meta.get("val"))
+            if isinstance(target, torch._ops.OpOverload):
+                with self.mode:
+                    node.meta["val"] = target(*fargs)
+            else:  # SymInt arithmetic
+                node.meta["val"] = target(*fargs)
+        return node
+
+
+def shape_args(b: Builder, shape: tuple, sources: dict) -> list:
+    """``shape`` as graph values: ints for static dims; symbolic dims computed from sym_size
+    nodes on the graph's inputs (``sources``: symbol -> (placeholder, dim))."""
+    out: list = []
+    for size in shape:
+        e = sym_expr(size)
+        if e.is_Integer:
+            out.append(int(e))
+            continue
+        symbols = {}
+        for s in e.free_symbols:
+            if s not in sources:
+                raise SplitError(f"size {e}: symbol {s} is not a dimension of any graph input")
+            ph, d = sources[s]
+            symbols[s] = b.call(aten.sym_size.int, (ph, d))
+        out.append(emit_with(b.call, e, symbols))
+    return out
+
+
+def symbol_sources(graph: fx.Graph) -> dict:
+    out: dict = {}
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                e = sym_expr(size)
+                if e.is_Symbol and e not in out:
+                    out[e] = (n, d)
+    return out
+
+
+def copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    new = fx.GraphModule(gm, graph)
+    for k in ("_in_spec", "_out_spec"):
+        if hasattr(gm, k):
+            setattr(new, k, getattr(gm, k))
+    return new, env
+
+
+def del_attr_path(root: torch.nn.Module, dotted: str) -> None:
+    *path, leaf = dotted.split(".")
+    mod = root
+    for p in path:
+        mod = getattr(mod, p)
+    delattr(mod, leaf)
+
+
+def set_attr_path(root: torch.nn.Module, dotted: str, value: torch.Tensor) -> None:
+    *path, leaf = dotted.split(".")
+    mod = root
+    for p in path:
+        if not hasattr(mod, p):
+            mod.add_module(p, torch.nn.Module())
+        mod = getattr(mod, p)
+    if isinstance(value, torch.nn.Parameter):
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value)
+
+
+def get_attr_path(root: torch.nn.Module, dotted: str) -> torch.Tensor:
+    obj: object = root
+    for p in dotted.split("."):
+        obj = getattr(obj, p)
+    return obj  # type: ignore[return-value]

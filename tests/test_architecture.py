@@ -1,0 +1,112 @@
+"""The package's shape (issue 16): no import cycle between its modules, no private name imported
+from another module, one error base for every bad-input error."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import afd_compile
+
+PKG = pathlib.Path(afd_compile.__file__).parent
+
+
+def _module(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, list[tuple[str, list[str]]]]:
+    """module -> [(imported module, names)] for every import anywhere in it (lazy ones too)."""
+    out: dict[str, list[tuple[str, list[str]]]] = {}
+    for path in PKG.rglob("*.py"):
+        mod = _module(path)
+        package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        found = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+                names = [a.name for a in node.names]
+                # from .pkg import x: x may be a module of pkg
+                modules = [n for n in names if (PKG.parent / (target + "." + n).replace(".", "/")).with_suffix(".py").exists()]
+                found += [(f"{target}.{n}", []) for n in modules]
+                if len(modules) < len(names):
+                    found.append((target, [n for n in names if n not in modules]))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                name = node.module if isinstance(node, ast.ImportFrom) else None
+                for a in ([ast.alias(name)] if name else node.names):
+                    if a.name.startswith("afd_compile"):
+                        found.append((a.name, [x.name for x in getattr(node, "names", [])]))
+        out[mod] = found
+    return out
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = {m: {t for t, _ in deps if t in _imports_cache and t != m} for m, deps in _imports_cache.items()}
+    seen, stack, cycles = set(), [], []
+
+    def visit(m: str) -> None:
+        if m in stack:
+            cycles.append(stack[stack.index(m):] + [m])
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        stack.append(m)
+        for t in sorted(graph[m]):
+            visit(t)
+        stack.pop()
+
+    for m in sorted(graph):
+        visit(m)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    crossing = [(m, t, n) for m, deps in _imports_cache.items() for t, names in deps
+                for n in names if n.startswith("_") and not n.startswith("__") and t != m]
+    assert not crossing, crossing
+
+
+def test_every_bad_input_error_derives_from_one_base():
+    from afd_compile.backend import BackendOptionError
+    from afd_compile.cli import OutputError, UsageError
+    from afd_compile.comm import WireMismatch
+    from afd_compile.errors import AFDCompileError, SplitError, TPRewriteError
+    from afd_compile.layout import LayoutError
+    from afd_compile.passes.roles import NoStructureError
+    from afd_compile.passes.scattered import ScatteredRewriteError
+    from afd_compile.passes.schedule import ScheduleError
+    from afd_compile.passes.shard import ShardError
+    from afd_compile.programs import ProgramLoadError
+    from afd_compile.runtime import ControlError
+    from afd_compile.scatter import TransitionError
+    from afd_compile.verify import VerifyInputError
+
+    for e in (BackendOptionError, OutputError, UsageError, WireMismatch, SplitError, TPRewriteError, LayoutError,
+              NoStructureError, ScatteredRewriteError, ScheduleError, ShardError, ProgramLoadError, ControlError,
+              TransitionError, VerifyInputError):
+        assert issubclass(e, AFDCompileError) and issubclass(e, ValueError), e
+
+
+_imports_cache = _imports()
+
+
+def test_the_cache_id_follows_the_source(tmp_path, monkeypatch):
+    import shutil
+
+    from afd_compile import backend
+
+    copy = tmp_path / "afd_compile"
+    shutil.copytree(PKG, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(backend, "__file__", str(copy / "backend.py"))
+    backend.source_id.cache_clear()
+    before = backend.source_id()
+    (copy / "passes" / "split.py").write_text((copy / "passes" / "split.py").read_text() + "\n# changed\n")
+    backend.source_id.cache_clear()
+    assert backend.source_id() != before
+    monkeypatch.undo()
+    backend.source_id.cache_clear()
