@@ -171,7 +171,8 @@ def _tp_graph(args: argparse.Namespace):
     from .programs import load_program
     from .scatter import TPLayout
 
-    layout = TPLayout(args.tp, args.attn_dp or 1, moe_a2a=args.moe_a2a, dense_dp=args.dense_dp)
+    layout = TPLayout(args.tp, 1 if args.attn_dp is None else args.attn_dp, moe_a2a=args.moe_a2a,
+                      dense_dp=args.dense_dp)
     gm = load_program(args.model).module()
     annotate_roles(gm, POLICIES[args.policy], graph_name=args.model)
     return layout, gm

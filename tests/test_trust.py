@@ -162,6 +162,8 @@ def test_accepted_verify_inputs_always_compare_something_within_range(units, siz
         (["verify", "{m}", "--tp", "2", "--tokens", "0"], "nothing would be compared"),
         (["verify", "{m}", "--tp", "2", "--attn-dp", "2", "--tokens", "0,1"], None),  # accepted: checked below
         (["plan", "{m}", "--tp", "3"], "which 3 attention-TP ranks cannot divide"),
+        (["plan", "{m}", "--tp", "2", "--attn-dp", "0"], "needs tp >= 1 and attn_dp >= 1"),
+        (["verify", "{m}", "--tp", "2", "--moe-a2a"], "the graph has no MoE layer"),
     ],
 )
 def test_cli_refuses_bad_input_with_exit_2_before_spawning(exported, capsys, monkeypatch, argv, message):

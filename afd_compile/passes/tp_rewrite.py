@@ -52,7 +52,14 @@ SUPPORTED = {
 }
 
 
-def _check_supported(plan: TPPlan) -> None:
+def _check_supported(plan: TPPlan, layout: TPLayout) -> None:
+    kinds = {modes.kind for modes, _ in plan.layers}
+    if layout.moe_a2a and "moe" not in kinds:
+        raise TPRewriteError(f"moe_a2a (--moe-a2a) is set, but the graph has no MoE layer (layer kinds: "
+                             f"{sorted(kinds)}); it would change nothing")
+    if layout.dense_dp and "dense" not in kinds:
+        raise TPRewriteError(f"dense_dp (--dense-dp) is set, but the graph has no dense MLP layer (layer kinds: "
+                             f"{sorted(kinds)}); it would change nothing")
     for modes, junctions in plan.layers:
         for name in ("prepare_attn", "prepare_mlp", "postprocess_layer"):
             for t in getattr(junctions, name):
@@ -69,7 +76,7 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
     ``fuse_norm`` each all-reduce + residual add + RMSNorm becomes one fusable op (fuse_norm.py)."""
     plan = plan_tp(gm, layout, graph_name)
     annotate_dist_states(gm, plan)
-    _check_supported(plan)
+    _check_supported(plan, layout)
     scattered = frozenset(m.index for m, _ in plan.layers if m.mlp is ScatterMode.SCATTERED)
     shards = plan_shards(gm, attn_parts=layout.attn_tp, mlp_parts=layout.tp, replicated_mlp=scattered)
     new, _ = copy_graph_module(gm)
