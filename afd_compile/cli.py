@@ -104,12 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace a non-empty OUTDIR whole (no stale files are kept)")
     _add_layout(p)
     _add_tp(p)
+    p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
+                   "planning; TP: rank 0's program)")
 
     p = sub.add_parser("plan", help="AFD: per layer, which nodes go to which role and what crosses the wire; "
                        "with --tp: per layer, the five scatter modes and the junction collectives")
     p.add_argument("model", metavar="MODEL.pt2")
     _add_layout(p)
     _add_tp(p)
+    p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
+                   "planning; TP: rank 0's program)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     p = sub.add_parser("verify", help="run original and split (-A/-F) or sharded (--tp) programs on local "
@@ -117,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL.pt2")
     _add_layout(p)
     _add_tp(p)
+    p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
+                   "planning; TP: rank 0's program)")
     p.add_argument("--tokens", metavar="N1,N2,...",
                    help="batch size per attention rank (default: 1,2,3,... when the batch dim is dynamic); "
                    "with --tp: one batch size per attention DP group (default 1,2,...; as saved when attn_dp=1)")
@@ -178,6 +184,13 @@ def _tp_graph(args: argparse.Namespace):
     return layout, gm
 
 
+def _print_timings(args: argparse.Namespace, seconds: dict[str, float]) -> None:
+    if getattr(args, "timings", False):
+        from .passes.pipeline import timings_table
+
+        print(timings_table(seconds), file=sys.stderr if getattr(args, "json", False) else sys.stdout)
+
+
 def cmd_plan_tp(args: argparse.Namespace) -> int:
     import json
 
@@ -185,8 +198,9 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
 
     layout, gm = _tp_graph(args)
     # shard rank 0 as verify and rewrite do: a layout the model cannot take is refused here too
-    plan = shard_for_rank(gm, layout, 0, graph_name=args.model).plan
-    print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
+    prog = shard_for_rank(gm, layout, 0, graph_name=args.model)
+    print(json.dumps(prog.plan.to_json(), indent=2) if args.json else prog.plan.table())
+    _print_timings(args, prog.timings)
     return EXIT_OK
 
 
@@ -204,6 +218,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     else:
         print(plan_table(result, layout))
+    _print_timings(args, result.timings)
     return EXIT_OK
 
 
@@ -273,6 +288,8 @@ def cmd_rewrite_tp(args: argparse.Namespace) -> int:
     programs = []
     for rank in range(layout.tp):  # every rank planned and exported before anything is written
         prog = shard_for_rank(gm, layout, rank, graph_name=args.model)
+        if rank == 0:
+            _print_timings(args, prog.timings)
         x = tuple(inputs)
         if layout.attn_dp > 1:  # the carrier of all DP groups' tokens (equal groups in the example)
             x = (*x, torch.empty(layout.attn_dp * int(inputs[0].numel()), 0))
@@ -327,6 +344,7 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
         torch.export.save(ffn, os.path.join(d, "ffn.pt2"))
         write_json(os.path.join(d, "plan.json"), plan)
     print(plan_table(result, layout))
+    _print_timings(args, result.timings)
     print(f"rewrite: wrote attention.pt2, ffn.pt2, plan.json to {args.output} "
           f"({time.perf_counter() - t:.1f}s)")
     return EXIT_OK
@@ -369,6 +387,7 @@ def cmd_verify_tp(args: argparse.Namespace) -> int:
                         tol=args.tol, zero_runs_dummy=layout.attn_dp > 1)
     prog = shard_for_rank(gm, layout, 0, graph_name=args.model)  # fail fast, before spawning
     print(prog.plan.table())
+    _print_timings(args, prog.timings)
     print(f"verify: {len(prog.shards.weights)} weights sharded, {len(prog.shards.arg_fixes)} head counts divided")
     return _verdict(lambda: verify_tp(args.model, layout, batches=batches, steps=args.steps, tol=args.tol,
                                       policy=args.policy, timeout_s=args.timeout, log=print))
@@ -383,6 +402,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     batches = _tokens(args)
     _, result = _plan(args.model, layout, args.gate_on_attention, args.policy)  # fail fast, before spawning
     print(plan_table(result, layout))
+    _print_timings(args, result.timings)
     return _verdict(lambda: verify_afd(args.model, layout, batches=batches, gate=args.gate_on_attention,
                                        steps=args.steps, tol=args.tol, policy=args.policy, timeout_s=args.timeout,
                                        log=print))

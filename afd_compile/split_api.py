@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from .layout import AFDLayout
+from .passes.pipeline import PassTimings
 from .passes.roles import RolePolicy, annotate_roles, default_policy
 from .passes.schedule import verify_schedule
 from .passes.split import (
@@ -45,14 +45,12 @@ def split_graph_module(gm: fx.GraphModule, config: SplitConfig | None = None, *,
     """Split ``gm`` (annotated in place with ``afd.role``; its graph is not changed) into the
     attention and FFN programs, and check their send/recv schedule."""
     config = config or SplitConfig()
-    timings: dict[str, float] = {}
-    t = time.perf_counter()
-    annotate_roles(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
-                   graph_name=config.graph_name)
-    timings["annotate_roles"] = time.perf_counter() - t
-    t = time.perf_counter()
-    plan = plan_split(gm, comm_id=config.comm_id, stage=config.stage, graph_name=config.graph_name)
-    timings["plan_split"] = time.perf_counter() - t
+    timings = PassTimings()
+    with timings("annotate_roles"):
+        annotate_roles(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
+                       graph_name=config.graph_name)
+    with timings("plan_split"):
+        plan = plan_split(gm, comm_id=config.comm_id, stage=config.stage, graph_name=config.graph_name)
     if plan.static_tokens is not None and layout is not None and max(layout.block_sizes()) > 1:
         raise SplitError(
             f"{config.graph_name}: the graph was exported with static token dims "
@@ -60,16 +58,13 @@ def split_graph_module(gm: fx.GraphModule, config: SplitConfig | None = None, *,
             f"{max(layout.block_sizes())} attention peers, whose concatenated tokens need a dynamic "
             "token dimension; re-export with dynamic_shapes (e.g. {'input_ids': {0: Dim.DYNAMIC}})"
         )
-    t = time.perf_counter()
-    attention = build_attention_program(gm, plan)
-    timings["build_attention_program"] = time.perf_counter() - t
-    t = time.perf_counter()
-    ffn = build_ffn_program(gm, plan)
-    timings["build_ffn_program"] = time.perf_counter() - t
-    t = time.perf_counter()
-    verify_schedule(attention, ffn)
-    timings["verify_schedule"] = time.perf_counter() - t
-    return SplitResult(attention, ffn, plan, timings)
+    with timings("build_attention_program"):
+        attention = build_attention_program(gm, plan)
+    with timings("build_ffn_program"):
+        ffn = build_ffn_program(gm, plan)
+    with timings("verify_schedule"):
+        verify_schedule(attention, ffn)
+    return SplitResult(attention, ffn, plan, timings.seconds)
 
 
 def split(program: torch.export.ExportedProgram | fx.GraphModule, config: SplitConfig | None = None, *,

@@ -39,25 +39,15 @@ def export_meta_llama(layers: int) -> torch.export.ExportedProgram:
 
 
 def tp_timings(gm, layout) -> dict[str, float]:
-    """The scatter-mode passes for one TP rank (standard TP)."""
-    from afd_compile.passes.dist_states import annotate_dist_states, plan_tp
+    """The scatter-mode passes for one TP rank, from the program's own pass timings
+    (``PassTimings``, what ``afd-compile plan --tp --timings`` prints)."""
     from afd_compile.passes.roles import annotate_roles
-    from afd_compile.passes.shard import plan_shards
     from afd_compile.passes.tp_rewrite import shard_for_rank
 
     annotate_roles(gm)
-    out = {}
     t = time.perf_counter()
-    plan = plan_tp(gm, layout)
-    out["plan_tp"] = time.perf_counter() - t
-    t = time.perf_counter()
-    annotate_dist_states(gm, plan)
-    out["annotate_dist_states"] = time.perf_counter() - t
-    t = time.perf_counter()
-    plan_shards(gm, layout.attn_tp, layout.tp)
-    out["plan_shards"] = time.perf_counter() - t
-    t = time.perf_counter()
-    shard_for_rank(gm, layout, 0)  # plans again, copies the graph, slices weights, inserts collectives
+    prog = shard_for_rank(gm, layout, 0)  # plans, copies the graph, slices weights, inserts collectives
+    out = {k: prog.timings[k] for k in ("plan_tp", "annotate_dist_states", "plan_shards")}
     out["shard_for_rank"] = time.perf_counter() - t
     return out
 

@@ -110,3 +110,19 @@ def test_the_cache_id_follows_the_source(tmp_path, monkeypatch):
     assert backend.source_id() != before
     monkeypatch.undo()
     backend.source_id.cache_clear()
+
+
+def test_each_pipeline_times_its_passes_and_the_cli_prints_them(exported, capsys):
+    from afd_compile import cli
+
+    path = exported("llama2")[1]
+    assert cli.main(["plan", path, "-A", "2", "-F", "1", "--timings"]) == 0
+    out = capsys.readouterr().out
+    for name in ("annotate_roles", "plan_split", "build_attention_program", "build_ffn_program", "verify_schedule",
+                 "total"):
+        assert f"\n{name} " in out, out
+    assert cli.main(["plan", path, "--tp", "2", "--timings", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.lstrip().startswith("{")  # the JSON stays clean: timings go to stderr
+    for name in ("plan_tp", "annotate_dist_states", "plan_shards", "apply_shards", "insert_all_reduces", "fuse_norm"):
+        assert f"\n{name} " in captured.err, captured.err

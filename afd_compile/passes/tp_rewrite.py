@@ -20,7 +20,7 @@ fused kernel to replace).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
@@ -32,6 +32,7 @@ from ..scatter import Collective, ScatterMode, TPLayout
 from .anatomy import attention_row, is_identity, rebind_token_sizes, residual_add_after_attention
 from .dist_states import TPPlan, annotate_dist_states, plan_tp
 from .graph_utils import copy_graph_module
+from .pipeline import PassTimings
 from .roles import META_KEY as ROLE_KEY
 from .scattered import ScatteredRewriteError, expert_parallel, rewrite_scattered_layers
 from .shard import ShardPlan, apply_shards, plan_shards
@@ -43,6 +44,7 @@ class TPProgram:
     plan: TPPlan
     shards: ShardPlan
     rank: int
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per pass (PassTimings)
 
 
 SUPPORTED = {
@@ -74,33 +76,55 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
                    fuse_norm: bool = True) -> TPProgram:
     """This rank's program. Needs ``afd.role`` on ``gm`` (run annotate_roles first). With
     ``fuse_norm`` each all-reduce + residual add + RMSNorm becomes one fusable op (fuse_norm.py)."""
-    plan = plan_tp(gm, layout, graph_name)
-    annotate_dist_states(gm, plan)
+    timings = PassTimings()
+    with timings("plan_tp"):
+        plan = plan_tp(gm, layout, graph_name)
+    with timings("annotate_dist_states"):
+        annotate_dist_states(gm, plan)
     _check_supported(plan, layout)
     scattered = frozenset(m.index for m, _ in plan.layers if m.mlp is ScatterMode.SCATTERED)
-    shards = plan_shards(gm, attn_parts=layout.attn_tp, mlp_parts=layout.tp, replicated_mlp=scattered)
-    new, _ = copy_graph_module(gm)
-    apply_shards(new, shards, {"attn": layout.attn_tp_rank(rank), "mlp": rank})
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in new.graph.nodes if "val" in n.meta])
-    by_name = {n.name: n for n in new.graph.nodes}
-    _settle_split_means(new, shards, by_name, fake_mode)
+    with timings("plan_shards"):
+        shards = plan_shards(gm, attn_parts=layout.attn_tp, mlp_parts=layout.tp, replicated_mlp=scattered)
+    with timings("apply_shards"):
+        new, _ = copy_graph_module(gm)
+        apply_shards(new, shards, {"attn": layout.attn_tp_rank(rank), "mlp": rank})
+        fake_mode = detect_fake_mode([n.meta.get("val") for n in new.graph.nodes if "val" in n.meta])
+        by_name = {n.name: n for n in new.graph.nodes}
+        _settle_split_means(new, shards, by_name, fake_mode)
     experts = []
-    for m, _ in plan.layers:  # MoE with all-to-all: experts split over the TP group
-        if m.kind == "moe" and m.mlp is ScatterMode.SCATTERED and layout.tp > 1:
-            try:
-                experts.extend(expert_parallel(new, m.index, layout.tp, rank, fake_mode))
-            except ScatteredRewriteError as e:
-                raise TPRewriteError(str(e)) from None
+    with timings("expert_parallel"):
+        for m, _ in plan.layers:  # MoE with all-to-all: experts split over the TP group
+            if m.kind == "moe" and m.mlp is ScatterMode.SCATTERED and layout.tp > 1:
+                try:
+                    experts.extend(expert_parallel(new, m.index, layout.tp, rank, fake_mode))
+                except ScatteredRewriteError as e:
+                    raise TPRewriteError(str(e)) from None
     if experts:  # (expert_parallel sliced them)
         shards = replace(shards, weights=shards.weights + tuple(experts))
-    settled = rewrite_scattered_layers(new, plan, layout, rank, fake_mode)
-    if settled or experts:
-        new.graph.eliminate_dead_code()
+    with timings("rewrite_scattered_layers"):
+        settled = rewrite_scattered_layers(new, plan, layout, rank, fake_mode)
+        if settled or experts:
+            new.graph.eliminate_dead_code()
     if layout.attn_dp > 1:
-        _rewrite_dp_attention(new, layout, rank, fake_mode, skip=scattered)
-        new.graph.lint()
-        new.recompile()
-        return TPProgram(new, plan, shards, rank)
+        with timings("rewrite_dp_attention"):
+            _rewrite_dp_attention(new, layout, rank, fake_mode, skip=scattered)
+            new.graph.lint()
+            new.recompile()
+        return TPProgram(new, plan, shards, rank, timings.seconds)
+    with timings("insert_all_reduces"):
+        _insert_row_all_reduces(new, shards, settled, by_name, fake_mode)
+    if fuse_norm:
+        from .fuse_norm import fuse_allreduce_add_rmsnorm
+
+        with timings("fuse_norm"):
+            fuse_allreduce_add_rmsnorm(new)
+    return TPProgram(new, plan, shards, rank, timings.seconds)
+
+
+def _insert_row_all_reduces(new: fx.GraphModule, shards: ShardPlan, settled: set[int] | frozenset[int],
+                            by_name: dict[str, fx.Node], fake_mode: object) -> None:
+    """Standard TP: an all-reduce after every row-parallel output (o_proj, down_proj) whose
+    partial sum no SCATTERED rewrite settled already."""
     for node_name, group, layer in shards.row_outputs:
         if layer in settled:  # o_proj's partial sum went into a reduce-scatter (SCATTERED MLP)
             continue
@@ -117,11 +141,6 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
         row.replace_all_uses_with(ar, delete_user_cb=lambda u, _ar=ar: u is not _ar)
     new.graph.lint()
     new.recompile()
-    if fuse_norm:
-        from .fuse_norm import fuse_allreduce_add_rmsnorm
-
-        fuse_allreduce_add_rmsnorm(new)
-    return TPProgram(new, plan, shards, rank)
 
 
 def _settle_split_means(new: fx.GraphModule, shards: ShardPlan, by_name: dict[str, fx.Node],
