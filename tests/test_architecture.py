@@ -126,3 +126,20 @@ def test_each_pipeline_times_its_passes_and_the_cli_prints_them(exported, capsys
     assert captured.out.lstrip().startswith("{")  # the JSON stays clean: timings go to stderr
     for name in ("plan_tp", "annotate_dist_states", "plan_shards", "apply_shards", "insert_all_reduces", "fuse_norm"):
         assert f"\n{name} " in captured.err, captured.err
+
+
+def test_layers_of_groups_members_and_finds_the_ffn_output(exported):
+    from afd_compile.passes.graph_utils import layers_of
+    from afd_compile.passes.roles import META_KEY, Role, annotate_roles
+
+    gm = exported("llama2")[0].module()
+    annotate_roles(gm)
+    layers = layers_of(gm)
+    assert list(layers) == [0, 1]
+    for i, layer in layers.items():
+        assert all(n.meta[META_KEY].layer == i for n in layer.members)
+        assert [n.name for n in layer.attention_ops] and len(layer.attention_ops) == 1
+        ffn = layer.ffn
+        assert ffn and all(n.meta[META_KEY].role is Role.FFN for n in ffn)
+        out = layer.ffn_output
+        assert out is ffn[-1] and any(u not in ffn for u in out.users)  # the MLP's down_proj, read by the add

@@ -28,6 +28,7 @@ from ..scatter import (
     infer_layer_modes,
     plan_junctions,
 )
+from .graph_utils import layers_of, region_output
 from .roles import LINEAR_OPS, Role, role_of
 
 META_KEY = "afd.dist"
@@ -91,11 +92,7 @@ def annotate_dist_states(gm: fx.GraphModule, plan: TPPlan) -> None:
     """Stamp ``afd.dist`` on every node (in place; the graph is not changed)."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    by_layer: dict[int, list[fx.Node]] = {}
-    for n in nodes:
-        r = role_of(n)
-        if r.layer is not None:
-            by_layer.setdefault(r.layer, []).append(n)
+    by_layer = {i: list(layer.members) for i, layer in layers_of(gm).items()}
     modes = {m.index: (m, j) for m, j in plan.layers}
     first = ScatterMode.TP_ATTN_FULL
     for n in nodes:
@@ -105,7 +102,7 @@ def annotate_dist_states(gm: fx.GraphModule, plan: TPPlan) -> None:
         ffn = [n for n in members if role_of(n).role is Role.FFN]
         ffn_set = set(ffn)
         start_ffn = pos[ffn[0]] if ffn else len(nodes)
-        ffn_out = next((n for n in reversed(ffn) if any(u not in ffn_set for u in n.users)), None)
+        ffn_out = region_output(ffn)
         end_ffn = pos[ffn_out] if ffn_out is not None else start_ffn
         linears = [n for n in members if role_of(n).role is Role.ATTENTION and n.target in LINEAR_OPS
                    and pos[n] < start_ffn and not role_of(n).router]

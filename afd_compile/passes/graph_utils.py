@@ -7,12 +7,13 @@ Public within the package (no pass reaches into another pass's private names).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from ..errors import SplitError
-from .roles import META_KEY, NodeRole, Role
+from .roles import META_KEY, NodeRole, Role, is_attention_op
 from .symbolic import emit_with, sym_expr
 
 aten = torch.ops.aten
@@ -109,3 +110,45 @@ def get_attr_path(root: torch.nn.Module, dotted: str) -> torch.Tensor:
     for p in dotted.split("."):
         obj = getattr(obj, p)
     return obj  # type: ignore[return-value]
+
+
+# --- layers --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer's nodes (``afd.role`` layer index), in graph order: the one grouping every pass
+    uses. The FFN region is the members of role FFN; its output is the last FFN node read
+    outside the region (the value added back into the residual stream)."""
+
+    index: int
+    members: tuple[fx.Node, ...]
+
+    @property
+    def ffn(self) -> list[fx.Node]:
+        return [n for n in self.members if n.meta[META_KEY].role is Role.FFN]
+
+    @property
+    def ffn_output(self) -> fx.Node | None:
+        return region_output(self.ffn)
+
+    @property
+    def attention_ops(self) -> list[fx.Node]:
+        return [n for n in self.members if n.meta[META_KEY].role is Role.ATTENTION and is_attention_op(n)]
+
+
+def region_output(region: list[fx.Node]) -> fx.Node | None:
+    """The last node of ``region`` (graph order) that something outside the region reads."""
+    inside = set(region)
+    return next((n for n in reversed(region) if any(u not in inside for u in n.users)), None)
+
+
+def layers_of(gm: fx.GraphModule) -> dict[int, Layer]:
+    """Every layer of an ``afd.role``-annotated graph, by index (ascending). Nodes outside any
+    layer (embedding, final norm, head) and nodes without a role belong to none."""
+    by_layer: dict[int, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        r = n.meta.get(META_KEY)
+        if r is not None and r.layer is not None:
+            by_layer.setdefault(r.layer, []).append(n)
+    return {i: Layer(i, tuple(by_layer[i])) for i in sorted(by_layer)}

@@ -35,7 +35,14 @@ from ..errors import AFDCompileError, TPRewriteError
 from ..scatter import ScatterMode, TPLayout
 from .anatomy import rebind_token_sizes, residual_add_after_attention
 from .dist_states import TPPlan
-from .graph_utils import Builder, get_attr_path, shape_args, symbol_sources
+from .graph_utils import (
+    Builder,
+    get_attr_path,
+    layers_of,
+    region_output,
+    shape_args,
+    symbol_sources,
+)
 from .roles import META_KEY as ROLE_KEY
 from .roles import Role, ancestors, descendants, mutates_first_arg
 from .shard import ShardedWeight, ShardError, ShardPlan, apply_shards
@@ -61,7 +68,7 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
 
     k, i = layout.attn_tp, layout.attn_tp_rank(rank)
     graph = new.graph
-    members_of = _layers(new)
+    members_of = {i: list(layer.members) for i, layer in layers_of(new).items()}
     modes = {m.index: m for m, _ in plan.layers}
     if k == 1:
         return set()
@@ -128,7 +135,7 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
         if sizes:
 
             rebind_token_sizes(b, ffn, list(dict.fromkeys(sizes)), ffn_in_nodes[0], own, where)
-        out = next(n for n in reversed(ffn) if any(u not in ffn_set for u in n.users))
+        out = region_output(ffn)
         outside = [u for u in out.users if u not in ffn_set]
         with graph.inserting_before(min(outside, key=lambda u: members.index(u) if u in member_set else 1 << 30)):
             out2d = b.call(aten.view.default, (out, [-1, hidden]), "sc_mlp_out")
@@ -162,15 +169,6 @@ def _check_from(x: fx.Node, prev: fx.Node | None, where: str) -> None:
     if n is not prev:
         raise TPRewriteError(f"{where}: the layer input {x.name} does not come from the previous layer's output "
                              f"{prev.name if prev is not None else None} (only casts may sit between)")
-
-
-def _layers(gm: fx.GraphModule) -> dict[int, list[fx.Node]]:
-    out: dict[int, list[fx.Node]] = {}
-    for n in gm.graph.nodes:
-        r = n.meta.get(ROLE_KEY)
-        if r is not None and r.layer is not None:
-            out.setdefault(r.layer, []).append(n)
-    return out
 
 
 def _layer_output(members: list[fx.Node], shape: tuple, where: str) -> fx.Node:
@@ -222,7 +220,7 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
 
     where = f"layer {layer}"
     graph = new.graph
-    members = _layers(new)[layer]
+    members = list(layers_of(new)[layer].members)
     ffn = [n for n in members if n.meta[ROLE_KEY].role is Role.FFN or n.meta[ROLE_KEY].router]
     ffn_set = set(ffn)
     topks = [n for n in ffn if n.target == aten.topk.default]
@@ -239,7 +237,7 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
     n_tok = ids.meta["val"].shape[0]
     down = descendants(ids, ffn_set)
     order = {n: j for j, n in enumerate(graph.nodes)}
-    out = next(n for n in reversed(ffn) if any(u not in ffn_set for u in n.users))
+    out = region_output(ffn)
     hidden = out.meta["val"].shape[-1]
     end = None
     for n in sorted(down, key=order.__getitem__):

@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import AFDCompileError
-from .graph_utils import get_attr_path
+from .graph_utils import get_attr_path, layers_of
 from .roles import LINEAR_OPS, MATMUL_OPS, SDPA_OPS, Role, is_attention_op, role_of
 from .symbolic import sym_expr
 
@@ -777,12 +777,8 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
     fixes: list[ArgFix] = []
     rows_out: list[tuple[str, str, int]] = []
     split_means: list[tuple[str, str, int, int]] = []
-    by_layer: dict[int, list[fx.Node]] = {}
-    for n in gm.graph.nodes:
-        r = role_of(n)
-        if r.layer is not None:
-            by_layer.setdefault(r.layer, []).append(n)
-    for layer, members in sorted(by_layer.items()):
+    for layer, parts in layers_of(gm).items():
+        members = list(parts.members)
         where = f"layer {layer}"
         attn_ops = [n for n in members if role_of(n).role is Role.ATTENTION and is_attention_op(n)]
         ffn = [n for n in members if role_of(n).role is Role.FFN]

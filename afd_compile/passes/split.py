@@ -42,6 +42,7 @@ from .graph_utils import (
     copy_graph_module,
     del_attr_path,
     get_attr_path,
+    layers_of,
     set_attr_path,
     shape_args,
     symbol_sources,
@@ -133,14 +134,11 @@ def _is_symint_node(n: fx.Node) -> bool:
 def plan_split(gm: fx.GraphModule, *, comm_id: int = 0, stage: int = 0, graph_name: str = "graph") -> SplitPlan:
     """One :class:`LayerCut` per layer with an FFN region. Needs ``afd.role`` on every node."""
     nodes = list(gm.graph.nodes)
-    layers = sorted({role_of(n).layer for n in nodes if role_of(n).role is Role.FFN})
+    ffn_by_layer = {i: layer.ffn for i, layer in layers_of(gm).items() if layer.ffn}
+    layers = sorted(ffn_by_layer)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     cuts = []
     static_tokens: int | None = None
-    ffn_by_layer: dict[int, list[fx.Node]] = {}
-    for n in nodes:
-        if role_of(n).role is Role.FFN:
-            ffn_by_layer.setdefault(role_of(n).layer, []).append(n)
     for layer in layers:
         where = f"{graph_name}: layer {layer}"
         ffn = ffn_by_layer[layer]

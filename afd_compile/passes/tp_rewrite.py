@@ -190,7 +190,7 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
     groups' tokens), so every size stays a graph value.
     """
     from ..comm import GROUP_TP
-    from .graph_utils import Builder, shape_args, symbol_sources
+    from .graph_utils import Builder, layers_of, region_output, shape_args, symbol_sources
     from .roles import META_KEY as RKEY
     from .roles import Role, ancestors, descendants
 
@@ -214,12 +214,7 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
     with graph.inserting_after(slots):
         total = b0.call(aten_sym_size, (slots, 0), "dp_total_tokens")
     sources = symbol_sources(graph)
-    nodes = list(graph.nodes)
-    by_layer: dict[int, list[fx.Node]] = {}
-    for n in nodes:
-        r = n.meta.get(RKEY)
-        if r is not None and r.layer is not None:
-            by_layer.setdefault(r.layer, []).append(n)
+    by_layer = {i: list(layer.members) for i, layer in layers_of(new).items()}
     root = 1.0 if layout.attn_tp_rank(rank) == 0 else 0.0
     for layer, members in sorted(by_layer.items()):
         if layer in skip:  # a SCATTERED (fully data-parallel) MLP: this rank's tokens, replicated weights
@@ -227,7 +222,7 @@ def _rewrite_dp_attention(new: fx.GraphModule, layout: TPLayout, rank: int,
         where = f"layer {layer}"
         ffn = [n for n in members if n.meta[RKEY].role is Role.FFN]
         ffn_set = set(ffn)
-        out = next(n for n in reversed(ffn) if any(u not in ffn_set for u in n.users))
+        out = region_output(ffn)
         inputs = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"]
         tensors = [a for a in dict.fromkeys(inputs) if isinstance(a.meta.get("val"), torch.Tensor)]
         sizes = [a for a in dict.fromkeys(inputs) if a not in tensors]
