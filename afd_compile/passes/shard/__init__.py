@@ -7,7 +7,7 @@ is row-parallel; in a dense MLP the linears feeding the last one (gate/up or fus
 column-parallel over the TP group and the last (down) is row-parallel. A row-parallel output is a
 partial sum: the collective that settles it is inserted by the TP rewrite (tp_rewrite.py).
 
-The split dimension is followed node by node (:data:`RULES`, a registry keyed by op) from each
+The split dimension is followed node by node (``rules.py``: one rule per op in ``RULES``) from each
 column-parallel output to the row-parallel input. Reshapes with a constant head count get the
 count divided (``view(q, [b, s, 4, 16]) -> view(q, [b, s, 2, 16])`` at tp=2); ``-1`` entries are
 left alone. Before / after, one attention at tp=2 (heads 4 -> 2)::
@@ -32,327 +32,28 @@ Anything the rules do not know that touches a split tensor is an error naming th
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import sympy
 import torch
 import torch.fx as fx
 
-from ..errors import AFDCompileError
-from .graph_utils import get_attr_path, layers_of
-from .roles import LINEAR_OPS, MATMUL_OPS, SDPA_OPS, Role, is_attention_op, role_of
-from .symbolic import sym_expr
+from ..graph_utils import get_attr_path, layers_of
+from ..roles import LINEAR_OPS, MATMUL_OPS, SDPA_OPS, Role, is_attention_op, role_of
+from ..symbolic import sym_expr
+from .rules import BLOCK_OPS, IGNORED, RULES, Replicate, ShardRule, ndim, shape_of
+from .types import ArgFix, ShardedWeight, ShardError, ShardPlan
 
 aten = torch.ops.aten
 META_KEY = "afd.shard"
 
-
-class ShardError(AFDCompileError):
-    """A layout that does not divide a dimension, or a graph the sharding rules cannot follow."""
-
-
-@dataclass(frozen=True)
-class ShardedWeight:
-    """``target`` is split along ``dim`` into ``parts`` slices over the ``group`` (attn|mlp).
-
-    ``blocks``: sizes of the consecutive blocks along ``dim`` that are sliced separately (a fused
-    gate_up or qkv weight: each rank gets its slice of every block); ``()`` when unfused.
-    ``replicate``: per block, ranks sharing one slice (KV heads replicated when attn_tp exceeds
-    their count; rank r takes slice ``r // k`` of ``parts // k``); ``()`` when none is.
-    """
-
-    target: str
-    dim: int
-    parts: int
-    group: str
-    kind: str  # column | row | row_bias
-    blocks: tuple[int, ...] = ()
-    replicate: tuple[int, ...] = ()
-
-    def __str__(self) -> str:
-        extra = f" in blocks {list(self.blocks)}" if len(self.blocks) > 1 else ""
-        if any(k > 1 for k in self.replicate):
-            extra += f", replicated x{list(self.replicate)}" if len(self.replicate) > 1 else \
-                f", each slice on {self.replicate[0]} ranks"
-        return f"{self.kind}-parallel {self.target} dim {self.dim} / {self.parts} over {self.group}{extra}"
+__all__ = ["META_KEY", "RULES", "ArgFix", "ShardError", "ShardPlan", "ShardRule", "ShardedWeight", "apply_shards",
+           "is_grouped_mm", "plan_shards", "reads_weight", "shard_tensor"]
 
 
-@dataclass(frozen=True)
-class ArgFix:
-    """Set an int argument of ``node`` from ``old`` to ``new`` (a head count in a reshape, a
-    slice bound of a fused projection): ``node.args[arg][index]``, or ``node.args[arg]`` when
-    index is None."""
-
-    node: str
-    index: int | None
-    old: int
-    new: int
-    arg: int = 1
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    weights: tuple[ShardedWeight, ...]
-    arg_fixes: tuple[ArgFix, ...]
-    row_outputs: tuple[tuple[str, str, int], ...]  # (node, group, layer): partial sums to settle
-    # (node, group, layer, parts): a mean over a split dim (OLMo-2's q/k norm over all heads):
-    # each rank's mean of its slice; all-reduced over the group and divided by parts = the full mean
-    split_means: tuple[tuple[str, str, int, int], ...] = ()
-
-    def __str__(self) -> str:
-        return "\n".join([*(str(w) for w in self.weights),
-                          *(f"{m}: mean over the split dim, all-reduced over {g} / {p}"
-                            for m, g, _, p in self.split_means),
-                          *(f"{f.node} arg {f.arg}{'' if f.index is None else f'[{f.index}]'}: {f.old} -> "
-                            f"{f.new}" for f in self.arg_fixes)])
 
 
 # --- following the split dimension -----------------------------------------------------------
-
-_ELEMENTWISE = {
-    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default,
-    aten.silu.default, aten.gelu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
-    aten.exp.default, aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.to.dtype, aten.to.dtype_layout,
-    aten._to_copy.default, aten.contiguous.default, aten.clone.default, aten.alias.default,
-    aten.dropout.default, aten.type_as.default, aten.where.self, aten.masked_fill.Scalar,
-    aten.add.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.sub.Scalar, aten.sqrt.default,
-    aten.copy_.default, aten.square.default, aten.abs.default, aten.erf.default, aten.log.default, aten.pow.Tensor_Tensor,
-    aten.clamp.default, aten.minimum.default, aten.maximum.default, aten.sin.default, aten.cos.default,
-    aten.gelu_tanh.default if hasattr(aten, "gelu_tanh") else aten.gelu.default,
-}
-
-
-def _ndim(n: object) -> int:
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return v.dim() if isinstance(v, torch.Tensor) else 0
-
-
-def _shape(n: fx.Node) -> list:
-    return [sym_expr(s) for s in n.meta["val"].shape]
-
-
-Rule = Callable[[fx.Node, dict, int], int | None]
-
-
-def _elementwise(node: fx.Node, sdim: dict, parts: int) -> int | None:
-    out = _ndim(node)
-    dims = set()
-    for a in node.all_input_nodes:
-        if a in sdim:
-            dims.add(sdim[a] + out - _ndim(a))
-    if len(dims) != 1:
-        raise ShardError(f"{node.name} ({node.target}) combines tensors split along different dims {sorted(dims)}")
-    d = dims.pop()
-    for a in node.all_input_nodes:  # an unsplit operand must broadcast along the split dim
-        if a not in sdim and isinstance(a.meta.get("val"), torch.Tensor) and _ndim(a) > 0:
-            ad = d - (out - _ndim(a))
-            if ad >= 0 and sym_expr(a.meta["val"].shape[ad]) != 1:
-                raise ShardError(f"{node.name}: operand {a.name} is not split but spans the split dim {d}")
-    return d
-
-
-def _reduce_over(node: fx.Node, sdim: dict, parts: int) -> int | None:
-    (src,) = [a for a in node.all_input_nodes if a in sdim]
-    d = sdim[src]
-    dims = node.args[1] if len(node.args) > 1 else list(range(_ndim(src)))
-    dims = [x % _ndim(src) for x in (dims if isinstance(dims, (list, tuple)) else [dims])]
-    if d in dims:
-        raise ShardError(f"{node.name} ({node.target}) reduces over the split dim {d}")
-    keep = node.target in (aten.softmax.int, aten._softmax.default, aten._safe_softmax.default) or (
-        len(node.args) > 2 and node.args[2])
-    return d if keep else d - sum(1 for x in dims if x < d)
-
-
-def _transpose(node: fx.Node, sdim: dict, parts: int) -> int | None:
-    d = sdim[node.args[0]]
-    a, b = (x % _ndim(node) for x in node.args[1:3])
-    return b if d == a else a if d == b else d
-
-
-def _permute(node: fx.Node, sdim: dict, parts: int) -> int | None:
-    perm = [x % _ndim(node) for x in node.args[1]]
-    return perm.index(sdim[node.args[0]])
-
-
-def _unsqueeze(node: fx.Node, sdim: dict, parts: int) -> int | None:
-    d, at = sdim[node.args[0]], node.args[1] % _ndim(node)
-    return d + 1 if at <= d else d
-
-
-def _common_split(node: fx.Node, srcs: Sequence[fx.Node], sdim: dict) -> int:
-    """The split dim every one of ``srcs`` shares (cat / stack / chunk need all split alike)."""
-    split = {sdim[s] for s in srcs if s in sdim}
-    if len(split) != 1 or any(s not in sdim for s in srcs):
-        raise ShardError(f"{node.name} ({node.target}) mixes split and unsplit inputs")
-    return split.pop()
-
-
-def _along_other_dim(node: fx.Node, sdim: dict, parts: int) -> int | None:
-    src = node.args[0][0] if isinstance(node.args[0], (list, tuple)) else node.args[0]
-    srcs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
-    d = _common_split(node, srcs, sdim)
-    pos = 2 if node.target in (aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default) else 1
-    dim = (node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", 0)) % _ndim(src)
-    if dim == d:
-        raise ShardError(f"{node.name} ({node.target}) works along the split dim {d}")
-    return d
-
-
-def _stack(node: fx.Node, sdim: dict, parts: int) -> int | None:
-    """stack(xs, dim): a new dim at ``dim``; the split dim moves right when it is at or after it
-    (GPT-J's rotary stacks the rotated halves along a new last dim)."""
-    d = _common_split(node, node.args[0], sdim)
-    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % _ndim(node)
-    return d if d < dim else d + 1
-
-
-def _flatten(node: fx.Node, sdim: dict, parts: int) -> int | None:
-    """flatten(x, start, end): dims start..end merge; the split dim may only be the outermost of them."""
-    src = node.args[0]
-    n = _ndim(src)
-    start = (node.args[1] if len(node.args) > 1 else 0) % max(n, 1)
-    end = (node.args[2] if len(node.args) > 2 else -1) % max(n, 1)
-    d = sdim[src]
-    if d < start:
-        return d
-    if d > end:
-        return d - (end - start)
-    if d != start:
-        raise ShardError(f"{node.name}: flatten merges the split dim {d} into dims {start}..{end} as an inner dim")
-    return start
-
-
-def _layer_norm(node: fx.Node, sdim: dict, parts: int) -> int | None:
-    """layer_norm / rms_norm over trailing dims that leave the split dim alone (Persimmon's
-    per-head q/k LayerNorm over head_dim): the split dim passes through."""
-    src, shape = node.args[0], node.args[1]
-    d = sdim[src]
-    if d >= _ndim(src) - len(shape) or any(a in sdim for a in node.all_input_nodes if a is not src):
-        raise ShardError(f"{node.name} ({node.target}) normalises over the split dim {d}")
-    return d
-
-
-def _index(node: fx.Node, sdim: dict, parts: int) -> int | None:
-    """x[..., idx] with ``None`` for every dim up to and including the split dim and 1-D
-    indices after it (Falcon picks K and V out of each KV group): the split dim stays."""
-    src, idx = node.args[0], node.args[1]
-    d = sdim[src]
-    if any(i in sdim for i in idx if isinstance(i, fx.Node)) or len(idx) <= d or any(i is not None for i in idx[: d + 1]):
-        raise ShardError(f"{node.name}: indexing touches the split dim {d}")
-    if sum(1 for i in idx if i is not None) > 1 or any(
-            isinstance(i, fx.Node) and _ndim(i) != 1 for i in idx):
-        raise ShardError(f"{node.name}: only one 1-D index after the split dim is understood")
-    return d
-
-
-def _new_empty(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
-    """``x.new_empty(size)`` with ``x`` split: the new tensor is split where ``x`` is (MLA builds
-    its key from a split k_nope and a broadcast k_pe this way); its size there is divided."""
-    src = node.args[0]
-    d = sdim[src]
-    size = node.args[1]
-    if len(size) != _ndim(src) or not isinstance(size[d], int) or size[d] % parts:
-        raise ShardError(f"{node.name}: new_empty of size {size} does not keep the split dim {d} as a constant")
-    if fixes is not None:
-        fixes.append(ArgFix(node.name, d, size[d], size[d] // parts))
-    return d
-
-
-def _getitem(node: fx.Node, sdim: dict, parts: int) -> int | None:
-    return sdim[node.args[0]]
-
-
-def _sdpa(node: fx.Node, sdim: dict, parts: int) -> int | None:
-    q, k, v = node.args[:3]
-    if not all(x in sdim for x in (q, k, v)):
-        raise ShardError(f"{node.name}: attention with q/k/v not all split over heads")
-    bad = {x.name: sdim[x] for x in (q, k, v) if sdim[x] != _ndim(x) - 3}
-    if bad:  # [batch, heads, seq, head_dim]: a split head_dim would be a silently wrong attention
-        raise ShardError(f"{node.name}: attention inputs must be split along the heads dim (-3); {bad} are split "
-                         "along another dim (a projection whose output is one head, e.g. multi-query attention's "
-                         "single K/V head, is not supported yet)")
-    return sdim[q]
-
-
-def _matmul(node: fx.Node, sdim: dict, parts: int) -> int | None:
-    a, b = node.args[:2]
-    out = _ndim(node)
-    dims = {sdim[x] + out - _ndim(x) for x in (a, b) if x in sdim}
-    if len(dims) != 1 or not all(x in sdim for x in (a, b)) or dims.pop() >= out - 2:
-        raise ShardError(f"{node.name}: matmul must have both operands split along the same batch (head) dim")
-    return sdim[a] + out - _ndim(a)
-
-
-class _Replicate(Exception):
-    """A reshape into fewer heads than ranks: the projection's heads get replicated."""
-
-    def __init__(self, heads: int) -> None:
-        super().__init__(heads)
-        self.heads = heads
-
-
-def _reshape(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
-    src = node.args[0]
-    d = sdim[src]
-    ishape, oshape = _shape(src), _shape(node)
-    prefix = sympy.Integer(1)
-    for x in ishape[:d]:
-        prefix *= x
-    # the leading dims kept as they are (x[B, S, H*D] -> [B, S, H, D]): the split dim stays at d.
-    # Matching by the product of the leading dims alone is ambiguous when a size-1 dim follows
-    # them (decode: S == 1 makes [B, 1, H, D]'s dims 1 and 2 both start after a prefix B)
-    kept = len(oshape) > d and all(sympy.simplify(a - b) == 0 for a, b in zip(ishape[:d], oshape[:d], strict=False))
-    acc = sympy.Integer(1)
-    for j, size in enumerate(oshape):
-        if (j == d) if kept else sympy.simplify(acc - prefix) == 0:
-            if not (size.is_Integer and int(size) % parts == 0 and int(size) >= parts):
-                if size.is_Integer and int(size) > 0 and parts % int(size) == 0:
-                    raise _Replicate(int(size))
-                raise ShardError(
-                    f"{node.name}: split dim {d} (size {ishape[d]}) of {src.name} maps to output dim {j} of "
-                    f"size {size}, which {parts} ranks cannot divide (a head count: the layout must divide the "
-                    "attention head count, and divide or be a multiple of the KV head count)"
-                )
-            arg = node.args[1][j]
-            if isinstance(arg, int) and arg != -1 and fixes is not None:
-                fixes.append(ArgFix(node.name, j, arg, arg // parts))
-            elif not isinstance(arg, int):
-                raise ShardError(f"{node.name}: output dim {j} is split but its size is symbolic ({arg})")
-            return j
-        acc *= size
-    raise ShardError(f"{node.name}: cannot follow split dim {d} of {tuple(ishape)} into {tuple(oshape)}")
-
-
-def _expand(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
-    src = node.args[0]
-    d = sdim[src] + _ndim(node) - _ndim(src)
-    arg = node.args[1][d]
-    if isinstance(arg, int) and arg != -1 and fixes is not None:
-        if arg % parts:
-            raise ShardError(f"{node.name}: expand size {arg} at split dim {d} does not divide by {parts}")
-        fixes.append(ArgFix(node.name, d, arg, arg // parts))
-    return d
-
-
-RULES: dict[object, Rule] = {op: _elementwise for op in _ELEMENTWISE}
-RULES.update({
-    aten.mean.dim: _reduce_over, aten.sum.dim_IntList: _reduce_over, aten.amax.default: _reduce_over,
-    aten.softmax.int: _reduce_over, aten._softmax.default: _reduce_over, aten._safe_softmax.default: _reduce_over,
-    aten.transpose.int: _transpose, aten.permute.default: _permute, aten.unsqueeze.default: _unsqueeze,
-    aten.slice.Tensor: _along_other_dim, aten.cat.default: _along_other_dim, aten.chunk.default: _along_other_dim,
-    aten.split.Tensor: _along_other_dim, aten.split_with_sizes.default: _along_other_dim,
-    aten.select.int: _along_other_dim, aten.stack.default: _stack, aten.flatten.using_ints: _flatten,
-    operator.getitem: _getitem, aten.layer_norm.default: _layer_norm, aten.index.Tensor: _index,
-    **({aten.rms_norm.default: _layer_norm} if hasattr(aten, "rms_norm") else {}),
-    aten.scaled_dot_product_attention.default: _sdpa,
-    aten.matmul.default: _matmul, aten.bmm.default: _matmul,
-})
-RESHAPE_RULES = {aten.view.default: _reshape, aten.reshape.default: _reshape, aten._unsafe_view.default: _reshape,
-                 aten.expand.default: _expand, aten.broadcast_to.default: _expand, aten.new_empty.default: _new_empty}
-IGNORED = {aten._assert_tensor_metadata.default}
-# ops that cut a tensor into pieces along a dim: along the split dim they mark a fused projection
-BLOCK_OPS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor}
 
 
 def is_grouped_mm(node: fx.Node) -> bool:
@@ -396,7 +97,7 @@ def _projection(n: fx.Node) -> _Proj:
             w.target in (aten.t.default, aten.numpy_T.default)
             or (w.target == aten.transpose.int and {a % 2 for a in w.args[1:3]} == {0, 1})):
         w, out_dim = w.args[0], 1 - out_dim  # x @ W.t(): W is stored [out, in]
-    if not (isinstance(w, fx.Node) and w.op == "get_attr" and _ndim(w) in (0, 2)):
+    if not (isinstance(w, fx.Node) and w.op == "get_attr" and ndim(w) in (0, 2)):
         raise ShardError(f"{n.name}: projection weight is not a 2-D graph attribute ({w})")
     if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr"):
         raise ShardError(f"{n.name}: projection bias is not a graph attribute ({bias})")
@@ -417,7 +118,7 @@ def _expert_weight(mm: fx.Node, operand_dim: int) -> tuple[fx.Node, int]:
             raise ShardError(f"{mm.name}: expert weight reaches the grouped matmul through {w.name} ({w.target}); "
                              "only transposes and casts of a graph attribute are understood")
         w = w.args[0]
-    if not (isinstance(w, fx.Node) and _ndim(w) in (0, 3)):
+    if not (isinstance(w, fx.Node) and ndim(w) in (0, 3)):
         raise ShardError(f"{mm.name}: grouped matmul weight is not a 3-D graph attribute ({w})")
     return w, dim
 
@@ -521,19 +222,19 @@ def _block_fixes(col: fx.Node, t: _Track, parts: int, fixes: list[ArgFix]) -> tu
 
 
 def _reduced_dims(n: fx.Node, src: fx.Node) -> list[int]:
-    dims = n.args[1] if len(n.args) > 1 else list(range(_ndim(src)))
-    return [x % _ndim(src) for x in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    dims = n.args[1] if len(n.args) > 1 else list(range(ndim(src)))
+    return [x % ndim(src) for x in (dims if isinstance(dims, (list, tuple)) else [dims])]
 
 
 def _split_attrs(gm: fx.GraphModule, n: fx.Node, src: fx.Node, t: _Track) -> None:
     """A weight attribute an elementwise op applies along the split dim (a norm's scale over all
     heads, OLMo-2's q_norm) is split with the column it meets: recorded in ``t.attrs``."""
-    d = t.dim[src] + _ndim(n) - _ndim(src)
+    d = t.dim[src] + ndim(n) - ndim(src)
     for a in n.all_input_nodes:
         if a.op != "get_attr" or a in t.dim:
             continue
         shape = tuple(get_attr_path(gm, a.target).shape)
-        ad = d - (_ndim(n) - len(shape))
+        ad = d - (ndim(n) - len(shape))
         if ad >= 0 and shape[ad] != 1:
             t.dim[a], t.factor[a], t.origin[a] = ad, t.factor[src], t.origin.get(src)
             t.attrs.append(a)
@@ -542,17 +243,17 @@ def _split_attrs(gm: fx.GraphModule, n: fx.Node, src: fx.Node, t: _Track) -> Non
 def _split_broadcasts(n: fx.Node, src: fx.Node, t: _Track, fixes: list[ArgFix], where: str) -> None:
     """An unsplit operand broadcast to the split dim by ``expand`` from size 1 (MLA's shared
     rotary key part, expanded to every head) is split by expanding to this rank's count."""
-    d = t.dim[src] + _ndim(n) - _ndim(src)
+    d = t.dim[src] + ndim(n) - ndim(src)
     for a in n.all_input_nodes:
         if a in t.dim or not isinstance(a.meta.get("val"), torch.Tensor) or a.op == "get_attr":
             continue
-        ad = d - (_ndim(n) - _ndim(a))
+        ad = d - (ndim(n) - ndim(a))
         if ad < 0 or sym_expr(a.meta["val"].shape[ad]) == 1:
             continue
         ok = a.target in (aten.expand.default, aten.broadcast_to.default) and len(a.users) == 1
         arg = a.args[1][ad] if ok and ad < len(a.args[1]) else None
         inner = a.args[0] if ok else None
-        ok = ok and isinstance(arg, int) and isinstance(inner, fx.Node) and _ndim(inner) == _ndim(a) and (
+        ok = ok and isinstance(arg, int) and isinstance(inner, fx.Node) and ndim(inner) == ndim(a) and (
             sym_expr(inner.meta["val"].shape[ad]) == 1) and arg % t.factor[src] == 0
         if not ok:
             continue  # the elementwise rule names it
@@ -572,7 +273,7 @@ class _WholeBlocks(Exception):
 def _broadcast_heads(x: fx.Node, heads: int, f: int, fixes: list[ArgFix], where: str) -> None:
     """An unsplit K/V (one head, replicated whole) repeated to every query head by
     ``reshape(expand(k, [.., heads, ..]), [b, heads, s, d])``: repeat it to this rank's heads."""
-    d = _ndim(x) - 3
+    d = ndim(x) - 3
     if x.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default) and len(x.users) == 1:
         arg = x.args[1][d] if d < len(x.args[1]) else None
         if arg == heads:
@@ -590,7 +291,7 @@ def _broadcast_heads(x: fx.Node, heads: int, f: int, fixes: list[ArgFix], where:
 
 def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], parts: int, group: str,
             fixes: list[ArgFix], where: str, whole: frozenset = frozenset()) -> _Track:
-    t = _Track({c: _ndim(c) - 1 for c in columns}, {c: parts for c in columns}, {c: (c, None) for c in columns},
+    t = _Track({c: ndim(c) - 1 for c in columns}, {c: parts for c in columns}, {c: (c, None) for c in columns},
                {}, {}, {}, [])
     for key in whole:
         t.replicate[key] = parts
@@ -607,7 +308,7 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
         split_in = [a for a in n.all_input_nodes if a in sdim]
         if n in rows:
             a = n.args[0] if is_grouped_mm(n) else _projection(n).x
-            if sdim.get(a) != _ndim(a) - 1:
+            if sdim.get(a) != ndim(a) - 1:
                 raise ShardError(f"{where}: row-parallel {n.name} gets an input not split along its last dim")
             if t.factor[a] != parts:
                 raise ShardError(f"{where}: row-parallel {n.name} reads heads replicated over {parts // t.factor[a]} "
@@ -630,7 +331,7 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
         if target in BLOCK_OPS and n.args[0] in sdim:
             pos = 1 if target == aten.slice.Tensor else 2
             dim_arg = n.args[pos] if len(n.args) > pos else n.kwargs.get("dim", 0)
-            if dim_arg % _ndim(src0) == sdim[src0]:
+            if dim_arg % ndim(src0) == sdim[src0]:
                 _cut_into_blocks(n, src0, t)
                 col, starts = t.pieces[n]
                 sdim[n], t.factor[n] = sdim[src0], f
@@ -638,7 +339,8 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
                 frontier.extend(sorted(n.users, key=order.__getitem__))
                 frontier.sort(key=order.__getitem__)
                 continue
-        if target in RULES and RULES[target] is _elementwise and n.args and src0 in sdim:
+        rule = RULES.get(target)
+        if rule is not None and rule.kind == "elementwise" and n.args and src0 in sdim:
             _split_attrs(gm, n, src0, t)
             _split_broadcasts(n, src0, t, fixes, where)
         if target == aten.mean.dim and sdim[src0] in _reduced_dims(n, src0):
@@ -646,17 +348,17 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
             # replicated KV heads too (each distinct slice counted parts / factor times)
             t.means.append(n)  # replicated once all-reduced: its users see an unsplit value
             continue
-        if target in RESHAPE_RULES:
+        if rule is not None and rule.kind == "reshape":
             try:
-                sdim[n] = RESHAPE_RULES[target](n, sdim, f, fixes)
-            except _Replicate as r:
+                sdim[n] = rule.fn(n, sdim, f, fixes)
+            except Replicate as r:
                 key = t.origin.get(src0)
                 if key is None:
                     raise ShardError(f"{where}: {n.name} reshapes into {r.heads} heads, fewer than {f} ranks, and "
                                      "the heads do not come from one projection that could be replicated") from None
                 t.replicate[key] = f // r.heads
                 f = t.factor[src0] = r.heads
-                sdim[n] = RESHAPE_RULES[target](n, sdim, f, fixes)
+                sdim[n] = rule.fn(n, sdim, f, fixes)
             if src0 in merged:
                 j = sdim[n]
                 want = sym_expr(src0.meta["val"].shape[merged[src0]]) * sym_expr(src0.meta["val"].shape[merged[src0] + 1])
@@ -665,27 +367,27 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
             elif target == aten.expand.default and f < parts:
                 d = sdim[n]
                 arg = n.args[1][d + 1] if d + 1 < len(n.args[1]) else None
-                insize = _shape(src0)[d + 1 - (_ndim(n) - _ndim(src0))] if d + 1 < _ndim(n) else None
+                insize = shape_of(src0)[d + 1 - (ndim(n) - ndim(src0))] if d + 1 < ndim(n) else None
                 if not (isinstance(arg, int) and insize == 1 and arg % (parts // f) == 0):
                     raise ShardError(f"{where}: {n.name}: replicated KV heads must be repeated by an expand of a "
                                      f"size-1 dim after the head dim divisible by {parts // f}")
                 fixes.append(ArgFix(n.name, d + 1, arg, arg // (parts // f)))
                 merged[n] = d
                 f = parts
-        elif target in RULES:
+        elif rule is not None:
             if target in SDPA_OPS and n.args[0] in sdim:
                 q = n.args[0]
                 heads = int(sym_expr(q.meta["val"].shape[-3]))  # (meta holds the unsharded shape)
-                single = {t.origin.get(x) for x in n.args[1:3] if x in sdim and sdim[x] == _ndim(x) - 1}
+                single = {t.origin.get(x) for x in n.args[1:3] if x in sdim and sdim[x] == ndim(x) - 1}
                 if single and None not in single and all(k[1] is not None for k in single):
                     raise _WholeBlocks(single)
                 for x in n.args[1:3]:
                     if x not in sdim and isinstance(x, fx.Node):
                         _broadcast_heads(x, heads, t.factor[q], fixes, where)
-                        sdim[x], t.factor[x], t.origin[x] = _ndim(x) - 3, t.factor[q], None
+                        sdim[x], t.factor[x], t.origin[x] = ndim(x) - 3, t.factor[q], None
             if src0 in merged:
                 raise ShardError(f"{where}: {n.name} ({target}) reads repeated KV heads before they are merged")
-            sdim[n] = RULES[target](n, sdim, f)
+            sdim[n] = rule.fn(n, sdim, f, fixes)
         elif target in LINEAR_OPS or is_grouped_mm(n):
             raise ShardError(f"{where}: {n.name} ({target}) reads a split tensor but is not the row-parallel projection")
         else:
@@ -717,7 +419,7 @@ def _column_row_pairs(projs: list[fx.Node], region: set[fx.Node],
     """Group an MLP's projections into (column-parallel inputs, row-parallel output) pairs: a row
     reads a value computed from other projections, its columns are those projections. Others
     (a shared expert's gate: a linear to one sigmoid) stay replicated."""
-    from .roles import ancestors
+    from ..roles import ancestors
 
     pset = set(projs)
 
@@ -744,7 +446,7 @@ def _check_linear_path(rows: list[fx.Node], out: fx.Node, region: set[fx.Node], 
     """Everything between the row-parallel outputs and the block output must be linear in them
     (partial sums may be scaled, indexed, reshaped, summed, added to each other), so settling
     the sum once at the block output equals settling each at its row."""
-    from .roles import ancestors, descendants
+    from ..roles import ancestors, descendants
 
     up = ancestors([out], within=region) | {out}
     path = {n for r in rows for n in descendants(r, region) & up} - set(rows)
@@ -771,7 +473,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
                 replicated_mlp: frozenset[int] = frozenset()) -> ShardPlan:
     """Find the linears of every layer and follow their splits. Needs ``afd.role``. The MLPs of
     the ``replicated_mlp`` layers keep their full weights (a data-parallel MLP)."""
-    from .roles import ancestors, descendants, find_router
+    from ..roles import ancestors, descendants, find_router
 
     weights: list[ShardedWeight] = []
     fixes: list[ArgFix] = []
@@ -834,7 +536,7 @@ def reads_weight(n: fx.Node) -> bool:
         while isinstance(a, fx.Node) and a.target in (aten.t.default, aten.numpy_T.default, aten.transpose.int,
                                                       aten.permute.default):
             a = a.args[0]
-        if isinstance(a, fx.Node) and a.op == "get_attr" and _ndim(a) in (0, 2):
+        if isinstance(a, fx.Node) and a.op == "get_attr" and ndim(a) in (0, 2):
             return True
     return False
 
@@ -864,7 +566,7 @@ def _attention_heads(attn: fx.Node) -> int | None:
 
 
 def _producer_linear(out: fx.Node, members: set) -> fx.Node | None:
-    from .roles import PASSTHROUGH_OPS
+    from ..roles import PASSTHROUGH_OPS
 
     n = out
     while n in members:

@@ -1,0 +1,289 @@
+"""How the split dimension passes each op: one rule per op, registered in :data:`RULES`.
+
+A rule is ``fn(node, sdim, parts, fixes) -> dim``: given the split dim of each split input
+(``sdim``: node -> dim) and the number of slices, it returns the node's split dim, appends to
+``fixes`` the constant size arguments that must be divided (a head count in a reshape), or raises
+ShardError naming the node when the op would mix the split dim into something a slice cannot
+compute (a reduction over it, a norm over it, an unsplit operand spanning it). The walk in
+``shard/__init__.py`` (``_follow``) calls the rule of each op it meets; a rule's ``kind`` tells the
+walk what else to do there: ``elementwise`` (weight attributes and broadcast operands applied
+along the split dim are split too), ``reshape`` (may ask for replicated heads with
+:class:`Replicate`), ``op`` (nothing else). This is the idea of DTensor's per-op sharding
+strategies and view-op dim maps, for one split dim.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ..symbolic import sym_expr
+from .types import ArgFix, ShardError
+
+aten = torch.ops.aten
+
+_ELEMENTWISE = {
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default,
+    aten.silu.default, aten.gelu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
+    aten.exp.default, aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.to.dtype, aten.to.dtype_layout,
+    aten._to_copy.default, aten.contiguous.default, aten.clone.default, aten.alias.default,
+    aten.dropout.default, aten.type_as.default, aten.where.self, aten.masked_fill.Scalar,
+    aten.add.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.sub.Scalar, aten.sqrt.default,
+    aten.copy_.default, aten.square.default, aten.abs.default, aten.erf.default, aten.log.default, aten.pow.Tensor_Tensor,
+    aten.clamp.default, aten.minimum.default, aten.maximum.default, aten.sin.default, aten.cos.default,
+    aten.gelu_tanh.default if hasattr(aten, "gelu_tanh") else aten.gelu.default,
+}
+
+
+def ndim(n: object) -> int:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v.dim() if isinstance(v, torch.Tensor) else 0
+
+
+def shape_of(n: fx.Node) -> list:
+    return [sym_expr(s) for s in n.meta["val"].shape]
+
+
+RuleFn = Callable[[fx.Node, dict, int, "list[ArgFix] | None"], "int | None"]
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """How the split dim passes one op (see the module docstring): ``fn`` and its ``kind``."""
+
+    fn: RuleFn
+    kind: str = "op"  # elementwise | reshape | op
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("elementwise", "reshape", "op"):
+            raise ValueError(f"shard rule kind must be elementwise, reshape or op, got {self.kind!r}")
+
+
+def _elementwise(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    out = ndim(node)
+    dims = set()
+    for a in node.all_input_nodes:
+        if a in sdim:
+            dims.add(sdim[a] + out - ndim(a))
+    if len(dims) != 1:
+        raise ShardError(f"{node.name} ({node.target}) combines tensors split along different dims {sorted(dims)}")
+    d = dims.pop()
+    for a in node.all_input_nodes:  # an unsplit operand must broadcast along the split dim
+        if a not in sdim and isinstance(a.meta.get("val"), torch.Tensor) and ndim(a) > 0:
+            ad = d - (out - ndim(a))
+            if ad >= 0 and sym_expr(a.meta["val"].shape[ad]) != 1:
+                raise ShardError(f"{node.name}: operand {a.name} is not split but spans the split dim {d}")
+    return d
+
+
+def _reduce_over(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    (src,) = [a for a in node.all_input_nodes if a in sdim]
+    d = sdim[src]
+    dims = node.args[1] if len(node.args) > 1 else list(range(ndim(src)))
+    dims = [x % ndim(src) for x in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    if d in dims:
+        raise ShardError(f"{node.name} ({node.target}) reduces over the split dim {d}")
+    keep = node.target in (aten.softmax.int, aten._softmax.default, aten._safe_softmax.default) or (
+        len(node.args) > 2 and node.args[2])
+    return d if keep else d - sum(1 for x in dims if x < d)
+
+
+def _transpose(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    d = sdim[node.args[0]]
+    a, b = (x % ndim(node) for x in node.args[1:3])
+    return b if d == a else a if d == b else d
+
+
+def _permute(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    perm = [x % ndim(node) for x in node.args[1]]
+    return perm.index(sdim[node.args[0]])
+
+
+def _unsqueeze(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    d, at = sdim[node.args[0]], node.args[1] % ndim(node)
+    return d + 1 if at <= d else d
+
+
+def _common_split(node: fx.Node, srcs: Sequence[fx.Node], sdim: dict) -> int:
+    """The split dim every one of ``srcs`` shares (cat / stack / chunk need all split alike)."""
+    split = {sdim[s] for s in srcs if s in sdim}
+    if len(split) != 1 or any(s not in sdim for s in srcs):
+        raise ShardError(f"{node.name} ({node.target}) mixes split and unsplit inputs")
+    return split.pop()
+
+
+def _along_other_dim(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    src = node.args[0][0] if isinstance(node.args[0], (list, tuple)) else node.args[0]
+    srcs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+    d = _common_split(node, srcs, sdim)
+    pos = 2 if node.target in (aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default) else 1
+    dim = (node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", 0)) % ndim(src)
+    if dim == d:
+        raise ShardError(f"{node.name} ({node.target}) works along the split dim {d}")
+    return d
+
+
+def _stack(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """stack(xs, dim): a new dim at ``dim``; the split dim moves right when it is at or after it
+    (GPT-J's rotary stacks the rotated halves along a new last dim)."""
+    d = _common_split(node, node.args[0], sdim)
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % ndim(node)
+    return d if d < dim else d + 1
+
+
+def _flatten(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """flatten(x, start, end): dims start..end merge; the split dim may only be the outermost of them."""
+    src = node.args[0]
+    n = ndim(src)
+    start = (node.args[1] if len(node.args) > 1 else 0) % max(n, 1)
+    end = (node.args[2] if len(node.args) > 2 else -1) % max(n, 1)
+    d = sdim[src]
+    if d < start:
+        return d
+    if d > end:
+        return d - (end - start)
+    if d != start:
+        raise ShardError(f"{node.name}: flatten merges the split dim {d} into dims {start}..{end} as an inner dim")
+    return start
+
+
+def _layer_norm(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """layer_norm / rms_norm over trailing dims that leave the split dim alone (Persimmon's
+    per-head q/k LayerNorm over head_dim): the split dim passes through."""
+    src, shape = node.args[0], node.args[1]
+    d = sdim[src]
+    if d >= ndim(src) - len(shape) or any(a in sdim for a in node.all_input_nodes if a is not src):
+        raise ShardError(f"{node.name} ({node.target}) normalises over the split dim {d}")
+    return d
+
+
+def _index(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """x[..., idx] with ``None`` for every dim up to and including the split dim and 1-D
+    indices after it (Falcon picks K and V out of each KV group): the split dim stays."""
+    src, idx = node.args[0], node.args[1]
+    d = sdim[src]
+    if any(i in sdim for i in idx if isinstance(i, fx.Node)) or len(idx) <= d or any(i is not None for i in idx[: d + 1]):
+        raise ShardError(f"{node.name}: indexing touches the split dim {d}")
+    if sum(1 for i in idx if i is not None) > 1 or any(
+            isinstance(i, fx.Node) and ndim(i) != 1 for i in idx):
+        raise ShardError(f"{node.name}: only one 1-D index after the split dim is understood")
+    return d
+
+
+def _new_empty(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """``x.new_empty(size)`` with ``x`` split: the new tensor is split where ``x`` is (MLA builds
+    its key from a split k_nope and a broadcast k_pe this way); its size there is divided."""
+    src = node.args[0]
+    d = sdim[src]
+    size = node.args[1]
+    if len(size) != ndim(src) or not isinstance(size[d], int) or size[d] % parts:
+        raise ShardError(f"{node.name}: new_empty of size {size} does not keep the split dim {d} as a constant")
+    if fixes is not None:
+        fixes.append(ArgFix(node.name, d, size[d], size[d] // parts))
+    return d
+
+
+def _getitem(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    return sdim[node.args[0]]
+
+
+def _sdpa(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    q, k, v = node.args[:3]
+    if not all(x in sdim for x in (q, k, v)):
+        raise ShardError(f"{node.name}: attention with q/k/v not all split over heads")
+    bad = {x.name: sdim[x] for x in (q, k, v) if sdim[x] != ndim(x) - 3}
+    if bad:  # [batch, heads, seq, head_dim]: a split head_dim would be a silently wrong attention
+        raise ShardError(f"{node.name}: attention inputs must be split along the heads dim (-3); {bad} are split "
+                         "along another dim (a projection whose output is one head, e.g. multi-query attention's "
+                         "single K/V head, is not supported yet)")
+    return sdim[q]
+
+
+def _matmul(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    a, b = node.args[:2]
+    out = ndim(node)
+    dims = {sdim[x] + out - ndim(x) for x in (a, b) if x in sdim}
+    if len(dims) != 1 or not all(x in sdim for x in (a, b)) or dims.pop() >= out - 2:
+        raise ShardError(f"{node.name}: matmul must have both operands split along the same batch (head) dim")
+    return sdim[a] + out - ndim(a)
+
+
+class Replicate(Exception):
+    """A reshape into fewer heads than ranks: the projection's heads get replicated."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__(heads)
+        self.heads = heads
+
+
+def _reshape(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    src = node.args[0]
+    d = sdim[src]
+    ishape, oshape = shape_of(src), shape_of(node)
+    prefix = sympy.Integer(1)
+    for x in ishape[:d]:
+        prefix *= x
+    # the leading dims kept as they are (x[B, S, H*D] -> [B, S, H, D]): the split dim stays at d.
+    # Matching by the product of the leading dims alone is ambiguous when a size-1 dim follows
+    # them (decode: S == 1 makes [B, 1, H, D]'s dims 1 and 2 both start after a prefix B)
+    kept = len(oshape) > d and all(sympy.simplify(a - b) == 0 for a, b in zip(ishape[:d], oshape[:d], strict=False))
+    acc = sympy.Integer(1)
+    for j, size in enumerate(oshape):
+        if (j == d) if kept else sympy.simplify(acc - prefix) == 0:
+            if not (size.is_Integer and int(size) % parts == 0 and int(size) >= parts):
+                if size.is_Integer and int(size) > 0 and parts % int(size) == 0:
+                    raise Replicate(int(size))
+                raise ShardError(
+                    f"{node.name}: split dim {d} (size {ishape[d]}) of {src.name} maps to output dim {j} of "
+                    f"size {size}, which {parts} ranks cannot divide (a head count: the layout must divide the "
+                    "attention head count, and divide or be a multiple of the KV head count)"
+                )
+            arg = node.args[1][j]
+            if isinstance(arg, int) and arg != -1 and fixes is not None:
+                fixes.append(ArgFix(node.name, j, arg, arg // parts))
+            elif not isinstance(arg, int):
+                raise ShardError(f"{node.name}: output dim {j} is split but its size is symbolic ({arg})")
+            return j
+        acc *= size
+    raise ShardError(f"{node.name}: cannot follow split dim {d} of {tuple(ishape)} into {tuple(oshape)}")
+
+
+def _expand(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    src = node.args[0]
+    d = sdim[src] + ndim(node) - ndim(src)
+    arg = node.args[1][d]
+    if isinstance(arg, int) and arg != -1 and fixes is not None:
+        if arg % parts:
+            raise ShardError(f"{node.name}: expand size {arg} at split dim {d} does not divide by {parts}")
+        fixes.append(ArgFix(node.name, d, arg, arg // parts))
+    return d
+
+
+#: op -> its rule; every op a split tensor may reach is here, or the walk refuses it by name
+RULES: dict[object, ShardRule] = {op: ShardRule(_elementwise, "elementwise") for op in _ELEMENTWISE}
+RULES.update({op: ShardRule(fn) for op, fn in {
+    aten.mean.dim: _reduce_over, aten.sum.dim_IntList: _reduce_over, aten.amax.default: _reduce_over,
+    aten.softmax.int: _reduce_over, aten._softmax.default: _reduce_over, aten._safe_softmax.default: _reduce_over,
+    aten.transpose.int: _transpose, aten.permute.default: _permute, aten.unsqueeze.default: _unsqueeze,
+    aten.slice.Tensor: _along_other_dim, aten.cat.default: _along_other_dim, aten.chunk.default: _along_other_dim,
+    aten.split.Tensor: _along_other_dim, aten.split_with_sizes.default: _along_other_dim,
+    aten.select.int: _along_other_dim, aten.stack.default: _stack, aten.flatten.using_ints: _flatten,
+    operator.getitem: _getitem, aten.layer_norm.default: _layer_norm, aten.index.Tensor: _index,
+    **({aten.rms_norm.default: _layer_norm} if hasattr(aten, "rms_norm") else {}),
+    aten.scaled_dot_product_attention.default: _sdpa,
+    aten.matmul.default: _matmul, aten.bmm.default: _matmul,
+}.items()})
+RULES.update({op: ShardRule(fn, "reshape") for op, fn in {
+    aten.view.default: _reshape, aten.reshape.default: _reshape, aten._unsafe_view.default: _reshape,
+    aten.expand.default: _expand, aten.broadcast_to.default: _expand, aten.new_empty.default: _new_empty,
+}.items()})
+IGNORED = {aten._assert_tensor_metadata.default}
+# ops that cut a tensor into pieces along a dim: along the split dim they mark a fused projection
+BLOCK_OPS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor}
+
+

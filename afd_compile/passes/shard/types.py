@@ -1,0 +1,68 @@
+"""The records of a sharding plan: which weight is split how, which constant arguments change,
+and the error the sharding raises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import AFDCompileError
+
+
+class ShardError(AFDCompileError):
+    """A layout that does not divide a dimension, or a graph the sharding rules cannot follow."""
+
+
+@dataclass(frozen=True)
+class ShardedWeight:
+    """``target`` is split along ``dim`` into ``parts`` slices over the ``group`` (attn|mlp).
+
+    ``blocks``: sizes of the consecutive blocks along ``dim`` that are sliced separately (a fused
+    gate_up or qkv weight: each rank gets its slice of every block); ``()`` when unfused.
+    ``replicate``: per block, ranks sharing one slice (KV heads replicated when attn_tp exceeds
+    their count; rank r takes slice ``r // k`` of ``parts // k``); ``()`` when none is.
+    """
+
+    target: str
+    dim: int
+    parts: int
+    group: str
+    kind: str  # column | row | row_bias
+    blocks: tuple[int, ...] = ()
+    replicate: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        extra = f" in blocks {list(self.blocks)}" if len(self.blocks) > 1 else ""
+        if any(k > 1 for k in self.replicate):
+            extra += f", replicated x{list(self.replicate)}" if len(self.replicate) > 1 else \
+                f", each slice on {self.replicate[0]} ranks"
+        return f"{self.kind}-parallel {self.target} dim {self.dim} / {self.parts} over {self.group}{extra}"
+
+
+@dataclass(frozen=True)
+class ArgFix:
+    """Set an int argument of ``node`` from ``old`` to ``new`` (a head count in a reshape, a
+    slice bound of a fused projection): ``node.args[arg][index]``, or ``node.args[arg]`` when
+    index is None."""
+
+    node: str
+    index: int | None
+    old: int
+    new: int
+    arg: int = 1
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    weights: tuple[ShardedWeight, ...]
+    arg_fixes: tuple[ArgFix, ...]
+    row_outputs: tuple[tuple[str, str, int], ...]  # (node, group, layer): partial sums to settle
+    # (node, group, layer, parts): a mean over a split dim (OLMo-2's q/k norm over all heads):
+    # each rank's mean of its slice; all-reduced over the group and divided by parts = the full mean
+    split_means: tuple[tuple[str, str, int, int], ...] = ()
+
+    def __str__(self) -> str:
+        return "\n".join([*(str(w) for w in self.weights),
+                          *(f"{m}: mean over the split dim, all-reduced over {g} / {p}"
+                            for m, g, _, p in self.split_means),
+                          *(f"{f.node} arg {f.arg}{'' if f.index is None else f'[{f.index}]'}: {f.old} -> "
+                            f"{f.new}" for f in self.arg_fixes)])

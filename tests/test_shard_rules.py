@@ -1,0 +1,125 @@
+"""Each sharding rule on a tiny graph: the split dim in, the split dim out (or the refusal), and
+the constant size arguments it divides. The rules are ``afd_compile.passes.shard.rules.RULES``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from afd_compile.passes.shard import RULES, ArgFix, ShardError
+from afd_compile.passes.shard.rules import Replicate
+
+aten = torch.ops.aten
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *xs):
+        return self.fn(*xs)
+
+
+def _apply(fn, shapes, split, target, parts=2):
+    """Export ``fn`` on tensors of ``shapes``, find the node of ``target`` and run its rule with
+    input ``i`` split along ``split[i]`` (inputs not in ``split`` are unsplit)."""
+    with torch.no_grad():
+        gm = torch.export.export(_Fn(fn), tuple(torch.randn(s) for s in shapes)).module()
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    node = next(n for n in gm.graph.nodes if n.target == target)
+    sdim = {inputs[i]: d for i, d in split.items()}
+    for n in gm.graph.nodes:  # ops between an input and the node (getitem of a chunk) keep its dim
+        if n not in sdim and n is not node and n.op == "call_function" and n.args and n.args[0] in sdim:
+            sdim[n] = sdim[n.args[0]]
+    fixes: list[ArgFix] = []
+    rule = RULES[target]
+    return rule.fn(node, sdim, parts, fixes), [(f.index, f.old, f.new) for f in fixes], rule.kind
+
+
+CASES = [  # id, fn, input shapes, split dims, op, expected out dim, expected fixes
+    ("add_broadcast_size_1", lambda x, y: x + y, [(2, 4, 8), (2, 1, 8)], {0: 1}, aten.add.Tensor, 1, []),
+    ("silu", lambda x: F.silu(x), [(2, 4, 8)], {0: 2}, aten.silu.default, 2, []),
+    ("mean_other_dim", lambda x: x.mean(-1, keepdim=True), [(2, 4, 8)], {0: 1}, aten.mean.dim, 1, []),
+    ("mean_drops_a_dim", lambda x: x.mean(0), [(2, 4, 8)], {0: 2}, aten.mean.dim, 1, []),
+    ("softmax_other_dim", lambda x: x.softmax(-1), [(2, 4, 8)], {0: 1}, aten.softmax.int, 1, []),
+    ("transpose", lambda x: x.transpose(1, 2), [(2, 4, 8)], {0: 1}, aten.transpose.int, 2, []),
+    ("permute", lambda x: x.permute(0, 2, 1, 3), [(2, 4, 3, 5)], {0: 1}, aten.permute.default, 2, []),
+    ("unsqueeze_before", lambda x: x.unsqueeze(0), [(2, 4, 8)], {0: 1}, aten.unsqueeze.default, 2, []),
+    ("cat_other_dim", lambda x, y: torch.cat([x, y], -1), [(2, 4, 8), (2, 4, 8)], {0: 1, 1: 1},
+     aten.cat.default, 1, []),
+    ("stack_new_last_dim", lambda x, y: torch.stack([x, y], -1), [(2, 4, 8), (2, 4, 8)], {0: 1, 1: 1},
+     aten.stack.default, 1, []),
+    ("flatten_outer", lambda x: x.flatten(2, 3), [(2, 3, 4, 8)], {0: 2}, aten.flatten.using_ints, 2, []),
+    ("layer_norm_trailing", lambda x: F.layer_norm(x, (8,)), [(2, 4, 8)], {0: 1}, aten.layer_norm.default, 1, []),
+    ("view_heads_divided", lambda x: x.view(2, 5, 4, 16), [(2, 5, 64)], {0: 2}, aten.view.default, 2,
+     [(2, 4, 2)]),
+    ("view_heads_minus_one_kept", lambda x: x.view(2, 5, -1, 16), [(2, 5, 64)], {0: 2}, aten.view.default, 2, []),
+    ("expand_kv_heads", lambda x: x.expand(2, 4, 3, 8), [(2, 4, 1, 8)], {0: 1}, aten.expand.default, 1,
+     [(1, 4, 2)]),
+    ("new_empty_split_size", lambda x: x.new_empty([2, 4, 8]), [(2, 4, 8)], {0: 1}, aten.new_empty.default, 1,
+     [(1, 4, 2)]),
+    ("matmul_heads", lambda a, b: a @ b, [(2, 4, 5, 8), (2, 4, 8, 5)], {0: 1, 1: 1}, aten.matmul.default, 1, []),
+    ("sdpa_heads", lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [(1, 4, 5, 8)] * 3,
+     {0: 1, 1: 1, 2: 1}, aten.scaled_dot_product_attention.default, 1, []),
+    ("index_after_split", lambda x, i: x[:, :, i.long()], [(2, 4, 6), (3,)], {0: 1}, aten.index.Tensor, 1, []),
+    ("select_other_dim", lambda x: x[:, :, 0], [(2, 4, 6)], {0: 1}, aten.select.int, 1, []),
+    ("chunk_other_dim", lambda x: x.chunk(2, -1)[0], [(2, 4, 8)], {0: 1}, aten.chunk.default, 1, []),
+]
+
+
+@pytest.mark.parametrize(("fn", "shapes", "split", "op", "dim", "fixes"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_rule_follows_the_split_dim(fn, shapes, split, op, dim, fixes):
+    got, got_fixes, kind = _apply(fn, shapes, split, op)
+    assert got == dim
+    assert got_fixes == fixes
+    assert kind == ("reshape" if op in (aten.view.default, aten.expand.default, aten.new_empty.default)
+                    else "elementwise" if op in (aten.add.Tensor, aten.silu.default) else "op")
+
+
+REFUSED = [  # id, fn, shapes, split, op, message
+    ("add_unsplit_spans_split_dim", lambda x, y: x + y, [(2, 4, 8), (4, 8)], {0: 1}, aten.add.Tensor,
+     "is not split but spans the split dim"),
+    ("add_split_along_different_dims", lambda x, y: x + y, [(4, 4), (4, 4)], {0: 0, 1: 1}, aten.add.Tensor,
+     "split along different dims"),
+    ("mean_over_split_dim", lambda x: x.mean(-1), [(2, 4, 8)], {0: 2}, aten.mean.dim, "reduces over the split dim"),
+    ("softmax_over_split_dim", lambda x: x.softmax(-1), [(2, 4, 8)], {0: 2}, aten.softmax.int,
+     "reduces over the split dim"),
+    ("cat_along_split_dim", lambda x, y: torch.cat([x, y], 1), [(2, 4, 8), (2, 4, 8)], {0: 1, 1: 1},
+     aten.cat.default, "works along the split dim"),
+    ("cat_split_with_unsplit", lambda x, y: torch.cat([x, y], -1), [(2, 4, 8), (2, 4, 8)], {0: 1},
+     aten.cat.default, "mixes split and unsplit inputs"),
+    ("flatten_split_inner", lambda x: x.flatten(2, 3), [(2, 3, 4, 8)], {0: 3}, aten.flatten.using_ints,
+     "as an inner dim"),
+    ("layer_norm_over_split", lambda x: F.layer_norm(x, (8,)), [(2, 4, 8)], {0: 2}, aten.layer_norm.default,
+     "normalises over the split dim"),
+    ("view_heads_not_divisible", lambda x: x.view(2, 5, 3, 16), [(2, 5, 48)], {0: 2}, aten.view.default,
+     "which 2 ranks cannot divide"),
+    ("matmul_one_side_split", lambda a, b: a @ b, [(2, 4, 5, 8), (2, 4, 8, 5)], {0: 1}, aten.matmul.default,
+     "both operands split along the same batch (head) dim"),
+    ("sdpa_split_head_dim", lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [(1, 4, 5, 8)] * 3,
+     {0: 3, 1: 3, 2: 3}, aten.scaled_dot_product_attention.default, "must be split along the heads dim"),
+]
+
+
+@pytest.mark.parametrize(("fn", "shapes", "split", "op", "message"), [c[1:] for c in REFUSED],
+                         ids=[c[0] for c in REFUSED])
+def test_rule_refuses_what_a_slice_cannot_compute(fn, shapes, split, op, message):
+    with pytest.raises(ShardError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _apply(fn, shapes, split, op)
+
+
+def test_a_reshape_into_fewer_heads_than_ranks_asks_for_replication():
+    with pytest.raises(Replicate) as e:  # one KV head over 2 ranks: the walk replicates it
+        _apply(lambda x: x.view(2, 5, 1, 16), [(2, 5, 16)], {0: 2}, aten.view.default)
+    assert e.value.heads == 1
+
+
+def test_every_rule_has_one_signature_and_a_known_kind():
+    import inspect
+
+    for op, rule in RULES.items():
+        assert rule.kind in ("elementwise", "reshape", "op"), op
+        assert list(inspect.signature(rule.fn).parameters) == ["node", "sdim", "parts", "fixes"], op
