@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
 import afd_compile
 
 PKG = pathlib.Path(afd_compile.__file__).parent
@@ -143,3 +145,27 @@ def test_layers_of_groups_members_and_finds_the_ffn_output(exported):
         assert ffn and all(n.meta[META_KEY].role is Role.FFN for n in ffn)
         out = layer.ffn_output
         assert out is ffn[-1] and any(u not in ffn for u in out.users)  # the MLP's down_proj, read by the add
+
+
+def test_every_planned_transition_has_an_emitter_and_a_missing_one_is_named(exported, monkeypatch):
+    from afd_compile.errors import TPRewriteError
+    from afd_compile.passes import emitters
+    from afd_compile.passes.dist_states import plan_tp
+    from afd_compile.passes.roles import annotate_roles
+    from afd_compile.passes.tp_rewrite import shard_for_rank
+    from afd_compile.scatter import Collective, ScatterMode, TPLayout
+
+    gm = exported("qwen3moe3_mixed")[0].module()  # MoE, dense, MoE layers
+    annotate_roles(gm)
+    seen = set()
+    for layout in (TPLayout(4), TPLayout(4, 2), TPLayout(4, 4), TPLayout(2, moe_a2a=True),
+                   TPLayout(4, 2, moe_a2a=True), TPLayout(4, 2, dense_dp=True), TPLayout(4, 2, moe_a2a=True, dense_dp=True)):
+        for _, _, key in emitters.planned(plan_tp(gm, layout)):
+            assert key in emitters.EMITTERS, key
+            seen.add(key)
+    assert seen == set(emitters.EMITTERS)  # no emitter is dead
+    key = emitters.JunctionKey("prepare_mlp", Collective.ALL_GATHER, True, ScatterMode.FULL)
+    monkeypatch.delitem(emitters.EMITTERS, key)
+    with pytest.raises(TPRewriteError, match=r"layer 0 prepare_mlp: all_gather \(settling a partial sum\) with a "
+                                             r"FULL MLP: planned, but no emitter is registered"):
+        shard_for_rank(gm, TPLayout(4, 2), 0)
