@@ -3,10 +3,11 @@
 ``scatter.transition`` gives each junction of each layer its collectives (``TPPlan``). Here every
 kind of planned transition, keyed by :class:`JunctionKey` (junction, collective, whether it also
 settles a partial sum, the MLP's mode), has one registered :class:`Emitter`: the function that
-puts its ``afd::`` op into a rank's graph, or, for the SCATTERED-MLP transitions, the note that
-``scattered.rewrite_scattered_layers`` emits them in its own per-layer walk (it carries state from
-layer to layer). ``tp_rewrite`` only orchestrates: per layer it looks each planned transition up
-and calls its emitter; it never branches on modes. A transition with no emitter is refused by
+puts its ``afd::`` op into a rank's graph. The standard-TP and DP-attention emitters are here;
+the SCATTERED-MLP ones are in ``scattered.py`` (registered with ``by="scattered"``: their site
+carries the previous layer's SCATTERED output). ``tp_rewrite`` and ``scattered`` only
+orchestrate: per layer they look each planned transition up and call its emitter; neither
+branches on modes to choose a collective. A transition with no emitter is refused by
 :func:`check_emitters` before anything is rewritten, naming the layer, the junction and the
 transition. Adding a collective = its op (``ops.py``), its row in ``scatter.transition``, its
 emitter here.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -84,8 +86,8 @@ class Site:
 
 @dataclass(frozen=True)
 class Emitter:
-    by: str  # the pass that emits it: tp_rewrite | scattered
-    fn: Callable[[Site], None] | None  # None: emitted inside the ``by`` pass's own walk
+    by: str  # the pass whose walk calls it: tp_rewrite | scattered (its site type differs)
+    fn: Callable[[Any], None]
     what: str
 
 
@@ -93,9 +95,12 @@ EMITTERS: dict[JunctionKey, Emitter] = {}
 
 
 def register(junction: str, collective: Collective, reduces: bool, mlp: ScatterMode, what: str,
-             by: str = "tp_rewrite") -> Callable[[Callable[[Site], None]], Callable[[Site], None]]:
-    def deco(fn: Callable[[Site], None]) -> Callable[[Site], None]:
-        EMITTERS[JunctionKey(junction, collective, reduces, mlp)] = Emitter(by, fn, what)
+             by: str = "tp_rewrite") -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
+    def deco(fn: Callable[[Any], None]) -> Callable[[Any], None]:
+        key = JunctionKey(junction, collective, reduces, mlp)
+        if key in EMITTERS:
+            raise ValueError(f"an emitter for {key} is registered twice")
+        EMITTERS[key] = Emitter(by, fn, what)
         return fn
 
     return deco
@@ -119,30 +124,13 @@ def check_emitters(plan: object) -> None:
                                  "is not implemented yet); `afd-compile plan` shows the full plan")
 
 
-def emit_layer(site: Site, plan: object, junctions: tuple[str, ...] = JUNCTIONS) -> None:
-    """Call the emitter of each of this layer's planned transitions at ``junctions`` that
-    tp_rewrite emits (the SCATTERED ones are scattered's)."""
-    for layer, name, key in planned(plan):
-        if layer == site.layer and name in junctions:
-            e = EMITTERS[key]
-            if e.by == "tp_rewrite":
-                assert e.fn is not None
-                e.fn(site)
-
-
-# --- the SCATTERED-MLP transitions: emitted by scattered.rewrite_scattered_layers ----------------
-
-for _key, _what in (
-    (JunctionKey("prepare_mlp", Collective.REDUCE_SCATTER, True, ScatterMode.SCATTERED),
-     "afd.reduce_scatter_group_tokens of o_proj's partial sum into this rank's share of the group's tokens"),
-    (JunctionKey("postprocess_layer", Collective.ALL_GATHER, False, ScatterMode.SCATTERED),
-     "the last layer adds the residual, then afd.all_gather_group_tokens"),
-    (JunctionKey("prepare_attn", Collective.ALL_GATHER, False, ScatterMode.SCATTERED),
-     "afd.all_gather_group_tokens of the SCATTERED layer input for attention"),
-    (JunctionKey("prepare_attn", Collective.ALL_GATHER, False, ScatterMode.FULL),
-     "afd.all_gather_group_tokens of the SCATTERED layer input (after a SCATTERED layer) for attention"),
-):
-    EMITTERS[_key] = Emitter("scattered", None, _what)
+def emit_layer(site: Any, plan: object, by: str = "tp_rewrite") -> None:
+    """Call, in junction order, the emitter of each of this layer's planned transitions that the
+    pass ``by`` emits (``tp_rewrite``: standard TP and DP attention; ``scattered``: SCATTERED
+    MLPs, whose site carries the previous layer's output)."""
+    for layer, _, key in planned(plan):
+        if layer == site.layer and EMITTERS[key].by == by:
+            EMITTERS[key].fn(site)
 
 
 # --- standard TP: all-reduce the row-parallel outputs ---------------------------------------------

@@ -26,15 +26,17 @@ per-token combine) runs on the tokens an ``afd.ep_dispatch`` all-to-all brings, 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from ..comm import GROUP_ATTN_TP, GROUP_TP
 from ..errors import AFDCompileError, TPRewriteError
-from ..scatter import ScatterMode, TPLayout
+from ..scatter import Collective, ScatterMode, TPLayout
 from .anatomy import rebind_token_sizes, residual_add_after_attention
 from .dist_states import TPPlan
+from .emitters import emit_layer, register
 from .graph_utils import (
     Builder,
     get_attr_path,
@@ -60,11 +62,38 @@ def _set_val(node: fx.Node, fake_mode: object, shape: tuple, like: torch.Tensor)
             node.meta["val"] = torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
+@dataclass
+class ScatteredSite:
+    """One layer of a rank's graph for the SCATTERED emitters (attention-TP groups of ``k``)."""
+
+    graph: fx.Graph
+    layer: int
+    members: list[fx.Node]
+    where: str
+    b: Builder
+    fake_mode: object
+    mlp_scattered: bool
+    input_scattered: bool  # the layer's input is SCATTERED (a SCATTERED layer came before)
+    ffn: list[fx.Node]
+    h1: fx.Node  # the residual add after attention
+    row: fx.Node  # o_proj's output (partial sum)
+    x: fx.Node  # the layer's residual input
+    x_res: fx.Node | None
+    hidden: int
+    full_shape: tuple
+    total: fx.Node  # the group's tokens
+    own: fx.Node  # this rank's share
+    sources: dict
+    prev_out: fx.Node | None  # the previous layer's SCATTERED output
+    h2: fx.Node | None = None  # this layer's SCATTERED output, once its MLP ran SCATTERED
+    settled: bool = False  # o_proj's partial sum went into a reduce-scatter
+
+
 def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout, rank: int,
                              fake_mode: object) -> set[int]:
-    """Rewrite every layer the plan makes SCATTERED (and every layer whose input is SCATTERED).
-    Returns the layers whose attention partial sum this pass settled (the caller must not
-    all-reduce them again)."""
+    """Rewrite every layer the plan makes SCATTERED (and every layer whose input is SCATTERED):
+    per layer, the emitters of its planned SCATTERED transitions (registered below). Returns the
+    layers whose attention partial sum this pass settled (the caller must not all-reduce them again)."""
 
     k, i = layout.attn_tp, layout.attn_tp_rank(rank)
     graph = new.graph
@@ -82,14 +111,11 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
             continue
         where = f"layer {layer}"
         members = members_of[layer]
-        member_set = set(members)
         ffn = [n for n in members if n.meta[ROLE_KEY].role is Role.FFN]
-        ffn_set = set(ffn)
         b = Builder(graph, fake_mode, layer)
         h1, row, x_res = residual_add_after_attention(members, ffn[0], where)
-        x = x_res if x_res is not None else next(a for a in h1.all_input_nodes if a not in descendants(row, member_set))
+        x = x_res if x_res is not None else next(a for a in h1.all_input_nodes if a not in descendants(row, set(members)))
         hidden = int(row.meta["val"].shape[-1])
-        full_shape = tuple(row.meta["val"].shape)
         if token_nodes is None:
             with graph.inserting_before(x.next):
                 flat = b.call(aten.view.default, (x, [-1, hidden]), "sc_tokens_flat")
@@ -97,63 +123,94 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
                 plus = b.call(operator.add, (total, k - 1 - i))
                 own = b.call(operator.floordiv, (plus, k), "sc_own_tokens")
             token_nodes = (total, own)
-        total, own = token_nodes
-        like = row.meta["val"]
-        if m.layer_input is ScatterMode.SCATTERED:  # prepare_attn: gather the group's tokens
-            _check_from(x, prev_out, where)
-            _set_val(x, fake_mode, (own.meta.get("val"), hidden), x.meta["val"])
-            users = [u for u in x.users if u in member_set and (u is not h1 or m.mlp is not ScatterMode.SCATTERED)]
-            with graph.inserting_before(min(users, key=lambda u: members.index(u))):
-                g = b.call(torch.ops.afd.all_gather_group_tokens.default, (x, GROUP_ATTN_TP, total, own),
-                           "sc_gather_attn")
-                xf = b.call(aten.view.default, (g, shape_args(b, full_shape, sources)), "sc_attn_input")
-            for u in users:
-                u.replace_input_with(x, xf)
-        if m.mlp is not ScatterMode.SCATTERED:
-            continue
-        ffn_in_nodes = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"
-                        and isinstance(a.meta.get("val"), torch.Tensor)]
-        if any(a is x or a not in descendants(h1, member_set) | {h1} for a in ffn_in_nodes):
-            raise TPRewriteError(f"{where}: the MLP does not read the residual sum after attention ({h1.name}) (a "
-                                 "parallel-residual block): a SCATTERED MLP with attn_tp > 1 is not supported there")
-        # prepare_mlp: settle o_proj's partial sum by a reduce-scatter into this rank's rows
-        with graph.inserting_before(row.next):
-            flat = b.call(aten.view.default, (row, [-1, hidden]), "sc_o_flat")
-            rs = b.call(torch.ops.afd.reduce_scatter_group_tokens.default, (flat, GROUP_ATTN_TP, total, own),
-                        "sc_reduce_scatter")
-        row.replace_all_uses_with(rs, delete_user_cb=lambda u, _f=flat: u is not _f)
-        settled.add(layer)
-        if m.layer_input is not ScatterMode.SCATTERED:  # the residual: a local slice of the group's tokens
-            with graph.inserting_before(h1):
-                xflat = b.call(aten.view.default, (x, [-1, hidden]), "sc_residual_flat")
-                xs = b.call(torch.ops.afd.scatter_group_tokens.default, (xflat, GROUP_ATTN_TP, total, own),
-                            "sc_residual")
-            h1.replace_input_with(x, xs)
-        _set_val(h1, fake_mode, (own.meta.get("val"), hidden), like)
-        sizes = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"
-                 and not isinstance(a.meta.get("val"), torch.Tensor)]
-        if sizes:
-
-            rebind_token_sizes(b, ffn, list(dict.fromkeys(sizes)), ffn_in_nodes[0], own, where)
-        out = region_output(ffn)
-        outside = [u for u in out.users if u not in ffn_set]
-        with graph.inserting_before(min(outside, key=lambda u: members.index(u) if u in member_set else 1 << 30)):
-            out2d = b.call(aten.view.default, (out, [-1, hidden]), "sc_mlp_out")
-        _set_val(out2d, fake_mode, (own.meta.get("val"), hidden), like)
-        for u in outside:
-            u.replace_input_with(out, out2d)
-        h2 = _layer_output(members, full_shape, where)
-        _set_val(h2, fake_mode, (own.meta.get("val"), hidden), like)
-        if m.layer_output is ScatterMode.TP_ATTN_FULL:  # postprocess_layer: add first, then gather once
-            after = [u for u in h2.users if (u.meta.get(ROLE_KEY) is None or u.meta[ROLE_KEY].layer != layer)]
-            with graph.inserting_before(h2.next):
-                g = b.call(torch.ops.afd.all_gather_group_tokens.default, (h2, GROUP_ATTN_TP, total, own),
-                           "sc_gather_out")
-                back = b.call(aten.view.default, (g, shape_args(b, full_shape, sources)), "sc_layer_out")
-            for u in after:
-                u.replace_input_with(h2, back)
-        prev_out = h2
+        site = ScatteredSite(graph, layer, members, where, b, fake_mode, m.mlp is ScatterMode.SCATTERED,
+                             m.layer_input is ScatterMode.SCATTERED, ffn, h1, row,
+                             x, x_res, hidden, tuple(row.meta["val"].shape), *token_nodes, sources, prev_out)
+        emit_layer(site, plan, by="scattered")
+        if site.settled:
+            settled.add(layer)
+        if site.h2 is not None:
+            prev_out = site.h2
     return settled
+
+
+@register("prepare_attn", Collective.ALL_GATHER, False, ScatterMode.SCATTERED, by="scattered",
+          what="afd.all_gather_group_tokens of the SCATTERED layer input for attention")
+@register("prepare_attn", Collective.ALL_GATHER, False, ScatterMode.FULL, by="scattered",
+          what="afd.all_gather_group_tokens of the SCATTERED layer input (after a SCATTERED layer) for attention")
+def gather_attention_input(site: ScatteredSite) -> None:
+    """prepare_attn: ``xf = view(afd.all_gather_group_tokens(x), [b, s, H])``; attention reads
+    ``xf``, the residual add keeps the rank's own rows when the MLP stays SCATTERED."""
+    b, x, members = site.b, site.x, site.members
+    member_set = set(members)
+    _check_from(x, site.prev_out, site.where)
+    _set_val(x, site.fake_mode, (site.own.meta.get("val"), site.hidden), x.meta["val"])
+    users = [u for u in x.users if u in member_set and (u is not site.h1 or not site.mlp_scattered)]
+    with site.graph.inserting_before(min(users, key=lambda u: members.index(u))):
+        g = b.call(torch.ops.afd.all_gather_group_tokens.default, (x, GROUP_ATTN_TP, site.total, site.own),
+                   "sc_gather_attn")
+        xf = b.call(aten.view.default, (g, shape_args(b, site.full_shape, site.sources)), "sc_attn_input")
+    for u in users:
+        u.replace_input_with(x, xf)
+
+
+@register("prepare_mlp", Collective.REDUCE_SCATTER, True, ScatterMode.SCATTERED, by="scattered",
+          what="afd.reduce_scatter_group_tokens of o_proj's partial sum into this rank's share of the group's "
+               "tokens; the MLP then runs on them (SCATTERED)")
+def reduce_scatter_into_mlp(site: ScatteredSite) -> None:
+    """prepare_mlp: ``h1 = x + afd.reduce_scatter_group_tokens(view(o, [-1, H]))`` (the first
+    SCATTERED layer takes its residual's rows locally: ``afd.scatter_group_tokens``); the MLP
+    runs on this rank's rows and its output stays SCATTERED (``site.h2``)."""
+    b, graph, members, ffn, h1, row, x, hidden = (site.b, site.graph, site.members, site.ffn, site.h1, site.row,
+                                                  site.x, site.hidden)
+    member_set, ffn_set = set(members), set(ffn)
+    own, like = site.own, row.meta["val"]
+    ffn_in_nodes = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"
+                    and isinstance(a.meta.get("val"), torch.Tensor)]
+    if any(a is x or a not in descendants(h1, member_set) | {h1} for a in ffn_in_nodes):
+        raise TPRewriteError(f"{site.where}: the MLP does not read the residual sum after attention ({h1.name}) (a "
+                             "parallel-residual block): a SCATTERED MLP with attn_tp > 1 is not supported there")
+    with graph.inserting_before(row.next):
+        flat = b.call(aten.view.default, (row, [-1, hidden]), "sc_o_flat")
+        rs = b.call(torch.ops.afd.reduce_scatter_group_tokens.default, (flat, GROUP_ATTN_TP, site.total, own),
+                    "sc_reduce_scatter")
+    row.replace_all_uses_with(rs, delete_user_cb=lambda u, _f=flat: u is not _f)
+    site.settled = True
+    if not site.input_scattered:  # the residual arrives TP_ATTN_FULL: take this rank's rows, a local slice
+        with graph.inserting_before(h1):
+            xflat = b.call(aten.view.default, (x, [-1, hidden]), "sc_residual_flat")
+            xs = b.call(torch.ops.afd.scatter_group_tokens.default, (xflat, GROUP_ATTN_TP, site.total, own),
+                        "sc_residual")
+        h1.replace_input_with(x, xs)
+    _set_val(h1, site.fake_mode, (own.meta.get("val"), hidden), like)
+    sizes = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"
+             and not isinstance(a.meta.get("val"), torch.Tensor)]
+    if sizes:
+        rebind_token_sizes(b, ffn, list(dict.fromkeys(sizes)), ffn_in_nodes[0], own, site.where)
+    out = region_output(ffn)
+    outside = [u for u in out.users if u not in ffn_set]
+    with graph.inserting_before(min(outside, key=lambda u: members.index(u) if u in member_set else 1 << 30)):
+        out2d = b.call(aten.view.default, (out, [-1, hidden]), "sc_mlp_out")
+    _set_val(out2d, site.fake_mode, (own.meta.get("val"), hidden), like)
+    for u in outside:
+        u.replace_input_with(out, out2d)
+    site.h2 = _layer_output(members, site.full_shape, site.where)
+    _set_val(site.h2, site.fake_mode, (own.meta.get("val"), hidden), like)
+
+
+@register("postprocess_layer", Collective.ALL_GATHER, False, ScatterMode.SCATTERED, by="scattered",
+          what="the last SCATTERED layer adds the residual, then afd.all_gather_group_tokens (one tensor crosses)")
+def gather_layer_output(site: ScatteredSite) -> None:
+    """postprocess_layer back to TP_ATTN_FULL: add first, then gather once."""
+    h2, b = site.h2, site.b
+    assert h2 is not None, "prepare_mlp's emitter runs first and leaves the SCATTERED output"
+    after = [u for u in h2.users if (u.meta.get(ROLE_KEY) is None or u.meta[ROLE_KEY].layer != site.layer)]
+    with site.graph.inserting_before(h2.next):
+        g = b.call(torch.ops.afd.all_gather_group_tokens.default, (h2, GROUP_ATTN_TP, site.total, site.own),
+                   "sc_gather_out")
+        back = b.call(aten.view.default, (g, shape_args(b, site.full_shape, site.sources)), "sc_layer_out")
+    for u in after:
+        u.replace_input_with(h2, back)
 
 
 _CASTS = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.alias.default, aten.contiguous.default}
