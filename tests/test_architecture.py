@@ -145,6 +145,9 @@ def test_layers_of_groups_members_and_finds_the_ffn_output(exported):
         assert ffn and all(n.meta[META_KEY].role is Role.FFN for n in ffn)
         out = layer.ffn_output
         assert out is ffn[-1] and any(u not in ffn for u in out.users)  # the MLP's down_proj, read by the add
+        (o_proj,) = layer.output_projections
+        assert layer.output_projection is o_proj
+        assert list(o_proj.meta["nn_module_stack"].values())[-1][0] == f"model.model.layers.{i}.self_attn.o_proj"
 
 
 def test_every_planned_transition_has_an_emitter_and_a_missing_one_is_named(exported, monkeypatch):

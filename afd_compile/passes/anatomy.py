@@ -42,15 +42,13 @@ def rebind_token_sizes(b: object, ffn: list[fx.Node], sizes: list[fx.Node], ffn_
 def attention_row(members: list[fx.Node], where: str, first_ffn: fx.Node | None = None) -> fx.Node:
     """The attention output projection (the first weight-reading linear after the attention op,
     before ``first_ffn`` if given), followed through ops its partial sum passes unchanged."""
-    from .roles import LINEAR_OPS, Role, is_attention_op
+    from .graph_utils import Layer
     from .roles import META_KEY as RKEY
-    from .shard import reads_weight
 
     pos = {n: i for i, n in enumerate(members)}
-    attn = next(n for n in members if is_attention_op(n))
     end = pos[first_ffn] if first_ffn is not None else 1 << 30
-    rows = [n for n in members if n.target in LINEAR_OPS and pos[attn] < pos[n] < end
-            and n.meta[RKEY].role is Role.ATTENTION and reads_weight(n)]  # not explicit attention's p @ v
+    layer = Layer(members[0].meta[RKEY].layer, tuple(members))
+    rows = [n for n in layer.output_projections if pos[n] < end]
     if not rows:
         raise TPRewriteError(f"{where}: no output projection after the attention op")
     row = rows[0]

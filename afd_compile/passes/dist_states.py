@@ -29,7 +29,7 @@ from ..scatter import (
     plan_junctions,
 )
 from .graph_utils import layers_of, region_output
-from .roles import LINEAR_OPS, Role, role_of
+from .roles import Role, role_of
 
 META_KEY = "afd.dist"
 
@@ -92,7 +92,8 @@ def annotate_dist_states(gm: fx.GraphModule, plan: TPPlan) -> None:
     """Stamp ``afd.dist`` on every node (in place; the graph is not changed)."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    by_layer = {i: list(layer.members) for i, layer in layers_of(gm).items()}
+    layers = layers_of(gm)
+    by_layer = {i: list(layer.members) for i, layer in layers.items()}
     modes = {m.index: (m, j) for m, j in plan.layers}
     first = ScatterMode.TP_ATTN_FULL
     for n in nodes:
@@ -104,9 +105,7 @@ def annotate_dist_states(gm: fx.GraphModule, plan: TPPlan) -> None:
         start_ffn = pos[ffn[0]] if ffn else len(nodes)
         ffn_out = region_output(ffn)
         end_ffn = pos[ffn_out] if ffn_out is not None else start_ffn
-        linears = [n for n in members if role_of(n).role is Role.ATTENTION and n.target in LINEAR_OPS
-                   and pos[n] < start_ffn and not role_of(n).router]
-        o_proj = linears[-1] if linears else None
+        o_proj = layers[layer].output_projection
         attn_partial = plan.layout.group_size(m.attn) > 1
         mlp_partial = plan.layout.group_size(m.mlp) > 1 and m.mlp is not ScatterMode.SCATTERED
         for n in members:

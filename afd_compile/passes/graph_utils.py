@@ -13,7 +13,16 @@ import torch
 import torch.fx as fx
 
 from ..errors import SplitError
-from .roles import META_KEY, NodeRole, Role, is_attention_op
+from .roles import (
+    LINEAR_OPS,
+    MATMUL_OPS,
+    META_KEY,
+    SDPA_OPS,
+    NodeRole,
+    Role,
+    descendants,
+    is_attention_op,
+)
 from .symbolic import emit_with, sym_expr
 
 aten = torch.ops.aten
@@ -136,6 +145,23 @@ class Layer:
     def attention_ops(self) -> list[fx.Node]:
         return [n for n in self.members if n.meta[META_KEY].role is Role.ATTENTION and is_attention_op(n)]
 
+    @property
+    def output_projections(self) -> list[fx.Node]:
+        """The attention output projection(s): weight-reading linears of attention role (not a
+        router) downstream of where q, k and v have all arrived (:func:`attention_output`); one
+        in every supported layer (o_proj). Empty without exactly one attention op."""
+        attn = self.attention_ops
+        if len(attn) != 1:
+            return []
+        after = descendants(attention_output(attn[0]), set(self.members))
+        return [n for n in self.members if n in after and n.target in LINEAR_OPS and reads_weight(n)
+                and n.meta[META_KEY].role is Role.ATTENTION and not n.meta[META_KEY].router]
+
+    @property
+    def output_projection(self) -> fx.Node | None:
+        rows = self.output_projections
+        return rows[0] if rows else None
+
 
 def region_output(region: list[fx.Node]) -> fx.Node | None:
     """The last node of ``region`` (graph order) that something outside the region reads."""
@@ -152,3 +178,28 @@ def layers_of(gm: fx.GraphModule) -> dict[int, Layer]:
         if r is not None and r.layer is not None:
             by_layer.setdefault(r.layer, []).append(n)
     return {i: Layer(i, tuple(by_layer[i])) for i in sorted(by_layer)}
+
+
+def reads_weight(n: fx.Node) -> bool:
+    """A projection: one operand is a 2-D graph attribute (directly or transposed)."""
+    for a in n.args[:3]:
+        while isinstance(a, fx.Node) and a.target in (aten.t.default, aten.numpy_T.default, aten.transpose.int,
+                                                      aten.permute.default):
+            a = a.args[0]
+        if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dim() in (0, 2):
+            return True
+    return False
+
+
+def attention_output(attn: fx.Node) -> fx.Node:
+    """The node where attention's inputs (q, k and v) have all arrived: SDPA itself, or for an
+    explicit ``softmax(q @ k^T) @ v`` the first matmul after the softmax (within a few ops)."""
+    if attn.target in SDPA_OPS:
+        return attn
+    frontier = list(attn.users)
+    for _ in range(6):
+        hit = next((n for n in frontier if n.target in MATMUL_OPS), None)
+        if hit is not None:
+            return hit
+        frontier = [u for n in frontier for u in n.users]
+    return attn

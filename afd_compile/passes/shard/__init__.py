@@ -38,8 +38,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..graph_utils import get_attr_path, layers_of
-from ..roles import LINEAR_OPS, MATMUL_OPS, SDPA_OPS, Role, is_attention_op, role_of
+from ..graph_utils import attention_output, get_attr_path, layers_of, reads_weight
+from ..roles import LINEAR_OPS, SDPA_OPS, Role, is_attention_op, role_of
 from ..symbolic import sym_expr
 from .rules import BLOCK_OPS, IGNORED, RULES, Replicate, ShardRule, ndim, shape_of
 from .types import ArgFix, ShardedWeight, ShardError, ShardPlan
@@ -489,15 +489,14 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
         attn = attn_ops[0]
         lin = [n for n in members if n.target in LINEAR_OPS and role_of(n).role is Role.ATTENTION
                and not role_of(n).router]
-        anchor = _attention_output(attn)  # explicit attention: v enters at the matmul after the softmax
+        anchor = attention_output(attn)  # explicit attention: v enters at the matmul after the softmax
         layer_nodes = set(members)  # walks stay inside the layer: linear in the graph, not quadratic
         before = ancestors([anchor], within=layer_nodes)
-        after = descendants(anchor, layer_nodes)
         cols = [n for n in lin if n in before and reads_weight(n)]  # not e.g. the rotary inv_freq matmul
         # only the projections that feed attention directly: a low-rank down projection before
         # another one (DeepSeek's MLA q_a_proj / kv_a_proj) stays replicated
         cols = [c for c in cols if not ((descendants(c, before) - {c}) & set(cols))]
-        rows = [n for n in lin if n in after and reads_weight(n)]
+        rows = parts.output_projections
         if not cols or len(rows) != 1:
             raise ShardError(f"{where}: expected q/k/v projections before {attn.name} and one output projection after "
                              f"it, found {[n.name for n in cols]} / {[n.name for n in rows]}")
@@ -511,7 +510,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
             rows_out.append((rows[0].name, "attn", layer))
             split_means.extend((m.name, "attn", layer, attn_parts) for m in means)
         ffn_set = set(ffn)
-        out = next(n for n in reversed(ffn) if any(u not in ffn_set for u in n.users))
+        out = parts.ffn_output
         router = find_router(ffn)
         projs = [n for n in ffn if (n.target in LINEAR_OPS or is_grouped_mm(n)) and n is not router
                  and not role_of(n).router]
@@ -528,31 +527,6 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
                 _check_linear_path([row for _, row in pairs], out, ffn_set, where)
                 rows_out.append((out.name, "mlp", layer))
     return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out), tuple(split_means))
-
-
-def reads_weight(n: fx.Node) -> bool:
-    """A projection: one operand is a 2-D graph attribute (directly or transposed)."""
-    for a in n.args[:3]:
-        while isinstance(a, fx.Node) and a.target in (aten.t.default, aten.numpy_T.default, aten.transpose.int,
-                                                      aten.permute.default):
-            a = a.args[0]
-        if isinstance(a, fx.Node) and a.op == "get_attr" and ndim(a) in (0, 2):
-            return True
-    return False
-
-
-def _attention_output(attn: fx.Node) -> fx.Node:
-    """The node where attention's inputs (q, k and v) have all arrived: SDPA itself, or for an
-    explicit ``softmax(q @ k^T) @ v`` the first matmul after the softmax (within a few ops)."""
-    if attn.target in SDPA_OPS:
-        return attn
-    frontier = list(attn.users)
-    for _ in range(6):
-        hit = next((n for n in frontier if n.target in MATMUL_OPS), None)
-        if hit is not None:
-            return hit
-        frontier = [u for n in frontier for u in n.users]
-    return attn
 
 
 def _attention_heads(attn: fx.Node) -> int | None:
