@@ -66,6 +66,9 @@ CASES = [  # id, fn, input shapes, split dims, op, expected out dim, expected fi
     ("index_after_split", lambda x, i: x[:, :, i.long()], [(2, 4, 6), (3,)], {0: 1}, aten.index.Tensor, 1, []),
     ("select_other_dim", lambda x: x[:, :, 0], [(2, 4, 6)], {0: 1}, aten.select.int, 1, []),
     ("chunk_other_dim", lambda x: x.chunk(2, -1)[0], [(2, 4, 8)], {0: 1}, aten.chunk.default, 1, []),
+    ("repeat_interleave_heads", lambda x: x.repeat_interleave(2, dim=1), [(2, 4, 5, 8)], {0: 1},
+     aten.repeat_interleave.self_int, 1, []),
+    ("mul_in_place", lambda x: x.contiguous().mul_(0.25), [(2, 4, 8)], {0: 1}, aten.mul_.Tensor, 1, []),
 ]
 
 
@@ -76,7 +79,7 @@ def test_rule_follows_the_split_dim(fn, shapes, split, op, dim, fixes):
     assert got == dim
     assert got_fixes == fixes
     assert kind == ("reshape" if op in (aten.view.default, aten.expand.default, aten.new_empty.default)
-                    else "elementwise" if op in (aten.add.Tensor, aten.silu.default) else "op")
+                    else "elementwise" if op in (aten.add.Tensor, aten.silu.default, aten.mul_.Tensor) else "op")
 
 
 REFUSED = [  # id, fn, shapes, split, op, message

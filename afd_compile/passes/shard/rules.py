@@ -37,6 +37,10 @@ _ELEMENTWISE = {
     aten.copy_.default, aten.square.default, aten.abs.default, aten.erf.default, aten.log.default, aten.pow.Tensor_Tensor,
     aten.clamp.default, aten.minimum.default, aten.maximum.default, aten.sin.default, aten.cos.default,
     aten.gelu_tanh.default if hasattr(aten, "gelu_tanh") else aten.gelu.default,
+    # in place (a query scaled with ``q.mul_(scale)`` in hand-written attention): the split dim
+    # passes the same way; the tensor written keeps its slice
+    aten.mul_.Tensor, aten.mul_.Scalar, aten.add_.Tensor, aten.add_.Scalar, aten.sub_.Tensor, aten.div_.Tensor,
+    aten.div_.Scalar,
 }
 
 
@@ -188,6 +192,20 @@ def _new_empty(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None
     return d
 
 
+def _repeat_interleave(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """``repeat_interleave(x, n, dim)`` (GQA's K/V heads expanded to the query heads, as
+    hand-written decoders do): each rank repeats its own heads ``n`` times, so the split dim stays
+    where it is. Replicated KV heads (fewer than the attention-TP ranks) would need ``n`` divided:
+    their head counts then differ from the query's and the attention op refuses them by name."""
+    src = node.args[0]
+    if not isinstance(node.args[1], int):
+        raise ShardError(f"{node.name}: repeat_interleave with per-element repeats {node.args[1]} on a split tensor")
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if dim is None:
+        raise ShardError(f"{node.name}: repeat_interleave without a dim flattens the split tensor")
+    return sdim[src]
+
+
 def _getitem(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
     return sdim[node.args[0]]
 
@@ -274,6 +292,7 @@ RULES.update({op: ShardRule(fn) for op, fn in {
     aten.split.Tensor: _along_other_dim, aten.split_with_sizes.default: _along_other_dim,
     aten.select.int: _along_other_dim, aten.stack.default: _stack, aten.flatten.using_ints: _flatten,
     operator.getitem: _getitem, aten.layer_norm.default: _layer_norm, aten.index.Tensor: _index,
+    aten.repeat_interleave.self_int: _repeat_interleave,
     **({aten.rms_norm.default: _layer_norm} if hasattr(aten, "rms_norm") else {}),
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.matmul.default: _matmul, aten.bmm.default: _matmul,
