@@ -61,10 +61,8 @@ class JunctionKey:
 
 
 @dataclass
-class Site:
-    """One layer of one rank's graph, as its emitters need it. Standard TP fills ``rows``;
-    DP attention fills the MLP fields; ``gathered`` passes prepare_mlp's result to
-    postprocess_layer."""
+class LayerSite:
+    """What every emitter gets: one layer of one rank's graph, a node builder for it."""
 
     graph: fx.Graph
     layer: int
@@ -72,6 +70,13 @@ class Site:
     where: str
     b: Builder
     fake_mode: object
+
+
+@dataclass
+class Site(LayerSite):
+    """The site of tp_rewrite's emitters. Standard TP fills ``rows``; DP attention fills the MLP
+    fields; ``gathered`` passes prepare_mlp's result to postprocess_layer."""
+
     rows: dict[str, list[fx.Node]] = field(default_factory=dict)  # row-parallel outputs by group
     ffn: list[fx.Node] = field(default_factory=list)
     out: fx.Node | None = None  # the MLP's output

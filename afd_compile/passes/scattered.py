@@ -36,7 +36,7 @@ from ..errors import AFDCompileError, TPRewriteError
 from ..scatter import Collective, ScatterMode, TPLayout
 from .anatomy import rebind_token_sizes, residual_add_after_attention
 from .dist_states import TPPlan
-from .emitters import emit_layer, register
+from .emitters import LayerSite, emit_layer, register
 from .graph_utils import (
     Builder,
     get_attr_path,
@@ -63,15 +63,9 @@ def _set_val(node: fx.Node, fake_mode: object, shape: tuple, like: torch.Tensor)
 
 
 @dataclass
-class ScatteredSite:
-    """One layer of a rank's graph for the SCATTERED emitters (attention-TP groups of ``k``)."""
+class ScatteredSite(LayerSite):
+    """The site of the SCATTERED emitters (attention-TP groups of ``k``)."""
 
-    graph: fx.Graph
-    layer: int
-    members: list[fx.Node]
-    where: str
-    b: Builder
-    fake_mode: object
     mlp_scattered: bool
     input_scattered: bool  # the layer's input is SCATTERED (a SCATTERED layer came before)
     ffn: list[fx.Node]
