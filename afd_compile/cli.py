@@ -174,12 +174,12 @@ def plan_table(result, layout: AFDLayout | None) -> str:
 def _tp_graph(args: argparse.Namespace):
     """The TP layout from the flags and the model's graph with roles annotated."""
     from .passes.roles import POLICIES, annotate_roles
-    from .programs import load_program
+    from .programs import load_program, positional_module
     from .scatter import TPLayout
 
     layout = TPLayout(args.tp, 1 if args.attn_dp is None else args.attn_dp, moe_a2a=args.moe_a2a,
                       dense_dp=args.dense_dp)
-    gm = load_program(args.model).module()
+    gm = positional_module(load_program(args.model))
     annotate_roles(gm, POLICIES[args.policy], graph_name=args.model)
     return layout, gm
 

@@ -73,8 +73,44 @@ def example_inputs(ep: torch.export.ExportedProgram) -> tuple[Any, ...]:
         raise ProgramLoadError("the program was saved without example inputs")
     args, kwargs = ep.example_inputs
     if kwargs:
-        raise ProgramLoadError(f"the program takes keyword inputs {sorted(kwargs)}; only positional tensors are supported")
+        raise ProgramLoadError(f"the program takes keyword inputs {sorted(kwargs)}; only positional tensors are supported "
+                               "here (verify and plan take them)")
     return tuple(args)
+
+
+def flat_inputs(ep: torch.export.ExportedProgram) -> tuple[Any, ...]:
+    """The saved example inputs, positional and keyword, flattened in the program's input order
+    (the order of the placeholders of :func:`positional_module`)."""
+    if ep.example_inputs is None:
+        raise ProgramLoadError("the program was saved without example inputs")
+    args, kwargs = ep.example_inputs
+    spec = ep.call_spec.in_spec
+    if kwargs and spec is not None and spec.num_children == 2:
+        keys = spec.children_specs[1].context
+        kwargs = {k: kwargs[k] for k in keys if k in kwargs}
+    leaves, got = torch.utils._pytree.tree_flatten((tuple(args), kwargs))
+    if spec is not None and got != spec:
+        raise ProgramLoadError(f"the saved example inputs do not match the program's input structure ({spec})")
+    if not all(isinstance(x, torch.Tensor) for x in leaves):
+        raise ProgramLoadError("the program's inputs are not all tensors; only tensor inputs are supported")
+    return tuple(leaves)
+
+
+def positional_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
+    """``ep.module()`` called with its inputs flat and positional (keyword inputs included, in
+    :func:`flat_inputs` order), returning its outputs flat: what the split and sharded programs
+    are built from, so a program exported with keyword inputs (transformers' exporters) runs
+    the same way as a positional one. A program with positional tensor inputs is unchanged."""
+    gm = ep.module()
+    if ep.example_inputs is not None and ep.example_inputs[1]:
+        n = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
+        gm.graph._codegen = fx.graph.CodeGen()
+        # export's input check (a forward pre-hook) reads _in_spec: n positional tensors now
+        gm._in_spec = torch.utils._pytree.tree_flatten((tuple(range(n)), {}))[1]
+        if hasattr(gm, "_out_spec"):
+            delattr(gm, "_out_spec")
+        gm.recompile()
+    return gm
 
 
 def dynamic_shapes_of(gm: fx.GraphModule) -> tuple[dict[int, Any], ...]:

@@ -26,7 +26,7 @@ import torch.fx as fx
 from .errors import AFDCompileError
 from .layout import AFDLayout
 from .passes.roles import POLICIES
-from .programs import example_inputs, load_program
+from .programs import flat_inputs, load_program, positional_module
 from .runtime import (
     LOCAL_PROCESS_LIMIT_RULE,
     AttentionWorker,
@@ -60,8 +60,8 @@ class ProgramFacts:
 
     @staticmethod
     def of(ep: torch.export.ExportedProgram, gm: fx.GraphModule | None = None) -> ProgramFacts:
-        inputs = example_inputs(ep)  # ProgramLoadError for keyword inputs: before any process starts
-        sym, dims = batch_symbol_dims(gm if gm is not None else ep.module())
+        inputs = flat_inputs(ep)  # keyword inputs in the program's order; ProgramLoadError before any process
+        sym, dims = batch_symbol_dims(gm if gm is not None else positional_module(ep))
         rng = None
         if sym is not None:
             rng = (1, math.inf)
@@ -196,14 +196,14 @@ def _loaded(path: str, cache: dict) -> tuple:
     """(program, original module, example inputs), loaded once per process and path."""
     if path not in cache:
         ep = load_program(path)
-        cache[path] = (ep, ep.module(), example_inputs(ep))
+        cache[path] = (ep, positional_module(ep), flat_inputs(ep))
     return cache[path]
 
 
 def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
     ep, original, inputs = _loaded(case.path, cache)
     config = SplitConfig(compute_gate_on_attention=case.gate, policy=POLICIES[case.policy], graph_name=case.path)
-    worker = make_worker(ep.module(), case.layout, rank, config, group=group, check_wire=True)
+    worker = make_worker(positional_module(ep), case.layout, rank, config, group=group, check_wire=True)
     if not isinstance(worker, AttentionWorker):
         return {"role": "ffn", "steps": worker.serve()}
     a = case.layout.role_of(rank)[1]
@@ -350,7 +350,7 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
 
         program, sharded = load_program(os.path.join(case.saved, f"rank{rank}.pt2")).module(), None
     else:
-        gm = ep.module()
+        gm = positional_module(ep)
         annotate_roles(gm, POLICIES[case.policy], graph_name=case.path)
         prog = shard_for_rank(gm, lay, rank, graph_name=case.path)
         program, sharded = prog.program, len(prog.shards.weights)

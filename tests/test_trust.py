@@ -186,17 +186,22 @@ class _KeywordLM(torch.nn.Module):
         return self.lm(input_ids)
 
 
-def test_verify_tp_refuses_keyword_input_programs_up_front(tmp_path, capsys, monkeypatch):
+def test_keyword_input_programs_verify_and_rewrite_refuses_them(tmp_path, capsys):
+    # transformers' exporters take keyword inputs: verify runs them flattened in the program's
+    # input order (they used to be refused; verify --tp used to fail only after starting workers)
     from afd_compile.models import build_hf
 
     path = tmp_path / "kw.pt2"
-    ids = torch.zeros(2, 5, dtype=torch.long)
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    dims = {"input_ids": {0: torch.export.Dim("batch", min=1, max=1024), 1: torch.export.Dim.AUTO}}
     with torch.no_grad():
-        torch.export.save(torch.export.export(_KeywordLM(build_hf("llama", 1)), (), {"input_ids": ids}), path)
-    monkeypatch.setattr("afd_compile.verify.run_local", lambda *a, **k: pytest.fail("spawned"))
-    for layout in (["--tp", "2"], ["-A", "1", "-F", "1"]):
-        assert cli.main(["verify", str(path), *layout]) == 2
-        assert "takes keyword inputs ['input_ids']" in capsys.readouterr().err
+        ep = torch.export.export(_KeywordLM(build_hf("llama", 1)), (), {"input_ids": ids}, dynamic_shapes=dims)
+    torch.export.save(ep, path)
+    for layout in (["--tp", "2"], ["-A", "2", "-F", "1"]):
+        assert cli.main(["verify", str(path), *layout]) == 0
+        assert capsys.readouterr().out.strip().splitlines()[-1].startswith("verify: OK")
+    assert cli.main(["rewrite", str(path), "-o", str(tmp_path / "out"), "-A", "1", "-F", "1"]) == 2
+    assert "takes keyword inputs ['input_ids']" in capsys.readouterr().err
 
 
 def test_timeout_flag_must_be_positive(capsys):
