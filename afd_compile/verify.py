@@ -53,15 +53,13 @@ class VerifyInputError(AFDCompileError):
 class ProgramFacts:
     """What the input checks need to know of a saved program, read once."""
 
-    inputs: tuple[torch.Tensor, ...]
-    batch_dims: tuple[tuple[int, int], ...]  # (input, dim) carrying the batch symbol; () when static
     batch_range: tuple[int, int | float] | None  # the export's [min, max] for the batch; None when static
     default_tol: float  # 1e-5 when every float is fp32/fp64, else 1e-2
 
     @staticmethod
-    def of(ep: torch.export.ExportedProgram, gm: fx.GraphModule | None = None) -> ProgramFacts:
+    def of(ep: torch.export.ExportedProgram) -> ProgramFacts:
         inputs = flat_inputs(ep)  # keyword inputs in the program's order; ProgramLoadError before any process
-        sym, dims = batch_symbol_dims(gm if gm is not None else positional_module(ep))
+        sym, _ = batch_symbol_dims(positional_module(ep))
         rng = None
         if sym is not None:
             rng = (1, math.inf)
@@ -71,7 +69,7 @@ class ProgramFacts:
         dtypes = {t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()} | {
             p.dtype for p in ep.state_dict.values() if p.is_floating_point()}
         tol = 1e-5 if dtypes <= {torch.float32, torch.float64} else 1e-2
-        return ProgramFacts(tuple(inputs), tuple(dims), rng, tol)
+        return ProgramFacts(rng, tol)
 
 
 @dataclass(frozen=True)

@@ -87,8 +87,7 @@ def test_report_is_ok_only_when_something_finite_was_compared():
 
 # --- input checks, one path for AFD and TP, before any process starts --------------------------
 
-FACTS = ProgramFacts(inputs=(torch.zeros(2, 5, dtype=torch.long),), batch_dims=((0, 0),), batch_range=(1, 1024),
-                     default_tol=1e-5)
+FACTS = ProgramFacts(batch_range=(1, 1024), default_tol=1e-5)
 
 
 def _check(**kw):
@@ -116,11 +115,11 @@ def test_verify_inputs_are_refused_before_any_process_starts(kw, message):
 
 
 def test_a_zero_token_dp_group_runs_a_dummy_that_must_be_in_range():
-    facts = ProgramFacts(FACTS.inputs, FACTS.batch_dims, (2, 1024), 1e-5)
+    facts = ProgramFacts((2, 1024), 1e-5)
     with pytest.raises(VerifyInputError, match="zero tokens runs a one-sequence dummy"):
         check_verify_inputs(facts, units=2, unit="attention DP group", world_size=2, batches=(0, 3), steps=1,
                             tol=None, zero_runs_dummy=True)
-    static = ProgramFacts(FACTS.inputs, (), None, 1e-5)
+    static = ProgramFacts(None, 1e-5)
     with pytest.raises(VerifyInputError, match="the batch dimension is static"):
         check_verify_inputs(static, units=1, unit="attention rank", world_size=2, batches=(3,), steps=1, tol=None)
     assert check_verify_inputs(static, units=1, unit="attention rank", world_size=2, batches=None, steps=1,
