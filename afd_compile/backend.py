@@ -540,12 +540,10 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
             "which a CUDA graph cannot capture nor replay; pass cudagraphs=False with them, or turn them off")
     config = SplitConfig(policy=POLICIES[opts.policy], graph_name="dynamo", comm_id=opts.comm_id)
     group = None
-    if opts.timeout_s is not None:  # a group of its own, with the asked-for timeout
-        import datetime
+    if opts.timeout_s is not None:  # a group of its own, with the asked-for timeout (one per process)
+        from .runtime import process_group
 
-        import torch.distributed as dist
-
-        group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=opts.timeout_s))
+        group = process_group(range(world), opts.timeout_s)
     worker = make_worker(ep.module(), layout, rank, config, device=device, group=group, check_wire=check)
     if isinstance(worker, AttentionWorker):
         compiled = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} attention")

@@ -72,8 +72,25 @@ def shutdown() -> None:
     backend = sys.modules.get("afd_compile.backend")
     if backend is not None:
         backend.release()
+    _GROUPS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+#: process groups created by :func:`process_group`, by (ranks, timeout): created once per process
+_GROUPS: dict[tuple[tuple[int, ...], float | None], dist.ProcessGroup] = {}
+
+
+def process_group(ranks: Sequence[int], timeout_s: float | None = None) -> dist.ProcessGroup:
+    """A process group over ``ranks`` (with ``timeout_s``, else the default timeout), created once
+    per process and reused: the backend compiles per graph, and a new group per compile would
+    open new communicators each time. Every rank must ask in the same order (``new_group`` is
+    collective); :func:`shutdown` forgets them."""
+    key = (tuple(ranks), timeout_s)
+    if key not in _GROUPS:
+        kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        _GROUPS[key] = dist.new_group(list(ranks), **kw)
+    return _GROUPS[key]
 
 
 @dataclass(frozen=True)
@@ -318,17 +335,17 @@ def _flat(x: Any) -> list[torch.Tensor]:
 def tp_groups(world: int, layouts: Sequence[TPLayout], timeout_s: float | None = None) -> dict:
     """Every process group the cases need, created in the same order on every rank; with
     ``timeout_s`` each is a new group with that timeout (else the world group where it fits)."""
-    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     groups: dict = {}
     for lay in layouts:
         key = ("tp", lay.tp)
         if key not in groups:
-            groups[key] = dist.group.WORLD if lay.tp == world and not kw else dist.new_group(list(range(lay.tp)), **kw)
+            whole = lay.tp == world and timeout_s is None
+            groups[key] = dist.group.WORLD if whole else process_group(range(lay.tp), timeout_s)
         for g in range(lay.attn_dp):
             ranks = tuple(range(g * lay.attn_tp, (g + 1) * lay.attn_tp))
             k = ("attn", ranks)
             if k not in groups:
-                groups[k] = groups[key] if lay.attn_tp == lay.tp else dist.new_group(list(ranks), **kw)
+                groups[k] = groups[key] if lay.attn_tp == lay.tp else process_group(ranks, timeout_s)
     return groups
 
 

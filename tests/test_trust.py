@@ -438,3 +438,16 @@ def test_backend_options_must_agree_with_the_live_process_group():
     # a one-process group told it is rank 0 of 2 used to run and return wrong numbers (rel err 0.79)
     (msg,) = run_local(_backend_in_group, 1, {"tp": 2, "world_size": 2, "rank": 0}, timeout_s=30).values()
     assert msg == "afd backend: option world_size=2, but this process is world_size 1 of the initialised process group"
+
+
+def _groups_twice(rank: int, world: int) -> bool:
+    from afd_compile.runtime import process_group, tp_groups
+    from afd_compile.scatter import TPLayout
+
+    a = tp_groups(world, [TPLayout(2)], timeout_s=30)[("tp", 2)]
+    b = tp_groups(world, [TPLayout(2)], timeout_s=30)[("tp", 2)]  # a second compile asks again
+    return a is b and process_group(range(2), 30) is a and process_group(range(2), 31) is not a
+
+
+def test_a_timeout_group_is_created_once_per_process():
+    assert run_local(_groups_twice, 2, timeout_s=30) == {0: True, 1: True}
