@@ -9,6 +9,16 @@ from .passes.split import LayerCut, SplitError, SplitPlan, SplitResult
 from .split_api import SplitConfig, split, split_graph_module
 from .wire import WireSpec, WireTensor
 
+
+def serve(model: object, options: dict, example_inputs: tuple | None = None,
+          example_kwargs: dict | None = None) -> int:
+    """Run an FFN rank of an AFD deployment until every attention rank has finished (see
+    :func:`afd_compile.backend.serve`); returns the steps served."""
+    from .backend import serve as serve_ffn
+
+    return serve_ffn(model, options, example_inputs, example_kwargs)  # type: ignore[arg-type]
+
+
 __all__ = [
     "AFDCommunicator",
     "AFDLayout",
@@ -28,6 +38,7 @@ __all__ = [
     "annotate_roles",
     "get_communicator",
     "register_communicator",
+    "serve",
     "split",
     "split_graph_module",
     "verify_schedule",

@@ -218,10 +218,16 @@ class BackendOptions:
 _SEGMENT = re.compile(r"(?:^|_)(?:modules|parameters|buffers)_")
 
 
+#: dynamo's name prefixes of the compiled module's own inputs: ``torch.compile(model)`` (self) and
+#: ``torch.compile(model.forward)`` (the bound method's module is its first argument)
+_MODULE_PREFIX = re.compile(r"l_(?:self|args_0)_", flags=re.IGNORECASE)
+
+
 def _module_path(placeholder: str) -> str | None:
     """``l_self_modules_model_modules_layers_modules_0_modules_q_proj_parameters_weight_`` ->
-    ``model.layers.0.q_proj.weight`` (dynamo's names for lifted parameters and buffers)."""
-    m = re.fullmatch(r"l_self_(.*)_", placeholder, flags=re.IGNORECASE)
+    ``model.layers.0.q_proj.weight`` (dynamo's names for lifted parameters and buffers; also
+    ``l_args_0_...`` when ``model.forward`` was compiled)."""
+    m = re.fullmatch(r"l_(?:self|args_0)_(.*)_", placeholder, flags=re.IGNORECASE)
     if not m or not re.search(r"_(parameters|buffers)_", m.group(1)):
         return None
     parts = [p for p in _SEGMENT.split(m.group(1)) if p]
@@ -237,8 +243,12 @@ class _Lifted(torch.nn.Module):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(example_inputs):
             raise RuntimeError(f"afd backend: {len(placeholders)} graph inputs but {len(example_inputs)} examples")
-        self.slots: list[tuple[str, Any]] = []  # per graph input: ("attr", path) | ("user", i) | ("size", (i, d))
+        # per graph input: ("attr", path) | ("user", i) | ("size", (i, d)) | ("const", value) | ("drop", None)
+        self.slots: list[tuple[str, Any]] = []
         self.user_positions: list[int] = []
+        #: graph inputs that are ints no input tensor carries (``logits_to_keep``): the program is
+        #: compiled for their values (the caller compiles again for other values: ``const_key``)
+        self.const_positions: list[int] = []
         used: set[str] = set()
         for i, (p, x) in enumerate(zip(placeholders, example_inputs, strict=True)):
             path = _module_path(p.name)
@@ -246,7 +256,8 @@ class _Lifted(torch.nn.Module):
                 used.add(path)
                 set_attr_path(self, path, x)
                 self.slots.append(("attr", path))
-            elif isinstance(x, torch.Tensor) and x.dim() == 0 and p.name.startswith("l_self_") and _only_item(p):
+            elif (isinstance(x, torch.Tensor) and x.dim() == 0 and _MODULE_PREFIX.match(p.name)
+                  and (_only_item(p) or not p.users)):
                 # a float module attribute (an RMSNorm eps) dynamo passes as a 0-d tensor under
                 # dynamic=True: a constant of this graph (dynamo guards its value)
                 for u in list(p.users):
@@ -268,10 +279,19 @@ class _Lifted(torch.nn.Module):
             found = next(((u, d) for u, v in enumerate(user_vals) if isinstance(v, torch.Tensor)
                           for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt) and isinstance(sym, torch.SymInt)
                           and s.node.expr == sym.node.expr), None)
-            if found is None:
-                raise RuntimeError(f"afd backend: graph input {placeholders[k].name} is a size that no input "
-                                   "tensor carries")
-            self.slots[k] = ("size", found)
+            if found is not None:
+                self.slots[k] = ("size", found)
+            elif isinstance(example_inputs[k], (int, torch.SymInt)):
+                # an int argument dynamo made symbolic: a constant of this program
+                self.slots[k] = ("const", _hint(example_inputs[k]))
+                self.const_positions.append(k)
+            else:
+                raise RuntimeError(f"afd backend: graph input {placeholders[k].name} ({type(example_inputs[k]).__name__})"
+                                   " is neither a tensor, a size of one, nor an int")
+
+    def const_key(self, args: Sequence[Any]) -> tuple:
+        """The values of the int inputs this program was compiled for, read from a call's args."""
+        return tuple(int(args[k]) for k in self.const_positions)
 
     def forward(self, *user: torch.Tensor) -> Any:
         args = []
@@ -282,10 +302,16 @@ class _Lifted(torch.nn.Module):
                 args.append(user[ref])
             elif kind == "drop":
                 args.append(None)
+            elif kind == "const":
+                args.append(ref)
             else:
                 u, d = ref
                 args.append(user[u].shape[d])
         return self.gm(*args)
+
+
+def _hint(x: int | torch.SymInt) -> int:
+    return int(x.node.hint) if isinstance(x, torch.SymInt) else int(x)
 
 
 def _only_item(p: fx.Node) -> bool:
@@ -457,17 +483,28 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
     # export and the passes run in a context of their own: dynamo's tracing context (its fake
     # mode, its guards) belongs to the frame being compiled
     with tracing(None):
-        run, positions = _distribute(gm, example_inputs, opts, rank, world, device, cudagraphs)
+        run, lifted = _distribute(gm, example_inputs, opts, rank, world, device, cudagraphs)
+    runs = {lifted.const_key(example_inputs): (run, lifted.user_positions)}
 
     def call(*args: Any) -> Any:
         STATS["calls"] += 1
+        key = lifted.const_key(args)
+        if key not in runs:  # an int argument with a value not compiled yet (dynamo made it symbolic)
+            log.info("afd: rank %d: int inputs %s: compiling this graph for them", rank, key)
+            values = list(example_inputs)
+            for k, v in zip(lifted.const_positions, key, strict=True):
+                values[k] = v
+            with tracing(None):
+                new_run, new_lifted = _distribute(gm, values, opts, rank, world, device, cudagraphs)
+            runs[key] = (new_run, new_lifted.user_positions)
+        run, positions = runs[key]
         return run(*[args[i] for i in positions])
 
     return call
 
 
 def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, rank: int, world: int,
-                device: torch.device, cudagraphs: bool | None) -> tuple[Callable[..., Any], list[int]]:
+                device: torch.device, cudagraphs: bool | None) -> tuple[Callable[..., Any], _Lifted]:
     lifted = _Lifted(gm, example_inputs)
     user = [example_inputs[i] for i in lifted.user_positions]
     t0 = time.perf_counter()
@@ -475,9 +512,10 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
     log.info("afd: rank %d: exported dynamo graph (%d nodes) in %.1fs", rank, len(ep.graph.nodes),
              time.perf_counter() - t0)
     key = _layout_key(opts, rank, world)
-    if not _is_dynamic(ep) and (opts.attn_dp > 1 or opts.mode == "afd"):
+    ffn_rank = opts.mode == "afd" and rank < opts.ffn
+    if not _is_dynamic(ep) and (opts.attn_dp > 1 or ffn_rank):
         raise BackendOptionError(
-            f"afd backend: rank {rank}: {'DP attention' if opts.attn_dp > 1 else 'AFD'} runs programs over a "
+            f"afd backend: rank {rank}: {'DP attention' if opts.attn_dp > 1 else 'an AFD FFN rank'} runs programs over a "
             "token count that changes per step (set by other ranks), so it needs a graph with a dynamic batch: "
             "torch.compile(model, backend='afd', dynamic=True, options=...), and a first call whose batch and "
             "sequence are >= 2 (dynamo specialises dims of size 0 and 1)")
@@ -485,7 +523,7 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
         run = _tp_runner(ep, opts, rank, world, key, cudagraphs, device)
     else:
         run = _afd_runner(ep, opts, rank, world, key, cudagraphs, device, gm)
-    return run, lifted.user_positions
+    return run, lifted
 
 
 def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
@@ -521,7 +559,7 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
 
 
 def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
-                cudagraphs: bool | None, device: torch.device, gm: fx.GraphModule) -> Callable[..., Any]:
+                cudagraphs: bool | None, device: torch.device, gm: fx.GraphModule | None) -> Callable[..., Any]:
     from .layout import AFDLayout
     from .passes.roles import POLICIES
     from .runtime import AttentionWorker, make_worker
@@ -546,12 +584,13 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
         group = process_group(range(world), opts.timeout_s)
     worker = make_worker(ep.module(), layout, rank, config, device=device, group=group, check_wire=check)
     if isinstance(worker, AttentionWorker):
+        worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called
         compiled = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} attention")
         worker.program = lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)  # type: ignore[assignment]
         return worker.step
     compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
     worker.run_program = lambda counts, slots: compiled_ffn(counts, slots)  # type: ignore[attr-defined]
-    outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    outs = [n for n in (gm or ep.graph_module).graph.nodes if n.op == "output"][0].args[0]
     n_out = len(outs) if isinstance(outs, (list, tuple)) else 1
 
     def serve_one(*user: torch.Tensor) -> Any:
@@ -559,4 +598,81 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
         empty = torch.empty(0, device=device)
         return tuple(empty for _ in range(n_out)) if isinstance(outs, (list, tuple)) else empty
 
+    serve_one.worker = worker  # type: ignore[attr-defined]
     return serve_one
+
+
+# --- an FFN rank under generate(): serve until every attention peer has finished ----------------
+
+
+def _ffn_export(model: torch.nn.Module, example_inputs: tuple | None,
+                example_kwargs: dict[str, Any] | None) -> torch.export.ExportedProgram:
+    """The FFN rank's graph of ``model``: the same layers and MLPs the attention ranks' graphs
+    hold, exported with every input dim of size >= 2 dynamic (the FFN program's token count is
+    symbolic). Default example: ``input_ids`` of shape (2, 4) without a cache (``use_cache=False``),
+    the call of a transformers causal LM; other models pass ``example_inputs``."""
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    module = model
+    if example_inputs is None and example_kwargs is None:
+        if not hasattr(model, "config"):
+            raise BackendOptionError(
+                f"afd serve: {type(model).__name__} is not a transformers model (no .config); pass "
+                "example_inputs (a tuple of tensors the model's forward takes, of the kind the attention ranks pass)")
+        from .models import LogitsOnly
+
+        module = LogitsOnly(model)
+        example_inputs = (torch.zeros(2, 4, dtype=torch.long, device=device),)
+    args = tuple(example_inputs or ())
+    kwargs = dict(example_kwargs or {})
+
+    def dims(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return {d: torch.export.Dim.AUTO for d, n in enumerate(x.shape) if n >= 2} or None
+        return None
+
+    shapes = (tuple(dims(a) for a in args), {k: dims(v) for k, v in kwargs.items()})
+    with torch.no_grad():
+        if kwargs:
+            return torch.export.export(module, args, kwargs, dynamic_shapes=shapes)
+        return torch.export.export(module, args, dynamic_shapes=shapes[0])
+
+
+def serve(model: torch.nn.Module, options: dict[str, Any], example_inputs: tuple | None = None,
+          example_kwargs: dict[str, Any] | None = None) -> int:
+    """Run an FFN rank of an AFD deployment: serve the attention ranks step by step until every
+    one has finished (:func:`afd_compile.runtime.finish`, or its shutdown), whatever the number of
+    steps and wherever each stops (EOS under ``generate()``); returns the steps served.
+
+    ``options`` are the backend's (``attention``, ``ffn``, ``comm_id``, ``inductor``,
+    ``cudagraphs``, ``timeout_s``, ``check_wire``, ``policy``), the same as the attention ranks'
+    ``torch.compile(..., backend="afd", options=...)``. The FFN rank builds its program from its
+    own export of ``model`` (see :func:`_ffn_export`): it never runs attention, so it allocates no
+    KV cache; one program serves prefill and decode steps (compiled per token layout)."""
+    opts = BackendOptions.parse(options)
+    rank, world = opts.resolved()
+    if opts.mode != "afd":
+        raise BackendOptionError(f"afd serve: options {options} give no AFD layout (attention, ffn); only an FFN "
+                                 "rank of an AFD deployment serves")
+    from .layout import AFDLayout
+
+    role, _ = AFDLayout(opts.attention, opts.ffn).role_of(rank)
+    if role != "ffn":
+        raise BackendOptionError(f"afd serve: rank {rank} is an attention rank of layout attention={opts.attention}, "
+                                 f"ffn={opts.ffn} (FFN ranks are 0..{opts.ffn - 1}); attention ranks run the model "
+                                 "(generate()) and call afd_compile.runtime.finish() after it")
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise BackendOptionError("afd serve: needs torch.distributed initialised first "
+                                 "(torchrun + afd_compile.runtime.init_distributed())")
+    t0 = time.perf_counter()
+    ep = _ffn_export(model, example_inputs, example_kwargs)
+    log.info("afd: rank %d: exported the FFN rank's graph (%d nodes) in %.1fs", rank, len(ep.graph.nodes),
+             time.perf_counter() - t0)
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    cudagraphs = (None if device.type == "cuda" else False) if opts.cudagraphs is None else opts.cudagraphs
+    run = _afd_runner(ep, opts, rank, world, _layout_key(opts, rank, world), cudagraphs, device, None)
+    worker = run.worker  # type: ignore[attr-defined]
+    steps = worker.serve()
+    log.info("afd: rank %d: served %d steps; every attention peer finished", rank, steps)
+    return steps

@@ -70,6 +70,10 @@ class AFDCommunicator:
     group: dist.ProcessGroup | None = None
     step_seq_lens: dict[int, tuple[int, ...]] = field(default_factory=dict)
     check_wire: bool = field(default_factory=wire_checks_from_env)
+    #: an attention rank has told its FFN rank it is done (runtime.finish)
+    stopped: bool = False
+    #: runtime.shutdown() sends this attention rank's STOP if it was not sent (the backend's)
+    finish_at_shutdown: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ("attention", "ffn"):
@@ -144,6 +148,26 @@ _REGISTRY: dict[int, AFDCommunicator] = {}
 def register_communicator(comm: AFDCommunicator, comm_id: int = 0) -> int:
     _REGISTRY[comm_id] = comm
     return comm_id
+
+
+def registered_communicators() -> dict[int, AFDCommunicator]:
+    """Every registered communicator, by comm id (a copy)."""
+    return dict(_REGISTRY)
+
+
+def communicator_for(role: str, rank: int, peers: Sequence[int], group: dist.ProcessGroup | None,
+                     check_wire: bool, comm_id: int) -> AFDCommunicator:
+    """The communicator registered under ``comm_id`` when it is this one (same role, rank,
+    peers, group, checks, not stopped), else a new one, registered. The backend compiles one
+    program per graph (a prefill and a decode graph under ``generate()``); they share one
+    communicator, so the per-step token counts the runtime sets are the ones every op reads."""
+    old = _REGISTRY.get(comm_id)
+    if (old is not None and not old.stopped and (old.role, old.rank, old.peers, old.group, old.check_wire)
+            == (role, rank, tuple(peers), group, check_wire)):
+        return old
+    comm = AFDCommunicator(role, rank, tuple(peers), group, check_wire=check_wire)
+    register_communicator(comm, comm_id)
+    return comm
 
 
 def unregister_communicator(comm_id: int) -> None:

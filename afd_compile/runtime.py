@@ -24,7 +24,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from .comm import AFDCommunicator, register_communicator, wire_checks_from_env
+from .comm import AFDCommunicator, communicator_for, register_communicator, wire_checks_from_env
 from .errors import AFDCompileError
 from .layout import AFDLayout
 from .passes.symbolic import sym_expr
@@ -69,6 +69,14 @@ def shutdown() -> None:
     ``destroy_process_group``."""
     import sys
 
+    if dist.is_initialized():
+        try:  # the FFN peers of the backend's attention communicators stop serving this rank
+            finish(at_shutdown=True)
+        except Exception as e:  # a peer already gone: nothing left to tell it
+            import logging
+
+            logging.getLogger("afd_compile.runtime").warning("afd: shutdown: could not tell an FFN rank this rank "
+                                                            "stopped: %s", e)
     backend = sys.modules.get("afd_compile.backend")
     if backend is not None:
         backend.release()
@@ -146,19 +154,46 @@ class AttentionWorker:
 
     def step(self, *inputs: torch.Tensor) -> Any:
         n = self.count_tokens(inputs)
-        self._control(n)
+        send_control(self.comm, n)
         self.comm.set_step({self.stage: (n,)})
         if n == 0:
             return None
         return self.program(*inputs)
 
     def stop(self) -> None:
-        self._control(STOP)
+        send_control(self.comm, STOP)
 
-    def _control(self, n: int) -> None:
-        dev = "cuda" if self.comm.device_transport else "cpu"
-        dist.send(torch.tensor([n, int(self.comm.check_wire)], dtype=torch.int64, device=dev), self.comm.peers[0],
-                  group=self.comm.group)
+
+def send_control(comm: AFDCommunicator, n: int) -> None:
+    """An attention rank's per-step control message to its FFN rank: ``[tokens, check_wire]``
+    (``tokens`` = :data:`STOP`: this rank is done; it sends nothing after it)."""
+    if comm.role != "attention":
+        raise ValueError(f"afd: rank {comm.rank} is an FFN rank; only attention ranks send control messages")
+    if comm.stopped:
+        raise ControlError(f"afd: attention rank {comm.rank} already told FFN rank {comm.peers[0]} it stopped; "
+                           "it cannot run another step (a new deployment needs a new comm_id)")
+    dev = "cuda" if comm.device_transport else "cpu"
+    dist.send(torch.tensor([n, int(comm.check_wire)], dtype=torch.int64, device=dev), comm.peers[0], group=comm.group)
+    if n == STOP:
+        comm.stopped = True
+
+
+def finish(comm_id: int | None = None, *, at_shutdown: bool = False) -> list[int]:
+    """Attention rank: tell the FFN rank(s) this rank is done (one STOP per AFD communicator, or
+    only ``comm_id``'s), so :func:`serve` on them returns once every peer has finished. Call it
+    after the last step (``generate()`` returned); :func:`shutdown` calls it for the backend's
+    communicators not stopped yet (``at_shutdown``). Returns the comm ids stopped; a communicator
+    already stopped (or an FFN one) is skipped."""
+    from .comm import registered_communicators
+
+    done = []
+    for cid, comm in sorted(registered_communicators().items()):
+        if at_shutdown and not comm.finish_at_shutdown:
+            continue
+        if (comm_id is None or cid == comm_id) and comm.role == "attention" and not comm.stopped:
+            send_control(comm, STOP)
+            done.append(cid)
+    return done
 
 
 @dataclass
@@ -170,6 +205,8 @@ class FFNWorker:
     #: how a step's program runs: ``(per-peer counts, (T, 0) carrier) -> None``; the compile
     #: backend replaces it to pick the program compiled for that token layout
     run_program: Callable[[tuple[int, ...], torch.Tensor], Any] | None = None
+    #: attention peers that have stopped (sent STOP); they are not served again
+    left: set[int] = field(default_factory=set)
 
     def serve(self, on_step: Callable[[tuple[int, ...]], None] | None = None) -> int:
         """Serve steps until every peer says stop; returns the number of steps served."""
@@ -179,13 +216,17 @@ class FFNWorker:
         return steps
 
     def serve_one(self, on_step: Callable[[tuple[int, ...]], None] | None = None) -> tuple[int, ...] | None:
-        """Receive one step's per-peer token counts (the control message) and run the program
-        once; returns the counts, or None when every peer said stop."""
+        """Receive one step's per-peer token counts (the control messages of the peers still
+        running) and run the program once; returns the counts (0 for a peer that has left), or
+        None once every peer has stopped. A peer that sends STOP leaves: later steps serve the
+        others (attention ranks may finish at different steps, e.g. at EOS under ``generate()``)."""
         dev = "cuda" if self.comm.device_transport else "cpu"
-        bufs = [torch.empty(2, dtype=torch.int64, device=dev) for _ in self.comm.peers]
-        for b, p in zip(bufs, self.comm.peers, strict=True):
+        live = [p for p in self.comm.peers if p not in self.left]
+        bufs = [torch.empty(2, dtype=torch.int64, device=dev) for _ in live]
+        for b, p in zip(bufs, live, strict=True):
             dist.recv(b, p, group=self.comm.group)
-        counts = self._check_control([[int(v) for v in b.tolist()] for b in bufs])
+        got = dict(zip(live, ([int(v) for v in b.tolist()] for b in bufs), strict=True))
+        counts = self._check_control(got)
         if counts is None:
             return None
         self.comm.set_step({self.stage: counts})
@@ -199,18 +240,15 @@ class FFNWorker:
                 self.program(slots)
         return counts
 
-
-    def _check_control(self, messages: list[list[int]]) -> tuple[int, ...] | None:
-        """The per-peer counts of a step's control messages ``[tokens, check_wire]``, checked:
-        None when every peer stopped; a negative count, a partial stop or a peer whose wire checks
-        differ from this rank's is a ControlError naming the peer."""
-        counts = tuple(m[0] for m in messages)
-        if all(c == STOP for c in counts):
-            return None
-        for (n, check), p in zip(messages, self.comm.peers, strict=True):
+    def _check_control(self, messages: dict[int, list[int]]) -> tuple[int, ...] | None:
+        """The per-peer counts of a step from the control messages ``[tokens, check_wire]`` of
+        the peers still running (0 for a peer that left), checked: a peer sending STOP leaves;
+        None once every peer has left. A negative count or a peer whose wire checks differ from
+        this rank's is a ControlError naming the peer."""
+        for p, (n, check) in messages.items():
             if n == STOP:
-                raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {p} stopped while others did "
-                                   f"not (counts {list(counts)})")
+                self.left.add(p)
+                continue
             if n < 0:
                 raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {p} announced {n} tokens for "
                                    "the next step; a token count is >= 0")
@@ -218,7 +256,9 @@ class FFNWorker:
                 raise ControlError(f"afd: FFN rank {self.comm.rank} runs with wire checks "
                                    f"{'on' if self.comm.check_wire else 'off'}, attention rank {p} with them "
                                    f"{'on' if check else 'off'}; set AFD_CHECK_WIRE (or check_wire) alike on every rank")
-        return counts
+        if len(self.left) == len(self.comm.peers):
+            return None
+        return tuple(0 if p in self.left else messages[p][0] for p in self.comm.peers)
 
 
 class ControlError(AFDCompileError):
@@ -228,19 +268,21 @@ class ControlError(AFDCompileError):
 def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig | None = None,
                 device: torch.device | None = None, group: dist.ProcessGroup | None = None,
                 check_wire: bool | None = None) -> AttentionWorker | FFNWorker:
-    """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id.
+    """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id
+    (an attention rank reuses the one registered there when it matches: :func:`communicator_for`).
     ``check_wire``: header checks on every transfer (None: ``AFD_CHECK_WIRE``; see AFDCommunicator)."""
     config = config or SplitConfig()
-    result = split_graph_module(gm, config, layout=layout)
     role, idx = layout.role_of(rank)
+    # the layout's fan-in constrains the FFN program only: an attention rank's program may have a
+    # static token count (a decode graph of a static cache)
+    result = split_graph_module(gm, config, layout=layout if role == "ffn" else None)
     device = device or torch.device("cpu")
     check = wire_checks_from_env() if check_wire is None else check_wire
     if role == "ffn":
-        comm = AFDCommunicator("ffn", rank, layout.peers_of_ffn(idx), group, check_wire=check)
-        register_communicator(comm, config.comm_id)
+        comm = communicator_for("ffn", rank, layout.peers_of_ffn(idx), group, check, config.comm_id)
         return FFNWorker(result.ffn.to(device), comm, device)
-    comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),), group, check_wire=check)
-    register_communicator(comm, config.comm_id)
+    # one communicator per comm id, shared by every graph of this rank (prefill, decode)
+    comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id)
     counter = TokenCount.for_graph(gm, result.plan.cuts[0].token_dims)
     return AttentionWorker(result.attention.to(device), comm, counter)
 
@@ -512,3 +554,4 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
     if failure:
         raise failure
     return results
+

@@ -68,6 +68,8 @@ def test_module_paths_of_lifted_parameters():
     assert _module_path(name) == "model.layers.0.self_attn.q_proj.weight"
     assert _module_path("l_self_modules_rotary_emb_buffers_inv_freq_") == "rotary_emb.inv_freq"
     assert _module_path("l_input_ids_") is None
+    # torch.compile(model.forward): the module is the bound method's first argument
+    assert _module_path("l_args_0_modules_lm_head_parameters_weight_") == "lm_head.weight"
     assert _module_path("l_self_modules_layers_modules_1_modules_norm_variance_epsilon") is None
 
 

@@ -42,12 +42,13 @@ from ..graph_utils import attention_output, get_attr_path, layers_of, reads_weig
 from ..roles import LINEAR_OPS, SDPA_OPS, Role, is_attention_op, role_of
 from ..symbolic import sym_expr
 from .rules import BLOCK_OPS, IGNORED, RULES, Replicate, ShardRule, ndim, shape_of
-from .types import ArgFix, ShardedWeight, ShardError, ShardPlan
+from .types import ArgFix, ShardedState, ShardedWeight, ShardError, ShardPlan
 
 aten = torch.ops.aten
 META_KEY = "afd.shard"
 
-__all__ = ["META_KEY", "RULES", "ArgFix", "ShardError", "ShardPlan", "ShardRule", "ShardedWeight", "apply_shards",
+__all__ = ["META_KEY", "RULES", "ArgFix", "ShardError", "ShardPlan", "ShardRule", "ShardedState", "ShardedWeight",
+           "apply_shards",
            "is_grouped_mm", "plan_shards", "reads_weight", "shard_tensor"]
 
 
@@ -144,6 +145,37 @@ class _Track:
     cuts: list[tuple[fx.Node, fx.Node, int, int | None, int, int]]  # (column, node, arg, index, start, end)
     means: list[fx.Node] = field(default_factory=list)  # means over the split dim (settled by an all-reduce)
     attrs: list[fx.Node] = field(default_factory=list)  # weights spanning the split dim (a norm's scale)
+    states: list[tuple[fx.Node, int, int]] = field(default_factory=list)  # (cache, dim, slices) written split
+
+
+#: in-place writes into a state tensor (a KV cache update): op -> position of the value written
+STATE_WRITES = {aten.index_copy_.default: 3, aten.index_put_.default: 2}
+
+
+def _write_into_state(n: fx.Node, t: _Track, where: str) -> bool:
+    """``n`` writes a split value into an unsplit tensor in place (``cache.index_copy_(2, pos,
+    k)``, a KV cache update): the cache becomes split like the value (each rank keeps its heads,
+    :class:`ShardedState`), and so does every read of it. False when ``n`` is not such a write."""
+    pos = STATE_WRITES.get(n.target)
+    if pos is None or len(n.args) <= pos or not isinstance(n.args[pos], fx.Node) or n.args[pos] not in t.dim:
+        return False
+    dest, value = n.args[0], n.args[pos]
+    if dest in t.dim:
+        return False  # already split: the op's own rule follows it
+    if ndim(dest) != ndim(value):
+        raise ShardError(f"{where}: {n.name} ({n.target}) writes a {ndim(value)}-d split value into a "
+                         f"{ndim(dest)}-d tensor; only same-rank cache writes are understood")
+    d = t.dim[value]
+    if n.target == aten.index_copy_.default and n.args[1] % ndim(dest) == d:
+        raise ShardError(f"{where}: {n.name} indexes the split dim {d} of {dest.name}")
+    size = sym_expr(dest.meta["val"].shape[d])
+    if not size.is_Integer or int(size) % t.factor[value]:
+        raise ShardError(f"{where}: {n.name} writes {t.factor[value]} slices of dim {d} into {dest.name}, whose "
+                         f"dim {d} has size {size}")
+    for x in (dest, n):
+        t.dim[x], t.factor[x], t.origin[x] = d, t.factor[value], t.origin.get(value)
+    t.states.append((dest, d, t.factor[value]))
+    return True
 
 
 def _cut_into_blocks(n: fx.Node, src: fx.Node, t: _Track) -> None:
@@ -316,9 +348,21 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
                                  f"head count; {parts} ranks here)")
             continue
         if n.op == "output":
+            whole = {s for s, _, _ in t.states}
+            if split_in and all(a in whole or (a.target in STATE_WRITES and a.args[0] in whole) for a in split_in):
+                continue  # a cache returned whole to the caller (each rank wrote its own slice of it)
             raise ShardError(f"{where}: a tensor split over the {group} group reaches the graph output via {n.args}")
         target = n.target
-        if target in IGNORED:
+        if target in IGNORED or (n.op == "call_module" and target == "_guards_fn"):  # export's input guards
+            continue
+        if target == aten.sym_size.int:  # a size: the same on every rank unless it is the split dim's
+            if n.args[1] % ndim(n.args[0]) == sdim[n.args[0]]:
+                raise ShardError(f"{where}: {n.name} reads the size of the split dim {sdim[n.args[0]]} of "
+                                 f"{n.args[0].name}, which differs per rank")
+            continue
+        if _write_into_state(n, t, where):
+            frontier.extend(sorted(set(n.args[0].users) | set(n.users), key=order.__getitem__))
+            frontier.sort(key=order.__getitem__)
             continue
         factors = {t.factor[a] for a in split_in}
         gqa = target == aten.scaled_dot_product_attention.default and n.kwargs.get("enable_gqa")
@@ -479,6 +523,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
     fixes: list[ArgFix] = []
     rows_out: list[tuple[str, str, int]] = []
     split_means: list[tuple[str, str, int, int]] = []
+    states: list[ShardedState] = []
     for layer, parts in layers_of(gm).items():
         members = list(parts.members)
         where = f"layer {layer}"
@@ -506,7 +551,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
                              "cannot divide (only KV heads may be replicated)")
         if attn_parts > 1:
             means: list[fx.Node] = []
-            _shard_pair(gm, cols, rows[0], attn_parts, "attn", weights, fixes, where, means)
+            _shard_pair(gm, cols, rows[0], attn_parts, "attn", weights, fixes, where, means, states)
             rows_out.append((rows[0].name, "attn", layer))
             split_means.extend((m.name, "attn", layer, attn_parts) for m in means)
         ffn_set = set(ffn)
@@ -526,7 +571,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
             else:  # several partial sums (experts + shared experts) or a combine step: settle at the block output
                 _check_linear_path([row for _, row in pairs], out, ffn_set, where)
                 rows_out.append((out.name, "mlp", layer))
-    return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out), tuple(split_means))
+    return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out), tuple(split_means), tuple(states))
 
 
 def _attention_heads(attn: fx.Node) -> int | None:
@@ -565,7 +610,7 @@ def _projection_weight(gm: fx.GraphModule, proj: fx.Node, column: bool) -> tuple
 
 def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int, group: str,
                 weights: list[ShardedWeight], fixes: list[ArgFix], where: str,
-                means: list[fx.Node] | None = None) -> None:
+                means: list[fx.Node] | None = None, states: list[ShardedState] | None = None) -> None:
     names = ", ".join(_projection_weight(gm, c, True)[0] for c in cols)
     for c in cols:
         target, dim, size = _projection_weight(gm, c, True)
@@ -609,6 +654,10 @@ def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: in
                 weights.append(ShardedWeight(str(a.target), track.dim[a], parts, group, "column", blocks, rep))
             elif track.origin.get(a) is None or track.origin[a][0] is c:
                 raise ShardError(f"{where}: {a.target} spans the split dim of {c.name} but not its whole output")
+    for node, d, slices in track.states:
+        if states is None:
+            raise ShardError(f"{where}: {node.name} is written in place with a value split over {group}")
+        states.append(ShardedState(node.name, d, int(sym_expr(node.meta["val"].shape[d])), slices, parts, group))
     if means is not None:
         means.extend(track.means)
     elif track.means:
@@ -660,4 +709,33 @@ def apply_shards(gm: fx.GraphModule, plan: ShardPlan, rank_of_group: dict[str, i
             sizes[f.index] = f.new
             args[f.arg] = sizes
         node.args = tuple(args)
+    _narrow_states(gm, plan, rank_of_group, by_name)
     gm.recompile()
+
+
+def _narrow_states(gm: fx.GraphModule, plan: ShardPlan, rank_of_group: dict[str, int],
+                   by_name: dict[str, fx.Node]) -> None:
+    """Each rank's slice of every state tensor (KV cache): a cache attribute is sliced (the rank
+    holds only its heads); a cache the program receives or allocates is narrowed where it is
+    written and read (``narrow(cache, dim, start, n)``, a view: writes land in the caller's
+    tensor), and returned whole."""
+    for s in plan.states:
+        node = by_name[s.node]
+        start, n = s.local(rank_of_group[s.group])
+        if node.op == "get_attr":
+            t = get_attr_path(gm, node.target)
+            *path, leaf = str(node.target).split(".")
+            mod: object = gm
+            for p in path:
+                mod = getattr(mod, p)
+            setattr(mod, leaf, t.detach().narrow(s.dim, start, n).clone())
+            continue
+        users = [u for u in node.users if u.op == "call_function"]  # (not the output, not export's guards)
+        with gm.graph.inserting_after(node):
+            view = gm.graph.call_function(aten.narrow.default, (node, s.dim, start, n))
+        view.name = f"{node.name}_local"
+        for u in users:
+            u.replace_input_with(node, view)
+        for w in [u for u in view.users if u.target in STATE_WRITES and u.args[0] is view]:
+            for out in [u for u in w.users if u.op == "output"]:  # the write returns the cache: whole
+                out.replace_input_with(w, node)

@@ -52,6 +52,32 @@ class ArgFix:
 
 
 @dataclass(frozen=True)
+class ShardedState:
+    """A state tensor a split tensor is written into in place (a KV cache: ``index_copy_`` of
+    this rank's K/V heads): each rank keeps only its slice of ``dim``. ``slices`` distinct slices
+    over ``parts`` ranks of ``group`` (fewer when KV heads are replicated: rank r keeps slice
+    ``r // (parts // slices)``). A cache attribute (a buffer) is sliced like a weight; a cache the
+    program receives or allocates (a graph input, a ``zeros``) is narrowed to this rank's slice
+    where it is read and written (the caller's tensor keeps its full shape)."""
+
+    node: str
+    dim: int
+    size: int
+    slices: int
+    parts: int
+    group: str
+
+    def local(self, rank: int) -> tuple[int, int]:
+        """(start, length) of ``rank``'s slice along ``dim``."""
+        n = self.size // self.slices
+        return (rank // (self.parts // self.slices)) * n, n
+
+    def __str__(self) -> str:
+        rep = f", each slice on {self.parts // self.slices} ranks" if self.slices < self.parts else ""
+        return f"state {self.node} dim {self.dim} ({self.size}) / {self.slices} over {self.group}{rep}"
+
+
+@dataclass(frozen=True)
 class ShardPlan:
     weights: tuple[ShardedWeight, ...]
     arg_fixes: tuple[ArgFix, ...]
@@ -59,9 +85,10 @@ class ShardPlan:
     # (node, group, layer, parts): a mean over a split dim (OLMo-2's q/k norm over all heads):
     # each rank's mean of its slice; all-reduced over the group and divided by parts = the full mean
     split_means: tuple[tuple[str, str, int, int], ...] = ()
+    states: tuple[ShardedState, ...] = ()  # KV caches written with split heads
 
     def __str__(self) -> str:
-        return "\n".join([*(str(w) for w in self.weights),
+        return "\n".join([*(str(w) for w in self.weights), *(str(s) for s in self.states),
                           *(f"{m}: mean over the split dim, all-reduced over {g} / {p}"
                             for m, g, _, p in self.split_means),
                           *(f"{f.node} arg {f.arg}{'' if f.index is None else f'[{f.index}]'}: {f.old} -> "

@@ -1,0 +1,186 @@
+"""KV-cache decoding: HF ``generate()`` with a static cache through the afd backend
+(examples/generate.py under torchrun, real gloo processes), the cache's roles and shards in the
+programs, and an FFN rank serving attention ranks that finish at different steps."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "generate.py")
+
+RUNS = [  # (processes, example arguments)
+    (2, ("--attention", "1", "--ffn", "1")),  # with Inductor
+    (5, ("--attention", "3", "--ffn", "2", "--stagger", "2", "--no-inductor")),
+    (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--no-inductor")),
+    (2, ("--tp", "2", "--family", "qwen3_moe", "--no-inductor")),
+    (4, ("--tp", "4", "--attn-dp", "2", "--no-inductor")),
+]
+SLOW_RUNS = [
+    (3, ("--attention", "2", "--ffn", "1", "--no-inductor")),
+    (2, ("--attention", "1", "--ffn", "1", "--family", "qwen3_moe", "--no-inductor")),
+    (5, ("--attention", "3", "--ffn", "2", "--family", "qwen3_moe", "--no-inductor")),
+    (2, ("--tp", "2")),
+    (4, ("--tp", "4", "--attn-dp", "2", "--family", "qwen3_moe", "--no-inductor")),
+]
+
+
+def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(n), EXAMPLE, *args],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "AFD_BACKEND": "gloo"})
+
+
+def _check(proc: subprocess.CompletedProcess, args: tuple[str, ...]) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"OK tokens_match=(\d+)/(\d+)", last)
+    assert m and m.group(1) == m.group(2) and int(m.group(2)) > 0, proc.stdout[-2000:]
+    ranks = re.findall(r"^rank (\d+) (attention|tp|ffn): (.*)$", proc.stdout, flags=re.M)
+    if "--ffn" in args:
+        ffn = int(args[args.index("--ffn") + 1])
+        served = [line for r, role, line in ranks if role == "ffn"]
+        assert len(served) == ffn and all("kv_cache_bytes=0 " in s for s in served)
+        if "--stagger" in args:  # an FFN rank served until its last peer (16 new tokens) finished
+            assert any(re.search(r"served 32 steps", s) for s in served), served  # 2 generate() x 16 steps
+    generated = [line for r, role, line in ranks if role != "ffn"]
+    assert generated and all(int(re.search(r"kv_cache_bytes=(\d+)", g).group(1)) > 0 for g in generated)
+
+
+@pytest.mark.parametrize("n,args", RUNS, ids=[" ".join(a) for _, a in RUNS])
+def test_generate_matches_single_process_tokens(n, args):
+    _check(_torchrun(n, *args), args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,args", SLOW_RUNS, ids=[" ".join(a) for _, a in SLOW_RUNS])
+def test_generate_matches_single_process_tokens_more_layouts(n, args):
+    _check(_torchrun(n, *args), args)
+
+
+# --- the cache in the programs: attention only; TP ranks their KV heads --------------------------
+
+
+def _cached_graphs(family: str, **overrides: object) -> list[torch.export.ExportedProgram]:
+    """The prefill and decode graphs dynamo hands the backend under ``generate()`` with a static
+    cache, exported as the backend exports them."""
+    import transformers
+    from torch._guards import tracing
+
+    from afd_compile.backend import _export, _Lifted
+    from afd_compile.models import FAMILIES
+
+    cls, cfg_cls, kwargs = FAMILIES[family]
+    cfg = getattr(transformers, cfg_cls)(**{**kwargs, "num_hidden_layers": 2, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(cfg).eval()
+    model.generation_config.cache_implementation = "static"
+    graphs = []
+
+    def capture(gm, example_inputs):
+        with tracing(None):
+            lifted = _Lifted(gm, example_inputs)
+            graphs.append(_export(lifted, [example_inputs[i] for i in lifted.user_positions]))
+        return lambda *args: lifted(*[args[i] for i in lifted.user_positions])
+
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=capture, dynamic=True)
+    ids = torch.randint(1, 128, (2, 5))
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                   pad_token_id=0)
+    torch._dynamo.reset()
+    assert len(graphs) == 2  # prefill (allocates the cache) and decode (reads and writes it)
+    return graphs
+
+
+def _cache_writes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.target == torch.ops.aten.index_copy_.default]
+
+
+@pytest.fixture(scope="module")
+def llama_cached():
+    return _cached_graphs("llama")
+
+
+def test_the_cache_stays_with_attention_and_the_ffn_program_has_none(llama_cached):
+    from afd_compile.split_api import split
+
+    for ep in llama_cached:
+        gm = ep.module()
+        caches = {n.args[0].name for n in _cache_writes(gm)}
+        assert len(caches) == 4  # K and V of 2 layers
+        result = split(gm)
+        attention, ffn = result.attention, result.ffn
+        assert len(_cache_writes(attention)) == 4
+        assert not _cache_writes(ffn)
+        assert [n.name for n in ffn.graph.nodes if n.op == "placeholder"] == ["token_slots"]
+        sizes = {tuple(t.shape) for t in [*ffn.parameters(), *ffn.buffers()]}
+        assert all(len(s) == 2 for s in sizes), sizes  # MLP weights only: no [batch, heads, len, dim] cache
+        assert not any(n.meta.get("afd.role") and n.meta["afd.role"].role.name == "FFN" for n in
+                       _cache_writes(gm))
+
+
+@pytest.mark.parametrize(("attn_tp", "slices"), [(2, 2), (4, 2)])  # 2 KV heads: split, then replicated x2
+def test_a_tp_rank_writes_and_reads_only_its_kv_heads(llama_cached, attn_tp, slices):
+    from afd_compile.passes.roles import POLICIES, annotate_roles
+    from afd_compile.passes.tp_rewrite import shard_for_rank
+    from afd_compile.scatter import TPLayout
+
+    decode = llama_cached[1].module()
+    annotate_roles(decode, POLICIES["default"])
+    for rank in range(attn_tp):
+        prog = shard_for_rank(decode, TPLayout(attn_tp, 1), rank)
+        states = prog.shards.states
+        assert len(states) == 4 and {(s.dim, s.size, s.slices, s.parts) for s in states} == {(1, 2, slices, attn_tp)}
+        narrows = [n for n in prog.program.graph.nodes if n.target == torch.ops.aten.narrow.default]
+        start = rank // (attn_tp // slices)
+        assert sorted(n.args[1:] for n in narrows) == [(1, start, 1)] * 4
+        assert all(w.args[0] in narrows for w in _cache_writes(prog.program))
+
+
+def test_a_cache_written_along_its_split_dim_is_refused():
+    from afd_compile.passes.shard import ShardError
+    from afd_compile.passes.shard.__init__ import _Track, _write_into_state
+
+    g = torch.fx.Graph()
+    cache, pos, k = g.placeholder("cache"), g.placeholder("pos"), g.placeholder("k")
+    cache.meta["val"], k.meta["val"] = torch.empty(2, 2, 8, 4), torch.empty(2, 1, 1, 4)
+    write = g.call_function(torch.ops.aten.index_copy_.default, (cache, 1, pos, k))
+    t = _Track({k: 1}, {k: 2}, {k: None}, {}, {}, {}, [])
+    with pytest.raises(ShardError, match="index_copy_.* indexes the split dim 1 of cache"):
+        _write_into_state(write, t, "layer 0")
+
+
+# --- an FFN rank serves attention ranks that stop at different steps ---------------------------
+
+
+def _leaving(rank: int, world: int, steps: list[int]) -> object:
+    import torch.distributed as dist
+
+    from afd_compile.comm import AFDCommunicator
+    from afd_compile.runtime import STOP, FFNWorker
+
+    if rank > 0:
+        for _ in range(steps[rank - 1]):
+            dist.send(torch.tensor([3 + rank, 1], dtype=torch.int64), 0)
+        dist.send(torch.tensor([STOP, 1], dtype=torch.int64), 0)
+        return None
+    seen: list[tuple[int, ...]] = []
+    worker = FFNWorker(lambda slots: None, AFDCommunicator("ffn", 0, tuple(range(1, world)), check_wire=True),
+                       torch.device("cpu"))
+    served = worker.serve(on_step=seen.append)
+    return served, seen
+
+
+def test_an_ffn_rank_serves_until_the_last_attention_rank_stops():
+    from afd_compile.runtime import run_local
+
+    served, seen = run_local(_leaving, 3, [2, 4], timeout_s=30)[0]
+    assert served == 4
+    assert seen == [(4, 5), (4, 5), (0, 5), (0, 5)]  # rank 1 left after 2 steps; rank 2 served on
