@@ -15,6 +15,10 @@
 # exchange: benchmarks/gpu_exchange.py (AFD layer exchange in CUDA graphs vs the bare NCCL floor)
 # step:     benchmarks/compile_step.py for tp and afd (compiled+graphed vs eager, vs one GPU)
 # cpu:      the CPU test suite under this host's torch (checks the torch>=2.11 claim), GPUs hidden
+# decode:   KV-cache decoding (issue 12): examples/generate.py (HF generate() with a static cache,
+#           the forward compiled with the afd backend, Inductor + CUDA graphs, bf16) for TP=2 and AFD
+#           1A1F, Llama and Qwen3-MoE, tokens against one-GPU generate(); then
+#           benchmarks/decode_step.py (decode step time vs one GPU and the HBM floor)
 # four:     (only when named; a 4-GPU host) compiled AFD 2A1F / 3A1F and TP=4 (with DP attention)
 #           on NCCL, bf16, Llama and Qwen3-MoE (MoE with --control); the jobs run side by side
 set -uo pipefail
@@ -99,6 +103,16 @@ if [[ $SECTIONS == *" four "* ]]; then  # issue 5: needs a 4-GPU host (device to
   par four_tp4_dp2_llama $T4 $E --tp 4 --attn-dp 2
   par four_tp4_dp2_qwen3moe $T4 $E --tp 4 --attn-dp 2 --family qwen3_moe --control
   TAIL=3 collect
+fi
+if want decode; then
+  export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}
+  G="examples/generate.py --dtype bfloat16"
+  par generate_tp2_llama $TR $G --tp 2
+  par generate_afd1a1f_llama $TR $G --attention 1 --ffn 1
+  par generate_tp2_qwen3moe $TR $G --tp 2 --family qwen3_moe
+  par generate_afd1a1f_qwen3moe $TR $G --attention 1 --ffn 1 --family qwen3_moe
+  TAIL=4 collect
+  TAIL=8 run decode_step $TR benchmarks/decode_step.py --out "$OUT/decode_step.json"
 fi
 if want exchange; then
   TAIL=9 run exchange $TR benchmarks/gpu_exchange.py --out "$OUT/exchange.json"

@@ -140,11 +140,16 @@ def main() -> int:
         gen, want = tokens[:, ids.shape[1]:], ref[:, ids.shape[1]:]
         same = int((gen == want).sum()) if gen.shape == want.shape else 0
         match = (same, want.numel())
+        diverge = ""
+        if same != want.numel() and gen.shape == want.shape:  # the first step where a sequence differs
+            steps = (gen != want).int().argmax(dim=1)
+            first = [int(s) for s, bad in zip(steps, (gen != want).any(dim=1), strict=True) if bad]
+            diverge = f", first divergence at new token {min(first)} (of {new})"
         held = kv_bytes(out["cache"] if "cache" in out else out.get("past_key_values"))
         share = "" if afd else f" (its program reads and writes 1/{args.tp // args.attn_dp} of the KV heads)"
         print(f"rank {rank} {'attention' if afd else 'tp'}: {ids.shape[0]} sequences x {new} new tokens, "
               f"{ids.shape[0] * new / seconds:.1f} tokens/s, tokens_match={same}/{want.numel()}, "
-              f"kv_cache_bytes={held}{share}", flush=True)
+              f"kv_cache_bytes={held}{share}{diverge}", flush=True)
         if afd:
             finish()  # the FFN rank stops serving this rank
     totals = [None] * world

@@ -1,0 +1,211 @@
+"""Decode step time with a static KV cache: afd TP=2 / AFD 1A1F against one GPU, beside the HBM floor.
+
+    torchrun --nproc-per-node 2 benchmarks/decode_step.py --out out/gpu/decode.json
+    torchrun --nproc-per-node 2 benchmarks/decode_step.py --small --shapes 2x32   # the script on CPU
+
+HF Llama with Llama-3-8B-shaped layers (hidden 4096, 32 heads, 8 KV heads of 128, intermediate
+14336), ``--layers`` layers, vocab 32000, bf16, random weights, a transformers ``StaticCache``
+of ``max_cache_len`` = context C, filled to C - 1 with random keys and values (the values do not
+change the time): one decode step is ``model(input_ids [B, 1], past_key_values=cache)``, the token
+written at position C - 1 (reset before every step). Per shape (batch B x context C), in one run:
+
+- ``one GPU``: ``torch.compile(model.forward, mode="reduce-overhead")`` on rank 1's GPU alone;
+- ``afd TP2``: ``torch.compile(model.forward, backend="afd", options={"tp": 2})`` on both GPUs;
+- ``afd AFD 1A1F``: rank 1 attention (its forward compiled with ``{"attention": 1, "ffn": 1}``),
+  rank 0 FFN (``afd_compile.serve``);
+- the HBM floors: bytes a step must read (weights, and the KV cache: HF's static-cache attention
+  reads all of it, ``C`` positions, whatever is filled) / measured copy bandwidth. One GPU: all of
+  it; TP2: per GPU, half of the layer weights and of the KV heads (embedding and head whole); AFD:
+  the attention GPU's bytes then the FFN GPU's (no overlap yet: the two run in turn).
+
+Median wall time per step (CUDA synchronised) on rank 1, us; a table and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import afd_compile
+from afd_compile.runtime import finish, init_distributed, shutdown
+
+VOCAB = 32000
+
+
+def _config(layers: int, small: bool, context: int) -> object:
+    import transformers
+
+    shape = (dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2) if small
+             else dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8))
+    return transformers.LlamaConfig(vocab_size=VOCAB, num_hidden_layers=layers, max_position_embeddings=context,
+                                    **shape)
+
+
+def _model(cfg: object, dev: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval().to(device=dev, dtype=dtype)
+
+
+def _cache(model: torch.nn.Module, batch: int, context: int, dev: torch.device, dtype: torch.dtype) -> object:
+    """A static cache for ``batch`` sequences of ``context`` positions, lazily initialised by one
+    uncompiled step, then filled with random keys and values."""
+    import transformers
+
+    cache = transformers.StaticCache(config=model.config, max_cache_len=context)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=dev), past_key_values=cache, use_cache=True)
+    g = torch.Generator(device=dev).manual_seed(0)
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            t.copy_(torch.randn(t.shape, generator=g, device=dev, dtype=torch.float32).to(dtype))
+    return cache
+
+
+def _kv_bytes(cache: object) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _decode_steps(forward, ids: torch.Tensor, cache: object, context: int, iters: int, barrier: bool) -> float:
+    """Median us of a decode step ``forward(input_ids=ids, past_key_values=cache)`` with every
+    layer's write position reset to ``context - 1`` first."""
+    dev = ids.device
+
+    def one() -> None:
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(context - 1)
+        forward(input_ids=ids, past_key_values=cache, use_cache=True)
+
+    with torch.no_grad():
+        for _ in range(3):  # compile, cudagraph warm-up and record
+            one()
+        _sync(dev)
+        times = []
+        for _ in range(iters):
+            if barrier:
+                dist.barrier()
+            t0 = time.perf_counter()
+            one()
+            _sync(dev)
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def _copy_bandwidth(dev: torch.device) -> float:
+    """Bytes per second of a device copy (read + write), 1 GiB."""
+    n = (1 << 30) // 2 if dev.type == "cuda" else (1 << 24)
+    a = torch.empty(n, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    _sync(dev)
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return 2 * a.numel() * a.element_size() / statistics.median(times)
+
+
+def _weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the attention side's layer weights, the MLPs', and the rest (embedding, head, norms)."""
+    parts = {"attn": 0, "mlp": 0, "other": 0}
+    for name, p in model.named_parameters():
+        key = "attn" if ".self_attn." in name else "mlp" if ".mlp." in name else "other"
+        parts[key] += p.numel() * p.element_size()
+    return parts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--shapes", default="8x1024,8x4096,64x1024,64x4096", help="batch x context, comma-separated")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default="out/gpu/decode.json")
+    parser.add_argument("--small", action="store_true", help="a tiny model (hidden 64), fp32: checks the script on CPU")
+    args = parser.parse_args()
+    rank, world = init_distributed()
+    if world != 2:
+        raise SystemExit("decode_step.py runs on 2 ranks (torchrun --nproc-per-node 2)")
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    dtype = torch.float32 if args.small else torch.bfloat16
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    bandwidth = _copy_bandwidth(dev)
+    rows = []
+    for i, (batch, context) in enumerate(shapes):
+        cfg = _config(args.layers, args.small, context)
+        model = _model(cfg, dev, dtype)
+        weights = _weight_bytes(model)
+        ids = torch.randint(0, VOCAB, (batch, 1), device=dev)
+        row: dict = {"batch": batch, "context": context}
+        # one GPU (rank 1), with the same static cache
+        if rank == 1:
+            cache = _cache(model, batch, context, dev, dtype)
+            torch._dynamo.reset()
+            fwd = torch.compile(model.forward, mode="reduce-overhead")
+            row["one_gpu_us"] = _decode_steps(fwd, ids, cache, context, args.iters, barrier=False)
+            kv = _kv_bytes(cache)
+            del cache, fwd
+        dist.barrier()
+        # afd TP2: both ranks
+        torch._dynamo.reset()
+        model = _model(cfg, dev, dtype)
+        cache = _cache(model, batch, context, dev, dtype)
+        model.forward = torch.compile(model.forward, backend="afd", options={"tp": 2, "comm_id": 2 * i})
+        row["afd_tp2_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=True)
+        del cache
+        dist.barrier()
+        # afd AFD 1A1F: rank 0 serves the FFN, rank 1 runs attention
+        torch._dynamo.reset()
+        model = _model(cfg, dev, dtype)
+        options = {"attention": 1, "ffn": 1, "comm_id": 2 * i + 1}
+        if rank == 0:
+            afd_compile.serve(model, options)
+        else:
+            cache = _cache(model, batch, context, dev, dtype)
+            model.forward = torch.compile(model.forward, backend="afd", options=options)
+            row["afd_1a1f_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=False)
+            finish()
+            del cache
+        if rank == 1:
+            floor = lambda nbytes: nbytes / bandwidth * 1e6  # noqa: E731
+            layer_w = weights["attn"] + weights["mlp"]
+            row["floor_one_gpu_us"] = floor(layer_w + weights["other"] + kv)
+            row["floor_tp2_us"] = floor(layer_w / 2 + weights["other"] + kv / 2)
+            row["floor_afd_us"] = floor(weights["attn"] + weights["other"] + kv) + floor(weights["mlp"])
+            row["kv_bytes"] = kv
+            rows.append(row)
+            print(f"progress: {batch} x {context}: {row}", flush=True)
+        dist.barrier()
+    if rank == 1:
+        shape = "tiny (--small), fp32" if args.small else "Llama-8B-shaped, bf16"
+        print(f"decode step with a static KV cache (HF SDPA over the whole cache), {shape} x {args.layers} layers, "
+              f"{dev.type}, torch {torch.__version__}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; median us per step")
+        print("| B x C | KV bytes | floor 1 GPU | 1 GPU reduce-overhead | floor TP2 | afd TP2 | floor AFD | afd AFD 1A1F |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['batch']} x {r['context']} | {r['kv_bytes'] / 1e9:.2f} GB | {r['floor_one_gpu_us']:.0f} | "
+                  f"{r['one_gpu_us']:.0f} | {r['floor_tp2_us']:.0f} | {r['afd_tp2_us']:.0f} | "
+                  f"{r['floor_afd_us']:.0f} | {r['afd_1a1f_us']:.0f} |")
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"layers": args.layers, "small": args.small, "device": dev.type, "torch": torch.__version__,
+                       "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows}, f, indent=1)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
