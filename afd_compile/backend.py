@@ -44,6 +44,7 @@ step for its attention peers (the inputs are ignored) and returns empty tensors.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -53,7 +54,7 @@ import os
 import re
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,6 +250,11 @@ class _Lifted(torch.nn.Module):
         #: graph inputs that are ints no input tensor carries (``logits_to_keep``): the program is
         #: compiled for their values (the caller compiles again for other values: ``const_key``)
         self.const_positions: list[int] = []
+        #: inputs the graph updates in place or the caller marked as at a fixed address
+        #: (``torch._dynamo.mark_static_address``: HF's static KV cache): exported with static shapes (a cache is allocated once; a head count
+        #: must stay a constant for TP) and compiled as static inputs (CUDA graphs neither copy nor
+        #: refuse their in-place updates); another shape compiles again (``const_key``)
+        self.static_positions: list[int] = []
         used: set[str] = set()
         for i, (p, x) in enumerate(zip(placeholders, example_inputs, strict=True)):
             path = _module_path(p.name)
@@ -265,6 +271,8 @@ class _Lifted(torch.nn.Module):
                     gm.graph.erase_node(u)
                 self.slots.append(("drop", None))
             elif isinstance(x, torch.Tensor):
+                if is_static_address(x) or _mutated_in_place(p):
+                    self.static_positions.append(i)
                 self.slots.append(("user", len(self.user_positions)))
                 self.user_positions.append(i)
             else:
@@ -290,8 +298,10 @@ class _Lifted(torch.nn.Module):
                                    " is neither a tensor, a size of one, nor an int")
 
     def const_key(self, args: Sequence[Any]) -> tuple:
-        """The values of the int inputs this program was compiled for, read from a call's args."""
-        return tuple(int(args[k]) for k in self.const_positions)
+        """What this program was compiled for, read from a call's args: the values of the int
+        inputs, the shapes of the static-address ones."""
+        return (tuple(int(args[k]) for k in self.const_positions),
+                tuple(tuple(args[k].shape) for k in self.static_positions))
 
     def forward(self, *user: torch.Tensor) -> Any:
         args = []
@@ -310,6 +320,20 @@ class _Lifted(torch.nn.Module):
         return self.gm(*args)
 
 
+def is_static_address(x: torch.Tensor) -> bool:
+    """Marked with ``torch._dynamo.mark_static_address`` (transformers does it for its static KV cache)."""
+    return bool(getattr(x, "_dynamo_static_input_type", None))
+
+
+def _mutated_in_place(p: fx.Node) -> bool:
+    """Does dynamo's graph update input ``p`` in place (``cache.index_copy_(...)``, ``n.add_(1)``)?"""
+    def name(u: fx.Node) -> str:
+        return u.target if isinstance(u.target, str) else getattr(u.target, "__name__", "")
+
+    return any(u.op in ("call_method", "call_function") and u.args and u.args[0] is p and name(u).endswith("_")
+               and not name(u).endswith("__") for u in p.users)
+
+
 def _hint(x: int | torch.SymInt) -> int:
     return int(x.node.hint) if isinstance(x, torch.SymInt) else int(x)
 
@@ -325,6 +349,9 @@ def _export(lifted: _Lifted, user_inputs: Sequence[torch.Tensor]) -> torch.expor
     shapes: list[Any] = []
     for i in lifted.user_positions:
         v = placeholders[i].meta.get("example_value")
+        if i in lifted.static_positions:
+            shapes.append(None)
+            continue
         dyn = {d: torch.export.Dim.AUTO for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt)} \
             if isinstance(v, torch.Tensor) else {}
         shapes.append(dyn or None)
@@ -380,8 +407,9 @@ class PerLayout:
     node, counted in ``STATS["cudagraphs_off"]``); True with such an op is an error."""
 
     def __init__(self, program: fx.GraphModule, cache_key: str, inductor: bool, cudagraphs: bool | None,
-                 name: str) -> None:
+                 name: str, static: Sequence[int] = ()) -> None:
         self.program = program
+        self.static = tuple(static)  # program inputs at fixed addresses (a KV cache): static for AOT / CUDA graphs
         self.cache_key = cache_key
         self.inductor = inductor
         syncs = host_syncs(program) if inductor and cudagraphs is not False else []
@@ -435,12 +463,43 @@ class PerLayout:
             # layout's compile would then take the program for a dynamo graph without its sources
             del self.program._param_name_to_source
         context = TracingContext(mode)
-        with inductor_config.patch(patches), tracing(context), torch.no_grad():
+        with inductor_config.patch(patches), tracing(context), torch.no_grad(), _static_inputs(self.program, self.static):
             fn = compile_fx(self.program, fake)
         meta = context.fw_metadata
         self.static_inputs = len(meta.static_input_indices) if meta is not None else None
-        log.info("afd: %s: Inductor compile %.1fs", self.name, time.perf_counter() - t0)
+        log.info("afd: %s: Inductor compile %.1fs (%s static inputs)", self.name, time.perf_counter() - t0,
+                 self.static_inputs)
         return fn
+
+
+@contextlib.contextmanager
+def _static_inputs(program: fx.GraphModule, positions: Sequence[int]) -> Iterator[None]:
+    """While compiling, the program's inputs at ``positions`` (static-address tensors: a KV cache)
+    are static inputs for AOT and CUDA graphs, as dynamo marks them for its own graphs: AOT reads
+    them from dynamo's metadata (``_param_name_to_source``, each placeholder's ``_dynamo_source``
+    and ``tensor_dict``), which this sets on the program and removes afterwards. Weights stay
+    static. Without it a CUDA graph refuses a program that updates its cache in place."""
+    if not positions:
+        yield
+        return
+    from torch._dynamo.source import ConstantSource
+
+    keys = [*dict(program.named_parameters(remove_duplicate=False)), *dict(program.named_buffers(remove_duplicate=False))]
+    program._param_name_to_source = {k: ConstantSource(f"afd_weight_{j}") for j, k in enumerate(keys)}
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    for pos, node in enumerate(placeholders):
+        node._dynamo_source = ConstantSource(f"afd_input_{pos}")
+        if pos in positions:
+            node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
+    try:
+        yield
+    finally:
+        for node in placeholders:
+            node.meta.pop("tensor_dict", None)
+            if hasattr(node, "_dynamo_source"):
+                del node._dynamo_source
+        if "_param_name_to_source" in vars(program):
+            del program._param_name_to_source
 
 
 def _layout_key(opts: BackendOptions, rank: int, world: int) -> str:
@@ -490,10 +549,11 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
         STATS["calls"] += 1
         key = lifted.const_key(args)
         if key not in runs:  # an int argument with a value not compiled yet (dynamo made it symbolic)
-            log.info("afd: rank %d: int inputs %s: compiling this graph for them", rank, key)
+            log.info("afd: rank %d: int inputs / static-address input shapes %s: compiling this graph for them",
+                     rank, key)
             values = list(example_inputs)
-            for k, v in zip(lifted.const_positions, key, strict=True):
-                values[k] = v
+            for k in (*lifted.const_positions, *lifted.static_positions):
+                values[k] = args[k]
             with tracing(None):
                 new_run, new_lifted = _distribute(gm, values, opts, rank, world, device, cudagraphs)
             runs[key] = (new_run, new_lifted.user_positions)
@@ -519,15 +579,16 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
             "token count that changes per step (set by other ranks), so it needs a graph with a dynamic batch: "
             "torch.compile(model, backend='afd', dynamic=True, options=...), and a first call whose batch and "
             "sequence are >= 2 (dynamo specialises dims of size 0 and 1)")
+    static = [lifted.user_positions.index(p) for p in lifted.static_positions]  # as program inputs
     if opts.mode == "tp":
-        run = _tp_runner(ep, opts, rank, world, key, cudagraphs, device)
+        run = _tp_runner(ep, opts, rank, world, key, cudagraphs, device, static)
     else:
-        run = _afd_runner(ep, opts, rank, world, key, cudagraphs, device, gm)
+        run = _afd_runner(ep, opts, rank, world, key, cudagraphs, device, gm, static)
     return run, lifted
 
 
 def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
-               cudagraphs: bool | None, device: torch.device) -> Callable[..., Any]:
+               cudagraphs: bool | None, device: torch.device, static: Sequence[int] = ()) -> Callable[..., Any]:
     from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
     from .passes.roles import POLICIES, annotate_roles
     from .passes.tp_rewrite import shard_for_rank
@@ -545,7 +606,7 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     t0 = time.perf_counter()
     prog = shard_for_rank(gm, layout, rank, graph_name="dynamo").program.to(device)
     log.info("afd: rank %d: %s program in %.1fs", rank, layout, time.perf_counter() - t0)
-    compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp")
+    compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp", static)
 
     def run(*user: torch.Tensor) -> Any:
         shapes = tuple(tuple(x.shape) for x in user)
@@ -559,7 +620,8 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
 
 
 def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
-                cudagraphs: bool | None, device: torch.device, gm: fx.GraphModule | None) -> Callable[..., Any]:
+                cudagraphs: bool | None, device: torch.device, gm: fx.GraphModule | None,
+                static: Sequence[int] = ()) -> Callable[..., Any]:
     from .layout import AFDLayout
     from .passes.roles import POLICIES
     from .runtime import AttentionWorker, make_worker
@@ -585,7 +647,7 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     worker = make_worker(ep.module(), layout, rank, config, device=device, group=group, check_wire=check)
     if isinstance(worker, AttentionWorker):
         worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called
-        compiled = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} attention")
+        compiled = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} attention", static)
         worker.program = lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)  # type: ignore[assignment]
         return worker.step
     compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
