@@ -399,6 +399,33 @@ def host_syncs(program: fx.GraphModule) -> list[tuple[str, str]]:
     return found
 
 
+#: in-place writes whose first argument is the tensor written
+_WRITES = {"index_copy_", "index_put_", "copy_", "fill_", "zero_"}
+
+
+def returned_state(program: fx.GraphModule) -> list[str]:
+    """Outputs of ``program`` that it allocates and then updates in place (HF's static cache
+    created by a compiled prefill step: ``zeros`` then ``index_copy_``, returned so the caller
+    keeps it). A CUDA graph cannot produce them: its outputs live in its memory pool and the
+    next replay overwrites them, while the caller reads them every later step."""
+    def written(n: fx.Node) -> bool:  # written in place, directly or through a view (a TP rank's narrow)
+        return any(isinstance(u.target, torch._ops.OpOverload) and u.args and u.args[0] is n
+                   and (u.target._opname in _WRITES or (u.target.is_view and written(u))) for u in n.users)
+
+    out = next((n for n in program.graph.nodes if n.op == "output"), None)
+    found = []
+    for n in (torch.utils._pytree.tree_leaves(out.args) if out is not None else []):
+        if not isinstance(n, fx.Node) or n.op == "placeholder":
+            continue
+        base = n
+        while (isinstance(base.target, torch._ops.OpOverload) and base.target._opname in _WRITES
+               and isinstance(base.args[0], fx.Node)):
+            base = base.args[0]  # the write returns the tensor it wrote
+        if base.op != "placeholder" and (base is not n or written(base)):
+            found.append(n.name)
+    return found
+
+
 class PerLayout:
     """One compiled program per token layout; compiled on first sight, never shared.
 
@@ -420,7 +447,17 @@ class PerLayout:
             STATS["cudagraphs_off"] += 1
             log.warning("afd: %s: no CUDA graphs for this program: node %s %s (%d such nodes); it runs compiled "
                         "without graph capture", name, syncs[0][0], syncs[0][1], len(syncs))
-        self.cudagraphs = bool(cudagraphs is not False and not syncs)
+        state = returned_state(program) if inductor and cudagraphs is not False and not syncs else []
+        if state and cudagraphs:
+            raise BackendOptionError(f"afd backend: {name}: cudagraphs=True, but the program returns {state[0]}, a "
+                                     "tensor it allocates and updates in place (a KV cache created in a prefill "
+                                     "step): a CUDA graph's outputs are overwritten by its next replay")
+        if state:
+            STATS["cudagraphs_off"] += 1
+            log.info("afd: %s: no CUDA graphs for this program: it returns %s, a tensor it allocates and updates in "
+                     "place (a KV cache created in a prefill step), which a graph replay would overwrite", name,
+                     state[0])
+        self.cudagraphs = bool(cudagraphs is not False and not syncs and not state)
         self.name = name
         self.compiled: dict[tuple, Callable[..., Any]] = {}
         self.compile_id = torch._guards.CompileContext.current_compile_id()  # dynamo's, when built in the backend

@@ -184,3 +184,26 @@ def test_an_ffn_rank_serves_until_the_last_attention_rank_stops():
     served, seen = run_local(_leaving, 3, [2, 4], timeout_s=30)[0]
     assert served == 4
     assert seen == [(4, 5), (4, 5), (0, 5), (0, 5)]  # rank 1 left after 2 steps; rank 2 served on
+
+
+def test_a_program_returning_the_cache_it_allocates_is_not_graph_captured(llama_cached):
+    # a compiled prefill step allocates HF's static cache (zeros + index_copy_) and returns it for
+    # the caller to keep: a CUDA graph's outputs are overwritten by its next replay, so that
+    # program runs without capture (and cudagraphs=True is refused naming the output)
+    from afd_compile.backend import BackendOptionError, PerLayout, returned_state
+    from afd_compile.passes.roles import POLICIES, annotate_roles
+    from afd_compile.passes.tp_rewrite import shard_for_rank
+    from afd_compile.scatter import TPLayout
+    from afd_compile.split_api import split
+
+    prefill, decode = llama_cached
+    attention = split(prefill.module()).attention
+    assert len(returned_state(attention)) == 4  # K and V of 2 layers
+    gm = prefill.module()
+    annotate_roles(gm, POLICIES["default"])
+    tp = shard_for_rank(gm, TPLayout(2, 1), 1).program  # the cache is narrowed: written through a view
+    assert len(returned_state(tp)) == 4
+    assert returned_state(split(decode.module()).attention) == []  # decode updates the caller's cache
+    assert PerLayout(attention, "k", True, None, "rank 1 attention").cudagraphs is False
+    with pytest.raises(BackendOptionError, match="rank 1 attention: cudagraphs=True, but the program returns index_copy"):
+        PerLayout(attention, "k", True, True, "rank 1 attention")
