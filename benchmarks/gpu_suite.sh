@@ -20,7 +20,8 @@
 #           1A1F, Llama and Qwen3-MoE, tokens against one-GPU generate(); then
 #           benchmarks/decode_step.py (decode step time vs one GPU and the HBM floor)
 # four:     (only when named; a 4-GPU host) compiled AFD 2A1F / 3A1F and TP=4 (with DP attention)
-#           on NCCL, bf16, Llama and Qwen3-MoE (MoE with --control); the jobs run side by side
+#           on NCCL, bf16, Llama and Qwen3-MoE (MoE with --control), and generate() for AFD 3A1F
+#           (ranks finishing apart) and TP=4 with 2 DP groups; the jobs run side by side
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 SECTIONS=" ${*:-all} "
@@ -102,6 +103,8 @@ if [[ $SECTIONS == *" four "* ]]; then  # issue 5: needs a 4-GPU host (device to
   par four_tp4_llama $T4 $E --tp 4
   par four_tp4_dp2_llama $T4 $E --tp 4 --attn-dp 2
   par four_tp4_dp2_qwen3moe $T4 $E --tp 4 --attn-dp 2 --family qwen3_moe --control
+  par four_generate_afd3a1f_llama $T4 examples/generate.py --dtype bfloat16 --attention 3 --ffn 1 --stagger 2
+  par four_generate_tp4_dp2_llama $T4 examples/generate.py --dtype bfloat16 --tp 4 --attn-dp 2
   TAIL=3 collect
 fi
 if want decode; then
