@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch size per attention rank (default: 1,2,3,... when the batch dim is dynamic); "
                    "with --tp: one batch size per attention DP group (default 1,2,...; as saved when attn_dp=1)")
     p.add_argument("--steps", type=int, default=2, help="steps per rank (default 2, at least 1)")
+    p.add_argument("--decode-steps", type=int, default=0, metavar="N",
+                   help="a program with a KV cache (buffers it updates in place and a cache_position input, as "
+                   "transformers' TorchExportableModuleForDecoderOnlyLM exports): run its saved example as a "
+                   "prefill, then N decode steps, comparing the logits at every step (replaces --steps)")
     p.add_argument("--tol", type=float, help="max relative error (default 1e-5 for fp32, 1e-2 otherwise; finite, >= 0)")
     p.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long a rank waits for a peer before the run fails (default 300); a rank that dies "
@@ -384,7 +388,8 @@ def cmd_verify_tp(args: argparse.Namespace) -> int:
     _print_timings(args, prog.timings)
     print(f"verify: {len(prog.shards.weights)} weights sharded, {len(prog.shards.arg_fixes)} head counts divided")
     return _verdict(lambda: verify_tp(args.model, layout, batches=batches, steps=args.steps, tol=args.tol,
-                                      policy=args.policy, timeout_s=args.timeout, log=print))
+                                      policy=args.policy, timeout_s=args.timeout, decode_steps=args.decode_steps,
+                                      log=print))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -399,7 +404,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     _print_timings(args, result.timings)
     return _verdict(lambda: verify_afd(args.model, layout, batches=batches, gate=args.gate_on_attention,
                                        steps=args.steps, tol=args.tol, policy=args.policy, timeout_s=args.timeout,
-                                       log=print))
+                                       decode_steps=args.decode_steps, log=print))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

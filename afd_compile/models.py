@@ -101,3 +101,24 @@ def export_lm(model: torch.nn.Module, batch: int = 2, seq: int = 5, *, dynamic: 
         shapes = {"input_ids": {0: torch.export.Dim("batch", min=1, max=1024), 1: torch.export.Dim.AUTO}}
     with torch.no_grad():
         return torch.export.export(model, (ids,), dynamic_shapes=shapes)
+
+
+def export_cached_lm(model: torch.nn.Module, batch: int = 2, max_cache_len: int = 32, seq: int = 4,
+                     max_seq: int = 16) -> torch.export.ExportedProgram:
+    """Export a transformers causal LM with its static KV cache, the ecosystem's way
+    (``transformers.integrations.executorch.TorchExportableModuleForDecoderOnlyLM``): the cache
+    as buffers updated in place, inputs ``input_ids`` [batch, seq] and ``cache_position`` [seq],
+    the sequence dynamic (1..``max_seq``: a prefill of ``seq`` tokens, then one-token decode
+    steps; an FFN rank fanning in several attention ranks needs a dynamic token count, and the
+    cache fixes the batch)."""
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    inner = model.model if isinstance(model, LogitsOnly) else model
+    inner.generation_config.cache_implementation = "static"
+    wrapped = TorchExportableModuleForDecoderOnlyLM(inner, batch_size=batch, max_cache_len=max_cache_len)
+    dim = torch.export.Dim("seq", min=1, max=max_seq)
+    # the saved example is what verify runs (token ids shifted per rank and step): real ids, not zeros
+    ids = torch.randint(1, inner.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return wrapped.export(input_ids=ids, cache_position=torch.arange(seq),
+                              dynamic_shapes={"input_ids": {1: dim}, "cache_position": {0: dim}})

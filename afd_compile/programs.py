@@ -113,6 +113,18 @@ def positional_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
     return gm
 
 
+def fresh_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
+    """:func:`positional_module` with its own copy of every buffer it updates in place (a KV
+    cache): ``ep.module()`` shares the program's tensors, so two modules of one program (the
+    reference and a split, in one process) would otherwise write one cache twice."""
+    from .passes.graph_utils import get_attr_path, set_attr_path, written_attrs
+
+    gm = positional_module(ep)
+    for name in written_attrs(gm):
+        set_attr_path(gm, name, get_attr_path(gm, name).clone())
+    return gm
+
+
 def dynamic_shapes_of(gm: fx.GraphModule) -> tuple[dict[int, Any], ...]:
     """Dim.DYNAMIC for every dim that is symbolic in the graph's placeholders."""
     out = []

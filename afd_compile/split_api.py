@@ -56,7 +56,9 @@ def split_graph_module(gm: fx.GraphModule, config: SplitConfig | None = None, *,
             f"{config.graph_name}: the graph was exported with static token dims "
             f"({plan.cuts[0].token_dims}), but layout {layout} has an FFN rank fanning in "
             f"{max(layout.block_sizes())} attention peers, whose concatenated tokens need a dynamic "
-            "token dimension; re-export with dynamic_shapes (e.g. {'input_ids': {0: Dim.DYNAMIC}})"
+            "token dimension; re-export with dynamic_shapes (e.g. {'input_ids': {0: Dim.DYNAMIC}}; a program "
+            "with a KV cache has a fixed batch: make its sequence dynamic, {'input_ids': {1: seq}, "
+            "'cache_position': {0: seq}})"
         )
     with timings("build_attention_program"):
         attention = build_attention_program(gm, plan)

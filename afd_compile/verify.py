@@ -25,8 +25,9 @@ import torch.fx as fx
 
 from .errors import AFDCompileError
 from .layout import AFDLayout
+from .passes.graph_utils import cache_length, written_attrs
 from .passes.roles import POLICIES
-from .programs import flat_inputs, load_program, positional_module
+from .programs import flat_inputs, fresh_module, load_program, positional_module
 from .runtime import (
     LOCAL_PROCESS_LIMIT_RULE,
     AttentionWorker,
@@ -70,6 +71,85 @@ class ProgramFacts:
             p.dtype for p in ep.state_dict.values() if p.is_floating_point()}
         tol = 1e-5 if dtypes <= {torch.float32, torch.float64} else 1e-2
         return ProgramFacts(rng, tol)
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """How verify steps a program that carries a KV cache (buffers it updates in place, as
+    transformers' ``TorchExportableModuleForDecoderOnlyLM`` exports them, with a
+    ``cache_position`` input): step 0 is the saved example (a prefill of its positions); each
+    decode step then writes the next positions: one token when the position dim is dynamic
+    (every input along it is cut to its first entry), else as many as the example."""
+
+    state: tuple[str, ...]  # the buffers the program writes in place
+    position_input: int | None  # index of the ``cache_position`` input
+    seq_dims: tuple[tuple[int, int], ...]  # (input, dim) carrying the position dim's symbol
+    prefill: int  # positions of the saved example
+    step_tokens: int
+    cache_len: int | None
+
+    @staticmethod
+    def of(ep: torch.export.ExportedProgram) -> DecodeSpec | None:
+        """None for a program without state."""
+        gm = positional_module(ep)
+        state = tuple(written_attrs(gm))
+        if not state:
+            return None
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        pos = next((i for i, n in enumerate(placeholders) if n.name == "cache_position"), None)
+        seq_dims: tuple[tuple[int, int], ...] = ()
+        prefill = step = 0
+        if pos is not None:
+            val = placeholders[pos].meta["val"]
+            prefill = step = int(val.shape[0]) if val.dim() == 1 and not isinstance(val.shape[0], torch.SymInt) else 0
+            if val.dim() == 1 and isinstance(val.shape[0], torch.SymInt):
+                key = str(val.shape[0].node.expr)
+                seq_dims = tuple((i, d) for i, n in enumerate(placeholders) if isinstance(n.meta.get("val"), torch.Tensor)
+                                 for d, size in enumerate(n.meta["val"].shape)
+                                 if isinstance(size, torch.SymInt) and str(size.node.expr) == key)
+                prefill, step = int(flat_inputs(ep)[pos].shape[0]), 1
+        return DecodeSpec(state, pos, seq_dims, prefill, step, cache_length(gm))
+
+    def positions_needed(self, decode_steps: int) -> int:
+        return self.prefill + decode_steps * self.step_tokens
+
+    def inputs(self, example: Sequence[torch.Tensor], step: int, salt: int) -> tuple[torch.Tensor, ...]:
+        """The inputs of ``step`` (0: the saved example), token ids shifted by ``salt + step``."""
+        x = list(resize_inputs(example, [], 0, salt=salt + step))
+        if step == 0 or self.position_input is None:
+            if self.position_input is not None:
+                x[self.position_input] = example[self.position_input]
+            return tuple(x)
+        for i, d in self.seq_dims:
+            x[i] = x[i].narrow(d, 0, 1)
+        start = self.prefill + (step - 1) * self.step_tokens
+        x[self.position_input] = torch.arange(start, start + self.step_tokens, dtype=example[self.position_input].dtype)
+        return tuple(x)
+
+
+def check_decode_steps(spec: DecodeSpec | None, decode_steps: int, batches: Sequence[int] | None, path: str) -> None:
+    """``--decode-steps``: a program with a KV cache and a ``cache_position`` input, positions
+    that fit its cache, and no ``--tokens`` (the batch of a cached program is its cache's)."""
+    if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 0:
+        raise VerifyInputError(f"--decode-steps must be an integer >= 0, got {decode_steps!r}")
+    if not decode_steps:
+        return
+    if spec is None:
+        raise VerifyInputError(
+            f"--decode-steps {decode_steps}: {path} updates no buffer in place, so it holds no KV cache to decode "
+            "with; export the model with its cache (transformers.integrations.executorch."
+            "TorchExportableModuleForDecoderOnlyLM(model, batch_size=..., max_cache_len=...).export(...))")
+    if spec.position_input is None:
+        raise VerifyInputError(f"--decode-steps: {path} writes buffers {list(spec.state)} in place but has no "
+                               "cache_position input to advance between steps")
+    if batches is not None:
+        raise VerifyInputError(f"--decode-steps: --tokens {list(batches)} cannot resize the batch of a program "
+                               "whose KV cache fixes it")
+    need = spec.positions_needed(decode_steps)
+    if spec.cache_len is not None and need > spec.cache_len:
+        raise VerifyInputError(f"--decode-steps {decode_steps}: the prefill ({spec.prefill} positions) and "
+                               f"{decode_steps} steps of {spec.step_tokens} need {need} cache positions, the cache "
+                               f"holds {spec.cache_len}")
 
 
 @dataclass(frozen=True)
@@ -188,31 +268,42 @@ class Case:
     gate: bool = False
     steps: int = 2
     policy: str = "default"
+    decode_steps: int = 0  # a program with a KV cache: a prefill, then this many decode steps
 
 
 def _loaded(path: str, cache: dict) -> tuple:
-    """(program, original module, example inputs), loaded once per process and path."""
+    """(program, a reference module, example inputs), loaded once per process and path; the
+    reference of a program with a KV cache is fresh per call (its own cache)."""
     if path not in cache:
         ep = load_program(path)
-        cache[path] = (ep, positional_module(ep), flat_inputs(ep))
-    return cache[path]
+        cache[path] = (ep, positional_module(ep), flat_inputs(ep), DecodeSpec.of(ep))
+    ep, original, inputs, spec = cache[path]
+    return ep, (fresh_module(ep) if spec is not None else original), inputs, spec
+
+
+def _step_inputs(inputs: Sequence[torch.Tensor], spec: DecodeSpec | None, decode_steps: int, batches: Sequence[int]
+                 | None, dims: list, unit: int, step: int) -> tuple[torch.Tensor, ...]:
+    """One step's inputs for ``unit`` (an attention rank or DP group)."""
+    if decode_steps:
+        return spec.inputs(inputs, step, salt=7 * unit)
+    if batches is None:
+        return tuple(inputs)
+    return resize_inputs(inputs, dims, batches[(unit + step) % len(batches)], salt=7 * unit + step)
 
 
 def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
-    ep, original, inputs = _loaded(case.path, cache)
+    ep, original, inputs, spec = _loaded(case.path, cache)
     config = SplitConfig(compute_gate_on_attention=case.gate, policy=POLICIES[case.policy], graph_name=case.path)
-    worker = make_worker(positional_module(ep), case.layout, rank, config, group=group, check_wire=True)
+    worker = make_worker(fresh_module(ep), case.layout, rank, config, group=group, check_wire=True)
     if not isinstance(worker, AttentionWorker):
         return {"role": "ffn", "steps": worker.serve()}
     a = case.layout.role_of(rank)[1]
     _, dims = batch_symbol_dims(original)
     tally, sizes = Tally(), []
+    steps = 1 + case.decode_steps if case.decode_steps else case.steps
     try:
-        for step in range(case.steps):
-            if case.batches is None:
-                x = inputs
-            else:
-                x = resize_inputs(inputs, dims, case.batches[(a + step) % len(case.batches)], salt=7 * a + step)
+        for step in range(steps):
+            x = _step_inputs(inputs, spec, case.decode_steps, case.batches, dims, a, step)
             sizes.append(int(x[0].shape[0]) if x[0].dim() else 0)
             with torch.no_grad():
                 out = worker.step(*x)
@@ -290,14 +381,23 @@ def _report(layout: AFDLayout | TPLayout, results: dict[int, dict], tol: float, 
     return report
 
 
+def _decode_line(spec: DecodeSpec, decode_steps: int) -> str:
+    return (f"a prefill of {spec.prefill} positions and {decode_steps} decode steps of {spec.step_tokens} "
+            f"(KV cache: {len(spec.state)} buffers, {spec.cache_len} positions), logits compared at every step")
+
+
 def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = None, gate: bool = False,
                steps: int = 2, tol: float | None = None, policy: str = "default",
-               timeout_s: float = DEFAULT_TIMEOUT_S, log: Callable[[str], None] = lambda s: None) -> VerifyReport:
+               timeout_s: float = DEFAULT_TIMEOUT_S, decode_steps: int = 0,
+               log: Callable[[str], None] = lambda s: None) -> VerifyReport:
     """Verify the AFD split of the ``.pt2`` at ``path``; ``batches`` per attention rank (None:
     default sizes 1, 2, 3, ... when the batch dim is dynamic, the saved example otherwise).
     Raises VerifyInputError (before any process starts) on inputs :func:`check_verify_inputs` refuses."""
-    facts = ProgramFacts.of(load_program(path))
-    if batches is None and facts.batch_range is not None:
+    ep = load_program(path)
+    facts = ProgramFacts.of(ep)
+    spec = DecodeSpec.of(ep)
+    check_decode_steps(spec, decode_steps, batches, path)
+    if batches is None and facts.batch_range is not None and spec is None:
         batches = [1 + a for a in range(layout.attention_ranks)]
     checked = check_verify_inputs(facts, units=layout.attention_ranks, unit="attention rank",
                                   world_size=layout.world_size, batches=batches, steps=steps, tol=tol)
@@ -305,9 +405,9 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = 
         log(f"verify: {path} has a static batch dimension; every attention rank uses the saved example input")
     log(f"verify: {layout} on {layout.world_size} local gloo processes (FFN ranks 0..{layout.ffn_ranks - 1}), "
         f"batch per attention rank {list(checked.batches) if checked.batches is not None else 'as saved'}, "
-        f"{checked.steps} steps")
+        + (_decode_line(spec, decode_steps) if decode_steps else f"{checked.steps} steps"))
     t = time.perf_counter()
-    case = Case(path, layout, checked.batches, gate, checked.steps, policy)
+    case = Case(path, layout, checked.batches, gate, checked.steps, policy, decode_steps)
     results = run_cases([case], timeout_s=timeout_s)[0]
     for r in sorted(results):
         res = results[r]
@@ -332,6 +432,7 @@ class TPCase:
     steps: int = 2
     policy: str = "default"
     saved: str | None = None  # a directory written by ``afd-compile rewrite --tp``: run its rank<r>.pt2
+    decode_steps: int = 0  # a program with a KV cache: a prefill, then this many decode steps
 
 
 def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
@@ -339,7 +440,7 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
     from .passes.roles import annotate_roles
     from .passes.tp_rewrite import shard_for_rank
 
-    ep, original, inputs = _loaded(case.path, cache)
+    ep, original, inputs, spec = _loaded(case.path, cache)
     lay = case.layout
     register_group(GROUP_TP, groups[("tp", lay.tp)])
     register_group(GROUP_ATTN_TP, groups[("attn", lay.attn_tp_group(rank))])
@@ -348,18 +449,17 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
 
         program, sharded = load_program(os.path.join(case.saved, f"rank{rank}.pt2")).module(), None
     else:
-        gm = positional_module(ep)
+        gm = fresh_module(ep)
         annotate_roles(gm, POLICIES[case.policy], graph_name=case.path)
         prog = shard_for_rank(gm, lay, rank, graph_name=case.path)
         program, sharded = prog.program, len(prog.shards.weights)
     _, dims = batch_symbol_dims(original)
     tally, seen = Tally(), []
     g = lay.attn_dp_rank(rank)
-    for step in range(case.steps):
-        if case.batches is None:
-            x = inputs
-        else:  # DP groups rotate their batch sizes between steps; ranks of one group share tokens
-            x = resize_inputs(inputs, dims, case.batches[(g + step) % len(case.batches)], salt=7 * g + step)
+    steps = 1 + case.decode_steps if case.decode_steps else case.steps
+    for step in range(steps):
+        # DP groups rotate their batch sizes between steps; ranks of one group share tokens
+        x = _step_inputs(inputs, spec, case.decode_steps, case.batches, dims, g, step)
         empty = x[0].shape[0] == 0
         if empty:
             if lay.attn_dp == 1:
@@ -405,20 +505,28 @@ def run_tp_cases(cases: Sequence[TPCase], timeout_s: float = DEFAULT_TIMEOUT_S,
 
 def verify_tp(path: str, layout: TPLayout, *, batches: Sequence[int] | None = None, steps: int = 2,
               tol: float | None = None, policy: str = "default", timeout_s: float = DEFAULT_TIMEOUT_S,
-              log: Callable[[str], None] = lambda s: None) -> VerifyReport:
+              decode_steps: int = 0, log: Callable[[str], None] = lambda s: None) -> VerifyReport:
     """Verify the TP sharding of the ``.pt2`` at ``path`` on ``layout.tp`` local processes;
     ``batches`` per attention DP group (None: 1, 2, ... with DP attention, else as saved). The
     same input checks as :func:`verify_afd`."""
     ep = load_program(path)
     facts = ProgramFacts.of(ep)
+    spec = DecodeSpec.of(ep)
+    check_decode_steps(spec, decode_steps, batches, path)
+    if spec is not None and layout.attn_dp > 1:
+        raise VerifyInputError(f"{path} holds a KV cache of a fixed batch: DP attention groups would each need their "
+                               f"own sequences and cache; verify it with attn_dp 1, or serve it with generate() "
+                               "(examples/generate.py)")
     if batches is None and layout.attn_dp > 1:
         batches = [1 + g for g in range(layout.attn_dp)]
     checked = check_verify_inputs(facts, units=layout.attn_dp, unit="attention DP group", world_size=layout.tp,
                                   batches=batches, steps=steps, tol=tol, zero_runs_dummy=layout.attn_dp > 1)
     log(f"verify: {layout} on {layout.tp} local gloo processes, batch per DP group "
-        f"{list(checked.batches) if checked.batches is not None else 'as saved'}, {checked.steps} steps")
+        f"{list(checked.batches) if checked.batches is not None else 'as saved'}, "
+        + (_decode_line(spec, decode_steps) if decode_steps else f"{checked.steps} steps"))
     t = time.perf_counter()
-    (results,) = run_tp_cases([TPCase(path, layout, checked.batches, checked.steps, policy)], timeout_s=timeout_s)
+    case = TPCase(path, layout, checked.batches, checked.steps, policy, decode_steps=decode_steps)
+    (results,) = run_tp_cases([case], timeout_s=timeout_s)
     for r in sorted(results):
         log(f"  rank {r}: batches {results[r]['batches']} max_rel_err={results[r]['max_rel_err']:.3g}")
     return _report(layout, results, checked.tol, time.perf_counter() - t)

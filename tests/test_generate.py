@@ -207,3 +207,92 @@ def test_a_program_returning_the_cache_it_allocates_is_not_graph_captured(llama_
     assert PerLayout(attention, "k", True, None, "rank 1 attention").cudagraphs is False
     with pytest.raises(BackendOptionError, match="rank 1 attention: cudagraphs=True, but the program returns index_copy"):
         PerLayout(attention, "k", True, True, "rank 1 attention")
+
+
+# --- the CLI on programs exported with their cache ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cached_pt2(tmp_path_factory):
+    """family -> a .pt2 exported with transformers' own exporter for caches (batch 2, 32 positions)."""
+    from afd_compile.models import build_hf, export_cached_lm
+
+    out = tmp_path_factory.mktemp("cached")
+    paths: dict[str, str] = {}
+
+    def get(family: str) -> str:
+        if family not in paths:
+            path = str(out / f"{family}_cache.pt2")
+            torch.export.save(export_cached_lm(build_hf(family, num_layers=2)), path)
+            paths[family] = path
+        return paths[family]
+
+    return get
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "afd_compile.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+DECODE = [("llama", ("-A", "1", "-F", "1")), ("llama", ("-A", "3", "-F", "2")), ("llama", ("--tp", "2")),
+          ("qwen3_moe", ("-A", "2", "-F", "1")), ("qwen3_moe", ("--tp", "2"))]
+SLOW_DECODE = [("llama", ("-A", "2", "-F", "1")), ("llama", ("--tp", "4")), ("qwen3_moe", ("-A", "1", "-F", "1")),
+               ("qwen3_moe", ("-A", "3", "-F", "2"))]
+
+
+def _check_decode(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "a prefill of 4 positions and 6 decode steps of 1" in proc.stdout
+    assert re.search(r"^verify: OK max_rel_err=\S+$", proc.stdout.strip().splitlines()[-1]), proc.stdout[-1000:]
+    for batches in re.findall(r"batches (\[[^\]]*\])", proc.stdout):
+        assert batches == "[2, 2, 2, 2, 2, 2, 2]"  # every rank compared 7 steps of its 2 sequences
+
+
+@pytest.mark.parametrize(("family", "layout"), DECODE, ids=[f"{f}-{' '.join(a)}" for f, a in DECODE])
+def test_verify_decode_steps_on_exported_cache_programs(cached_pt2, family, layout):
+    _check_decode(_cli("verify", cached_pt2(family), *layout, "--decode-steps", "6"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "layout"), SLOW_DECODE, ids=[f"{f}-{' '.join(a)}" for f, a in SLOW_DECODE])
+def test_verify_decode_steps_more_layouts(cached_pt2, family, layout):
+    _check_decode(_cli("verify", cached_pt2(family), *layout, "--decode-steps", "6"))
+
+
+def test_decode_steps_read_the_cache(cached_pt2):
+    # what verify compares depends on the cache: a decode step of the same tokens after a
+    # different prefill gives other logits (so a split that lost its cache could not pass)
+    from afd_compile.programs import flat_inputs, fresh_module, load_program
+    from afd_compile.verify import DecodeSpec
+
+    ep = load_program(cached_pt2("llama"))
+    spec = DecodeSpec.of(ep)
+    assert spec is not None and spec.prefill == 4 and spec.step_tokens == 1 and spec.cache_len == 32
+    assert len(spec.state) == 6  # K, V and the write position of 2 layers
+    inputs = flat_inputs(ep)
+    a, b = fresh_module(ep), fresh_module(ep)
+    with torch.no_grad():
+        a(*spec.inputs(inputs, 0, salt=0))
+        b(*spec.inputs(inputs, 0, salt=5))  # another prefill
+        out_a, out_b = a(*spec.inputs(inputs, 1, salt=0)), b(*spec.inputs(inputs, 1, salt=0))
+    assert (out_a[0] - out_b[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--decode-steps", "40"), "need 44 cache positions, the cache holds 32"),
+        (("--decode-steps", "2", "--tokens", "1"), "cannot resize the batch of a program whose KV cache fixes it"),
+        (("--decode-steps", "-1"), "--decode-steps must be an integer >= 0"),
+        (("--tp", "2", "--attn-dp", "2", "--decode-steps", "2"), "holds a KV cache of a fixed batch"),
+    ],
+)
+def test_decode_step_requests_are_checked(cached_pt2, args, message):
+    layout = () if "--tp" in args else ("-A", "1", "-F", "1")
+    proc = _cli("verify", cached_pt2("llama"), *layout, *args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_decode_steps_need_a_program_with_a_cache(exported):
+    proc = _cli("verify", exported("llama2")[1], "-A", "1", "-F", "1", "--decode-steps", "2")
+    assert proc.returncode == 2 and "holds no KV cache to decode with" in proc.stderr, proc.stderr[-2000:]

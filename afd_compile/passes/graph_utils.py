@@ -203,3 +203,42 @@ def attention_output(attn: fx.Node) -> fx.Node:
             return hit
         frontier = [u for n in frontier for u in n.users]
     return attn
+
+
+def _writes_first_arg(n: fx.Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    args = schema.arguments if schema is not None else []
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+def _aliases_first_arg(n: fx.Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
+
+
+def written_attrs(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """The attributes (buffers) ``gm`` updates in place, directly or through a view or alias
+    (a KV cache and its write position: ``key_cache_0.index_copy_(2, pos, k)``), with the
+    nodes that write them, in graph order. Empty for a program without state."""
+    out: dict[str, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not n.args or not _writes_first_arg(n):
+            continue
+        base = n.args[0]
+        while isinstance(base, fx.Node) and base.op == "call_function" and base.args and _aliases_first_arg(base):
+            base = base.args[0]
+        if isinstance(base, fx.Node) and base.op == "get_attr":
+            out.setdefault(str(base.target), []).append(n)
+    return out
+
+
+def cache_length(gm: fx.GraphModule) -> int | None:
+    """Positions a KV cache of ``gm`` holds: the size along which ``index_copy_`` writes into a
+    written attribute (the smallest, over all of them); None when it writes none that way."""
+    sizes = []
+    for name, writers in written_attrs(gm).items():
+        t = get_attr_path(gm, name)
+        for w in writers:
+            if w.target == torch.ops.aten.index_copy_.default and w.args[0].op == "get_attr":
+                sizes.append(int(t.shape[w.args[1]]))
+    return min(sizes) if sizes else None
