@@ -67,9 +67,9 @@ def test_generate_matches_single_process_tokens_more_layouts(n, args):
 # --- the cache in the programs: attention only; TP ranks their KV heads --------------------------
 
 
-def _cached_graphs(family: str, **overrides: object) -> list[torch.export.ExportedProgram]:
+def _cached_graphs(family: str, static: bool = True, **overrides: object) -> list[torch.export.ExportedProgram]:
     """The prefill and decode graphs dynamo hands the backend under ``generate()`` with a static
-    cache, exported as the backend exports them."""
+    cache (or transformers' default DynamicCache), exported as the backend exports them."""
     import transformers
     from torch._guards import tracing
 
@@ -80,7 +80,8 @@ def _cached_graphs(family: str, **overrides: object) -> list[torch.export.Export
     cfg = getattr(transformers, cfg_cls)(**{**kwargs, "num_hidden_layers": 2, **overrides})
     torch.manual_seed(0)
     model = getattr(transformers, cls)(cfg).eval()
-    model.generation_config.cache_implementation = "static"
+    if static:
+        model.generation_config.cache_implementation = "static"
     graphs = []
 
     def capture(gm, example_inputs):
@@ -95,7 +96,7 @@ def _cached_graphs(family: str, **overrides: object) -> list[torch.export.Export
     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                    pad_token_id=0)
     torch._dynamo.reset()
-    assert len(graphs) == 2  # prefill (allocates the cache) and decode (reads and writes it)
+    assert len(graphs) == 2 or not static  # prefill (allocates the cache) and decode (reads and writes it)
     return graphs
 
 
@@ -142,6 +143,22 @@ def test_a_tp_rank_writes_and_reads_only_its_kv_heads(llama_cached, attn_tp, sli
         start = rank // (attn_tp // slices)
         assert sorted(n.args[1:] for n in narrows) == [(1, start, 1)] * 4
         assert all(w.args[0] in narrows for w in _cache_writes(prog.program))
+
+
+def test_tp_refuses_a_cache_that_grows_by_concatenation():
+    # transformers' default DynamicCache appends each step's K/V with cat: TP cannot keep its heads
+    # in place; the error says so and names the fix (a static cache). AFD needs no change: the
+    # cache, whatever its kind, stays on the attention side
+    from afd_compile.passes.roles import POLICIES, annotate_roles
+    from afd_compile.passes.shard import ShardError
+    from afd_compile.passes.tp_rewrite import shard_for_rank
+    from afd_compile.scatter import TPLayout
+
+    gm = _cached_graphs("llama", static=False)[0].module()
+    annotate_roles(gm, POLICIES["default"])
+    with pytest.raises(ShardError, match=r"a KV cache that grows by concatenation \(transformers' DynamicCache\).*"
+                                         r"cache_implementation = 'static'"):
+        shard_for_rank(gm, TPLayout(2, 1), 0)
 
 
 def test_a_cache_written_along_its_split_dim_is_refused():

@@ -117,8 +117,29 @@ def _common_split(node: fx.Node, srcs: Sequence[fx.Node], sdim: dict) -> int:
     """The split dim every one of ``srcs`` shares (cat / stack / chunk need all split alike)."""
     split = {sdim[s] for s in srcs if s in sdim}
     if len(split) != 1 or any(s not in sdim for s in srcs):
+        grown = next((s for s in srcs if s not in sdim and _graph_input(s) is not None), None)
+        if grown is not None and split:
+            raise ShardError(
+                f"{node.name} ({node.target}) appends split heads to {_graph_input(grown).name}, a graph input or a "
+                "tensor created empty, not split: a KV cache that grows by concatenation (transformers' DynamicCache). Tensor "
+                "parallelism writes each rank's heads into a cache in place: use a static cache "
+                "(model.generation_config.cache_implementation = 'static', or pass a StaticCache)")
         raise ShardError(f"{node.name} ({node.target}) mixes split and unsplit inputs")
     return split.pop()
+
+
+def _graph_input(n: object) -> fx.Node | None:
+    """The graph input ``n`` is (or is a view / alias of), or the tensor it is when the graph creates
+    it from nothing (a constant or a factory such as ``empty``), else None."""
+    while isinstance(n, fx.Node) and n.op == "call_function":
+        if n.target == aten.lift_fresh_copy.default or not any(
+                isinstance(a.meta.get("val"), torch.Tensor) for a in n.all_input_nodes):
+            return n  # created in the graph (an empty cache before its first append)
+        schema = getattr(n.target, "_schema", None)
+        if not n.args or schema is None or not schema.returns or schema.returns[0].alias_info is None:
+            return None
+        n = n.args[0]
+    return n if isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr") else None
 
 
 def _along_other_dim(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
