@@ -313,3 +313,37 @@ def test_decode_step_requests_are_checked(cached_pt2, args, message):
 def test_decode_steps_need_a_program_with_a_cache(exported):
     proc = _cli("verify", exported("llama2")[1], "-A", "1", "-F", "1", "--decode-steps", "2")
     assert proc.returncode == 2 and "holds no KV cache to decode with" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_golden_of_a_cached_model_split(cached_pt2, update_goldens):
+    # the AFD split of a program exported with its KV cache: the attention program keeps every
+    # cache write (and the cache buffers), the FFN program has none; recorded per transformers
+    # minor release (the exporter's graph is its code)
+    import transformers
+
+    from afd_compile.golden import cut_window_lines, graph_lines, graph_text
+    from afd_compile.passes.graph_utils import written_attrs
+    from afd_compile.programs import fresh_module, load_program
+    from afd_compile.split_api import split
+
+    result = split(fresh_module(load_program(cached_pt2("llama"))))
+    state = written_attrs(result.attention)
+    assert not written_attrs(result.ffn)
+    text = "\n".join([
+        "# AFD split of HF Llama exported with TorchExportableModuleForDecoderOnlyLM (batch 2, 32 positions)",
+        f"# attention program: buffers written in place {sorted(state)}",
+        *[line for line in graph_lines(result.attention, shapes=False) if "index_copy_" in line or "aten.copy_" in line],
+        "## attention program, around each cut",
+        *cut_window_lines(result.attention),
+        "## ffn program (structure)",
+        graph_text(result.ffn, shapes=False).rstrip("\n"),
+    ]) + "\n"
+    version = ".".join(transformers.__version__.split(".")[:2])
+    path = os.path.join(os.path.dirname(__file__), "golden", f"afd_llama2_cached_1A1F.transformers-{version}.txt")
+    if update_goldens:
+        with open(path, "w") as fh:
+            fh.write(text)
+    if not os.path.exists(path):
+        pytest.skip(f"no golden recorded for this transformers release ({path}); run --update-goldens to add one")
+    with open(path) as fh:
+        assert text == fh.read(), f"{path} changed; if intended, rerun with --update-goldens and explain it in the commit"
