@@ -172,7 +172,26 @@ def plan_table(result, layout: AFDLayout | None) -> str:
     if layout is not None:
         blocks = ", ".join(f"ffn {f} <- attention {list(layout.peers_of_ffn(f))}" for f in range(layout.ffn_ranks))
         head += f"; layout {layout} ({blocks})"
-    return "\n".join([head, *lines])
+    cache = _cache_line(result)
+    return "\n".join([head, *lines, *([cache] if cache else [])])
+
+
+def _cache_json(result) -> dict | None:
+    from .passes.graph_utils import state_bytes, written_attrs
+
+    state = written_attrs(result.attention)
+    if not state:
+        return None
+    return {"buffers": sorted(state), "bytes_per_attention_rank": state_bytes(result.attention),
+            "bytes_per_ffn_rank": state_bytes(result.ffn)}
+
+
+def _cache_line(result) -> str | None:
+    cache = _cache_json(result)
+    if cache is None:
+        return None
+    return (f"KV cache: {len(cache['buffers'])} buffers updated in place, {cache['bytes_per_attention_rank']} bytes on "
+            f"each attention rank; {cache['bytes_per_ffn_rank']} on each FFN rank")
 
 
 def _tp_graph(args: argparse.Namespace):
@@ -203,7 +222,19 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
     layout, gm = _tp_graph(args)
     # shard rank 0 as verify and rewrite do: a layout the model cannot take is refused here too
     prog = shard_for_rank(gm, layout, 0, graph_name=args.model)
-    print(json.dumps(prog.plan.to_json(), indent=2) if args.json else prog.plan.table())
+    from .passes.graph_utils import state_bytes, written_attrs
+
+    cache = None
+    if written_attrs(gm):
+        cache = {"buffers": sorted(written_attrs(gm)), "bytes_per_rank": state_bytes(prog.program),
+                 "bytes_unsharded": state_bytes(gm), "split_by_kv_heads": [str(s) for s in prog.shards.states]}
+    if args.json:
+        print(json.dumps({**prog.plan.to_json(), **({"cache": cache} if cache else {})}, indent=2))
+    else:
+        print(prog.plan.table())
+        if cache:
+            print(f"KV cache: {len(cache['buffers'])} buffers updated in place, {cache['bytes_per_rank']} bytes per rank "
+                  f"of {cache['bytes_unsharded']} ({len(cache['split_by_kv_heads'])} split by KV heads)")
     _print_timings(args, prog.timings)
     return EXIT_OK
 
@@ -219,6 +250,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         data = result.plan.to_json()
         data["layout"] = str(layout) if layout else None
         data["layers"] = [{"index": c["layer"], **c} for c in data["layers"]]
+        cache = _cache_json(result)
+        if cache:
+            data["cache"] = cache
         print(json.dumps(data, indent=2))
     else:
         print(plan_table(result, layout))

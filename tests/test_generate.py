@@ -347,3 +347,16 @@ def test_golden_of_a_cached_model_split(cached_pt2, update_goldens):
         pytest.skip(f"no golden recorded for this transformers release ({path}); run --update-goldens to add one")
     with open(path) as fh:
         assert text == fh.read(), f"{path} changed; if intended, rerun with --update-goldens and explain it in the commit"
+
+
+def test_plan_shows_the_cache_bytes_per_rank(cached_pt2):
+    import json
+
+    afd = _cli("plan", cached_pt2("llama"), "-A", "2", "-F", "1", "--json")
+    assert afd.returncode == 0, afd.stderr[-2000:]
+    cache = json.loads(afd.stdout)["cache"]
+    full = 4 * 2 * 2 * 32 * 16 * 4 + 2 * 8  # K and V of 2 layers [2, 2, 32, 16] fp32, 2 int64 positions
+    assert cache["bytes_per_attention_rank"] == full and cache["bytes_per_ffn_rank"] == 0
+    tp = _cli("plan", cached_pt2("llama"), "--tp", "2")
+    assert tp.returncode == 0, tp.stderr[-2000:]
+    assert f"KV cache: 6 buffers updated in place, {(full - 16) // 2 + 16} bytes per rank of {full}" in tp.stdout

@@ -242,3 +242,8 @@ def cache_length(gm: fx.GraphModule) -> int | None:
             if w.target == torch.ops.aten.index_copy_.default and w.args[0].op == "get_attr":
                 sizes.append(int(t.shape[w.args[1]]))
     return min(sizes) if sizes else None
+
+
+def state_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the buffers ``gm`` updates in place (its KV cache and write positions)."""
+    return sum(get_attr_path(gm, name).numel() * get_attr_path(gm, name).element_size() for name in written_attrs(gm))
