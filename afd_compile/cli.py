@@ -142,12 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "default"):
     from .passes.roles import POLICIES
-    from .programs import load_program
+    from .programs import fresh_module, load_program
     from .split_api import SplitConfig, split
 
     ep = load_program(model)
     config = SplitConfig(compute_gate_on_attention=gate, policy=POLICIES[policy], graph_name=model)
-    result = split(ep, config, layout=layout)
+    result = split(fresh_module(ep), config, layout=layout)  # inputs flat, in the program's order
     return ep, result
 
 
@@ -317,12 +317,12 @@ def cmd_rewrite_tp(args: argparse.Namespace) -> int:
     import torch
 
     from .passes.tp_rewrite import shard_for_rank
-    from .programs import dynamic_shapes_of, example_inputs, load_program, write_json
+    from .programs import dynamic_shapes_of, flat_inputs, load_program, write_json
 
     t = time.perf_counter()
     out = _AtomicFolder(args.output, args.force)
     layout, gm = _tp_graph(args)
-    inputs = example_inputs(load_program(args.model))
+    inputs = flat_inputs(load_program(args.model))
     programs = []
     for rank in range(layout.tp):  # every rank planned and exported before anything is written
         prog = shard_for_rank(gm, layout, rank, graph_name=args.model)
@@ -360,7 +360,7 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
         return cmd_rewrite_tp(args)
     import torch
 
-    from .programs import example_inputs, export_split, write_json
+    from .programs import export_split, flat_inputs, positional_module, write_json
     from .runtime import TokenCount
 
     if args.attention_ranks is None and args.ffn_ranks is None:
@@ -369,14 +369,18 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     out = _AtomicFolder(args.output, args.force)
     ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy)
-    att, ffn = export_split(result.attention, result.ffn, ep.module(), example_inputs(ep))
+    original = positional_module(ep)
+    att, ffn = export_split(result.attention, result.ffn, original, flat_inputs(ep))
     plan = result.plan.to_json()
     plan["kind"] = "afd"
     plan["layout"] = {"attention_ranks": layout.attention_ranks, "ffn_ranks": layout.ffn_ranks,
                       "ffn_peers": {str(f): list(layout.peers_of_ffn(f)) for f in range(layout.ffn_ranks)}}
     plan["programs"] = {"attention": "attention.pt2", "ffn": "ffn.pt2"}
     plan["compute_gate_on_attention"] = args.gate_on_attention
-    plan["token_count"] = TokenCount.for_graph(ep.module(), result.plan.cuts[0].token_dims).to_json()
+    plan["token_count"] = TokenCount.for_graph(original, result.plan.cuts[0].token_dims).to_json()
+    cache = _cache_json(result)
+    if cache:
+        plan["cache"] = cache
     with out as d:
         torch.export.save(att, os.path.join(d, "attention.pt2"))
         torch.export.save(ffn, os.path.join(d, "ffn.pt2"))

@@ -67,17 +67,6 @@ def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
         export_log.setLevel(level)
 
 
-def example_inputs(ep: torch.export.ExportedProgram) -> tuple[Any, ...]:
-    """The example inputs saved with an exported program (flat positional tensors)."""
-    if ep.example_inputs is None:
-        raise ProgramLoadError("the program was saved without example inputs")
-    args, kwargs = ep.example_inputs
-    if kwargs:
-        raise ProgramLoadError(f"the program takes keyword inputs {sorted(kwargs)}; only positional tensors are supported "
-                               "here (verify and plan take them)")
-    return tuple(args)
-
-
 def flat_inputs(ep: torch.export.ExportedProgram) -> tuple[Any, ...]:
     """The saved example inputs, positional and keyword, flattened in the program's input order
     (the order of the placeholders of :func:`positional_module`)."""

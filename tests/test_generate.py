@@ -360,3 +360,54 @@ def test_plan_shows_the_cache_bytes_per_rank(cached_pt2):
     tp = _cli("plan", cached_pt2("llama"), "--tp", "2")
     assert tp.returncode == 0, tp.stderr[-2000:]
     assert f"KV cache: 6 buffers updated in place, {(full - 16) // 2 + 16} bytes per rank of {full}" in tp.stdout
+
+
+def test_rewrite_writes_programs_that_carry_their_cache(cached_pt2, tmp_path):
+    # rewrite on a cached program: the attention program holds the cache buffers (a TP rank only
+    # its KV heads), the FFN program none; the rewritten AFD programs, re-loaded, decode as the
+    # original does
+    import json
+    import textwrap
+
+    from afd_compile.programs import load_program
+
+    path = cached_pt2("llama")
+    afd, tp = tmp_path / "afd", tmp_path / "tp"
+    for out, layout in ((afd, ("-A", "2", "-F", "1")), (tp, ("--tp", "2"))):
+        proc = _cli("rewrite", path, *layout, "-o", str(out))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((afd / "plan.json").read_text())["cache"]["bytes_per_ffn_rank"] == 0
+    shapes = {k: tuple(v.shape) for k, v in load_program(str(tp / "rank1.pt2")).state_dict.items() if "cache" in k}
+    assert shapes and set(shapes.values()) == {(2, 1, 32, 16)}  # 1 of 2 KV heads
+    assert not [k for k in load_program(str(afd / "ffn.pt2")).state_dict if "cache" in k]
+    script = textwrap.dedent(f"""
+        import torch
+        from afd_compile.runtime import run_local, load_rewritten_worker, AttentionWorker, max_rel_err
+        from afd_compile.programs import flat_inputs, fresh_module, load_program
+        from afd_compile.verify import DecodeSpec
+
+        def rank(r, world):
+            w = load_rewritten_worker({str(afd)!r}, r)
+            if not isinstance(w, AttentionWorker):
+                return w.serve()
+            ep = load_program({path!r})
+            spec, inputs, ref = DecodeSpec.of(ep), flat_inputs(ep), fresh_module(ep)
+            errs = []
+            try:
+                with torch.no_grad():
+                    for step in range(5):  # a prefill and 4 decode steps
+                        x = spec.inputs(inputs, step, salt=7 * r)
+                        errs.append(max_rel_err(w.step(*x), ref(*x)))
+            finally:
+                w.stop()
+            return max(errs)
+
+        if __name__ == "__main__":
+            res = run_local(rank, 3)
+            print("served", res[0], "errs", res[1], res[2])
+            assert res[0] == 5 and max(res[1], res[2]) <= 1e-5
+    """)
+    script_path = tmp_path / "run_rewritten_cache.py"
+    script_path.write_text(script)
+    proc = subprocess.run([sys.executable, str(script_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -185,9 +185,10 @@ class _KeywordLM(torch.nn.Module):
         return self.lm(input_ids)
 
 
-def test_keyword_input_programs_verify_and_rewrite_refuses_them(tmp_path, capsys):
+def test_keyword_input_programs_verify_and_rewrite(tmp_path, capsys):
     # transformers' exporters take keyword inputs: verify runs them flattened in the program's
-    # input order (they used to be refused; verify --tp used to fail only after starting workers)
+    # input order (they used to be refused; verify --tp used to fail only after starting workers);
+    # rewrite writes programs with positional inputs in that order
     from afd_compile.models import build_hf
 
     path = tmp_path / "kw.pt2"
@@ -199,8 +200,8 @@ def test_keyword_input_programs_verify_and_rewrite_refuses_them(tmp_path, capsys
     for layout in (["--tp", "2"], ["-A", "2", "-F", "1"]):
         assert cli.main(["verify", str(path), *layout]) == 0
         assert capsys.readouterr().out.strip().splitlines()[-1].startswith("verify: OK")
-    assert cli.main(["rewrite", str(path), "-o", str(tmp_path / "out"), "-A", "1", "-F", "1"]) == 2
-    assert "takes keyword inputs ['input_ids']" in capsys.readouterr().err
+    assert cli.main(["rewrite", str(path), "-o", str(tmp_path / "out"), "-A", "1", "-F", "1"]) == 0
+    assert cli.main(["rewrite", str(path), "-o", str(tmp_path / "tp"), "--tp", "2"]) == 0
 
 
 def test_timeout_flag_must_be_positive(capsys):
