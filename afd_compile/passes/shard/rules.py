@@ -118,7 +118,8 @@ def _common_split(node: fx.Node, srcs: Sequence[fx.Node], sdim: dict) -> int:
     split = {sdim[s] for s in srcs if s in sdim}
     if len(split) != 1 or any(s not in sdim for s in srcs):
         grown = next((s for s in srcs if s not in sdim and _graph_input(s) is not None), None)
-        if grown is not None and split:
+        dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % max(ndim(node), 1)
+        if grown is not None and split == {1} and ndim(node) == 4 and dim == 2:  # [batch, heads, seq, head_dim]
             raise ShardError(
                 f"{node.name} ({node.target}) appends split heads to {_graph_input(grown).name}, a graph input or a "
                 "tensor created empty, not split: a KV cache that grows by concatenation (transformers' DynamicCache). Tensor "
