@@ -18,7 +18,8 @@
 # decode:   KV-cache decoding (issue 12): examples/generate.py (HF generate() with a static cache,
 #           the forward compiled with the afd backend, Inductor + CUDA graphs, bf16) for TP=2 and AFD
 #           1A1F, Llama and Qwen3-MoE, tokens against one-GPU generate(); then
-#           benchmarks/decode_step.py (decode step time vs one GPU and the HBM floor)
+#           benchmarks/decode_step.py (decode step time vs one GPU and the HBM floor) and
+#           benchmarks/decode_attention_kernel.py (one layer: masked SDPA vs FlexAttention vs the KV-read floor)
 # four:     (only when named; a 4-GPU host) compiled AFD 2A1F / 3A1F and TP=4 (with DP attention)
 #           on NCCL, bf16, Llama and Qwen3-MoE (MoE with --control), and generate() for AFD 3A1F
 #           (ranks finishing apart) and TP=4 with 2 DP groups; the jobs run side by side
@@ -116,6 +117,7 @@ if want decode; then
   par generate_afd1a1f_qwen3moe $TR $G --attention 1 --ffn 1 --family qwen3_moe
   TAIL=4 collect
   TAIL=8 run decode_step $TR benchmarks/decode_step.py --out "$OUT/decode_step.json"
+  TAIL=8 run decode_attention_kernel python3 benchmarks/decode_attention_kernel.py --out "$OUT/decode_attention_kernel.json"
 fi
 if want exchange; then
   TAIL=9 run exchange $TR benchmarks/gpu_exchange.py --out "$OUT/exchange.json"
