@@ -30,6 +30,9 @@ Options (all optional)::
     comm_id            AFD communicator id (two AFD-compiled models in one process need two ids)
     timeout_s          how long a rank waits for a peer before failing: the backend's process groups
                        get this timeout (default: the initialised group's)
+    decode_attention   "flex" (default) or "sdpa": attention over a static KV cache (a program that updates
+                       its cache in place) runs as FlexAttention reading only the filled blocks of the
+                       cache (passes/decode_attention.py); "sdpa" keeps the model's own attention
     check_wire         AFD: a check header ahead of every transfer (default: AFD_CHECK_WIRE; see
                        afd_compile.comm.AFDCommunicator); every rank must agree; not with CUDA graphs
                        (the comparison runs on the host): needs cudagraphs=False on CUDA
@@ -142,6 +145,7 @@ _OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "timeout_s": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
                                           and math.isfinite(v) and v > 0), "None or a finite number of seconds > 0"),
     "check_wire": (lambda v: v is None or isinstance(v, bool), "None or a bool"),
+    "decode_attention": (lambda v: v in ("flex", "sdpa"), "'flex' or 'sdpa'"),
 }
 
 
@@ -161,6 +165,7 @@ class BackendOptions:
     comm_id: int = 0
     timeout_s: float | None = None
     check_wire: bool | None = None
+    decode_attention: str = "flex"
 
     @staticmethod
     def parse(options: dict[str, Any] | None) -> BackendOptions:
@@ -464,7 +469,18 @@ class PerLayout:
         self.static_inputs: int | None = None  # inputs Inductor keeps at fixed addresses (weights), once compiled
         _LIVE.add(self)
 
+    @property
+    def has_flex(self) -> bool:
+        """The program holds FlexAttention (the decode-attention pass replaced its SDPA)."""
+        from .passes.decode_attention import flex_decode
+
+        return any(n.target is flex_decode for n in self.program.graph.nodes)
+
     def __call__(self, layout: tuple, *inputs: Any) -> Any:
+        if self.inductor and self.static and self.has_flex:
+            for i in self.static:  # compiled by dynamo (_compile): it takes static inputs from this mark
+                if isinstance(inputs[i], torch.Tensor) and not is_static_address(inputs[i]):
+                    torch._dynamo.mark_static_address(inputs[i])
         fn = self.compiled.get(layout)
         if fn is None:
             fn = self._compile(inputs)
@@ -476,6 +492,8 @@ class PerLayout:
     def _compile(self, inputs: Sequence[Any]) -> Callable[..., Any]:
         if not self.inductor:
             return self.program
+        if self.has_flex:
+            return self._compile_with_dynamo()
         from .passes.tp_rewrite import drop_export_guards
 
         drop_export_guards(self.program)
@@ -508,6 +526,16 @@ class PerLayout:
                  self.static_inputs)
         return fn
 
+    def _compile_with_dynamo(self) -> Callable[..., Any]:
+        """A program holding FlexAttention is compiled through ``torch.compile`` (dynamo traces the
+        program, Inductor compiles it, CUDA graphs as configured): FlexAttention's mask closes over
+        a tensor, and Inductor compiling such a program directly, while dynamo's frame for the
+        caller runs, fails in its fake-tensor update of the mask subgraph. Weights are static (the
+        program's parameters); the static positions are marked static-address at each call."""
+        options = {"post_grad_custom_post_pass": _custom_pass(self.cache_key), "triton.cudagraphs": self.cudagraphs}
+        log.info("afd: %s: compiled through torch.compile (FlexAttention decode attention)", self.name)
+        return torch.compile(self.program, fullgraph=True, dynamic=False, options=options)
+
 
 @contextlib.contextmanager
 def _static_inputs(program: fx.GraphModule, positions: Sequence[int]) -> Iterator[None]:
@@ -539,9 +567,23 @@ def _static_inputs(program: fx.GraphModule, positions: Sequence[int]) -> Iterato
             del program._param_name_to_source
 
 
+def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str) -> None:
+    """The decode-attention pass on a rank's program (option ``decode_attention``)."""
+    if opts.decode_attention != "flex":
+        return
+    from .passes.decode_attention import replace_decode_attention
+
+    records = replace_decode_attention(program)
+    if records:
+        done = sum(r.replaced for r in records)
+        left = sorted({r.why for r in records if not r.replaced})
+        log.info("afd: %s: decode attention: %d of %d SDPA over the KV cache run as FlexAttention%s", name, done,
+                 len(records), f" (left: {'; '.join(left)})" if left else "")
+
+
 def _layout_key(opts: BackendOptions, rank: int, world: int) -> str:
     fields = (source_id(), torch.__version__, opts.mode, opts.tp, opts.attn_dp, opts.moe_a2a, opts.dense_dp,
-              opts.attention, opts.ffn, rank, world, opts.policy)
+              opts.attention, opts.ffn, rank, world, opts.policy, opts.decode_attention)
     return hashlib.sha256(repr(fields).encode()).hexdigest()
 
 
@@ -642,6 +684,7 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     annotate_roles(gm, POLICIES[opts.policy], graph_name="dynamo")
     t0 = time.perf_counter()
     prog = shard_for_rank(gm, layout, rank, graph_name="dynamo").program.to(device)
+    _decode_attention(prog, opts, f"rank {rank} tp")
     log.info("afd: rank %d: %s program in %.1fs", rank, layout, time.perf_counter() - t0)
     compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp", static)
 
@@ -683,6 +726,7 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
         group = process_group(range(world), opts.timeout_s)
     worker = make_worker(ep.module(), layout, rank, config, device=device, group=group, check_wire=check)
     if isinstance(worker, AttentionWorker):
+        _decode_attention(worker.program, opts, f"rank {rank} attention")
         worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called
         compiled = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} attention", static)
         worker.program = lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)  # type: ignore[assignment]

@@ -13,6 +13,9 @@ written at position C - 1 (reset before every step). Per shape (batch B x contex
 - ``afd TP2``: ``torch.compile(model.forward, backend="afd", options={"tp": 2})`` on both GPUs;
 - ``afd AFD 1A1F``: rank 1 attention (its forward compiled with ``{"attention": 1, "ffn": 1}``),
   rank 0 FFN (``afd_compile.serve``);
+- each afd variant with ``decode_attention`` "sdpa" (HF's masked SDPA over the whole cache) and
+  "flex" (the decode-attention pass: FlexAttention over the filled blocks; the table's "flex"
+  columns);
 - the HBM floors: bytes a step must read (weights, and the KV cache: HF's static-cache attention
   reads all of it, ``C`` positions, whatever is filled) / measured copy bandwidth. One GPU: all of
   it; TP2: per GPU, half of the layer weights and of the KV heads (embedding and head whole); AFD:
@@ -136,6 +139,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default="out/gpu/decode.json")
     parser.add_argument("--small", action="store_true", help="a tiny model (hidden 64), fp32: checks the script on CPU")
+    parser.add_argument("--decode-attention", default="sdpa,flex",
+                        help="the backend's decode_attention values to run, comma-separated (sdpa: HF's masked SDPA; "
+                             "flex: the decode-attention pass)")
     args = parser.parse_args()
     rank, world = init_distributed()
     if world != 2:
@@ -145,7 +151,8 @@ def main() -> None:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     bandwidth = _copy_bandwidth(dev)
     rows = []
-    for i, (batch, context) in enumerate(shapes):
+    comm = 0
+    for batch, context in shapes:
         cfg = _config(args.layers, args.small, context)
         model = _model(cfg, dev, dtype)
         weights = _weight_bytes(model)
@@ -160,26 +167,31 @@ def main() -> None:
             kv = _kv_bytes(cache)
             del cache, fwd
         dist.barrier()
-        # afd TP2: both ranks
-        torch._dynamo.reset()
-        model = _model(cfg, dev, dtype)
-        cache = _cache(model, batch, context, dev, dtype)
-        model.forward = torch.compile(model.forward, backend="afd", options={"tp": 2, "comm_id": 2 * i})
-        row["afd_tp2_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=True)
-        del cache
-        dist.barrier()
-        # afd AFD 1A1F: rank 0 serves the FFN, rank 1 runs attention
-        torch._dynamo.reset()
-        model = _model(cfg, dev, dtype)
-        options = {"attention": 1, "ffn": 1, "comm_id": 2 * i + 1}
-        if rank == 0:
-            afd_compile.serve(model, options)
-        else:
+        for attn in args.decode_attention.split(","):
+            tag = "" if attn == "sdpa" else "_flex"
+            # afd TP2: both ranks
+            torch._dynamo.reset()
+            model = _model(cfg, dev, dtype)
             cache = _cache(model, batch, context, dev, dtype)
-            model.forward = torch.compile(model.forward, backend="afd", options=options)
-            row["afd_1a1f_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=False)
-            finish()
+            model.forward = torch.compile(model.forward, backend="afd",
+                                          options={"tp": 2, "decode_attention": attn})
+            row[f"afd_tp2{tag}_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=True)
             del cache
+            dist.barrier()
+            # afd AFD 1A1F: rank 0 serves the FFN, rank 1 runs attention
+            torch._dynamo.reset()
+            model = _model(cfg, dev, dtype)
+            comm += 1
+            options = {"attention": 1, "ffn": 1, "comm_id": comm, "decode_attention": attn}
+            if rank == 0:
+                afd_compile.serve(model, options)
+            else:
+                cache = _cache(model, batch, context, dev, dtype)
+                model.forward = torch.compile(model.forward, backend="afd", options=options)
+                row[f"afd_1a1f{tag}_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=False)
+                finish()
+                del cache
+            dist.barrier()
         if rank == 1:
             floor = lambda nbytes: nbytes / bandwidth * 1e6  # noqa: E731
             layer_w = weights["attn"] + weights["mlp"]
@@ -194,12 +206,17 @@ def main() -> None:
         shape = "tiny (--small), fp32" if args.small else "Llama-8B-shaped, bf16"
         print(f"decode step with a static KV cache (HF SDPA over the whole cache), {shape} x {args.layers} layers, "
               f"{dev.type}, torch {torch.__version__}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; median us per step")
-        print("| B x C | KV bytes | floor 1 GPU | 1 GPU reduce-overhead | floor TP2 | afd TP2 | floor AFD | afd AFD 1A1F |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| B x C | KV bytes | floor 1 GPU | 1 GPU reduce-overhead | floor TP2 | afd TP2 | afd TP2 flex | floor AFD "
+              "| afd AFD 1A1F | afd AFD 1A1F flex |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+
+        def us(r: dict, key: str) -> str:
+            return f"{r[key]:.0f}" if key in r else "-"
+
         for r in rows:
             print(f"| {r['batch']} x {r['context']} | {r['kv_bytes'] / 1e9:.2f} GB | {r['floor_one_gpu_us']:.0f} | "
-                  f"{r['one_gpu_us']:.0f} | {r['floor_tp2_us']:.0f} | {r['afd_tp2_us']:.0f} | "
-                  f"{r['floor_afd_us']:.0f} | {r['afd_1a1f_us']:.0f} |")
+                  f"{r['one_gpu_us']:.0f} | {r['floor_tp2_us']:.0f} | {us(r, 'afd_tp2_us')} | {us(r, 'afd_tp2_flex_us')} | "
+                  f"{r['floor_afd_us']:.0f} | {us(r, 'afd_1a1f_us')} | {us(r, 'afd_1a1f_flex_us')} |")
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"layers": args.layers, "small": args.small, "device": dev.type, "torch": torch.__version__,

@@ -82,3 +82,12 @@ def test_sdpa_without_a_cache_or_a_boolean_mask_is_left_with_a_reason():
     gm = fx.GraphModule(torch.nn.Module(), g)
     assert replace_decode_attention(gm) == []  # no cache in the program: nothing to do
     assert out in gm.graph.nodes
+
+
+def test_the_backend_option_is_checked():
+    from afd_compile.backend import BackendOptionError, BackendOptions
+
+    assert BackendOptions.parse(None).decode_attention == "flex"
+    assert BackendOptions.parse({"decode_attention": "sdpa"}).decode_attention == "sdpa"
+    with pytest.raises(BackendOptionError, match="option decode_attention='paged' \\(str\\) must be 'flex' or 'sdpa'"):
+        BackendOptions.parse({"decode_attention": "paged"})

@@ -10,24 +10,9 @@ the KV heads. The result is the same attention (the same mask, the same scale); 
 it to its flex (decoding) kernel (the mask and so the block mask are device tensors, rebuilt in
 the graph every step).
 
-Status: the pass and its numerics are tested (FX, and Inductor on CPU); nothing runs it by
-default yet. Compiled by the backend (Inductor invoked while dynamo's frame for ``generate()``
-runs), torch 2.13 fails in Inductor's FakeTensorUpdater ("A subgraph argument other than striding
-has been modified": a mask-subgraph placeholder without a fake value receives an int) where the
-same program compiles outside that frame; a custom op wrapping ``torch.compile(flex_decode)``
-fails inside the op (vmap under the custom op's dispatch). Both are open.
-
-Before / after, one layer of a decode graph (``k_cache`` written in place just before)::
-
-    k1 = index_copy_(k_cache, 2, pos, k)              k1 = index_copy_(k_cache, 2, pos, k)
-    k2 = unsqueeze(k1, 2); k3 = slice(k2, 3, 0, max)  ...
-    k4 = expand(k3, [b, kv, 2, L, d])                 attn = afd_compile.passes.decode_attention
-    k5 = reshape(k4, [b, kv * 2, L, d])                         .flex_decode(q, k1, v1, mask, 0.25)
-    (the same for v)
-    attn = sdpa(q, k5, v5, attn_mask=mask, scale=0.25)
-
-Left as SDPA (with the reason logged at INFO): a non-boolean or missing mask, dropout, causal
-flag, keys or values not read from a cache, or a repeat the pass does not recognise.
+The backend runs it on every rank's program (option ``decode_attention``, default "flex"; a
+program holding it is compiled through ``torch.compile``: see ``backend.PerLayout``); the CLI
+programs keep SDPA.
 """
 
 from __future__ import annotations
@@ -60,13 +45,39 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 
     b, _, q_len, _ = q.shape
     kv_len = k.shape[2]
-    m = mask.expand(b, 1, q_len, kv_len)
+    m = mask.expand(b, 1, q_len, kv_len)[:, 0]  # [b, q_len, kv_len]
 
     def mask_mod(bi: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kvi: torch.Tensor) -> torch.Tensor:
-        return m[bi, 0, qi, kvi]
+        return m[bi, qi, kvi]
 
-    block_mask = create_block_mask(mask_mod, b, None, q_len, kv_len, device=q.device)
+    if q_len == 1:
+        block_mask = _decode_block_mask(m, mask_mod)
+    else:
+        block_mask = create_block_mask(mask_mod, b, None, q_len, kv_len, device=q.device)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _decode_block_mask(m: torch.Tensor, mask_mod: object, block: int = 128) -> object:
+    """The block mask of one query token per sequence straight from its boolean mask
+    ``m`` [b, 1, kv_len]: a block is skipped when it allows no position, full when it allows all,
+    partial (``mask_mod`` applied) otherwise; the blocks to read come first. Cheaper than
+    ``create_block_mask``, which evaluates ``mask_mod`` over every position and sorts."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    b, kv_len = m.shape[0], m.shape[-1]
+    nb = -(-kv_len // block)
+    rows = torch.nn.functional.pad(m[:, 0, :], (0, nb * block - kv_len)).view(b, nb, block)
+    any_, all_ = rows.any(-1), rows.all(-1)
+
+    def pick(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = sel.sum(-1, dtype=torch.int32).view(b, 1, 1)
+        order = torch.argsort((~sel).to(torch.int32), dim=-1, stable=True).to(torch.int32).view(b, 1, 1, nb)
+        return num, order
+
+    kv_num, kv_idx = pick(any_ & ~all_)
+    full_num, full_idx = pick(all_)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(1, kv_len))
 
 
 @dataclass(frozen=True)
