@@ -30,9 +30,10 @@ Options (all optional)::
     comm_id            AFD communicator id (two AFD-compiled models in one process need two ids)
     timeout_s          how long a rank waits for a peer before failing: the backend's process groups
                        get this timeout (default: the initialised group's)
-    decode_attention   "flex" (default) or "sdpa": attention over a static KV cache (a program that updates
-                       its cache in place) runs as FlexAttention reading only the filled blocks of the
-                       cache (passes/decode_attention.py); "sdpa" keeps the model's own attention
+    decode_attention   "sdpa" (default: the model's own attention) or "flex": attention over a static KV
+                       cache (a program that updates its cache in place) runs as FlexAttention reading
+                       only the filled blocks of the cache (passes/decode_attention.py); measured
+                       slower end to end on the GPU host so far (BENCHMARKS.md), hence not the default
     check_wire         AFD: a check header ahead of every transfer (default: AFD_CHECK_WIRE; see
                        afd_compile.comm.AFDCommunicator); every rank must agree; not with CUDA graphs
                        (the comparison runs on the host): needs cudagraphs=False on CUDA
@@ -165,7 +166,7 @@ class BackendOptions:
     comm_id: int = 0
     timeout_s: float | None = None
     check_wire: bool | None = None
-    decode_attention: str = "flex"
+    decode_attention: str = "sdpa"
 
     @staticmethod
     def parse(options: dict[str, Any] | None) -> BackendOptions:

@@ -116,7 +116,7 @@ if want decode; then
   # (Qwen3-MoE TP=2 under transformers 5.17 bf16: its experts run as bmm, which TP cannot shard yet)
   par generate_afd1a1f_qwen3moe $TR $G --attention 1 --ffn 1 --family qwen3_moe
   TAIL=4 collect
-  TAIL=8 run decode_step $TR benchmarks/decode_step.py --out "$OUT/decode_step.json"
+  TAIL=8 run decode_step $TR benchmarks/decode_step.py --shapes 8x1024,64x1024,64x4096 --iters 15 --out "$OUT/decode_step.json"
   TAIL=8 run decode_attention_kernel python3 benchmarks/decode_attention_kernel.py --out "$OUT/decode_attention_kernel.json"
 fi
 if want exchange; then

@@ -96,6 +96,8 @@ def main() -> int:
                         help="AFD: attention rank i generates stagger*i fewer tokens (they finish at different steps)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-inductor", action="store_true", help="run the FX programs (no Inductor)")
+    parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "flex"],
+                        help="the backend's decode_attention option (flex: FlexAttention over the filled cache)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a peer")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the backend does")
     args = parser.parse_args()
@@ -107,7 +109,7 @@ def main() -> int:
         parser.error("--stagger applies to AFD layouts (TP ranks of one step must take the same steps)")
     rank, world = init_distributed(timeout_s=args.timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    options = {"inductor": not args.no_inductor, "timeout_s": args.timeout}
+    options = {"inductor": not args.no_inductor, "timeout_s": args.timeout, "decode_attention": args.decode_attention}
     if afd:
         options.update(attention=args.attention, ffn=args.ffn)
     else:

@@ -87,7 +87,7 @@ def test_sdpa_without_a_cache_or_a_boolean_mask_is_left_with_a_reason():
 def test_the_backend_option_is_checked():
     from afd_compile.backend import BackendOptionError, BackendOptions
 
-    assert BackendOptions.parse(None).decode_attention == "flex"
-    assert BackendOptions.parse({"decode_attention": "sdpa"}).decode_attention == "sdpa"
+    assert BackendOptions.parse(None).decode_attention == "sdpa"
+    assert BackendOptions.parse({"decode_attention": "flex"}).decode_attention == "flex"
     with pytest.raises(BackendOptionError, match="option decode_attention='paged' \\(str\\) must be 'flex' or 'sdpa'"):
         BackendOptions.parse({"decode_attention": "paged"})

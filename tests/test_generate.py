@@ -16,7 +16,7 @@ import torch
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "generate.py")
 
 RUNS = [  # (processes, example arguments)
-    (2, ("--attention", "1", "--ffn", "1")),  # with Inductor
+    (2, ("--attention", "1", "--ffn", "1", "--decode-attention", "flex")),  # Inductor, FlexAttention decode
     (5, ("--attention", "3", "--ffn", "2", "--stagger", "2", "--no-inductor")),
     (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--no-inductor")),
     (2, ("--tp", "2", "--family", "qwen3_moe", "--no-inductor")),

@@ -10,9 +10,11 @@ the KV heads. The result is the same attention (the same mask, the same scale); 
 it to its flex (decoding) kernel (the mask and so the block mask are device tensors, rebuilt in
 the graph every step).
 
-The backend runs it on every rank's program (option ``decode_attention``, default "flex"; a
-program holding it is compiled through ``torch.compile``: see ``backend.PerLayout``); the CLI
-programs keep SDPA.
+The backend runs it on every rank's program with ``options={"decode_attention": "flex"}`` (a
+program holding it is compiled through ``torch.compile``: see ``backend.PerLayout``). Not the
+default: on 2 x H200 the replaced decode step was slower end to end than HF's masked SDPA
+(BENCHMARKS.md), though one layer's FlexAttention alone is 1.6-3.8x faster; the CLI programs keep
+SDPA.
 """
 
 from __future__ import annotations
