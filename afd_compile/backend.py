@@ -468,14 +468,12 @@ class PerLayout:
         self.compiled: dict[tuple, Callable[..., Any]] = {}
         self.compile_id = torch._guards.CompileContext.current_compile_id()  # dynamo's, when built in the backend
         self.static_inputs: int | None = None  # inputs Inductor keeps at fixed addresses (weights), once compiled
-        _LIVE.add(self)
-
-    @property
-    def has_flex(self) -> bool:
-        """The program holds FlexAttention (the decode-attention pass replaced its SDPA)."""
         from .passes.decode_attention import flex_decode
 
-        return any(n.target is flex_decode for n in self.program.graph.nodes)
+        #: the program holds FlexAttention (the decode-attention pass replaced its SDPA): compiled
+        #: through torch.compile (_compile_with_dynamo); read once here, not on every step
+        self.has_flex = any(n.target is flex_decode for n in program.graph.nodes)
+        _LIVE.add(self)
 
     def __call__(self, layout: tuple, *inputs: Any) -> Any:
         if self.inductor and self.static and self.has_flex:
