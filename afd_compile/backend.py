@@ -405,29 +405,31 @@ def host_syncs(program: fx.GraphModule) -> list[tuple[str, str]]:
     return found
 
 
-#: in-place writes whose first argument is the tensor written
-_WRITES = {"index_copy_", "index_put_", "copy_", "fill_", "zero_"}
-
-
 def returned_state(program: fx.GraphModule) -> list[str]:
     """Outputs of ``program`` that it allocates and then updates in place (HF's static cache
     created by a compiled prefill step: ``zeros`` then ``index_copy_``, returned so the caller
     keeps it). A CUDA graph cannot produce them: its outputs live in its memory pool and the
-    next replay overwrites them, while the caller reads them every later step."""
+    next replay overwrites them, while the caller reads them every later step. In-place writes
+    and aliases are read from the ops' schemas (``graph_utils.writes_first_arg``)."""
+    from .passes.graph_utils import aliases_first_arg, writes_first_arg
+
+    def step(n: fx.Node) -> bool:  # n writes or aliases its first argument
+        return n.op == "call_function" and bool(n.args) and isinstance(n.args[0], fx.Node) and (
+            writes_first_arg(n) or aliases_first_arg(n))
+
     def written(n: fx.Node) -> bool:  # written in place, directly or through a view (a TP rank's narrow)
-        return any(isinstance(u.target, torch._ops.OpOverload) and u.args and u.args[0] is n
-                   and (u.target._opname in _WRITES or (u.target.is_view and written(u))) for u in n.users)
+        return any(step(u) and u.args[0] is n and (writes_first_arg(u) or written(u)) for u in n.users)
 
     out = next((n for n in program.graph.nodes if n.op == "output"), None)
     found = []
     for n in (torch.utils._pytree.tree_leaves(out.args) if out is not None else []):
-        if not isinstance(n, fx.Node) or n.op == "placeholder":
+        if not isinstance(n, fx.Node):
             continue
-        base = n
-        while (isinstance(base.target, torch._ops.OpOverload) and base.target._opname in _WRITES
-               and isinstance(base.args[0], fx.Node)):
-            base = base.args[0]  # the write returns the tensor it wrote
-        if base.op != "placeholder" and (base is not n or written(base)):
+        base, wrote = n, False
+        while step(base):  # a write returns the tensor it wrote; a view, the tensor it views
+            wrote |= writes_first_arg(base)
+            base = base.args[0]
+        if base.op not in ("placeholder", "get_attr") and (wrote or written(base)):
             found.append(n.name)
     return found
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .graph_utils import written_attrs
+from .graph_utils import writes_first_arg
 from .symbolic import sym_expr
 
 aten = torch.ops.aten
@@ -109,16 +109,12 @@ def _cache_read(x: object, state: set[fx.Node]) -> fx.Node | None:
 
 
 def _state_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes that hold a KV cache: in-place writes into an attribute or a graph input (and their
-    results, which alias it), and the attribute / input itself."""
+    """Nodes that hold a KV cache: every in-place write (its schema says it writes its first
+    argument: ``index_copy_`` into a buffer or an input) and the tensor it writes."""
     out: set[fx.Node] = set()
-    for writers in written_attrs(gm).values():
-        for w in writers:
-            out.add(w)
-            out.add(w.args[0])
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in (aten.index_copy_.default, aten.index_put_.default):
-            out.add(n)
+        if n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) and writes_first_arg(n):
+            out.update((n, n.args[0]))
     return out
 
 

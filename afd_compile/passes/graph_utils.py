@@ -205,13 +205,15 @@ def attention_output(attn: fx.Node) -> fx.Node:
     return attn
 
 
-def _writes_first_arg(n: fx.Node) -> bool:
+def writes_first_arg(n: fx.Node) -> bool:
+    """The op updates its first argument in place (its schema says so: ``index_copy_``, ``add_``)."""
     schema = getattr(n.target, "_schema", None)
     args = schema.arguments if schema is not None else []
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
-def _aliases_first_arg(n: fx.Node) -> bool:
+def aliases_first_arg(n: fx.Node) -> bool:
+    """The op returns (a view or alias of) its first argument (its schema says so)."""
     schema = getattr(n.target, "_schema", None)
     return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
 
@@ -222,10 +224,10 @@ def written_attrs(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     nodes that write them, in graph order. Empty for a program without state."""
     out: dict[str, list[fx.Node]] = {}
     for n in gm.graph.nodes:
-        if n.op != "call_function" or not n.args or not _writes_first_arg(n):
+        if n.op != "call_function" or not n.args or not writes_first_arg(n):
             continue
         base = n.args[0]
-        while isinstance(base, fx.Node) and base.op == "call_function" and base.args and _aliases_first_arg(base):
+        while isinstance(base, fx.Node) and base.op == "call_function" and base.args and aliases_first_arg(base):
             base = base.args[0]
         if isinstance(base, fx.Node) and base.op == "get_attr":
             out.setdefault(str(base.target), []).append(n)
