@@ -115,7 +115,7 @@ class DecodeSpec:
 
     def inputs(self, example: Sequence[torch.Tensor], step: int, salt: int) -> tuple[torch.Tensor, ...]:
         """The inputs of ``step`` (0: the saved example), token ids shifted by ``salt + step``."""
-        x = list(resize_inputs(example, [], 0, salt=salt + step))
+        x = list(shift_token_ids(example, example, salt + step))
         if step == 0 or self.position_input is None:
             if self.position_input is not None:
                 x[self.position_input] = example[self.position_input]
@@ -231,10 +231,17 @@ def resize_inputs(inputs: Sequence[torch.Tensor], dims: list[tuple[int, int]], b
         t = inputs[i]
         idx = torch.arange(batch) % t.shape[d]
         out[i] = t.index_select(d, idx)
+    return shift_token_ids(out, inputs, salt)
+
+
+def shift_token_ids(inputs: Sequence[torch.Tensor], example: Sequence[torch.Tensor],
+                    salt: int) -> tuple[torch.Tensor, ...]:
+    """Integer inputs with values beyond 0/1 (token ids) shifted by ``salt``, modulo the largest
+    id of the ``example`` + 1, so ranks and steps see different tokens within the vocabulary."""
+    out = list(inputs)
     for i, t in enumerate(out):
         if not t.is_floating_point() and t.dtype != torch.bool and t.numel() and int(t.max()) > 1:
-            hi = int(inputs[i].max()) + 1
-            out[i] = (t + salt) % hi
+            out[i] = (t + salt) % (int(example[i].max()) + 1)
     return tuple(out)
 
 
@@ -281,8 +288,8 @@ def _loaded(path: str, cache: dict) -> tuple:
     return ep, (fresh_module(ep) if spec is not None else original), inputs, spec
 
 
-def _step_inputs(inputs: Sequence[torch.Tensor], spec: DecodeSpec | None, decode_steps: int, batches: Sequence[int]
-                 | None, dims: list, unit: int, step: int) -> tuple[torch.Tensor, ...]:
+def _step_inputs(inputs: Sequence[torch.Tensor], spec: DecodeSpec | None, decode_steps: int,
+                 batches: Sequence[int] | None, dims: list, unit: int, step: int) -> tuple[torch.Tensor, ...]:
     """One step's inputs for ``unit`` (an attention rank or DP group)."""
     if decode_steps:
         return spec.inputs(inputs, step, salt=7 * unit)
