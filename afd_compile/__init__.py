@@ -7,6 +7,7 @@ from .passes.roles import NodeRole, NoStructureError, Role, annotate_roles
 from .passes.schedule import ScheduleError, verify_schedule
 from .passes.split import LayerCut, SplitError, SplitPlan, SplitResult
 from .split_api import SplitConfig, split, split_graph_module
+from .state_store import held_state_bytes
 from .wire import WireSpec, WireTensor
 
 
@@ -37,6 +38,7 @@ __all__ = [
     "WireTensor",
     "annotate_roles",
     "get_communicator",
+    "held_state_bytes",
     "register_communicator",
     "serve",
     "split",

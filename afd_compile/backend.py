@@ -631,11 +631,8 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
         if key not in runs:  # an int argument with a value not compiled yet (dynamo made it symbolic)
             log.info("afd: rank %d: int inputs / static-address input shapes %s: compiling this graph for them",
                      rank, key)
-            values = list(example_inputs)
-            for k in (*lifted.const_positions, *lifted.static_positions):
-                values[k] = args[k]
-            with tracing(None):
-                new_run, new_lifted = _distribute(gm, values, opts, rank, world, device, cudagraphs)
+            with tracing(None):  # (this call's args as examples: the first call's are not kept alive)
+                new_run, new_lifted = _distribute(gm, list(args), opts, rank, world, device, cudagraphs)
             runs[key] = (new_run, new_lifted.user_positions)
         run, positions = runs[key]
         return run(*[args[i] for i in positions])
@@ -670,10 +667,12 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
 def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
                cudagraphs: bool | None, device: torch.device, static: Sequence[int] = ()) -> Callable[..., Any]:
     from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
+    from .passes.local_state import hold_local_states
     from .passes.roles import POLICIES, annotate_roles
     from .passes.tp_rewrite import shard_for_rank
     from .runtime import dp_step_counts, tp_groups
     from .scatter import TPLayout
+    from .state_store import bind_inputs, bind_outputs
 
     layout = TPLayout(opts.tp, opts.attn_dp, moe_a2a=opts.moe_a2a, dense_dp=opts.dense_dp)
     if layout.tp != world:
@@ -684,18 +683,24 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     gm = ep.module()
     annotate_roles(gm, POLICIES[opts.policy], graph_name="dynamo")
     t0 = time.perf_counter()
-    prog = shard_for_rank(gm, layout, rank, graph_name="dynamo").program.to(device)
+    tp = shard_for_rank(gm, layout, rank, graph_name="dynamo")
+    prog = tp.program.to(device)
+    held = hold_local_states(prog, [s.node for s in tp.shards.states])  # the rank's heads only
+    for h in held:
+        log.info("afd: rank %d: KV cache %s", rank, h)
     _decode_attention(prog, opts, f"rank {rank} tp")
     log.info("afd: rank %d: %s program in %.1fs", rank, layout, time.perf_counter() - t0)
     compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp", static)
 
     def run(*user: torch.Tensor) -> Any:
         shapes = tuple(tuple(x.shape) for x in user)
+        inputs = bind_inputs(held, user) if held else user
         if layout.attn_dp == 1:
-            return compiled(shapes, *user)
-        counts = dp_step_counts(user, layout, rank)  # one small all-gather per step
-        slots = torch.empty(sum(counts), 0, device=device)
-        return compiled((shapes, counts), *user, slots)
+            out = compiled(shapes, *inputs)
+        else:
+            counts = dp_step_counts(user, layout, rank)  # one small all-gather per step
+            out = compiled((shapes, counts), *inputs, torch.empty(sum(counts), 0, device=device))
+        return bind_outputs(held, user, out) if held else out
 
     return run
 

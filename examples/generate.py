@@ -74,11 +74,18 @@ def prompts(unit: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, 
     return ids.to(device), mask.to(device)
 
 
-def kv_bytes(cache: object) -> int:
-    """Bytes of the keys and values a transformers cache holds (0 for none)."""
+def kv_bytes(cache: object) -> tuple[int, int]:
+    """(bytes held, bytes of all heads) of the keys and values of a transformers cache (0, 0 for
+    none). Held: the storage of its tensors, or for a TP rank under the afd backend the slices
+    it holds behind HF's tensors (one-element placeholders of the full shape)."""
     layers = getattr(cache, "layers", None) or []
-    return sum(int(t.numel() * t.element_size()) for layer in layers
-               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
+    tensors = [t for layer in layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+               if isinstance(t, torch.Tensor)]
+    held = afd_compile.held_state_bytes(tensors)  # TP ranks: the slices behind HF's placeholders
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if afd_compile.held_state_bytes([t]) == 0}
+    full = sum(int(t.numel() * t.element_size()) for t in tensors)
+    return held + sum(storages.values()), full
 
 
 def main() -> int:
@@ -132,7 +139,9 @@ def main() -> int:
         kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                   pad_token_id=0, synced_gpus=args.attn_dp > 1)
         with torch.no_grad():
-            ref = model.generate(**kw)
+            # the reference on a model of its own: the compiled model allocates its cache itself
+            # (through the backend a TP rank then holds only its KV heads)
+            ref = build_model(args, device).generate(**kw)
             model.forward = torch.compile(model.forward, backend="afd", options=options, dynamic=True)
             model.generate(**kw)  # compiles the prefill and decode graphs
             t0 = time.perf_counter()
@@ -147,8 +156,8 @@ def main() -> int:
             steps = (gen != want).int().argmax(dim=1)
             first = [int(s) for s, bad in zip(steps, (gen != want).any(dim=1), strict=True) if bad]
             diverge = f", first divergence at new token {min(first)} (of {new})"
-        held = kv_bytes(out["cache"] if "cache" in out else out.get("past_key_values"))
-        share = "" if afd else f" (its program reads and writes 1/{args.tp // args.attn_dp} of the KV heads)"
+        held, full = kv_bytes(out["cache"] if "cache" in out else out.get("past_key_values"))
+        share = "" if afd else f" of {full} for all KV heads"
         print(f"rank {rank} {'attention' if afd else 'tp'}: {ids.shape[0]} sequences x {new} new tokens, "
               f"{ids.shape[0] * new / seconds:.1f} tokens/s, tokens_match={same}/{want.numel()}, "
               f"kv_cache_bytes={held}{share}{diverge}", flush=True)

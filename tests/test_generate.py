@@ -51,6 +51,10 @@ def _check(proc: subprocess.CompletedProcess, args: tuple[str, ...]) -> None:
             assert any(re.search(r"served 32 steps", s) for s in served), served  # 2 generate() x 16 steps
     generated = [line for r, role, line in ranks if role != "ffn"]
     assert generated and all(int(re.search(r"kv_cache_bytes=(\d+)", g).group(1)) > 0 for g in generated)
+    if "--tp" in args:  # a TP rank holds only its KV heads: 1 of the test models' 2 (attn_tp >= 2)
+        for g in generated:
+            held, full = map(int, re.search(r"kv_cache_bytes=(\d+) of (\d+) for all KV heads", g).groups())
+            assert 2 * held == full, g
 
 
 @pytest.mark.parametrize("n,args", RUNS, ids=[" ".join(a) for _, a in RUNS])
@@ -143,6 +147,56 @@ def test_a_tp_rank_writes_and_reads_only_its_kv_heads(llama_cached, attn_tp, sli
         start = rank // (attn_tp // slices)
         assert sorted(n.args[1:] for n in narrows) == [(1, start, 1)] * 4
         assert all(w.args[0] in narrows for w in _cache_writes(prog.program))
+
+
+def test_a_backend_tp_rank_holds_only_its_kv_heads(llama_cached):
+    # under the backend HF owns the cache: the program takes (decode) or allocates (prefill) the
+    # rank's slice instead of narrowing HF's whole cache, and HF keeps a placeholder
+    from afd_compile.passes.local_state import hold_local_states
+    from afd_compile.passes.roles import POLICIES, annotate_roles
+    from afd_compile.passes.tp_rewrite import shard_for_rank
+    from afd_compile.scatter import TPLayout
+
+    held = {}
+    for name, ep in zip(("prefill", "decode"), llama_cached, strict=True):
+        gm = ep.module()
+        annotate_roles(gm, POLICIES["default"])
+        tp = shard_for_rank(gm, TPLayout(2, 1), 1)
+        held[name] = hold_local_states(tp.program, [s.node for s in tp.shards.states])
+        prog = tp.program
+        assert len(held[name]) == 4
+        assert {(h.dim, h.start, h.length, h.size) for h in held[name]} == {(1, 1, 1, 2)}
+        assert not [n for n in prog.graph.nodes if n.target == torch.ops.aten.narrow.default]
+        for w in _cache_writes(prog):  # written directly, one head
+            assert w.args[0].meta["val"].shape[1] == 1 and w.args[0].meta["afd.held_state"] in held[name]
+    assert all(h.input is None and len(h.outputs) == 1 for h in held["prefill"])  # allocated, returned
+    assert all(h.input is not None and not h.outputs for h in held["decode"])  # received, updated in place
+
+
+def test_the_state_store_exchanges_placeholders_for_slices(caplog):
+    import gc
+
+    from afd_compile.passes.local_state import HeldState
+    from afd_compile.state_store import STORE, bind_inputs, bind_outputs, held_state_bytes
+
+    alloc = HeldState("zeros", None, (1,), dim=1, start=2, length=2, size=4)
+    local = torch.randn(3, 2, 8, 5)
+    logits, stand_in = bind_outputs([alloc], [], (torch.ones(1), local))
+    assert stand_in.shape == (3, 4, 8, 5) and stand_in.untyped_storage().nbytes() == 4  # one element
+    assert held_state_bytes([stand_in]) == local.numel() * 4
+    stand_in.zero_()  # HF's reset() of the placeholder: the slice is untouched
+    received = HeldState("user_4", 0, (), dim=1, start=2, length=2, size=4)
+    assert bind_inputs([received], [stand_in])[0] is local
+    whole = torch.randn(3, 4, 8, 5)  # a cache HF allocated eagerly: a view of this rank's heads
+    view = bind_inputs([received], [whole])[0]
+    assert view.data_ptr() == whole[:, 2].data_ptr() and view.shape == (3, 2, 8, 5)
+    assert "holds all 4 heads" in caplog.text
+    with pytest.raises(ValueError, match="cache input user_4 has 2 entries along dim 1, expected 4"):
+        bind_inputs([received], [torch.randn(3, 2, 8, 5)])
+    before = STORE.bytes_held()
+    del stand_in
+    gc.collect()
+    assert STORE.bytes_held() == before - local.numel() * 4  # dropped with its placeholder
 
 
 def test_tp_refuses_a_cache_that_grows_by_concatenation():
