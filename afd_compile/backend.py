@@ -658,18 +658,19 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
             "sequence are >= 2 (dynamo specialises dims of size 0 and 1)")
     static = [lifted.user_positions.index(p) for p in lifted.static_positions]  # as program inputs
     if opts.mode == "tp":
-        run = _tp_runner(ep, opts, rank, world, key, cudagraphs, device, static)
+        run = _tp_runner(ep, opts, rank, world, key, cudagraphs, device, static, user)
     else:
         run = _afd_runner(ep, opts, rank, world, key, cudagraphs, device, gm, static)
     return run, lifted
 
 
 def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
-               cudagraphs: bool | None, device: torch.device, static: Sequence[int] = ()) -> Callable[..., Any]:
+               cudagraphs: bool | None, device: torch.device, static: Sequence[int] = (),
+               examples: Sequence[Any] = ()) -> Callable[..., Any]:
     from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
     from .passes.local_state import hold_local_states
     from .passes.roles import POLICIES, annotate_roles
-    from .passes.tp_rewrite import shard_for_rank
+    from .passes.tp_rewrite import check_any_token_total, shard_for_rank
     from .runtime import dp_step_counts, tp_groups
     from .scatter import TPLayout
     from .state_store import bind_inputs, bind_outputs
@@ -685,6 +686,8 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     t0 = time.perf_counter()
     tp = shard_for_rank(gm, layout, rank, graph_name="dynamo")
     prog = tp.program.to(device)
+    if layout.attn_dp > 1:
+        check_any_token_total(prog, list(examples), f"rank {rank}")
     held = hold_local_states(prog, [s.node for s in tp.shards.states])  # the rank's heads only
     for h in held:
         log.info("afd: rank %d: KV cache %s", rank, h)

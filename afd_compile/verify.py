@@ -520,11 +520,7 @@ def verify_tp(path: str, layout: TPLayout, *, batches: Sequence[int] | None = No
     facts = ProgramFacts.of(ep)
     spec = DecodeSpec.of(ep)
     check_decode_steps(spec, decode_steps, batches, path)
-    if spec is not None and layout.attn_dp > 1:
-        raise VerifyInputError(f"{path} holds a KV cache of a fixed batch: DP attention groups would each need their "
-                               f"own sequences and cache; verify it with attn_dp 1, or serve it with generate() "
-                               "(examples/generate.py)")
-    if batches is None and layout.attn_dp > 1:
+    if batches is None and layout.attn_dp > 1 and spec is None:  # (a cached program's batch is its cache's)
         batches = [1 + g for g in range(layout.attn_dp)]
     checked = check_verify_inputs(facts, units=layout.attn_dp, unit="attention DP group", world_size=layout.tp,
                                   batches=batches, steps=steps, tol=tol, zero_runs_dummy=layout.attn_dp > 1)

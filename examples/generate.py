@@ -22,7 +22,10 @@ Every rank builds the same HF causal LM (a small one with seeded random weights,
 - **TP** (``--tp N [--attn-dp D]``): every rank runs ``generate()``; the ranks of one attention DP
   group share their prompts; with ``--attn-dp`` > 1 the DP groups have different prompts and pass
   ``synced_gpus=True`` (HF keeps a finished group stepping until all are done; every group must
-  then ask for the same number of new tokens).
+  then ask for the same number of new tokens). ``--idle-dp-group``: the last DP group has no
+  sequences; ``generate()`` cannot take an empty batch, so it runs a one-token dummy prompt (as
+  vLLM's idle DP ranks run dummy batches) to take part in every step's collectives, and its
+  tokens are not compared.
 
 Each rank that generates compares its tokens with single-process ``generate()`` (the same model,
 uncompiled) and prints its tokens/s (a second, timed ``generate()`` after the compiling one) and
@@ -99,6 +102,8 @@ def main() -> int:
     parser.add_argument("--model", help="a local folder to load with from_pretrained instead of --family")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--idle-dp-group", action="store_true",
+                        help="TP with --attn-dp: the last DP group has no sequences (it steps a one-token dummy prompt)")
     parser.add_argument("--stagger", type=int, default=0,
                         help="AFD: attention rank i generates stagger*i fewer tokens (they finish at different steps)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -112,6 +117,8 @@ def main() -> int:
     afd = args.attention > 0 or args.ffn > 0
     if afd == (args.tp > 1):
         parser.error("give an AFD layout (--attention A --ffn F) or a TP layout (--tp N), one of them")
+    if args.idle_dp_group and args.attn_dp < 2:
+        parser.error("--idle-dp-group needs --attn-dp 2 or more (another DP group has the sequences)")
     if args.stagger and not afd:
         parser.error("--stagger applies to AFD layouts (TP ranks of one step must take the same steps)")
     rank, world = init_distributed(timeout_s=args.timeout)
@@ -132,7 +139,10 @@ def main() -> int:
         match = (0, 0)
     else:
         unit = rank - args.ffn if afd else rank // (args.tp // args.attn_dp)
+        idle = args.idle_dp_group and unit == args.attn_dp - 1
         ids, mask = prompts(unit, vocab, device)
+        if idle:  # no sequences: a one-token dummy prompt keeps this group stepping with the others
+            ids, mask = ids[:1, -1:], mask[:1, -1:]
         new = args.new_tokens - args.stagger * unit if afd else args.new_tokens
         if new < 1:
             parser.error(f"--stagger {args.stagger} leaves attention rank {rank} {new} tokens to generate")
@@ -150,7 +160,7 @@ def main() -> int:
         tokens = out.sequences
         gen, want = tokens[:, ids.shape[1]:], ref[:, ids.shape[1]:]
         same = int((gen == want).sum()) if gen.shape == want.shape else 0
-        match = (same, want.numel())
+        match = (0, 0) if idle else (same, want.numel())
         diverge = ""
         if same != want.numel() and gen.shape == want.shape:  # the first step where a sequence differs
             steps = (gen != want).int().argmax(dim=1)
@@ -158,9 +168,11 @@ def main() -> int:
             diverge = f", first divergence at new token {min(first)} (of {new})"
         held, full = kv_bytes(out["cache"] if "cache" in out else out.get("past_key_values"))
         share = "" if afd else f" of {full} for all KV heads"
-        print(f"rank {rank} {'attention' if afd else 'tp'}: {ids.shape[0]} sequences x {new} new tokens, "
-              f"{ids.shape[0] * new / seconds:.1f} tokens/s, tokens_match={same}/{want.numel()}, "
-              f"kv_cache_bytes={held}{share}{diverge}", flush=True)
+        what = "no sequences (a one-token dummy prompt, not compared)" if idle else f"{ids.shape[0]} sequences"
+        compared = "" if idle else f"tokens_match={same}/{want.numel()}, "
+        print(f"rank {rank} {'attention' if afd else 'tp'}: {what} x {new} new tokens, "
+              f"{ids.shape[0] * new / seconds:.1f} tokens/s, {compared}kv_cache_bytes={held}{share}{diverge}",
+              flush=True)
         if afd:
             finish()  # the FFN rank stops serving this rank
     totals = [None] * world

@@ -42,3 +42,42 @@ def test_replicated_kv_heads_cannot_be_repeat_interleaved(gqa_path):
     annotate_roles(gm)
     with pytest.raises(ShardError, match=r"combines tensors split into different numbers of heads per rank"):
         shard_for_rank(gm, TPLayout(4), 0)  # 2 KV heads over 4 ranks: replicated, then repeated twice
+
+
+class _FlatMLP(torch.nn.Module):
+    """A SwiGLU run on tokens flattened with sizes read from its input: traced with static shapes,
+    those sizes are constants of the graph."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        return self.mlp(x.reshape(b * s, h)).view(b, s, h)
+
+
+def test_dp_attention_refuses_an_mlp_with_sizes_fixed_at_trace_time():
+    # under DP attention the MLP runs on every DP group's tokens, a count set per step: a graph
+    # traced with a static batch (dynamo's decode step under a static KV cache) that built sizes
+    # from its own token count cannot; the check names the node and layer (a dynamic export passes)
+    from afd_compile.errors import TPRewriteError
+    from afd_compile.passes.roles import annotate_roles
+    from afd_compile.passes.tp_rewrite import check_any_token_total, shard_for_rank
+
+    model = GQADecoder()
+    for block in model.layers:
+        block.mlp = _FlatMLP(block.mlp)
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    for static in (True, False):
+        with torch.no_grad():
+            ep = torch.export.export(model.eval(), (ids,)) if static else export(model)
+        gm = ep.module()
+        annotate_roles(gm)
+        prog = shard_for_rank(gm, TPLayout(2, 2), 0).program
+        if static:
+            with pytest.raises(TPRewriteError, match=r"rank 0: DP attention: layer 0: node \w+ \(aten\.(view|reshape)"
+                               r"[.\w]*\) fails when the DP groups hold 11 tokens in all \(this rank 10\)"):
+                check_any_token_total(prog, [ids], "rank 0")
+        else:
+            check_any_token_total(prog, [ids], "rank 0")

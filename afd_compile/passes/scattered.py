@@ -232,7 +232,8 @@ def _layer_output(members: list[fx.Node], shape: tuple, where: str) -> fx.Node:
         return r is None or r.layer != layer
 
     outs = [n for n in members if n.op == "call_function" and any(outside(u) for u in n.users)
-            and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].shape[-1] == shape[-1]]
+            and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0
+            and n.meta["val"].shape[-1] == shape[-1]]
     if len(outs) != 1:
         raise TPRewriteError(f"{where}: expected one hidden-state tensor leaving the layer, found "
                              f"{[n.name for n in outs]}")

@@ -226,6 +226,46 @@ def _rewrite_dp_attention(new: fx.GraphModule, plan: TPPlan, layout: TPLayout, r
     graph.eliminate_dead_code()  # the original norm nodes the gathered copy replaced
 
 
+class _Probe(fx.Interpreter):
+    node: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> object:
+        self.node = n
+        return super().run_node(n)
+
+
+def check_any_token_total(program: fx.GraphModule, inputs: list[object], where: str) -> None:
+    """A DP-attention rank program must run for any tokens of the other DP groups: its MLP runs
+    on all of them, a count set per step (``dp_token_slots``). Runs ``program`` on fake tensors
+    (``inputs``: this rank's, real or fake; the slots are added) with one token more in all than
+    this rank's own; a size fixed when the graph was traced fails there. Raises TPRewriteError
+    naming the node and its layer. (Dynamo traces a decode step under a static KV cache with a
+    static batch: an MLP that builds sizes from its token count, as HF's grouped-mm experts do,
+    then holds them as constants.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    own = next(int(x.numel()) for x in inputs if isinstance(x, torch.Tensor))  # as runtime.dp_step_counts
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in inputs]
+    probe = _Probe(program)
+    try:
+        with mode, torch.no_grad():
+            probe.run(*fakes, torch.empty(own + 1, 0))
+    except Exception as e:  # noqa: BLE001  (any failure of the fake run is the answer)
+        n = probe.node
+        role = n.meta.get(ROLE_KEY) if n is not None else None
+        layer = f"layer {role.layer}: " if role is not None and role.layer is not None else ""
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise TPRewriteError(
+            f"{where}: DP attention: {layer}node {n.name if n is not None else '?'} "
+            f"({getattr(n, 'target', '?')}) fails when the DP groups hold {own + 1} tokens in all "
+            f"(this rank {own}): {detail}. Its MLP runs on the tokens of every DP group, a count set per "
+            "step, but the graph fixed a size from its own token count when it was traced (dynamo traces "
+            "decode steps under a static KV cache with a static batch). Use attn_dp=1, or an MLP whose "
+            "sizes follow its input (e.g. experts as a loop or bmm rather than sizes built from the "
+            "token count)") from None
+
+
 def drop_export_guards(gm: fx.GraphModule) -> None:
     """Remove the ``_guards_fn`` call ``torch.export`` adds (input-shape checks; the caller's own
     guards stand in for them). It holds an unpicklable closure, which would keep Inductor's
