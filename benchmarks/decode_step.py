@@ -81,9 +81,28 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _decode_steps(forward, ids: torch.Tensor, cache: object, context: int, iters: int, barrier: bool) -> float:
+def _profile(one, name: str, path: str) -> None:
+    """Append a profile of 5 steps of ``one`` to ``path``: kernels by GPU time, and how many CUDA
+    graph launches and kernel launches the host made (graph capture working: few of the latter)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            one()
+        _sync(torch.device("cuda"))
+    events = prof.key_averages()
+    launches = {e.key: e.count for e in events if e.key in ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel",
+                                                             "cuLaunchKernelEx", "cudaLaunchKernelExC")}
+    with open(path, "a") as f:
+        f.write(f"\n=== {name}: 5 steps; host launches {launches}\n")
+        f.write(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=70))
+
+
+def _decode_steps(forward, ids: torch.Tensor, cache: object, context: int, iters: int, barrier: bool,
+                  profile: str | None = None, name: str = "") -> float:
     """Median us of a decode step ``forward(input_ids=ids, past_key_values=cache)`` with every
-    layer's write position reset to ``context - 1`` first."""
+    layer's write position reset to ``context - 1`` first (``profile``: then profile 5 steps into
+    that file)."""
     dev = ids.device
 
     def one() -> None:
@@ -103,6 +122,8 @@ def _decode_steps(forward, ids: torch.Tensor, cache: object, context: int, iters
             one()
             _sync(dev)
             times.append((time.perf_counter() - t0) * 1e6)
+        if profile and dev.type == "cuda" and not barrier:
+            _profile(one, name, profile)
     return statistics.median(times)
 
 
@@ -139,6 +160,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default="out/gpu/decode.json")
     parser.add_argument("--small", action="store_true", help="a tiny model (hidden 64), fp32: checks the script on CPU")
+    parser.add_argument("--profile", metavar="FILE", help="CUDA only: append a profile of 5 steps of each one-rank "
+                        "variant (one GPU, AFD attention rank) to FILE")
     parser.add_argument("--decode-attention", default="sdpa,flex",
                         help="the backend's decode_attention values to run, comma-separated (sdpa: HF's masked SDPA; "
                              "flex: the decode-attention pass)")
@@ -163,7 +186,8 @@ def main() -> None:
             cache = _cache(model, batch, context, dev, dtype)
             torch._dynamo.reset()
             fwd = torch.compile(model.forward, mode="reduce-overhead")
-            row["one_gpu_us"] = _decode_steps(fwd, ids, cache, context, args.iters, barrier=False)
+            row["one_gpu_us"] = _decode_steps(fwd, ids, cache, context, args.iters, barrier=False,
+                                              profile=args.profile, name=f"one GPU {batch}x{context}")
             kv = _kv_bytes(cache)
             del cache, fwd
         dist.barrier()
@@ -188,7 +212,8 @@ def main() -> None:
             else:
                 cache = _cache(model, batch, context, dev, dtype)
                 model.forward = torch.compile(model.forward, backend="afd", options=options)
-                row[f"afd_1a1f{tag}_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=False)
+                row[f"afd_1a1f{tag}_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=False,
+                                                         profile=args.profile, name=f"AFD 1A1F {attn} {batch}x{context}")
                 finish()
                 del cache
             dist.barrier()
