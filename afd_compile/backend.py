@@ -535,6 +535,11 @@ class PerLayout:
         program's parameters); the static positions are marked static-address at each call."""
         options = {"post_grad_custom_post_pass": _custom_pass(self.cache_key), "triton.cudagraphs": self.cudagraphs}
         log.info("afd: %s: compiled through torch.compile (FlexAttention decode attention)", self.name)
+        # the program's code was generated while dynamo compiled the caller's frame (the backend
+        # runs the passes there), and dynamo marks code generated then as never to be traced
+        # (convert_frame.fx_forward_from_src_skip_result): torch.compile would run the program
+        # eagerly, compiling only the FlexAttention call inside it. Generated again here, outside.
+        self.program.recompile()
         return torch.compile(self.program, fullgraph=True, dynamic=False, options=options)
 
 

@@ -47,7 +47,7 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 
     b, _, q_len, _ = q.shape
     kv_len = k.shape[2]
-    m = mask.expand(b, 1, q_len, kv_len)[:, 0]  # [b, q_len, kv_len]
+    m = mask.expand(b, 1, q_len, kv_len)[:, 0].contiguous()  # [b, q_len, kv_len]
 
     def mask_mod(bi: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kvi: torch.Tensor) -> torch.Tensor:
         return m[bi, qi, kvi]
