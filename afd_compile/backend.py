@@ -32,8 +32,8 @@ Options (all optional)::
                        get this timeout (default: the initialised group's)
     decode_attention   "sdpa" (default: the model's own attention) or "flex": attention over a static KV
                        cache (a program that updates its cache in place) runs as FlexAttention reading
-                       only the filled blocks of the cache (passes/decode_attention.py); measured
-                       slower end to end on the GPU host so far (BENCHMARKS.md), hence not the default
+                       only the filled blocks of the cache (passes/decode_attention.py); not the
+                       default until measured faster end to end on the GPU host (BENCHMARKS.md)
     check_wire         AFD: a check header ahead of every transfer (default: AFD_CHECK_WIRE; see
                        afd_compile.comm.AFDCommunicator); every rank must agree; not with CUDA graphs
                        (the comparison runs on the host): needs cudagraphs=False on CUDA

@@ -91,3 +91,15 @@ def test_the_backend_option_is_checked():
     assert BackendOptions.parse({"decode_attention": "flex"}).decode_attention == "flex"
     with pytest.raises(BackendOptionError, match="option decode_attention='paged' \\(str\\) must be 'flex' or 'sdpa'"):
         BackendOptions.parse({"decode_attention": "paged"})
+
+
+def test_explicit_attention_over_the_cache_is_left_with_a_reason():
+    # Gemma-2 soft-caps its attention logits: attention written out (matmul, tanh, softmax), not
+    # SDPA; the pass leaves it and says why (the decode step keeps reading the whole cache)
+    from test_generate import _cached_graphs
+
+    decode = _cached_graphs("gemma2")[1].module()
+    records = replace_decode_attention(decode)
+    assert len(records) == 2 and not any(r.replaced for r in records), records  # one per layer
+    assert all("explicit attention" in r.why for r in records)
+    assert flex_decode not in [n.target for n in decode.graph.nodes]

@@ -12,9 +12,11 @@ the graph every step).
 
 The backend runs it on every rank's program with ``options={"decode_attention": "flex"}`` (a
 program holding it is compiled through ``torch.compile``: see ``backend.PerLayout``). Not the
-default: on 2 x H200 the replaced decode step was slower end to end than HF's masked SDPA
-(BENCHMARKS.md), though one layer's FlexAttention alone is 1.6-3.8x faster; the CLI programs keep
-SDPA.
+default: on 2 x H200 the replaced decode step measured slower end to end than HF's masked SDPA,
+though one layer's FlexAttention alone is 1.2-3.8x faster; those runs ran the replaced programs
+eagerly (fixed in PerLayout since, not re-measured yet; BENCHMARKS.md). The CLI programs keep
+SDPA. Attention written out (matmul of the query with the transposed cached keys, softmax:
+Gemma-2's logit soft-capping) is left as is, with a record saying why.
 """
 
 from __future__ import annotations
@@ -99,6 +101,10 @@ def _whole(x: fx.Node) -> bool:
     return all(sym_expr(p) == sym_expr(q) for p, q in zip(a.shape, b.shape, strict=True))
 
 
+_MATMUL_OPS = {aten.matmul.default, aten.bmm.default}
+_TRANSPOSE_OPS = {aten.transpose.int, aten.permute.default}
+
+
 def _cache_read(x: object, state: set[fx.Node]) -> fx.Node | None:
     """The cache tensor ``x`` reads through HF's repeat_kv (or directly), else None."""
     while isinstance(x, fx.Node) and x not in state and x.op == "call_function" and x.target in _REPEAT_OPS:
@@ -160,6 +166,13 @@ def replace_decode_attention(gm: fx.GraphModule) -> list[DecodeAttention]:
                 gm.graph.erase_node(x)
                 x = up
         records.append(DecodeAttention(n.name, True))
+    for n in gm.graph.nodes:  # attention written out: a matmul of the query with the cached keys, transposed
+        keys = n.args[1] if n.target in _MATMUL_OPS and len(n.args) > 1 else None
+        if isinstance(keys, fx.Node) and keys.target in _TRANSPOSE_OPS and _cache_read(keys.args[0], state):
+            why = ("explicit attention (matmul + softmax, e.g. logit soft-capping or an eager attention "
+                   "implementation): only SDPA is replaced")
+            log.info("decode attention: %s left as is: %s", n.name, why)
+            records.append(DecodeAttention(n.name, False, why))
     gm.graph.lint()
     gm.recompile()
     return records
