@@ -5,15 +5,15 @@ decode-attention pass's replacement), beside the KV-read floor.
 
 Llama-3-8B-shaped attention (32 query heads, 8 KV heads of 128), bf16, one query token per
 sequence, a cache of C positions of which ``filled`` hold tokens (the mask allows those). Both
-variants compiled with ``torch.compile`` (Inductor) and timed as CUDA graphs
-(``torch.cuda.graphs`` via ``mode="reduce-overhead"``):
+variants compiled with ``torch.compile`` (Inductor), captured in a CUDA graph, and timed by CUDA
+events around a replay (GPU time, no host overhead; the block mask is built inside the graph):
 
 - ``sdpa``: what HF runs: ``repeat_kv`` then SDPA with the boolean mask over all C positions;
 - ``flex``: :func:`afd_compile.passes.decode_attention.flex_decode` over the cache (block mask
   from the same mask: blocks past the filled part are never read).
 
 Floors: KV bytes the step must read / measured copy bandwidth: all C positions (what masked SDPA
-reads) and only the filled ones (what a length-aware kernel needs). Median us per call.
+reads) and only the filled ones (what a length-aware kernel needs). Median GPU us per call.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 
@@ -37,23 +36,46 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 
 
 def _time(fn, *args, iters: int = 50) -> float:
-    for _ in range(5):
+    """Median GPU time (us) of one replay of a CUDA graph of ``fn(*args)``, by CUDA events: the
+    kernels alone, no host overhead (a decode step replays its layers inside one graph)."""
+    for _ in range(3):  # compile and warm up on a side stream, as graph capture wants
+        fn(*args)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fn(*args)
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn(*args)
+        start.record()
+        graph.replay()
+        end.record()
         torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e6)
+        times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
 
 
 def _bandwidth() -> float:
+    """Bytes per second of a device copy (read + write), 1 GiB, eager and timed by CUDA events (a
+    copy captured in a graph becomes a copy-engine memcpy node, measured 2.7 TB/s against 4.2)."""
     a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
     b = torch.empty_like(a)
-    t = _time(lambda: b.copy_(a), iters=10)
-    return 2 * a.numel() * 2 / (t * 1e-6)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(13):
+        start.record()
+        b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) * 1e-3)
+    return 2 * a.numel() * 2 / statistics.median(times)
 
 
 def main() -> None:
@@ -64,8 +86,8 @@ def main() -> None:
     args = parser.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     bw = _bandwidth()
-    sdpa = torch.compile(_sdpa, mode="reduce-overhead", dynamic=False)
-    flex = torch.compile(flex_decode, mode="reduce-overhead", dynamic=False)
+    sdpa = torch.compile(_sdpa, dynamic=False)
+    flex = torch.compile(flex_decode, dynamic=False)
     rows = []
     for shape in args.shapes.split(","):
         b, c = (int(x) for x in shape.split("x"))
@@ -83,7 +105,7 @@ def main() -> None:
         rows.append(row)
         print(f"progress: {row}", flush=True)
     print(f"decode attention, one layer (32 q heads, 8 KV heads x 128, bf16), cache {args.fill:.0%} filled; "
-          f"copy bandwidth {bw / 1e12:.2f} TB/s; torch {torch.__version__}; median us per call (CUDA graphs)")
+          f"copy bandwidth {bw / 1e12:.2f} TB/s; torch {torch.__version__}; median GPU us per call (CUDA graph replay)")
     print("| B x C | floor (all C) | SDPA masked | floor (filled) | FlexAttention | flex / floor(filled) | max rel err |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
