@@ -86,7 +86,8 @@ def source_id() -> str:
     return h.hexdigest()[:16]
 
 #: counters of this process: graphs compiled per layout, calls, layouts seen
-STATS: dict[str, int] = {"graphs": 0, "layouts_compiled": 0, "calls": 0, "no_layout": 0, "cudagraphs_off": 0}
+STATS: dict[str, int] = {"graphs": 0, "layouts_compiled": 0, "calls": 0, "no_layout": 0, "cudagraphs_off": 0,
+                         "decode_attention_fallbacks": 0}
 
 #: ops that synchronise with the host inside (so a CUDA graph cannot capture them), and why
 HOST_SYNC_OPS: dict[str, str] = {
@@ -442,8 +443,11 @@ class PerLayout:
     node, counted in ``STATS["cudagraphs_off"]``); True with such an op is an error."""
 
     def __init__(self, program: fx.GraphModule, cache_key: str, inductor: bool, cudagraphs: bool | None,
-                 name: str, static: Sequence[int] = ()) -> None:
+                 name: str, static: Sequence[int] = (), fallback: fx.GraphModule | None = None) -> None:
         self.program = program
+        #: the program before the decode-attention pass: compiled instead, with a warning, when
+        #: Inductor cannot compile the one holding FlexAttention
+        self.fallback = fallback
         self.static = tuple(static)  # program inputs at fixed addresses (a KV cache): static for AOT / CUDA graphs
         self.cache_key = cache_key
         self.inductor = inductor
@@ -488,7 +492,32 @@ class PerLayout:
             self.compiled[layout] = fn
             STATS["layouts_compiled"] += 1
             log.info("afd: %s: compiled layout %s (%d layouts so far)", self.name, layout, len(self.compiled))
+            if self.has_flex and self.fallback is not None and self.inductor:
+                return self._first_flex_call(fn, layout, inputs)
         return fn(*inputs)
+
+    def _first_flex_call(self, fn: Callable[..., Any], layout: tuple, inputs: Sequence[Any]) -> Any:
+        """The first call of a program holding FlexAttention compiles it (``torch.compile`` is
+        lazy). Where Inductor cannot (measured: a Triton codegen error for one 8B-shaped TP
+        program on torch 2.11, no CPU template for some shapes), the program without the
+        decode-attention pass is compiled instead, with a warning naming the error, counted in
+        ``STATS["decode_attention_fallbacks"]``. A compile error comes before anything runs."""
+        from torch._dynamo.exc import BackendCompilerFailed
+        from torch._inductor.exc import InductorError
+
+        try:
+            return fn(*inputs)
+        except (BackendCompilerFailed, InductorError) as e:
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            log.warning("afd: %s: Inductor could not compile the program with FlexAttention decode attention "
+                        "(%s); running it with the model's own attention (decode_attention='sdpa')", self.name,
+                        first[:300])
+            STATS["decode_attention_fallbacks"] += 1
+            self.program, self.fallback, self.has_flex = self.fallback, None, False
+            self.compiled.clear()
+            fn = self._compile(inputs)
+            self.compiled[layout] = fn
+            return fn(*inputs)
 
     def _compile(self, inputs: Sequence[Any]) -> Callable[..., Any]:
         if not self.inductor:
@@ -573,18 +602,23 @@ def _static_inputs(program: fx.GraphModule, positions: Sequence[int]) -> Iterato
             del program._param_name_to_source
 
 
-def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str) -> None:
-    """The decode-attention pass on a rank's program (option ``decode_attention``)."""
+def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str) -> fx.GraphModule | None:
+    """The decode-attention pass on a rank's program (option ``decode_attention``); returns a
+    copy of the program as it was when the pass replaced something (PerLayout's fallback), else
+    None."""
     if opts.decode_attention != "flex":
-        return
+        return None
     from .passes.decode_attention import replace_decode_attention
+    from .passes.graph_utils import copy_graph_module
 
+    before, _ = copy_graph_module(program)
     records = replace_decode_attention(program)
     if records:
         done = sum(r.replaced for r in records)
         left = sorted({r.why for r in records if not r.replaced})
         log.info("afd: %s: decode attention: %d of %d SDPA over the KV cache run as FlexAttention%s", name, done,
                  len(records), f" (left: {'; '.join(left)})" if left else "")
+    return before if any(r.replaced for r in records) else None
 
 
 def _layout_key(opts: BackendOptions, rank: int, world: int) -> str:
@@ -696,9 +730,9 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     held = hold_local_states(prog, [s.node for s in tp.shards.states])  # the rank's heads only
     for h in held:
         log.info("afd: rank %d: KV cache %s", rank, h)
-    _decode_attention(prog, opts, f"rank {rank} tp")
+    unreplaced = _decode_attention(prog, opts, f"rank {rank} tp")
     log.info("afd: rank %d: %s program in %.1fs", rank, layout, time.perf_counter() - t0)
-    compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp", static)
+    compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp", static, fallback=unreplaced)
 
     def run(*user: torch.Tensor) -> Any:
         shapes = tuple(tuple(x.shape) for x in user)
@@ -740,9 +774,10 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
         group = process_group(range(world), opts.timeout_s)
     worker = make_worker(ep.module(), layout, rank, config, device=device, group=group, check_wire=check)
     if isinstance(worker, AttentionWorker):
-        _decode_attention(worker.program, opts, f"rank {rank} attention")
+        unreplaced = _decode_attention(worker.program, opts, f"rank {rank} attention")
         worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called
-        compiled = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} attention", static)
+        compiled = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} attention", static,
+                             fallback=unreplaced)
         worker.program = lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)  # type: ignore[assignment]
         return worker.step
     compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn")

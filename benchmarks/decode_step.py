@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import afd_compile
+from afd_compile.backend import STATS
 from afd_compile.runtime import finish, init_distributed, shutdown
 
 VOCAB = 32000
@@ -127,6 +128,12 @@ def _decode_steps(forward, ids: torch.Tensor, cache: object, context: int, iters
     return statistics.median(times)
 
 
+def _error(e: Exception) -> str:
+    """One line naming what failed (the first line of its message)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
+
+
 def _copy_bandwidth(dev: torch.device) -> float:
     """Bytes per second of a device copy (read + write), 1 GiB."""
     n = (1 << 30) // 2 if dev.type == "cuda" else (1 << 24)
@@ -193,13 +200,18 @@ def main() -> None:
         dist.barrier()
         for attn in args.decode_attention.split(","):
             tag = "" if attn == "sdpa" else "_flex"
+            fallbacks = STATS["decode_attention_fallbacks"]  # flex programs Inductor could not compile
             # afd TP2: both ranks
             torch._dynamo.reset()
             model = _model(cfg, dev, dtype)
             cache = _cache(model, batch, context, dev, dtype)
             model.forward = torch.compile(model.forward, backend="afd",
                                           options={"tp": 2, "decode_attention": attn})
-            row[f"afd_tp2{tag}_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=True)
+            try:  # (a variant that fails to compile is reported in the table, and the run goes on)
+                row[f"afd_tp2{tag}_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=True)
+            except Exception as e:  # noqa: BLE001
+                row[f"afd_tp2{tag}_error"] = _error(e)
+                print(f"progress: {batch} x {context}: afd TP2 {attn} failed: {row[f'afd_tp2{tag}_error']}", flush=True)
             del cache
             dist.barrier()
             # afd AFD 1A1F: rank 0 serves the FFN, rank 1 runs attention
@@ -212,11 +224,19 @@ def main() -> None:
             else:
                 cache = _cache(model, batch, context, dev, dtype)
                 model.forward = torch.compile(model.forward, backend="afd", options=options)
-                row[f"afd_1a1f{tag}_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=False,
-                                                         profile=args.profile, name=f"AFD 1A1F {attn} {batch}x{context}")
+                try:
+                    row[f"afd_1a1f{tag}_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=False,
+                                                             profile=args.profile,
+                                                             name=f"AFD 1A1F {attn} {batch}x{context}")
+                except Exception as e:  # noqa: BLE001
+                    row[f"afd_1a1f{tag}_error"] = _error(e)
+                    print(f"progress: {batch} x {context}: AFD 1A1F {attn} failed: {row[f'afd_1a1f{tag}_error']}",
+                          flush=True)
                 finish()
                 del cache
             dist.barrier()
+            if STATS["decode_attention_fallbacks"] > fallbacks:
+                row[f"fell_back{tag}"] = True
         if rank == 1:
             floor = lambda nbytes: nbytes / bandwidth * 1e6  # noqa: E731
             layer_w = weights["attn"] + weights["mlp"]
@@ -236,12 +256,16 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|")
 
         def us(r: dict, key: str) -> str:
-            return f"{r[key]:.0f}" if key in r else "-"
+            mark = "*" if key.endswith("_flex_us") and r.get("fell_back_flex") else ""
+            return f"{r[key]:.0f}{mark}" if key in r else "error" if key.replace("_us", "_error") in r else "-"
 
         for r in rows:
             print(f"| {r['batch']} x {r['context']} | {r['kv_bytes'] / 1e9:.2f} GB | {r['floor_one_gpu_us']:.0f} | "
                   f"{r['one_gpu_us']:.0f} | {r['floor_tp2_us']:.0f} | {us(r, 'afd_tp2_us')} | {us(r, 'afd_tp2_flex_us')} | "
                   f"{r['floor_afd_us']:.0f} | {us(r, 'afd_1a1f_us')} | {us(r, 'afd_1a1f_flex_us')} |")
+        if any(r.get("fell_back_flex") for r in rows):
+            print("* Inductor could not compile a program with FlexAttention: that variant ran the model's own "
+                  "attention (the warning above names the error)")
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"layers": args.layers, "small": args.small, "device": dev.type, "torch": torch.__version__,

@@ -103,3 +103,36 @@ def test_explicit_attention_over_the_cache_is_left_with_a_reason():
     assert len(records) == 2 and not any(r.replaced for r in records), records  # one per layer
     assert all("explicit attention" in r.why for r in records)
     assert flex_decode not in [n.target for n in decode.graph.nodes]
+
+
+def test_a_flex_program_inductor_cannot_compile_runs_unreplaced_with_a_warning(llama_graphs, monkeypatch, caplog):
+    # measured: Inductor fails on some programs holding FlexAttention (a Triton codegen error on an
+    # 8B-shaped TP rank, torch 2.11; no CPU template for some shapes). The failure comes at the
+    # first call (torch.compile is lazy); that layout then runs the program without the pass
+    from torch._inductor.exc import InductorError
+
+    from afd_compile import backend
+    from afd_compile.backend import STATS, PerLayout
+
+    original, replaced = llama_graphs[1].module(), llama_graphs[1].module()
+    replace_decode_attention(replaced)
+
+    def failing(self):
+        def fn(*args):
+            raise InductorError(RuntimeError("no template for this flex_attention"), None)
+        return fn
+
+    monkeypatch.setattr(backend.PerLayout, "_compile_with_dynamo", failing)
+    before = STATS["decode_attention_fallbacks"]
+    run = PerLayout(replaced, "decode-attention-fallback-test", True, False, "rank 9 tp", static=[3, 4, 5, 6, 7, 8],
+                    fallback=llama_graphs[1].module())
+    with torch.no_grad():
+        ref = original(*_decode_inputs())
+        out = run(("l",), *_decode_inputs())
+        again = run(("l",), *_decode_inputs())  # the fallback is kept for the layout
+    assert STATS["decode_attention_fallbacks"] == before + 1
+    assert "rank 9 tp: Inductor could not compile the program with FlexAttention" in caplog.text
+    assert "no template for this flex_attention" in caplog.text
+    assert flex_decode not in [n.target for n in run.program.graph.nodes]
+    ref, out, again = (x[-1] if isinstance(x, (tuple, list)) else x for x in (ref, out, again))
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-5 and torch.equal(out, again)
