@@ -435,3 +435,36 @@ def test_mla_shards_the_up_projections_and_keeps_the_low_rank_ones(exported):
     assert expands and all(fixed[n.name] == (4, 2) for n in expands)  # the shared rotary part
     with pytest.raises(TPRewriteError, match="layer 1: the expert computation reads per-expert router scores"):
         _program(exported, "deepseek_v3", TPLayout(2, moe_a2a=True))
+
+
+def test_the_allreduce_add_rmsnorm_unit_fuses_in_bf16_and_computes_the_same():
+    # a bf16 model's RMSNorm casts back to bf16 before its scale (every GPU run): the unit fuses
+    # with that dtype, keeps the residual stream in bf16, and computes what the unfused program
+    # does (one rank of a real gloo group: the all-reduce sums one partial)
+    import torch.distributed as dist
+
+    from afd_compile.comm import GROUP_ATTN_TP, GROUP_TP, register_group
+    from afd_compile.models import build_hf, export_lm
+
+    model = build_hf("llama", num_layers=2).to(torch.bfloat16)
+    ep = export_lm(model)
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    progs = {}
+    for fuse in (True, False):
+        gm = ep.module()
+        annotate_roles(gm)
+        progs[fuse] = shard_for_rank(gm, TPLayout(2), 0, graph_name="bf16", fuse_norm=fuse).program
+    fused = [n for n in progs[True].graph.nodes if n.target == torch.ops.afd.all_reduce_add_rms_norm.default]
+    assert len(fused) == 4 and all(n.args[5] == torch.bfloat16 for n in fused)
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        register_group(GROUP_TP, group)
+        register_group(GROUP_ATTN_TP, group)
+        with torch.no_grad():
+            out = {fuse: p(ids) for fuse, p in progs.items()}
+    finally:
+        dist.destroy_process_group()
+    a, b = (o[0] if isinstance(o, (tuple, list)) else o for o in (out[True], out[False]))
+    assert a.dtype == torch.bfloat16 and torch.equal(a, b)

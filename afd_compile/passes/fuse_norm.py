@@ -3,13 +3,14 @@
 ``find_allreduce_add_rmsnorm`` returns typed matches; ``fuse_allreduce_add_rmsnorm`` rewrites
 each into one ``afd::all_reduce_add_rms_norm`` call whose implementation here is the composite
 (all-reduce, add, RMSNorm in float32, cast back, scale): a platform with a fused kernel registers
-it for the op, and no path skips the reduction. Before / after (standard TP, prepare_mlp)::
+it for the op, and no path skips the reduction. Before / after (standard TP, prepare_mlp; ``dt``
+the model's dtype, bfloat16 or float32)::
 
-    ar = afd.all_reduce(o, group)                 r, n = afd.all_reduce_add_rms_norm(o, x, w, 1e-6, group)
-    h = add(x, ar)                                # r: the residual stream (h cast to float32)
-    h32 = to(h, float32)                          # n: the normed hidden states
-    var = mean(pow(h32, 2), [-1], keepdim)
-    n = mul(w, to(mul(h32, rsqrt(add(var, eps))), float32))
+    ar = afd.all_reduce(o, group)               h, n = afd.all_reduce_add_rms_norm(o, x, w, 1e-6, group, dt)
+    h = add(x, ar)                              # h: the residual stream, in the add's dtype
+    h32 = to(h, float32)                        # n: the normed hidden states
+    var = mean(pow(h32, 2), [-1], keepdim)      # (a user of h32 outside the norm reads to(h, float32))
+    n = mul(w, to(mul(h32, rsqrt(add(var, eps))), dt))
 
 The pass warns when a program with all-reduces has none of these units (a norm of another shape).
 """
@@ -30,17 +31,19 @@ aten = torch.ops.aten
 
 @torch.library.custom_op("afd::all_reduce_add_rms_norm", mutates_args=())
 def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                            group_id: int) -> list[torch.Tensor]:
-    """Composite: ``h = residual + all_reduce(partial)``; returns ``[h (float32), rmsnorm(h) * weight]``."""
-    h = (residual + torch.ops.afd.all_reduce(partial, group_id)).to(torch.float32)
-    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(torch.float32)
+                            group_id: int, norm_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Composite: ``h = residual + all_reduce(partial)``; returns ``[h, weight * rmsnorm(h)]``, the
+    norm computed in float32 and cast to ``norm_dtype`` before the scale (HF's RMSNorm)."""
+    h = residual + torch.ops.afd.all_reduce(partial, group_id)
+    h32 = h.to(torch.float32)
+    normed = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(norm_dtype)
     return [h, weight * normed]
 
 
 @all_reduce_add_rms_norm.register_fake
-def _(partial, residual, weight, eps, group_id):
-    h = torch.empty_like(residual, dtype=torch.float32)
-    return [h, torch.empty_like(h)]
+def _(partial, residual, weight, eps, group_id, norm_dtype):
+    h = torch.empty_like(residual, dtype=torch.promote_types(residual.dtype, partial.dtype))
+    return [h, torch.empty_like(h, dtype=torch.promote_types(weight.dtype, norm_dtype))]
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class AllReduceAddRMSNorm:
     normed: fx.Node
     weight: fx.Node
     eps: float
+    norm_dtype: torch.dtype  # the norm's cast back before the scale (the model's dtype)
     interior: tuple[fx.Node, ...]
 
 
@@ -66,9 +70,7 @@ def _match(ar: fx.Node) -> AllReduceAddRMSNorm | None:
         return None
     add = users[0]
     residual = next((a for a in add.args if a is not ar), None)
-    cast = _only(add.users, aten.to.dtype)
-    if any(u is not cast and u.target != aten._assert_tensor_metadata.default for u in add.users):
-        return None
+    cast = _only(add.users, aten.to.dtype)  # (the sum's other users, the next residual add, read h)
     if cast is None or cast.args[1] != torch.float32 or not isinstance(residual, fx.Node):
         return None
     pw = _only(cast.users, aten.pow.Tensor_Scalar)
@@ -82,14 +84,20 @@ def _match(ar: fx.Node) -> AllReduceAddRMSNorm | None:
             and scale and mul.args[0] is cast and isinstance(eps_add.args[1], float)):
         return None
     weight = next((a for a in scale.args if a is not back), None)
-    if not (isinstance(weight, fx.Node) and weight.op == "get_attr") or back.args[1] != torch.float32:
+    if not (isinstance(weight, fx.Node) and weight.op == "get_attr") or not isinstance(back.args[1], torch.dtype):
         return None
     interior = (pw, mean, eps_add, rs, mul, back)
     # every interior node must feed only the unit (bookkeeping asserts aside)
     for n in interior:
         if any(u not in (*interior, scale) and u.target != aten._assert_tensor_metadata.default for u in n.users):
             return None
-    return AllReduceAddRMSNorm(ar, add, residual, cast, scale, weight, float(eps_add.args[1]), interior)
+    return AllReduceAddRMSNorm(ar, add, residual, cast, scale, weight, float(eps_add.args[1]), back.args[1],
+                               interior)
+
+
+def _dtype(n: fx.Node) -> torch.dtype | None:
+    v = n.meta.get("val")
+    return v.dtype if isinstance(v, torch.Tensor) else None
 
 
 def find_allreduce_add_rmsnorm(gm: fx.GraphModule) -> list[AllReduceAddRMSNorm]:
@@ -111,14 +119,18 @@ def fuse_allreduce_add_rmsnorm(gm: fx.GraphModule) -> int:
         partial, group = m.all_reduce.args
         with g.inserting_before(m.add):
             fused = g.call_function(torch.ops.afd.all_reduce_add_rms_norm.default,
-                                    (partial, m.residual_in, m.weight, m.eps, group))
+                                    (partial, m.residual_in, m.weight, m.eps, group, m.norm_dtype))
             h = g.call_function(operator.getitem, (fused, 0))
             normed = g.call_function(operator.getitem, (fused, 1))
-        for n in (fused, h, normed):
+            outside = [u for u in m.cast.users if u not in m.interior and u.target != aten._assert_tensor_metadata.default]
+            h32 = h
+            if outside and _dtype(m.add) != torch.float32:  # the float32 sum read beyond the norm
+                h32 = g.call_function(aten.to.dtype, (h, torch.float32))
+        for n in {fused, h, normed, h32}:
             n.meta["afd.role"] = m.add.meta.get("afd.role")
         m.normed.replace_all_uses_with(normed)
-        m.cast.replace_all_uses_with(h)
-        m.add.replace_all_uses_with(h)  # bookkeeping users of the fp32 sum
+        m.cast.replace_all_uses_with(h32)
+        m.add.replace_all_uses_with(h)  # the residual stream and bookkeeping users of the sum
         for n in (m.normed, *reversed(m.interior), m.cast, m.add, m.all_reduce):
             for u in list(n.users):
                 if u.target == aten._assert_tensor_metadata.default:
