@@ -162,7 +162,7 @@ def main() -> int:
         same = int((gen == want).sum()) if gen.shape == want.shape else 0
         match = (0, 0) if idle else (same, want.numel())
         diverge = ""
-        if same != want.numel() and gen.shape == want.shape:  # the first step where a sequence differs
+        if not idle and same != want.numel() and gen.shape == want.shape:  # the first step where a sequence differs
             steps = (gen != want).int().argmax(dim=1)
             first = [int(s) for s, bad in zip(steps, (gen != want).any(dim=1), strict=True) if bad]
             diverge = f", first divergence at new token {min(first)} (of {new})"
