@@ -42,7 +42,8 @@ Every option is checked (type, range, rank / world size against the live process
 anything runs: a wrong value is a BackendOptionError naming the option.
 
 With no layout (or one process and ``tp=1``) the backend is Inductor itself, with a log line
-saying no distribution was applied. On an FFN rank each call of the compiled model serves one
+saying no distribution was applied; with ``decode_attention="flex"`` it applies that pass alone
+(one GPU, no distribution). On an FFN rank each call of the compiled model serves one
 step for its attention peers (the inputs are ignored) and returns empty tensors.
 """
 
@@ -86,8 +87,7 @@ def source_id() -> str:
     return h.hexdigest()[:16]
 
 #: counters of this process: graphs compiled per layout, calls, layouts seen
-STATS: dict[str, int] = {"graphs": 0, "layouts_compiled": 0, "calls": 0, "no_layout": 0, "cudagraphs_off": 0,
-                         "decode_attention_fallbacks": 0}
+STATS: dict[str, int] = {"graphs": 0, "layouts_compiled": 0, "calls": 0, "no_layout": 0, "cudagraphs_off": 0}
 
 #: ops that synchronise with the host inside (so a CUDA graph cannot capture them), and why
 HOST_SYNC_OPS: dict[str, str] = {
@@ -443,11 +443,8 @@ class PerLayout:
     node, counted in ``STATS["cudagraphs_off"]``); True with such an op is an error."""
 
     def __init__(self, program: fx.GraphModule, cache_key: str, inductor: bool, cudagraphs: bool | None,
-                 name: str, static: Sequence[int] = (), fallback: fx.GraphModule | None = None) -> None:
+                 name: str, static: Sequence[int] = ()) -> None:
         self.program = program
-        #: the program before the decode-attention pass: compiled instead, with a warning, when
-        #: Inductor cannot compile the one holding FlexAttention
-        self.fallback = fallback
         self.static = tuple(static)  # program inputs at fixed addresses (a KV cache): static for AOT / CUDA graphs
         self.cache_key = cache_key
         self.inductor = inductor
@@ -474,56 +471,20 @@ class PerLayout:
         self.compiled: dict[tuple, Callable[..., Any]] = {}
         self.compile_id = torch._guards.CompileContext.current_compile_id()  # dynamo's, when built in the backend
         self.static_inputs: int | None = None  # inputs Inductor keeps at fixed addresses (weights), once compiled
-        from .passes.decode_attention import flex_decode
-
-        #: the program holds FlexAttention (the decode-attention pass replaced its SDPA): compiled
-        #: through torch.compile (_compile_with_dynamo); read once here, not on every step
-        self.has_flex = any(n.target is flex_decode for n in program.graph.nodes)
         _LIVE.add(self)
 
     def __call__(self, layout: tuple, *inputs: Any) -> Any:
-        if self.inductor and self.static and self.has_flex:
-            for i in self.static:  # compiled by dynamo (_compile): it takes static inputs from this mark
-                if isinstance(inputs[i], torch.Tensor) and not is_static_address(inputs[i]):
-                    torch._dynamo.mark_static_address(inputs[i])
         fn = self.compiled.get(layout)
         if fn is None:
             fn = self._compile(inputs)
             self.compiled[layout] = fn
             STATS["layouts_compiled"] += 1
             log.info("afd: %s: compiled layout %s (%d layouts so far)", self.name, layout, len(self.compiled))
-            if self.has_flex and self.fallback is not None and self.inductor:
-                return self._first_flex_call(fn, layout, inputs)
         return fn(*inputs)
-
-    def _first_flex_call(self, fn: Callable[..., Any], layout: tuple, inputs: Sequence[Any]) -> Any:
-        """The first call of a program holding FlexAttention compiles it (``torch.compile`` is
-        lazy). Where Inductor cannot (measured: a Triton codegen error for one 8B-shaped TP
-        program on torch 2.11, no CPU template for some shapes), the program without the
-        decode-attention pass is compiled instead, with a warning naming the error, counted in
-        ``STATS["decode_attention_fallbacks"]``. A compile error comes before anything runs."""
-        from torch._dynamo.exc import BackendCompilerFailed
-        from torch._inductor.exc import InductorError
-
-        try:
-            return fn(*inputs)
-        except (BackendCompilerFailed, InductorError) as e:
-            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            log.warning("afd: %s: Inductor could not compile the program with FlexAttention decode attention "
-                        "(%s); running it with the model's own attention (decode_attention='sdpa')", self.name,
-                        first[:300])
-            STATS["decode_attention_fallbacks"] += 1
-            self.program, self.fallback, self.has_flex = self.fallback, None, False
-            self.compiled.clear()
-            fn = self._compile(inputs)
-            self.compiled[layout] = fn
-            return fn(*inputs)
 
     def _compile(self, inputs: Sequence[Any]) -> Callable[..., Any]:
         if not self.inductor:
             return self.program
-        if self.has_flex:
-            return self._compile_with_dynamo()
         from .passes.tp_rewrite import drop_export_guards
 
         drop_export_guards(self.program)
@@ -556,22 +517,6 @@ class PerLayout:
                  self.static_inputs)
         return fn
 
-    def _compile_with_dynamo(self) -> Callable[..., Any]:
-        """A program holding FlexAttention is compiled through ``torch.compile`` (dynamo traces the
-        program, Inductor compiles it, CUDA graphs as configured): FlexAttention's mask closes over
-        a tensor, and Inductor compiling such a program directly, while dynamo's frame for the
-        caller runs, fails in its fake-tensor update of the mask subgraph. Weights are static (the
-        program's parameters); the static positions are marked static-address at each call."""
-        options = {"post_grad_custom_post_pass": _custom_pass(self.cache_key), "triton.cudagraphs": self.cudagraphs}
-        log.info("afd: %s: compiled through torch.compile (FlexAttention decode attention)", self.name)
-        # the program's code was generated while dynamo compiled the caller's frame (the backend
-        # runs the passes there), and dynamo marks code generated then as never to be traced
-        # (convert_frame.fx_forward_from_src_skip_result): torch.compile would run the program
-        # eagerly, compiling only the FlexAttention call inside it. Generated again here, outside.
-        self.program.recompile()
-        return torch.compile(self.program, fullgraph=True, dynamic=False, options=options)
-
-
 @contextlib.contextmanager
 def _static_inputs(program: fx.GraphModule, positions: Sequence[int]) -> Iterator[None]:
     """While compiling, the program's inputs at ``positions`` (static-address tensors: a KV cache)
@@ -602,23 +547,18 @@ def _static_inputs(program: fx.GraphModule, positions: Sequence[int]) -> Iterato
             del program._param_name_to_source
 
 
-def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str) -> fx.GraphModule | None:
-    """The decode-attention pass on a rank's program (option ``decode_attention``); returns a
-    copy of the program as it was when the pass replaced something (PerLayout's fallback), else
-    None."""
+def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str) -> None:
+    """The decode-attention pass on a rank's program (option ``decode_attention``), logged."""
     if opts.decode_attention != "flex":
-        return None
+        return
     from .passes.decode_attention import replace_decode_attention
-    from .passes.graph_utils import copy_graph_module
 
-    before, _ = copy_graph_module(program)
     records = replace_decode_attention(program)
     if records:
         done = sum(r.replaced for r in records)
         left = sorted({r.why for r in records if not r.replaced})
         log.info("afd: %s: decode attention: %d of %d SDPA over the KV cache run as FlexAttention%s", name, done,
                  len(records), f" (left: {'; '.join(left)})" if left else "")
-    return before if any(r.replaced for r in records) else None
 
 
 def _layout_key(opts: BackendOptions, rank: int, world: int) -> str:
@@ -639,7 +579,7 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
     opts = BackendOptions.parse(options)
     rank, world = opts.resolved()
     STATS["graphs"] += 1
-    if opts.mode == "none":
+    if opts.mode == "none" and opts.decode_attention == "sdpa":
         STATS["no_layout"] += 1
         log.warning("afd: no layout given (tp=1, no attention/ffn ranks): no distribution applied; compiling "
                     "with Inductor" if opts.inductor else "afd: no layout given: no distribution applied")
@@ -650,7 +590,7 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
         return compile_fx(gm, list(example_inputs))
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    if opts.mode != "none" and not dist.is_initialized():
         raise BackendOptionError(f"afd backend: layout {opts.mode} needs torch.distributed initialised on every "
                                  "rank first (torchrun + afd_compile.runtime.init_distributed())")
     device = _device_of(example_inputs)
@@ -696,7 +636,12 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
             "torch.compile(model, backend='afd', dynamic=True, options=...), and a first call whose batch and "
             "sequence are >= 2 (dynamo specialises dims of size 0 and 1)")
     static = [lifted.user_positions.index(p) for p in lifted.static_positions]  # as program inputs
-    if opts.mode == "tp":
+    if opts.mode == "none":  # one process: only the decode-attention pass
+        prog = ep.module().to(device)
+        _decode_attention(prog, opts, "one process")
+        one = PerLayout(prog, key, opts.inductor, cudagraphs, "one process", static)
+        run = lambda *x: one(tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)), *x)  # noqa: E731
+    elif opts.mode == "tp":
         run = _tp_runner(ep, opts, rank, world, key, cudagraphs, device, static, user)
     else:
         run = _afd_runner(ep, opts, rank, world, key, cudagraphs, device, gm, static)
@@ -730,9 +675,9 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     held = hold_local_states(prog, [s.node for s in tp.shards.states])  # the rank's heads only
     for h in held:
         log.info("afd: rank %d: KV cache %s", rank, h)
-    unreplaced = _decode_attention(prog, opts, f"rank {rank} tp")
+    _decode_attention(prog, opts, f"rank {rank} tp")
     log.info("afd: rank %d: %s program in %.1fs", rank, layout, time.perf_counter() - t0)
-    compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp", static, fallback=unreplaced)
+    compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp", static)
 
     def run(*user: torch.Tensor) -> Any:
         shapes = tuple(tuple(x.shape) for x in user)
@@ -774,10 +719,9 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
         group = process_group(range(world), opts.timeout_s)
     worker = make_worker(ep.module(), layout, rank, config, device=device, group=group, check_wire=check)
     if isinstance(worker, AttentionWorker):
-        unreplaced = _decode_attention(worker.program, opts, f"rank {rank} attention")
+        _decode_attention(worker.program, opts, f"rank {rank} attention")
         worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called
-        compiled = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} attention", static,
-                             fallback=unreplaced)
+        compiled = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} attention", static)
         worker.program = lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)  # type: ignore[assignment]
         return worker.step
     compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn")

@@ -10,6 +10,8 @@ change the time): one decode step is ``model(input_ids [B, 1], past_key_values=c
 written at position C - 1 (reset before every step). Per shape (batch B x context C), in one run:
 
 - ``one GPU``: ``torch.compile(model.forward, mode="reduce-overhead")`` on rank 1's GPU alone;
+- ``one GPU flex``: ``torch.compile(model.forward, backend="afd", options={"decode_attention":
+  "flex"})`` on rank 1's GPU alone (no layout: the decode-attention pass, Inductor, CUDA graphs);
 - ``afd TP2``: ``torch.compile(model.forward, backend="afd", options={"tp": 2})`` on both GPUs;
 - ``afd AFD 1A1F``: rank 1 attention (its forward compiled with ``{"attention": 1, "ffn": 1}``),
   rank 0 FFN (``afd_compile.serve``);
@@ -21,7 +23,8 @@ written at position C - 1 (reset before every step). Per shape (batch B x contex
   it; TP2: per GPU, half of the layer weights and of the KV heads (embedding and head whole); AFD:
   the attention GPU's bytes then the FFN GPU's (no overlap yet: the two run in turn).
 
-Median wall time per step (CUDA synchronised) on rank 1, us; a table and JSON.
+Median wall time per step (CUDA synchronised) on rank 1, us; a table and JSON. On one rank
+(``torchrun --nproc-per-node 1``: a one-GPU host) only the one-GPU columns.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import afd_compile
-from afd_compile.backend import STATS
+from afd_compile.passes import decode_attention
 from afd_compile.runtime import finish, init_distributed, shutdown
 
 VOCAB = 32000
@@ -174,8 +177,10 @@ def main() -> None:
                              "flex: the decode-attention pass)")
     args = parser.parse_args()
     rank, world = init_distributed()
-    if world != 2:
-        raise SystemExit("decode_step.py runs on 2 ranks (torchrun --nproc-per-node 2)")
+    if world not in (1, 2):
+        raise SystemExit("decode_step.py runs on 2 ranks (torchrun --nproc-per-node 2), or on 1 for the one-GPU "
+                         "columns alone")
+    last = world - 1  # the rank that runs the one-GPU variants, AFD attention, and prints
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     dtype = torch.float32 if args.small else torch.bfloat16
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -188,8 +193,9 @@ def main() -> None:
         weights = _weight_bytes(model)
         ids = torch.randint(0, VOCAB, (batch, 1), device=dev)
         row: dict = {"batch": batch, "context": context}
+        failures = decode_attention.STATS["compile_failures"]  # flex kernels Inductor could not compile
         # one GPU (rank 1), with the same static cache
-        if rank == 1:
+        if rank == last:
             cache = _cache(model, batch, context, dev, dtype)
             torch._dynamo.reset()
             fwd = torch.compile(model.forward, mode="reduce-overhead")
@@ -197,10 +203,17 @@ def main() -> None:
                                               profile=args.profile, name=f"one GPU {batch}x{context}")
             kv = _kv_bytes(cache)
             del cache, fwd
+            if "flex" in args.decode_attention.split(","):
+                torch._dynamo.reset()
+                model = _model(cfg, dev, dtype)
+                cache = _cache(model, batch, context, dev, dtype)
+                model.forward = torch.compile(model.forward, backend="afd", options={"decode_attention": "flex"})
+                row["one_gpu_flex_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=False,
+                                                       profile=args.profile, name=f"one GPU flex {batch}x{context}")
+                del cache
         dist.barrier()
-        for attn in args.decode_attention.split(","):
+        for attn in args.decode_attention.split(",") if world == 2 else ():
             tag = "" if attn == "sdpa" else "_flex"
-            fallbacks = STATS["decode_attention_fallbacks"]  # flex programs Inductor could not compile
             # afd TP2: both ranks
             torch._dynamo.reset()
             model = _model(cfg, dev, dtype)
@@ -235,9 +248,8 @@ def main() -> None:
                 finish()
                 del cache
             dist.barrier()
-            if STATS["decode_attention_fallbacks"] > fallbacks:
-                row[f"fell_back{tag}"] = True
-        if rank == 1:
+        row["fell_back_flex"] = decode_attention.STATS["compile_failures"] > failures
+        if rank == last:
             floor = lambda nbytes: nbytes / bandwidth * 1e6  # noqa: E731
             layer_w = weights["attn"] + weights["mlp"]
             row["floor_one_gpu_us"] = floor(layer_w + weights["other"] + kv)
@@ -247,13 +259,13 @@ def main() -> None:
             rows.append(row)
             print(f"progress: {batch} x {context}: {row}", flush=True)
         dist.barrier()
-    if rank == 1:
+    if rank == last:
         shape = "tiny (--small), fp32" if args.small else "Llama-8B-shaped, bf16"
         print(f"decode step with a static KV cache (HF SDPA over the whole cache), {shape} x {args.layers} layers, "
               f"{dev.type}, torch {torch.__version__}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; median us per step")
-        print("| B x C | KV bytes | floor 1 GPU | 1 GPU reduce-overhead | floor TP2 | afd TP2 | afd TP2 flex | floor AFD "
-              "| afd AFD 1A1F | afd AFD 1A1F flex |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| B x C | KV bytes | floor 1 GPU | 1 GPU reduce-overhead | 1 GPU flex | floor TP2 | afd TP2 | afd TP2 flex "
+              "| floor AFD | afd AFD 1A1F | afd AFD 1A1F flex |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
 
         def us(r: dict, key: str) -> str:
             mark = "*" if key.endswith("_flex_us") and r.get("fell_back_flex") else ""
@@ -261,11 +273,11 @@ def main() -> None:
 
         for r in rows:
             print(f"| {r['batch']} x {r['context']} | {r['kv_bytes'] / 1e9:.2f} GB | {r['floor_one_gpu_us']:.0f} | "
-                  f"{r['one_gpu_us']:.0f} | {r['floor_tp2_us']:.0f} | {us(r, 'afd_tp2_us')} | {us(r, 'afd_tp2_flex_us')} | "
+                  f"{r['one_gpu_us']:.0f} | {us(r, 'one_gpu_flex_us')} | {r['floor_tp2_us']:.0f} | {us(r, 'afd_tp2_us')} | {us(r, 'afd_tp2_flex_us')} | "
                   f"{r['floor_afd_us']:.0f} | {us(r, 'afd_1a1f_us')} | {us(r, 'afd_1a1f_flex_us')} |")
         if any(r.get("fell_back_flex") for r in rows):
-            print("* Inductor could not compile a program with FlexAttention: that variant ran the model's own "
-                  "attention (the warning above names the error)")
+            print("* Inductor could not compile the FlexAttention kernel for some shape: it ran masked SDPA "
+                  "(the warning above names the error)")
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"layers": args.layers, "small": args.small, "device": dev.type, "torch": torch.__version__,

@@ -20,6 +20,10 @@
 #           1A1F, Llama and Qwen3-MoE, tokens against one-GPU generate(); then
 #           benchmarks/decode_step.py (decode step time vs one GPU and the HBM floor) and
 #           benchmarks/decode_attention_kernel.py (one layer: masked SDPA vs FlexAttention vs the KV-read floor)
+# one:      (only when named; a 1-GPU host) decode attention on one GPU: examples/generate.py with no
+#           layout and --decode-attention flex (Llama, Qwen3-MoE; bf16 tokens against generate()),
+#           decode_step.py's one-GPU columns (reduce-overhead vs the afd backend with the pass), and
+#           decode_attention_kernel.py
 # four:     (only when named; a 4-GPU host) compiled AFD 2A1F / 3A1F and TP=4 (with DP attention)
 #           on NCCL, bf16, Llama and Qwen3-MoE (MoE with --control), and generate() for AFD 3A1F
 #           (ranks finishing apart) and TP=4 with 2 DP groups; the jobs run side by side
@@ -107,6 +111,14 @@ if [[ $SECTIONS == *" four "* ]]; then  # issue 5: needs a 4-GPU host (device to
   par four_generate_afd3a1f_llama $T4 examples/generate.py --dtype bfloat16 --attention 3 --ffn 1 --stagger 2
   par four_generate_tp4_dp2_llama $T4 examples/generate.py --dtype bfloat16 --tp 4 --attn-dp 2
   TAIL=3 collect
+fi
+if [[ $SECTIONS == *" one "* ]]; then
+  export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-8}
+  T1="torchrun --standalone --nproc-per-node 1"
+  TAIL=2 run one_generate_flex_llama $T1 examples/generate.py --dtype bfloat16 --decode-attention flex
+  TAIL=2 run one_generate_flex_qwen3moe $T1 examples/generate.py --dtype bfloat16 --decode-attention flex --family qwen3_moe
+  TAIL=8 run one_decode_step $T1 benchmarks/decode_step.py --shapes 8x1024,64x1024,64x4096 --iters 15 --out "$OUT/one_decode_step.json"
+  TAIL=8 run one_decode_attention_kernel python3 benchmarks/decode_attention_kernel.py --out "$OUT/one_decode_attention_kernel.json"
 fi
 if want decode; then
   export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}

@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 5 examples/generate.py --attention 3 --ffn 2 --stagger 2
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --family qwen3_moe
     torchrun --nproc-per-node 4 examples/generate.py --tp 4 --attn-dp 2
+    torchrun --nproc-per-node 1 examples/generate.py --decode-attention flex   # one GPU, no layout
 
 Every rank builds the same HF causal LM (a small one with seeded random weights, or
 ``--model PATH`` loaded with ``from_pretrained`` from a local folder), the way HF documents
@@ -26,6 +27,7 @@ Every rank builds the same HF causal LM (a small one with seeded random weights,
   sequences; ``generate()`` cannot take an empty batch, so it runs a one-token dummy prompt (as
   vLLM's idle DP ranks run dummy batches) to take part in every step's collectives, and its
   tokens are not compared.
+- **No layout** (one process): the backend applies only ``--decode-attention`` (one GPU).
 
 Each rank that generates compares its tokens with single-process ``generate()`` (the same model,
 uncompiled) and prints its tokens/s (a second, timed ``generate()`` after the compiling one) and
@@ -115,13 +117,16 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     afd = args.attention > 0 or args.ffn > 0
-    if afd == (args.tp > 1):
+    if afd and args.tp > 1:
         parser.error("give an AFD layout (--attention A --ffn F) or a TP layout (--tp N), one of them")
     if args.idle_dp_group and args.attn_dp < 2:
         parser.error("--idle-dp-group needs --attn-dp 2 or more (another DP group has the sequences)")
     if args.stagger and not afd:
         parser.error("--stagger applies to AFD layouts (TP ranks of one step must take the same steps)")
     rank, world = init_distributed(timeout_s=args.timeout)
+    if not afd and args.tp == 1 and world > 1:
+        parser.error(f"{world} processes: give an AFD layout (--attention A --ffn F) or a TP layout (--tp N) "
+                     "(no layout runs one process: the backend then applies --decode-attention alone)")
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     options = {"inductor": not args.no_inductor, "timeout_s": args.timeout, "decode_attention": args.decode_attention}
     if afd:
@@ -170,7 +175,7 @@ def main() -> int:
         share = "" if afd else f" of {full} for all KV heads"
         what = "no sequences (a one-token dummy prompt, not compared)" if idle else f"{ids.shape[0]} sequences"
         compared = "" if idle else f"tokens_match={same}/{want.numel()}, "
-        print(f"rank {rank} {'attention' if afd else 'tp'}: {what} x {new} new tokens, "
+        print(f"rank {rank} {'attention' if afd else 'tp' if world > 1 else 'one process'}: {what} x {new} new tokens, "
               f"{ids.shape[0] * new / seconds:.1f} tokens/s, {compared}kv_cache_bytes={held}{share}{diverge}",
               flush=True)
         if afd:

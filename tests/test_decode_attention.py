@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from afd_compile.passes import decode_attention as da
 from afd_compile.passes.decode_attention import flex_decode, replace_decode_attention
+
+OP = torch.ops.afd.decode_attention.default
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,7 @@ def test_decode_sdpa_over_the_cache_is_replaced_and_prefill_is_left(llama_graphs
     assert [r.replaced for r in done] == [True, True]
     targets = [n.target for n in decode.graph.nodes]
     assert torch.ops.aten.scaled_dot_product_attention.default not in targets
-    assert targets.count(flex_decode) == 2
+    assert targets.count(OP) == 2
     assert torch.ops.aten.expand.default not in targets  # repeat_kv is gone: K/V heads are shared
     assert targets.count(torch.ops.aten.index_copy_.default) == 4  # the cache writes stay
 
@@ -102,37 +105,64 @@ def test_explicit_attention_over_the_cache_is_left_with_a_reason():
     records = replace_decode_attention(decode)
     assert len(records) == 2 and not any(r.replaced for r in records), records  # one per layer
     assert all("explicit attention" in r.why for r in records)
-    assert flex_decode not in [n.target for n in decode.graph.nodes]
+    assert OP not in [n.target for n in decode.graph.nodes]
 
 
-def test_a_flex_program_inductor_cannot_compile_runs_unreplaced_with_a_warning(llama_graphs, monkeypatch, caplog):
-    # measured: Inductor fails on some programs holding FlexAttention (a Triton codegen error on an
-    # 8B-shaped TP rank, torch 2.11; no CPU template for some shapes). The failure comes at the
-    # first call (torch.compile is lazy); that layout then runs the program without the pass
+def test_the_op_compiles_its_kernel_once_per_shape_and_runs_sdpa_where_it_cannot(monkeypatch, caplog):
+    # measured: Inductor compiling FlexAttention inside a whole 8B-shaped program failed (torch 2.11);
+    # the op compiles its kernel alone, once per shape; where even that fails the shape runs
+    # masked SDPA, the attention the pass replaced, with a warning and a count
     from torch._inductor.exc import InductorError
 
-    from afd_compile import backend
-    from afd_compile.backend import STATS, PerLayout
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 4, 1, 16, generator=g), torch.randn(2, 2, 24, 16, generator=g), torch.randn(
+        2, 2, 24, 16, generator=g)
+    mask = torch.arange(24)[None, None, None, :] < torch.tensor([9, 20])[:, None, None, None]
+    ref = da._sdpa_decode(q, k, v, mask, 0.25)
+    monkeypatch.setattr(da, "_KERNELS", {})
+    before = dict(da.STATS)
+    out = OP(q, k, v, mask, 0.25)
+    assert da.STATS["compiled"] == before["compiled"] + 1
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-5
+    OP(q, k, v, mask, 0.25)
+    assert da.STATS["compiled"] == before["compiled"] + 1 and len(da._KERNELS) == 1  # compiled once
 
-    original, replaced = llama_graphs[1].module(), llama_graphs[1].module()
-    replace_decode_attention(replaced)
-
-    def failing(self):
-        def fn(*args):
+    def failing(*args, **kwargs):
+        def fn(*a):
             raise InductorError(RuntimeError("no template for this flex_attention"), None)
         return fn
 
-    monkeypatch.setattr(backend.PerLayout, "_compile_with_dynamo", failing)
-    before = STATS["decode_attention_fallbacks"]
-    run = PerLayout(replaced, "decode-attention-fallback-test", True, False, "rank 9 tp", static=[3, 4, 5, 6, 7, 8],
-                    fallback=llama_graphs[1].module())
-    with torch.no_grad():
-        ref = original(*_decode_inputs())
-        out = run(("l",), *_decode_inputs())
-        again = run(("l",), *_decode_inputs())  # the fallback is kept for the layout
-    assert STATS["decode_attention_fallbacks"] == before + 1
-    assert "rank 9 tp: Inductor could not compile the program with FlexAttention" in caplog.text
-    assert "no template for this flex_attention" in caplog.text
-    assert flex_decode not in [n.target for n in run.program.graph.nodes]
-    ref, out, again = (x[-1] if isinstance(x, (tuple, list)) else x for x in (ref, out, again))
-    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-5 and torch.equal(out, again)
+    monkeypatch.setattr(torch, "compile", failing)
+    q2 = torch.randn(2, 8, 1, 16, generator=g)  # a new shape: compiled now, and that fails
+    out = OP(q2, k, v, mask, 0.25)
+    assert da.STATS["compile_failures"] == before["compile_failures"] + 1
+    assert "could not compile FlexAttention for q (2, 8, 1, 16)" in caplog.text and "no template" in caplog.text
+    assert torch.equal(out, da._sdpa_decode(q2, k, v, mask, 0.25))
+
+
+def test_one_process_generate_with_flex_decode_attention_matches_eager():
+    # no layout: the backend applies the decode-attention pass alone (one GPU); greedy tokens of
+    # generate() with a static cache are those of the uncompiled model, and the decode graph ran
+    # the op (its kernel compiled once per shape)
+    import transformers
+
+    from afd_compile.backend import STATS
+    from afd_compile.models import FAMILIES
+
+    cls, cfg_cls, kwargs = FAMILIES["llama"]
+    cfg = getattr(transformers, cfg_cls)(**{**kwargs, "num_hidden_layers": 2})
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(cfg).eval()
+    model.generation_config.cache_implementation = "static"
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0  # left padding
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref = model.generate(**gen)
+    compiled, no_layout = da.STATS["compiled"], STATS["no_layout"]
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend="afd", options={"decode_attention": "flex"}, dynamic=True)
+    out = model.generate(**gen)
+    torch._dynamo.reset()
+    assert torch.equal(out, ref)
+    assert da.STATS["compiled"] > compiled and STATS["no_layout"] == no_layout

@@ -4,24 +4,39 @@ HF's static-cache attention is SDPA over the whole cache with a mask (``max_cach
 whatever is filled): at batch 64 x context 4096 it reads 4.3 GB of K/V per step, most of it
 masked out. This pass finds SDPA whose keys and values are a KV cache (a tensor the program
 updates in place, read back through HF's ``repeat_kv``) and whose mask is a boolean tensor, and
-replaces it with FlexAttention over the cache itself: a block mask built from the same boolean
-mask (blocks with no allowed position are never read), grouped-query attention without repeating
-the KV heads. The result is the same attention (the same mask, the same scale); Inductor compiles
-it to its flex (decoding) kernel (the mask and so the block mask are device tensors, rebuilt in
-the graph every step).
+replaces it with ``afd::decode_attention``: FlexAttention over the cache itself, a block mask built
+from the same boolean mask (blocks with no allowed position are never read), grouped-query
+attention without repeating the KV heads. The result is the same attention (the same mask, the
+same scale).
 
-The backend runs it on every rank's program with ``options={"decode_attention": "flex"}`` (a
-program holding it is compiled through ``torch.compile``: see ``backend.PerLayout``). Not the
-default: on 2 x H200 the replaced decode step measured slower end to end than HF's masked SDPA,
-though one layer's FlexAttention alone is 1.2-3.8x faster; those runs ran the replaced programs
-eagerly (fixed in PerLayout since, not re-measured yet; BENCHMARKS.md). The CLI programs keep
-SDPA. Attention written out (matmul of the query with the transposed cached keys, softmax:
-Gemma-2's logit soft-capping) is left as is, with a record saying why.
+Before (one layer of a cached decode graph)::
+
+    index_copy_ = aten.index_copy_(k_cache, 2, cache_position, k)
+    unsqueeze = aten.unsqueeze(k_cache, 2); expand = aten.expand(unsqueeze, ...); reshape = ...   # repeat_kv
+    sdpa = aten.scaled_dot_product_attention(q, reshape, reshape_1, attn_mask=mask, scale=0.088)
+
+After::
+
+    index_copy_ = aten.index_copy_(k_cache, 2, cache_position, k)
+    decode_attention = afd.decode_attention(q, k_cache, v_cache, mask, 0.088)
+
+The op is opaque to the program's compiler: its kernel is :func:`flex_decode` compiled on its own
+(``torch.compile``, one compile per shape, Inductor's flex decoding kernel) the first time it runs,
+so it lives in CUDA graphs with the rest of the program. Compiled inside the whole program,
+Inductor (torch 2.11) failed on 8B-shaped programs (a Triton ``NameError: XBLOCK`` in the mask
+subgraph); compiled alone it is the kernel ``benchmarks/decode_attention_kernel.py`` measures.
+Where even that compile fails, the op computes masked SDPA (the attention it replaced), with a
+warning, counted in ``STATS["compile_failures"]``.
+
+The backend runs the pass on every rank's program with ``options={"decode_attention": "flex"}``.
+The CLI programs keep SDPA. Attention written out (matmul of the query with the transposed cached
+keys, softmax: Gemma-2's logit soft-capping) is left as is, with a record saying why.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +49,9 @@ aten = torch.ops.aten
 log = logging.getLogger("afd_compile.decode_attention")
 
 META_KEY = "afd.decode_attention"
+
+#: ``compiled``: shapes whose kernel compiled; ``compile_failures``: shapes that run masked SDPA
+STATS: dict[str, int] = {"compiled": 0, "compile_failures": 0}
 
 #: ops of HF's ``repeat_kv`` between a cache and SDPA: unsqueeze a group dim, take it whole,
 #: expand it to the group size, merge it into the head dim
@@ -84,6 +102,76 @@ def _decode_block_mask(m: torch.Tensor, mask_mod: object, block: int = 128) -> o
                                     seq_lengths=(1, kv_len))
 
 
+def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The attention the pass replaces: masked SDPA over the whole cache, K/V heads repeated."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(rep, 1) if rep > 1 else x for x in (k, v))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+#: the kernel per (device type, shapes, dtypes, scale): flex_decode compiled, or masked SDPA where
+#: that compile failed
+_KERNELS: dict[tuple, Callable[..., torch.Tensor]] = {}
+
+
+def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> Callable[..., torch.Tensor]:
+    key = (q.device.type, *(tuple(x.shape) for x in (q, k, v, mask)), q.dtype, k.dtype, scale)
+    fn = _KERNELS.get(key)
+    if fn is not None:
+        return fn
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import InductorError
+
+    compiled = torch.compile(flex_decode, fullgraph=True, dynamic=False)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16):
+            compiled(q, k, v, mask, scale)  # compiles now (each shape its own entry, past dynamo's usual 8)
+        fn = compiled
+        STATS["compiled"] += 1
+    except (BackendCompilerFailed, InductorError) as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        log.warning("decode attention: Inductor could not compile FlexAttention for q %s, k %s (%s); this shape "
+                    "runs masked SDPA over the whole cache (the attention the pass replaced)", tuple(q.shape),
+                    tuple(k.shape), first[:300])
+        STATS["compile_failures"] += 1
+        fn = _sdpa_decode
+    _KERNELS[key] = fn
+    return fn
+
+
+@torch.library.custom_op("afd::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA(q, repeat_kv(k), repeat_kv(v), attn_mask=mask, scale=scale) over a KV cache ``k``/``v``
+    [b, kv_heads, max_len, d], reading only the blocks ``mask`` [b or 1, 1, q_len, max_len] allows:
+    :func:`flex_decode`, compiled on its own per shape at the first call."""
+    # an op's body runs with the keys above it excluded (autograd; under a dispatch mode such as
+    # AOT's first-call alias check, functorch and Python too): dynamo tracing FlexAttention's mask
+    # (under vmap) and its guards want the dispatch state of code outside any op. Only autocast
+    # stays as it was
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for name, key in torch._C.DispatchKey.__members__.items():
+        if not name.startswith("Autocast") and exclude.has(key):
+            exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+        out = _kernel(q, k, v, mask, scale)(q, k, v, mask, scale)
+    # FlexAttention lays its output out as the query (here a transposed view): the op's output is
+    # contiguous, as its fake says (one query token: a copy of b x heads x head_dim values)
+    return out if out.stride() == _contiguous_strides(out.shape) else out.clone(memory_format=torch.contiguous_format)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+@decode_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
 @dataclass(frozen=True)
 class DecodeAttention:
     """One SDPA the pass replaced (or left, with why)."""
@@ -125,7 +213,7 @@ def _state_nodes(gm: fx.GraphModule) -> set[fx.Node]:
 
 
 def replace_decode_attention(gm: fx.GraphModule) -> list[DecodeAttention]:
-    """Replace every SDPA over a KV cache with :func:`flex_decode`, in place; returns a record
+    """Replace every SDPA over a KV cache with ``afd::decode_attention``, in place; returns a record
     per SDPA of the graph (replaced or why not). A graph without a cache is left as it is."""
     state = _state_nodes(gm)
     records = []
@@ -143,7 +231,7 @@ def replace_decode_attention(gm: fx.GraphModule) -> list[DecodeAttention]:
         kc, vc = _cache_read(k, state), _cache_read(v, state)
         q_len = q.meta["val"].shape[2] if isinstance(q.meta.get("val"), torch.Tensor) else None
         why = ("keys/values are not read from a KV cache" if kc is None or vc is None else
-               f"a prefill (query length {q_len}: SDPA reads what it computes)" if isinstance(q_len, int) and q_len > 1 else
+               f"not a decode step (query length {q_len}: a prefill, SDPA reads what it computes)" if not (isinstance(q_len, int) and q_len == 1) else
                "no boolean attention mask" if not (isinstance(mask, fx.Node) and isinstance(mask.meta.get("val"), torch.Tensor)
                                                    and mask.meta["val"].dtype == torch.bool) else
                "dropout" if dropout else "is_causal" if causal else
@@ -155,7 +243,7 @@ def replace_decode_attention(gm: fx.GraphModule) -> list[DecodeAttention]:
         if scale is None:
             scale = float(q.meta["val"].shape[-1]) ** -0.5
         with gm.graph.inserting_before(n):
-            new = gm.graph.call_function(flex_decode, (q, kc, vc, mask, float(scale)))
+            new = gm.graph.call_function(torch.ops.afd.decode_attention.default, (q, kc, vc, mask, float(scale)))
         new.meta.update(n.meta)
         new.meta[META_KEY] = True
         n.replace_all_uses_with(new)
