@@ -30,10 +30,13 @@ Options (all optional)::
     comm_id            AFD communicator id (two AFD-compiled models in one process need two ids)
     timeout_s          how long a rank waits for a peer before failing: the backend's process groups
                        get this timeout (default: the initialised group's)
-    decode_attention   "sdpa" (default: the model's own attention) or "flex": attention over a static KV
-                       cache (a program that updates its cache in place) runs as FlexAttention reading
-                       only the filled blocks of the cache (passes/decode_attention.py); not the
-                       default until measured faster end to end on the GPU host (BENCHMARKS.md)
+    decode_attention   "auto" (default), "flex" or "sdpa": "flex" runs attention over a static KV cache
+                       (a decode program that updates its cache in place) as FlexAttention reading
+                       only the filled blocks of the cache (passes/decode_attention.py); "sdpa" keeps
+                       the model's attention; "auto" is "flex" for programs on CUDA under a layout
+                       (measured 4.8x faster per decode step at batch 64 x context 4096 on an H200,
+                       BENCHMARKS.md) and "sdpa" on CPU (Inductor's CPU flex template does not
+                       compile many decode shapes). With no layout only "flex" applies the pass
     check_wire         AFD: a check header ahead of every transfer (default: AFD_CHECK_WIRE; see
                        afd_compile.comm.AFDCommunicator); every rank must agree; not with CUDA graphs
                        (the comparison runs on the host): needs cudagraphs=False on CUDA
@@ -147,7 +150,7 @@ _OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "timeout_s": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
                                           and math.isfinite(v) and v > 0), "None or a finite number of seconds > 0"),
     "check_wire": (lambda v: v is None or isinstance(v, bool), "None or a bool"),
-    "decode_attention": (lambda v: v in ("flex", "sdpa"), "'flex' or 'sdpa'"),
+    "decode_attention": (lambda v: v in ("auto", "flex", "sdpa"), "'auto', 'flex' or 'sdpa'"),
 }
 
 
@@ -167,7 +170,7 @@ class BackendOptions:
     comm_id: int = 0
     timeout_s: float | None = None
     check_wire: bool | None = None
-    decode_attention: str = "sdpa"
+    decode_attention: str = "auto"
 
     @staticmethod
     def parse(options: dict[str, Any] | None) -> BackendOptions:
@@ -547,9 +550,10 @@ def _static_inputs(program: fx.GraphModule, positions: Sequence[int]) -> Iterato
             del program._param_name_to_source
 
 
-def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str) -> None:
-    """The decode-attention pass on a rank's program (option ``decode_attention``), logged."""
-    if opts.decode_attention != "flex":
+def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str, device: torch.device) -> None:
+    """The decode-attention pass on a rank's program (option ``decode_attention``: "flex", or
+    "auto" on CUDA), logged."""
+    if not (opts.decode_attention == "flex" or opts.decode_attention == "auto" and device.type == "cuda"):
         return
     from .passes.decode_attention import replace_decode_attention
 
@@ -579,7 +583,7 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
     opts = BackendOptions.parse(options)
     rank, world = opts.resolved()
     STATS["graphs"] += 1
-    if opts.mode == "none" and opts.decode_attention == "sdpa":
+    if opts.mode == "none" and opts.decode_attention != "flex":
         STATS["no_layout"] += 1
         log.warning("afd: no layout given (tp=1, no attention/ffn ranks): no distribution applied; compiling "
                     "with Inductor" if opts.inductor else "afd: no layout given: no distribution applied")
@@ -638,7 +642,7 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
     static = [lifted.user_positions.index(p) for p in lifted.static_positions]  # as program inputs
     if opts.mode == "none":  # one process: only the decode-attention pass
         prog = ep.module().to(device)
-        _decode_attention(prog, opts, "one process")
+        _decode_attention(prog, opts, "one process", device)
         one = PerLayout(prog, key, opts.inductor, cudagraphs, "one process", static)
         run = lambda *x: one(tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)), *x)  # noqa: E731
     elif opts.mode == "tp":
@@ -675,7 +679,7 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     held = hold_local_states(prog, [s.node for s in tp.shards.states])  # the rank's heads only
     for h in held:
         log.info("afd: rank %d: KV cache %s", rank, h)
-    _decode_attention(prog, opts, f"rank {rank} tp")
+    _decode_attention(prog, opts, f"rank {rank} tp", device)
     log.info("afd: rank %d: %s program in %.1fs", rank, layout, time.perf_counter() - t0)
     compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp", static)
 
@@ -719,7 +723,7 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
         group = process_group(range(world), opts.timeout_s)
     worker = make_worker(ep.module(), layout, rank, config, device=device, group=group, check_wire=check)
     if isinstance(worker, AttentionWorker):
-        _decode_attention(worker.program, opts, f"rank {rank} attention")
+        _decode_attention(worker.program, opts, f"rank {rank} attention", device)
         worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called
         compiled = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} attention", static)
         worker.program = lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)  # type: ignore[assignment]

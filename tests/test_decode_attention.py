@@ -53,6 +53,7 @@ def test_decode_sdpa_over_the_cache_is_replaced_and_prefill_is_left(llama_graphs
     targets = [n.target for n in decode.graph.nodes]
     assert torch.ops.aten.scaled_dot_product_attention.default not in targets
     assert targets.count(OP) == 2
+    assert targets.count(da.decode_blocks) == 1  # one block mask per step, shared by both layers
     assert torch.ops.aten.expand.default not in targets  # repeat_kv is gone: K/V heads are shared
     assert targets.count(torch.ops.aten.index_copy_.default) == 4  # the cache writes stay
 
@@ -87,13 +88,18 @@ def test_sdpa_without_a_cache_or_a_boolean_mask_is_left_with_a_reason():
     assert out in gm.graph.nodes
 
 
-def test_the_backend_option_is_checked():
-    from afd_compile.backend import BackendOptionError, BackendOptions
+def test_the_backend_option_is_checked_and_auto_replaces_on_cuda_only(llama_graphs):
+    from afd_compile.backend import BackendOptionError, BackendOptions, _decode_attention
 
-    assert BackendOptions.parse(None).decode_attention == "sdpa"
+    assert BackendOptions.parse(None).decode_attention == "auto"
     assert BackendOptions.parse({"decode_attention": "flex"}).decode_attention == "flex"
-    with pytest.raises(BackendOptionError, match="option decode_attention='paged' \\(str\\) must be 'flex' or 'sdpa'"):
+    with pytest.raises(BackendOptionError,
+                       match="option decode_attention='paged' \\(str\\) must be 'auto', 'flex' or 'sdpa'"):
         BackendOptions.parse({"decode_attention": "paged"})
+    for value, device, replaced in [("auto", "cuda", 2), ("auto", "cpu", 0), ("flex", "cpu", 2), ("sdpa", "cuda", 0)]:
+        decode = llama_graphs[1].module()  # (the pass only rewrites the graph: no GPU needed)
+        _decode_attention(decode, BackendOptions.parse({"decode_attention": value}), "t", torch.device(device))
+        assert [n.target for n in decode.graph.nodes].count(OP) == replaced, (value, device)
 
 
 def test_explicit_attention_over_the_cache_is_left_with_a_reason():
@@ -118,13 +124,15 @@ def test_the_op_compiles_its_kernel_once_per_shape_and_runs_sdpa_where_it_cannot
     q, k, v = torch.randn(2, 4, 1, 16, generator=g), torch.randn(2, 2, 24, 16, generator=g), torch.randn(
         2, 2, 24, 16, generator=g)
     mask = torch.arange(24)[None, None, None, :] < torch.tensor([9, 20])[:, None, None, None]
-    ref = da._sdpa_decode(q, k, v, mask, 0.25)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                           attn_mask=mask, scale=0.25)
+    blocks = da.decode_blocks(q, mask)
     monkeypatch.setattr(da, "_KERNELS", {})
     before = dict(da.STATS)
-    out = OP(q, k, v, mask, 0.25)
+    out = OP(q, k, v, *blocks, 0.25)
     assert da.STATS["compiled"] == before["compiled"] + 1
     assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-5
-    OP(q, k, v, mask, 0.25)
+    OP(q, k, v, *blocks, 0.25)
     assert da.STATS["compiled"] == before["compiled"] + 1 and len(da._KERNELS) == 1  # compiled once
 
     def failing(*args, **kwargs):
@@ -134,10 +142,11 @@ def test_the_op_compiles_its_kernel_once_per_shape_and_runs_sdpa_where_it_cannot
 
     monkeypatch.setattr(torch, "compile", failing)
     q2 = torch.randn(2, 8, 1, 16, generator=g)  # a new shape: compiled now, and that fails
-    out = OP(q2, k, v, mask, 0.25)
+    out = OP(q2, k, v, *blocks, 0.25)
     assert da.STATS["compile_failures"] == before["compile_failures"] + 1
     assert "could not compile FlexAttention for q (2, 8, 1, 16)" in caplog.text and "no template" in caplog.text
-    assert torch.equal(out, da._sdpa_decode(q2, k, v, mask, 0.25))
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(
+        q2, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask, scale=0.25))
 
 
 def test_one_process_generate_with_flex_decode_attention_matches_eager():

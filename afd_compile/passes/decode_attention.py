@@ -18,17 +18,22 @@ Before (one layer of a cached decode graph)::
 After::
 
     index_copy_ = aten.index_copy_(k_cache, 2, cache_position, k)
-    decode_attention = afd.decode_attention(q, k_cache, v_cache, mask, 0.088)
+    decode_blocks = decode_blocks(q, mask)          # once per step: every layer shares the mask
+    getitem = decode_blocks[0] ... getitem_4 = decode_blocks[4]     # m, kv_num, kv_idx, full_num, full_idx
+    decode_attention = afd.decode_attention(q, k_cache, v_cache, getitem, ..., getitem_4, 0.088)
 
-The op is opaque to the program's compiler: its kernel is :func:`flex_decode` compiled on its own
-(``torch.compile``, one compile per shape, Inductor's flex decoding kernel) the first time it runs,
-so it lives in CUDA graphs with the rest of the program. Compiled inside the whole program,
-Inductor (torch 2.11) failed on 8B-shaped programs (a Triton ``NameError: XBLOCK`` in the mask
-subgraph); compiled alone it is the kernel ``benchmarks/decode_attention_kernel.py`` measures.
-Where even that compile fails, the op computes masked SDPA (the attention it replaced), with a
-warning, counted in ``STATS["compile_failures"]``.
+The block mask (:func:`decode_blocks`: which 128-position blocks of the cache a sequence reads)
+is plain tensor ops the program's compiler compiles with the rest. The op is opaque to it: its
+kernel, :func:`flex_over_blocks`, is compiled on its own (``torch.compile``, once per shape,
+Inductor's flex decoding kernel) the first time it runs, and lives in CUDA graphs with the rest of
+the program. Compiled inside the whole program, Inductor (torch 2.11) failed on 8B-shaped programs
+(a Triton ``NameError: XBLOCK`` in the mask subgraph); compiled alone it is the kernel
+``benchmarks/decode_attention_kernel.py`` measures. Where even that compile fails (Inductor's CPU
+template has no choice for some shapes) the op computes masked SDPA, the attention it replaced,
+with a warning, counted in ``STATS["compile_failures"]``.
 
-The backend runs the pass on every rank's program with ``options={"decode_attention": "flex"}``.
+The backend runs the pass on every rank's program with ``options={"decode_attention": "flex"}``,
+and by default (``"auto"``) on CUDA.
 The CLI programs keep SDPA. Attention written out (matmul of the query with the transposed cached
 keys, softmax: Gemma-2's logit soft-capping) is left as is, with a record saying why.
 """
@@ -36,8 +41,10 @@ keys, softmax: Gemma-2's logit soft-capping) is left as is, with a record saying
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -59,34 +66,19 @@ _REPEAT_OPS = {aten.unsqueeze.default, aten.slice.Tensor, aten.expand.default, a
                aten.view.default, aten._unsafe_view.default, aten.clone.default, aten.contiguous.default}
 
 
-def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """SDPA(q, repeat(k), repeat(v), attn_mask=mask, scale) as FlexAttention over the cache: the
-    block mask comes from ``mask`` ([b or 1, 1, q_len, kv_len], True = attend), so blocks with no
-    allowed position are skipped; K/V heads are shared by ``q_heads // kv_heads`` query heads."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    b, _, q_len, _ = q.shape
-    kv_len = k.shape[2]
-    m = mask.expand(b, 1, q_len, kv_len)[:, 0].contiguous()  # [b, q_len, kv_len]
-
-    def mask_mod(bi: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kvi: torch.Tensor) -> torch.Tensor:
-        return m[bi, qi, kvi]
-
-    if q_len == 1:
-        block_mask = _decode_block_mask(m, mask_mod)
-    else:
-        block_mask = create_block_mask(mask_mod, b, None, q_len, kv_len, device=q.device)
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+BLOCK = 128  # FlexAttention's KV block: the unit the block mask skips
 
 
-def _decode_block_mask(m: torch.Tensor, mask_mod: object, block: int = 128) -> object:
-    """The block mask of one query token per sequence straight from its boolean mask
-    ``m`` [b, 1, kv_len]: a block is skipped when it allows no position, full when it allows all,
-    partial (``mask_mod`` applied) otherwise; the blocks to read come first. Cheaper than
-    ``create_block_mask``, which evaluates ``mask_mod`` over every position and sorts."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    b, kv_len = m.shape[0], m.shape[-1]
+def decode_blocks(q: torch.Tensor, mask: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, ...]:
+    """The block mask of one query token per sequence, as tensors, straight from its boolean
+    ``mask`` [b or 1, 1, 1, kv_len] (True = attend): ``(m, kv_num, kv_idx, full_num, full_idx)``,
+    ``m`` the mask as [b, 1, kv_len]. A block is skipped when it allows no position, full when it
+    allows all, partial (the mask applied) otherwise; the blocks to read come first. Plain tensor
+    ops (the program's compiler compiles them), computed once per step for every layer that
+    shares the mask. Cheaper than ``create_block_mask``, which evaluates a mask function over every
+    position and sorts."""
+    b, kv_len = q.shape[0], mask.shape[-1]
+    m = mask.expand(b, 1, 1, kv_len)[:, 0].contiguous()  # [b, 1, kv_len]
     nb = -(-kv_len // block)
     rows = torch.nn.functional.pad(m[:, 0, :], (0, nb * block - kv_len)).view(b, nb, block)
     any_, all_ = rows.any(-1), rows.all(-1)
@@ -96,36 +88,70 @@ def _decode_block_mask(m: torch.Tensor, mask_mod: object, block: int = 128) -> o
         order = torch.argsort((~sel).to(torch.int32), dim=-1, stable=True).to(torch.int32).view(b, 1, 1, nb)
         return num, order
 
-    kv_num, kv_idx = pick(any_ & ~all_)
-    full_num, full_idx = pick(all_)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
-                                    seq_lengths=(1, kv_len))
+    return (m, *pick(any_ & ~all_), *pick(all_))
 
 
-def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """The attention the pass replaces: masked SDPA over the whole cache, K/V heads repeated."""
+def flex_over_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor, kv_num: torch.Tensor,
+                     kv_idx: torch.Tensor, full_num: torch.Tensor, full_idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """FlexAttention of one query token per sequence over the cache ``k``/``v`` [b, kv_heads,
+    max_len, d] with the block mask :func:`decode_blocks` made; K/V heads shared by
+    ``q_heads // kv_heads`` query heads (no repeat)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    def mask_mod(bi: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kvi: torch.Tensor) -> torch.Tensor:
+        return m[bi, qi, kvi]
+
+    kw = {"compute_q_blocks": False} if _COMPUTE_Q_BLOCKS else {}  # (the backward's; not needed)
+    block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+                                          seq_lengths=(1, k.shape[2]), **kw)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _takes_compute_q_blocks() -> bool:
+    import inspect
+
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+
+
+_COMPUTE_Q_BLOCKS = _takes_compute_q_blocks()
+
+
+def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA(q, repeat(k), repeat(v), attn_mask=mask, scale) for one query token per sequence
+    (``mask`` [b or 1, 1, 1, kv_len]) as FlexAttention over the cache: :func:`decode_blocks`, then
+    :func:`flex_over_blocks`."""
+    return flex_over_blocks(q, k, v, *decode_blocks(q, mask), scale)
+
+
+def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor, *blocks_and_scale: object) -> torch.Tensor:
+    """The attention the pass replaces: masked SDPA over the whole cache (``m`` [b, 1, kv_len]),
+    K/V heads repeated."""
+    scale = blocks_and_scale[-1]
     rep = q.shape[1] // k.shape[1]
     k, v = (x.repeat_interleave(rep, 1) if rep > 1 else x for x in (k, v))
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], scale=scale)
 
 
-#: the kernel per (device type, shapes, dtypes, scale): flex_decode compiled, or masked SDPA where
-#: that compile failed
+#: the kernel per (device type, shapes, dtypes, scale): flex_over_blocks compiled, or masked SDPA
+#: where that compile failed
 _KERNELS: dict[tuple, Callable[..., torch.Tensor]] = {}
 
 
-def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> Callable[..., torch.Tensor]:
-    key = (q.device.type, *(tuple(x.shape) for x in (q, k, v, mask)), q.dtype, k.dtype, scale)
+def _kernel(*args: Any) -> Callable[..., torch.Tensor]:
+    q, k = args[0], args[1]
+    key = (q.device.type, *(tuple(x.shape) for x in args[:-1]), q.dtype, k.dtype, args[-1])
     fn = _KERNELS.get(key)
     if fn is not None:
         return fn
     from torch._dynamo.exc import BackendCompilerFailed
     from torch._inductor.exc import InductorError
 
-    compiled = torch.compile(flex_decode, fullgraph=True, dynamic=False)
+    compiled = torch.compile(flex_over_blocks, fullgraph=True, dynamic=False)
     try:
         with torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16):
-            compiled(q, k, v, mask, scale)  # compiles now (each shape its own entry, past dynamo's usual 8)
+            compiled(*args)  # compiles now (each shape its own entry, past dynamo's usual 8)
         fn = compiled
         STATS["compiled"] += 1
     except (BackendCompilerFailed, InductorError) as e:
@@ -140,10 +166,12 @@ def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 @torch.library.custom_op("afd::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """SDPA(q, repeat_kv(k), repeat_kv(v), attn_mask=mask, scale=scale) over a KV cache ``k``/``v``
-    [b, kv_heads, max_len, d], reading only the blocks ``mask`` [b or 1, 1, q_len, max_len] allows:
-    :func:`flex_decode`, compiled on its own per shape at the first call."""
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor, kv_num: torch.Tensor,
+                     kv_idx: torch.Tensor, full_num: torch.Tensor, full_idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA(q, repeat_kv(k), repeat_kv(v), attn_mask=m[:, None], scale=scale) over a KV cache
+    ``k``/``v`` [b, kv_heads, max_len, d] for one query token per sequence, reading only the
+    blocks of :func:`decode_blocks`: :func:`flex_over_blocks`, compiled on its own per shape at
+    the first call."""
     # an op's body runs with the keys above it excluded (autograd; under a dispatch mode such as
     # AOT's first-call alias check, functorch and Python too): dynamo tracing FlexAttention's mask
     # (under vmap) and its guards want the dispatch state of code outside any op. Only autocast
@@ -152,8 +180,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     for name, key in torch._C.DispatchKey.__members__.items():
         if not name.startswith("Autocast") and exclude.has(key):
             exclude = exclude.remove(key)
+    args = (q, k, v, m, kv_num, kv_idx, full_num, full_idx, scale)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
-        out = _kernel(q, k, v, mask, scale)(q, k, v, mask, scale)
+        out = _kernel(*args)(*args)
     # FlexAttention lays its output out as the query (here a transposed view): the op's output is
     # contiguous, as its fake says (one query token: a copy of b x heads x head_dim values)
     return out if out.stride() == _contiguous_strides(out.shape) else out.clone(memory_format=torch.contiguous_format)
@@ -168,7 +197,8 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 
 
 @decode_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor, kv_num: torch.Tensor, kv_idx: torch.Tensor,
+      full_num: torch.Tensor, full_idx: torch.Tensor, scale: float) -> torch.Tensor:
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
@@ -216,7 +246,8 @@ def replace_decode_attention(gm: fx.GraphModule) -> list[DecodeAttention]:
     """Replace every SDPA over a KV cache with ``afd::decode_attention``, in place; returns a record
     per SDPA of the graph (replaced or why not). A graph without a cache is left as it is."""
     state = _state_nodes(gm)
-    records = []
+    records: list[DecodeAttention] = []
+    blocks: dict[fx.Node, list[fx.Node]] = {}
     if not state:
         return records
     for n in list(gm.graph.nodes):
@@ -242,8 +273,13 @@ def replace_decode_attention(gm: fx.GraphModule) -> list[DecodeAttention]:
             continue
         if scale is None:
             scale = float(q.meta["val"].shape[-1]) ** -0.5
+        if mask not in blocks:  # the block mask once per step, for every layer that shares the mask
+            with gm.graph.inserting_before(n):
+                made = gm.graph.call_function(decode_blocks, (q, mask))
+                blocks[mask] = [gm.graph.call_function(operator.getitem, (made, i)) for i in range(5)]
         with gm.graph.inserting_before(n):
-            new = gm.graph.call_function(torch.ops.afd.decode_attention.default, (q, kc, vc, mask, float(scale)))
+            new = gm.graph.call_function(torch.ops.afd.decode_attention.default,
+                                         (q, kc, vc, *blocks[mask], float(scale)))
         new.meta.update(n.meta)
         new.meta[META_KEY] = True
         n.replace_all_uses_with(new)
