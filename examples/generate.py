@@ -110,8 +110,9 @@ def main() -> int:
                         help="AFD: attention rank i generates stagger*i fewer tokens (they finish at different steps)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-inductor", action="store_true", help="run the FX programs (no Inductor)")
-    parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "flex"],
-                        help="the backend's decode_attention option (flex: FlexAttention over the filled cache)")
+    parser.add_argument("--decode-attention", default="auto", choices=["auto", "sdpa", "flex"],
+                        help="the backend's decode_attention option (flex: FlexAttention over the filled cache; "
+                             "auto: flex on CUDA under a layout, else sdpa)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a peer")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the backend does")
     args = parser.parse_args()
