@@ -53,11 +53,35 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+class BmmMoE(nn.Module):
+    """Top-k MoE whose experts are ``bmm`` over stacked weights ``[E, in, out]`` (every expert on
+    every token, weighted by the routing weights, zero for experts not chosen), as transformers'
+    ``batched_mm`` experts and many hand-written MoEs compute them."""
+
+    def __init__(self, hidden: int, inter: int, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(experts, hidden, 2 * inter) * hidden ** -0.5)
+        self.down = nn.Parameter(torch.randn(experts, inter, hidden) * inter ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        t = x.reshape(b * s, h)
+        probs = self.router(t).softmax(-1)
+        top, idx = probs.topk(self.top_k, dim=-1)
+        weights = torch.zeros_like(probs).scatter(-1, idx, top / top.sum(-1, keepdim=True))  # [T, E]
+        xs = t.unsqueeze(0).expand(self.gate_up.shape[0], b * s, h)  # [E, T, H]
+        gate, up = torch.bmm(xs, self.gate_up).chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, self.down)  # [E, T, H]
+        return (y * weights.t().unsqueeze(-1)).sum(0).view(b, s, h)
+
+
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, inter: int) -> None:
+    def __init__(self, hidden: int, heads: int, kv_heads: int, inter: int, moe: bool = False) -> None:
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(hidden), GQAAttention(hidden, heads, kv_heads)
-        self.mlp_norm, self.mlp = RMSNorm(hidden), SwiGLU(hidden, inter)
+        self.mlp_norm, self.mlp = RMSNorm(hidden), (BmmMoE(hidden, inter) if moe else SwiGLU(hidden, inter))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attn(self.attn_norm(x))
@@ -66,11 +90,11 @@ class Block(nn.Module):
 
 class GQADecoder(nn.Module):
     def __init__(self, vocab: int = 128, hidden: int = 64, heads: int = 4, kv_heads: int = 2, layers: int = 2,
-                 inter: int = 128, seed: int = 0) -> None:
+                 inter: int = 128, seed: int = 0, moe: bool = False) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.embed = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(Block(hidden, heads, kv_heads, inter) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(hidden, heads, kv_heads, inter, moe) for _ in range(layers))
         self.norm, self.head = RMSNorm(hidden), nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Decoders written by hand, not by transformers (issue 14): GQA by ``repeat_interleave`` and an
-in-place scaled query, through TP (standard and DP attention) and AFD on real gloo processes."""
+in-place scaled query, an MoE with ``bmm`` experts, through TP (standard and DP attention) and AFD
+on real gloo processes."""
 
 from __future__ import annotations
 
@@ -28,6 +29,34 @@ def test_gqa_by_repeat_interleave_shards_and_matches(gqa_path):
 
 def test_gqa_by_repeat_interleave_splits_for_afd(gqa_path):
     (res,) = run_cases([Case(gqa_path, AFDLayout(2, 1), (2, 3))])
+    errs = [r["max_rel_err"] for r in res.values() if r["role"] == "attention"]
+    assert len(errs) == 2 and max(errs) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def bmm_moe_path(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("handwritten") / "bmm_moe.pt2")
+    torch.export.save(export(GQADecoder(moe=True)), path)
+    return path
+
+
+def test_bmm_experts_shard_over_the_intermediate_size_and_match(bmm_moe_path):
+    # experts as bmm over stacked [E, in, out] weights: column-parallel on out (gate_up in its
+    # two blocks), row-parallel on in, one all-reduce after the weighted sum over experts
+    from afd_compile.passes.roles import annotate_roles
+    from afd_compile.passes.tp_rewrite import shard_for_rank
+    from afd_compile.programs import load_program
+
+    gm = load_program(bmm_moe_path).module()
+    annotate_roles(gm)
+    weights = {str(w) for w in shard_for_rank(gm, TPLayout(2), 0).shards.weights}
+    assert "column-parallel layers.0.mlp.gate_up dim 2 / 2 over mlp in blocks [128, 128]" in weights
+    assert "row-parallel layers.0.mlp.down dim 1 / 2 over mlp" in weights
+    results = run_tp_cases([TPCase(bmm_moe_path, TPLayout(2)), TPCase(bmm_moe_path, TPLayout(4, 2), (3, 1))])
+    for res in results:
+        assert res and max(r["max_rel_err"] for r in res.values()) <= 1e-5, res
+        assert all(r["compared"] for r in res.values())
+    (res,) = run_cases([Case(bmm_moe_path, AFDLayout(2, 1), (2, 3))])
     errs = [r["max_rel_err"] for r in res.values() if r["role"] == "attention"]
     assert len(errs) == 2 and max(errs) <= 1e-5
 

@@ -49,7 +49,7 @@ META_KEY = "afd.shard"
 
 __all__ = ["META_KEY", "RULES", "ArgFix", "ShardError", "ShardPlan", "ShardRule", "ShardedState", "ShardedWeight",
            "apply_shards",
-           "is_grouped_mm", "plan_shards", "reads_weight", "shard_tensor"]
+           "is_expert_mm", "is_grouped_mm", "plan_shards", "reads_weight", "shard_tensor"]
 
 
 
@@ -62,6 +62,22 @@ def is_grouped_mm(node: fx.Node) -> bool:
     ``aten._grouped_mm`` or a library op named like it (transformers' ``grouped_mm_fallback``)."""
     t = node.target
     return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and "grouped_mm" in t.name()
+
+
+def is_expert_mm(node: fx.Node) -> bool:
+    """A matmul of activations with a 3-D expert weight attribute ``w[E, in, out]`` (through
+    transposes and casts): a grouped matmul, or ``bmm(x[E, T, in], w)`` (stacked experts, as
+    transformers' ``batched_mm`` experts and hand-written MoEs compute them). Either is tensor-
+    sharded like a linear: column-parallel on ``out``, row-parallel on ``in``."""
+    if is_grouped_mm(node):
+        return True
+    if node.op != "call_function" or node.target != aten.bmm.default:
+        return False
+    try:
+        _expert_weight(node, 2)
+    except ShardError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -339,7 +355,7 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
         seen.add(n)
         split_in = [a for a in n.all_input_nodes if a in sdim]
         if n in rows:
-            a = n.args[0] if is_grouped_mm(n) else _projection(n).x
+            a = n.args[0] if is_expert_mm(n) else _projection(n).x
             if sdim.get(a) != ndim(a) - 1:
                 raise ShardError(f"{where}: row-parallel {n.name} gets an input not split along its last dim")
             if t.factor[a] != parts:
@@ -432,7 +448,7 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
             if src0 in merged:
                 raise ShardError(f"{where}: {n.name} ({target}) reads repeated KV heads before they are merged")
             sdim[n] = rule.fn(n, sdim, f, fixes)
-        elif target in LINEAR_OPS or is_grouped_mm(n):
+        elif target in LINEAR_OPS or is_expert_mm(n):
             raise ShardError(f"{where}: {n.name} ({target}) reads a split tensor but is not the row-parallel projection")
         else:
             raise ShardError(f"{where}: no sharding rule for {n.name} ({target}) on a tensor split over {group}")
@@ -468,7 +484,7 @@ def _column_row_pairs(projs: list[fx.Node], region: set[fx.Node],
     pset = set(projs)
 
     def act(n: fx.Node) -> fx.Node:  # the activation operand
-        return n.args[0] if is_grouped_mm(n) else _projection(n).x
+        return n.args[0] if is_expert_mm(n) else _projection(n).x
 
     def up(n: fx.Node) -> set[fx.Node]:  # ancestors inside the MLP region (a walk linear in its size)
         return ancestors([act(n)], within=region)
@@ -557,7 +573,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
         ffn_set = set(ffn)
         out = parts.ffn_output
         router = find_router(ffn)
-        projs = [n for n in ffn if (n.target in LINEAR_OPS or is_grouped_mm(n)) and n is not router
+        projs = [n for n in ffn if (n.target in LINEAR_OPS or is_expert_mm(n)) and n is not router
                  and not role_of(n).router]
         pairs = _column_row_pairs(projs, ffn_set, where)
         if not pairs:
@@ -600,7 +616,7 @@ def _producer_linear(out: fx.Node, members: set) -> fx.Node | None:
 
 def _projection_weight(gm: fx.GraphModule, proj: fx.Node, column: bool) -> tuple[str, int, int]:
     """(target, dim, size) of the weight dim a column (out features) / row (in features) split cuts."""
-    if is_grouped_mm(proj):
+    if is_expert_mm(proj):
         w, dim = _expert_weight(proj, 2 if column else 1)
         return str(w.target), dim, int(get_attr_path(gm, w.target).shape[dim])
     p = _projection(proj)
@@ -646,7 +662,7 @@ def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: in
         target, dim, size = _projection_weight(gm, c, True)
         blocks, rep = _block_fixes(c, track, parts, fixes)
         weights.append(ShardedWeight(target, dim, parts, group, "column", blocks, rep))
-        bias = None if is_grouped_mm(c) else _projection(c).bias
+        bias = None if is_expert_mm(c) else _projection(c).bias
         if bias is not None:
             weights.append(ShardedWeight(str(bias.target), 0, parts, group, "column", blocks, rep))
         for a in track.attrs:
@@ -664,7 +680,7 @@ def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: in
         raise ShardError(f"{where}: {track.means[0].name} averages over a split dim")
     target, dim, size = _projection_weight(gm, row, False)
     weights.append(ShardedWeight(target, dim, parts, group, "row", (size,)))
-    bias = None if is_grouped_mm(row) else _projection(row).bias
+    bias = None if is_expert_mm(row) else _projection(row).bias
     if bias is not None:  # added once: kept on group rank 0, zeros elsewhere
         weights.append(ShardedWeight(str(bias.target), -1, parts, group, "row_bias"))
 
