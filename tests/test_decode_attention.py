@@ -54,7 +54,12 @@ def test_decode_sdpa_over_the_cache_is_replaced_and_prefill_is_left(llama_graphs
     assert torch.ops.aten.scaled_dot_product_attention.default not in targets
     assert targets.count(OP) == 2
     assert targets.count(da.decode_blocks) == 1  # one block mask per step, shared by both layers
-    assert torch.ops.aten.expand.default not in targets  # repeat_kv is gone: K/V heads are shared
+    writes = [n for n in decode.graph.nodes if n.target == torch.ops.aten.index_copy_.default]
+    caches = {n.args[0] for n in writes}
+    for n in decode.graph.nodes:  # the op reads the caches themselves: K/V heads shared, repeat_kv gone
+        if n.target == OP:
+            assert {n.args[1], n.args[2]} <= caches | set(writes)
+            assert not any(u.target == torch.ops.aten.expand.default for c in caches for u in c.users)
     assert targets.count(torch.ops.aten.index_copy_.default) == 4  # the cache writes stay
 
 
@@ -107,7 +112,8 @@ def test_explicit_attention_over_the_cache_is_left_with_a_reason():
     # SDPA; the pass leaves it and says why (the decode step keeps reading the whole cache)
     from test_generate import _cached_graphs
 
-    decode = _cached_graphs("gemma2")[1].module()
+    decode = _cached_graphs("gemma2", attn_implementation="eager")[1].module()  # (some transformers releases
+    # run Gemma-2 on SDPA, without the soft-capping: that SDPA is replaced like any other)
     records = replace_decode_attention(decode)
     assert len(records) == 2 and not any(r.replaced for r in records), records  # one per layer
     assert all("explicit attention" in r.why for r in records)
