@@ -69,9 +69,14 @@ def _add_tp(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dense-dp", action="store_true", help="dense MLPs run fully data-parallel (MLP mode SCATTERED)")
 
 
+def _add_stages(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--stages", type=int, default=1, metavar="S", help=f"AFD: {what}; not with --tp")
+
+
 _TP_FLAGS = {"attn_dp": "--attn-dp", "moe_a2a": "--moe-a2a", "dense_dp": "--dense-dp"}
 _AFD_FLAGS = {"attention_ranks": "-A/--attention-ranks", "ffn_ranks": "-F/--ffn-ranks",
               "gate_on_attention": "--gate-on-attention"}
+_AFD_VALUED = {"stages": ("--stages", 1)}  # AFD flags with a default: given when not at it
 
 
 def _check_mode_flags(args: argparse.Namespace) -> None:
@@ -83,6 +88,7 @@ def _check_mode_flags(args: argparse.Namespace) -> None:
                              "add --tp T")
         return
     given = [flag for dest, flag in _AFD_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
+    given += [flag for dest, (flag, default) in _AFD_VALUED.items() if getattr(args, dest, default) != default]
     if given:
         raise UsageError(f"give either an AFD layout ({', '.join(given)}) or a TP layout (--tp ...), not both")
 
@@ -115,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
                    "planning; TP: rank 0's program)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_stages(p, "also print the ping-pong schedule of S micro-batches per step (for the saved example's "
+                "batch on every attention rank) and check it (pairing, order, no deadlock)")
 
     p = sub.add_parser("verify", help="run original and split (-A/-F) or sharded (--tp) programs on local "
                        "gloo processes and compare")
@@ -131,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a program with a KV cache (buffers it updates in place and a cache_position input, as "
                    "transformers' TorchExportableModuleForDecoderOnlyLM exports): run its saved example as a "
                    "prefill, then N decode steps, comparing the logits at every step (replaces --steps)")
+    _add_stages(p, "run each step as S micro-batches (whole sequences) interleaved layer by layer, the "
+                "ping-pong schedule (default 1: one batch)")
     p.add_argument("--tol", type=float, help="max relative error (default 1e-5 for fp32, 1e-2 otherwise; finite, >= 0)")
     p.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long a rank waits for a peer before the run fails (default 300); a rank that dies "
@@ -256,8 +266,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     else:
         print(plan_table(result, layout))
+    if args.stages != 1:
+        print(_stage_schedule(args, result, layout))
     _print_timings(args, result.timings)
     return EXIT_OK
+
+
+def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout | None) -> str:
+    """The staged programs (built: a program that cannot be staged is refused here) and the
+    ping-pong schedule of the saved example's batch on every attention rank, checked."""
+    from .passes.pingpong import check_schedule, micro_batches, pingpong_schedule
+    from .passes.schedule import verify_schedule
+    from .passes.stages import stage_attention_program, stage_ffn_program
+    from .programs import flat_inputs, load_program
+    from .runtime import TokenCount
+
+    if args.stages < 1:
+        raise UsageError(f"--stages must be >= 1, got {args.stages}")
+    layout = layout or AFDLayout(1, 1)
+    verify_schedule(stage_attention_program(result.attention, args.stages), stage_ffn_program(result.ffn, args.stages))
+    ep = load_program(args.model)
+    inputs = flat_inputs(ep)
+    tokens = TokenCount.for_graph(result.attention, result.plan.cuts[0].token_dims)(inputs)
+    batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
+    per_seq = tokens // batch if batch else 0
+    per_stage = [(end - start) * per_seq for start, end in micro_batches([per_seq] * batch, args.stages)]
+    sched = pingpong_schedule(layout, len(result.plan.cuts), [per_stage] * layout.attention_ranks)
+    check_schedule(sched)
+    return f"{sched}\nschedule: checked (every send paired with its receive in order, no deadlock)"
 
 
 class _AtomicFolder:
@@ -440,9 +476,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     _, result = _plan(args.model, layout, args.gate_on_attention, args.policy)  # fail fast, before spawning
     print(plan_table(result, layout))
     _print_timings(args, result.timings)
+    if args.stages != 1:
+        print(_stage_schedule(args, result, layout))
     return _verdict(lambda: verify_afd(args.model, layout, batches=batches, gate=args.gate_on_attention,
                                        steps=args.steps, tol=args.tol, policy=args.policy, timeout_s=args.timeout,
-                                       decode_steps=args.decode_steps, log=print))
+                                       decode_steps=args.decode_steps, stages=args.stages, log=print))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

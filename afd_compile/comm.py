@@ -74,6 +74,8 @@ class AFDCommunicator:
     stopped: bool = False
     #: runtime.shutdown() sends this attention rank's STOP if it was not sent (the backend's)
     finish_at_shutdown: bool = False
+    #: transfers exchanged per stage index (non-empty ones), since this communicator was made
+    stage_transfers: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.role not in ("attention", "ffn"):
@@ -112,6 +114,7 @@ class AFDCommunicator:
         recvs = [r for r in recvs if r[0].numel()]
         if not sends and not recvs:
             return
+        self.stage_transfers[stage_idx] = self.stage_transfers.get(stage_idx, 0) + len(sends) + len(recvs)
         if self.check_wire:
             self._check_headers(sends, recvs, layer_idx, stage_idx, where)
         ops = [dist.P2POp(dist.isend, t.contiguous(), p, self.group) for t, p, _ in sends]

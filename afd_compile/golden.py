@@ -99,6 +99,9 @@ def graph_lines(gm: fx.GraphModule, shapes: bool = True) -> list[str]:
     return lines
 
 
+_AFD_OPS = (torch.ops.afd.p2p_send.default, torch.ops.afd.p2p_recv.default)
+
+
 def graph_text(gm: fx.GraphModule, shapes: bool = True) -> str:
     return "\n".join(graph_lines(gm, shapes)) + "\n"
 
@@ -128,8 +131,9 @@ def cut_window_lines(gm: fx.GraphModule) -> list[str]:
                 return "[" + ", ".join(arg(x) for x in a) + "]"
             return str(a).removeprefix("torch.")
 
-        layer = send.args[2]
-        out.append(f"# cut of layer {layer}")
+        layer, stage = send.args[2], send.args[3]
+        out.append(f"# cut of layer {layer}" + (f", stage {stage}" if stage else ""))
         for n in window:
-            out.append(f"{names[n]} = {_target(n)}({', '.join(arg(a) for a in n.args)})")
+            kw = [f"{k}={arg(v)}" for k, v in n.kwargs.items()] if n.target in _AFD_OPS else []
+            out.append(f"{names[n]} = {_target(n)}({', '.join([*(arg(a) for a in n.args), *kw])})")
     return out

@@ -112,8 +112,11 @@ def _token(like: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("afd::p2p_send", mutates_args=())
 def p2p_send(
-    tensors: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str
+    tensors: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str,
+    dep: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    # ``dep``: the token of the transfer before this one, where data does not order them
+    # (micro-batch stages: passes/stages.py); unused here, it only orders the program
     comm = get_communicator(comm_id)
     where = _where("p2p_send", comm, layer_idx, stage_idx)
     wspec = _spec(spec)
@@ -125,7 +128,7 @@ def p2p_send(
 
 
 @p2p_send.register_fake
-def _(tensors, comm_id, layer_idx, stage_idx, spec):
+def _(tensors, comm_id, layer_idx, stage_idx, spec, dep=None):
     return torch.empty(0, device=tensors[0].device)
 
 

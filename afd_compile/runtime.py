@@ -35,6 +35,8 @@ import torch.fx as fx
 from .comm import AFDCommunicator, communicator_for, register_communicator, wire_checks_from_env
 from .errors import AFDCompileError
 from .layout import AFDLayout
+from .passes.graph_utils import batch_symbol_dims
+from .passes.stages import stage_attention_program, stage_ffn_program
 from .passes.symbolic import sym_expr
 from .scatter import TPLayout
 from .split_api import SplitConfig, split_graph_module
@@ -151,31 +153,70 @@ class AttentionWorker:
     comm: AFDCommunicator
     count_tokens: TokenCount
     stage: int = 0
+    #: micro-batch stages (passes/stages.py): the program takes one ``[b_s, 0]`` tensor per stage
+    #: after the model's inputs, ``b_s`` the sequences of micro-batch ``s``
+    stages: int = 1
+    #: (input, dim) of the batch (sequences), where ``stages`` > 1 splits it
+    batch_dim: tuple[int, int] | None = None
+    #: the program of k micro-batches, built on first use (k < stages when a step has fewer
+    #: sequences than stages: the empty micro-batches are the last ones and have no transfer)
+    staged: dict[int, fx.GraphModule] = field(default_factory=dict)
 
     def step(self, *inputs: torch.Tensor) -> Any:
         n = self.count_tokens(inputs)
-        send_control(self.comm, n)
-        self.comm.set_step({self.stage: (n,)})
+        if self.stages == 1:
+            send_control(self.comm, n)
+            self.comm.set_step({self.stage: (n,)})
+            return self.program(*inputs) if n else None
+        from .passes.pingpong import micro_batches
+
+        assert self.batch_dim is not None
+        batch = int(inputs[self.batch_dim[0]].shape[self.batch_dim[1]])
+        per_seq = n // batch if batch else 0
+        rows = [end - start for start, end in micro_batches([per_seq] * batch, self.stages)]
+        counts = tuple(r * per_seq for r in rows)
+        send_control(self.comm, n, counts)
+        self.comm.set_step({s: (c,) for s, c in enumerate(counts)})
         if n == 0:
             return None
-        return self.program(*inputs)
+        rows = [r for r in rows if r]
+        if len(rows) == 1:
+            return self.program(*inputs)
+        dev = inputs[self.batch_dim[0]].device
+        return staged_program(self.staged, self.program, len(rows), stage_attention_program)(
+            *inputs, *(torch.empty(r, 0, device=dev) for r in rows))
 
     def stop(self) -> None:
         send_control(self.comm, STOP)
 
 
-def send_control(comm: AFDCommunicator, n: int) -> None:
-    """An attention rank's per-step control message to its FFN rank: ``[tokens, check_wire]``
-    (``tokens`` = :data:`STOP`: this rank is done; it sends nothing after it)."""
+def staged_program(cache: dict[int, fx.GraphModule], program: fx.GraphModule, k: int,
+                   build: Callable[[fx.GraphModule, int], fx.GraphModule]) -> fx.GraphModule:
+    """``program`` as ``k`` micro-batch stages, built once per ``k``."""
+    if k not in cache:
+        cache[k] = build(program, k)
+    return cache[k]
+
+
+def send_control(comm: AFDCommunicator, n: int, stage_counts: Sequence[int] | None = None) -> None:
+    """An attention rank's per-step control message to its FFN rank: ``[tokens, flags]``
+    (``tokens`` = :data:`STOP`: this rank is done; it sends nothing after it), ``flags`` = the
+    wire checks (bit 0) and the micro-batch stages - 1 (bits 1 and up; 0 for one stage, so a
+    one-stage message is what it always was); with 2 or more stages a second message follows
+    with the tokens of each stage."""
     if comm.role != "attention":
         raise ValueError(f"afd: rank {comm.rank} is an FFN rank; only attention ranks send control messages")
     if comm.stopped:
         raise ControlError(f"afd: attention rank {comm.rank} already told FFN rank {comm.peers[0]} it stopped; "
                            "it cannot run another step (a new deployment needs a new comm_id)")
     dev = "cuda" if comm.device_transport else "cpu"
-    dist.send(torch.tensor([n, int(comm.check_wire)], dtype=torch.int64, device=dev), comm.peers[0], group=comm.group)
+    stages = len(stage_counts) if stage_counts is not None else 1
+    flags = int(comm.check_wire) | (stages - 1) << 1
+    dist.send(torch.tensor([n, flags], dtype=torch.int64, device=dev), comm.peers[0], group=comm.group)
     if n == STOP:
         comm.stopped = True
+    elif stages > 1:
+        dist.send(torch.tensor(list(stage_counts), dtype=torch.int64, device=dev), comm.peers[0], group=comm.group)
 
 
 def finish(comm_id: int | None = None, *, at_shutdown: bool = False) -> list[int]:
@@ -207,6 +248,10 @@ class FFNWorker:
     run_program: Callable[[tuple[int, ...], torch.Tensor], Any] | None = None
     #: attention peers that have stopped (sent STOP); they are not served again
     left: set[int] = field(default_factory=set)
+    #: micro-batch stages (passes/stages.py): the program of k stages takes one ``[T_s, 0]``
+    #: tensor per stage; built on first use (stages with no token from any peer are the last ones)
+    stages: int = 1
+    staged: dict[int, fx.GraphModule] = field(default_factory=dict)
 
     def serve(self, on_step: Callable[[tuple[int, ...]], None] | None = None) -> int:
         """Serve steps until every peer says stop; returns the number of steps served."""
@@ -229,10 +274,33 @@ class FFNWorker:
         counts = self._check_control(got)
         if counts is None:
             return None
-        self.comm.set_step({self.stage: counts})
+        if self.stages == 1:
+            per_stage = [counts]
+        else:  # each peer's tokens per stage, checked against its total
+            by_peer = {}
+            for p, n in zip(self.comm.peers, counts, strict=True):
+                if p in self.left:
+                    by_peer[p] = [0] * self.stages
+                    continue
+                b = torch.empty(self.stages, dtype=torch.int64, device=dev)
+                dist.recv(b, p, group=self.comm.group)
+                by_peer[p] = [int(v) for v in b.tolist()]
+                if sum(by_peer[p]) != n or min(by_peer[p]) < 0:
+                    raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {p} announced {n} tokens but "
+                                       f"stage counts {by_peer[p]}")
+            per_stage = [tuple(by_peer[p][s] for p in self.comm.peers) for s in range(self.stages)]
+        self.comm.set_step({s: c for s, c in enumerate(per_stage)} if self.stages > 1 else {self.stage: counts})
         if on_step:
             on_step(counts)
         if sum(counts):
+            if self.stages > 1:
+                live = [sum(c) for c in per_stage if sum(c)]
+                slots = [torch.empty(t, 0, device=self.device) for t in live]
+                if len(live) == 1:
+                    self.program(*slots)
+                else:
+                    staged_program(self.staged, self.program, len(live), stage_ffn_program)(*slots)
+                return counts
             slots = torch.empty(sum(counts), 0, device=self.device)
             if self.run_program is not None:
                 self.run_program(counts, slots)
@@ -245,10 +313,14 @@ class FFNWorker:
         the peers still running (0 for a peer that left), checked: a peer sending STOP leaves;
         None once every peer has left. A negative count or a peer whose wire checks differ from
         this rank's is a ControlError naming the peer."""
-        for p, (n, check) in messages.items():
+        for p, (n, flags) in messages.items():
             if n == STOP:
                 self.left.add(p)
                 continue
+            check, stages = flags & 1, (flags >> 1) + 1
+            if stages != self.stages:
+                raise ControlError(f"afd: FFN rank {self.comm.rank} runs {self.stages} micro-batch stage(s), attention "
+                                   f"rank {p} {stages}; give every rank of the layout the same stages")
             if n < 0:
                 raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {p} announced {n} tokens for "
                                    "the next step; a token count is >= 0")
@@ -267,24 +339,38 @@ class ControlError(AFDCompileError):
 
 def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig | None = None,
                 device: torch.device | None = None, group: dist.ProcessGroup | None = None,
-                check_wire: bool | None = None) -> AttentionWorker | FFNWorker:
+                check_wire: bool | None = None, stages: int = 1) -> AttentionWorker | FFNWorker:
     """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id
     (an attention rank reuses the one registered there when it matches: :func:`communicator_for`).
-    ``check_wire``: header checks on every transfer (None: ``AFD_CHECK_WIRE``; see AFDCommunicator)."""
+    ``check_wire``: header checks on every transfer (None: ``AFD_CHECK_WIRE``; see AFDCommunicator).
+    ``stages``: micro-batches per step (passes/stages.py); every rank of the layout the same."""
+    from .passes.schedule import verify_schedule
+
     config = config or SplitConfig()
     role, idx = layout.role_of(rank)
     # the layout's fan-in constrains the FFN program only: an attention rank's program may have a
     # static token count (a decode graph of a static cache)
     result = split_graph_module(gm, config, layout=layout if role == "ffn" else None)
+    attention, ffn = result.attention, result.ffn
+    if stages != 1:  # the programs of all stages built now: refused here, not at a step
+        staged = stage_attention_program(attention, stages), stage_ffn_program(ffn, stages)
+        verify_schedule(*staged)  # the two programs' transfers, stage by stage, in one order
     device = device or torch.device("cpu")
     check = wire_checks_from_env() if check_wire is None else check_wire
     if role == "ffn":
         comm = communicator_for("ffn", rank, layout.peers_of_ffn(idx), group, check, config.comm_id)
-        return FFNWorker(result.ffn.to(device), comm, device)
+        worker = FFNWorker(ffn.to(device), comm, device, stages=stages)
+        if stages != 1:
+            worker.staged[stages] = staged[1].to(device)
+        return worker
     # one communicator per comm id, shared by every graph of this rank (prefill, decode)
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id)
     counter = TokenCount.for_graph(gm, result.plan.cuts[0].token_dims)
-    return AttentionWorker(result.attention.to(device), comm, counter)
+    batch_dim = batch_symbol_dims(result.attention)[1][0] if stages != 1 else None
+    worker = AttentionWorker(attention.to(device), comm, counter, stages=stages, batch_dim=batch_dim)
+    if stages != 1:
+        worker.staged[stages] = staged[0].to(device)
+    return worker
 
 
 def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = None) -> AttentionWorker | FFNWorker:

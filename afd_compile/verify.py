@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from .errors import AFDCompileError
 from .layout import AFDLayout
-from .passes.graph_utils import cache_length, written_attrs
+from .passes.graph_utils import batch_symbol_dims, cache_length, written_attrs
 from .passes.roles import POLICIES
 from .programs import flat_inputs, fresh_module, load_program, positional_module
 from .runtime import (
@@ -207,21 +207,6 @@ def check_verify_inputs(facts: ProgramFacts, *, units: int, unit: str, world_siz
     return VerifyInputs(batches, steps, float(tol))
 
 
-def batch_symbol_dims(gm: fx.GraphModule) -> tuple[object | None, list[tuple[int, int]]]:
-    """The symbol of the first input's dim 0 and every (input, dim) carrying it."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    vals = [n.meta.get("val") for n in placeholders]
-    if not vals or not isinstance(vals[0], torch.Tensor) or vals[0].dim() == 0:
-        return None, []
-    sym = vals[0].shape[0]
-    if not isinstance(sym, torch.SymInt):
-        return None, []
-    key = str(sym.node.expr)
-    dims = [(i, d) for i, v in enumerate(vals) if isinstance(v, torch.Tensor)
-            for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt) and str(s.node.expr) == key]
-    return key, dims
-
-
 def resize_inputs(inputs: Sequence[torch.Tensor], dims: list[tuple[int, int]], batch: int,
                   salt: int) -> tuple[torch.Tensor, ...]:
     """Tile the example rows along the batch dim to ``batch`` rows; integer inputs with values
@@ -276,6 +261,7 @@ class Case:
     steps: int = 2
     policy: str = "default"
     decode_steps: int = 0  # a program with a KV cache: a prefill, then this many decode steps
+    stages: int = 1  # micro-batches per step (passes/stages.py)
 
 
 def _loaded(path: str, cache: dict) -> tuple:
@@ -301,7 +287,8 @@ def _step_inputs(inputs: Sequence[torch.Tensor], spec: DecodeSpec | None, decode
 def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
     ep, original, inputs, spec = _loaded(case.path, cache)
     config = SplitConfig(compute_gate_on_attention=case.gate, policy=POLICIES[case.policy], graph_name=case.path)
-    worker = make_worker(fresh_module(ep), case.layout, rank, config, group=group, check_wire=True)
+    worker = make_worker(fresh_module(ep), case.layout, rank, config, group=group, check_wire=True,
+                         stages=case.stages)
     if not isinstance(worker, AttentionWorker):
         return {"role": "ffn", "steps": worker.serve()}
     a = case.layout.role_of(rank)[1]
@@ -319,7 +306,8 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
                 tally.add(step, compare(out, original(*x)))
     finally:
         worker.stop()
-    return {"role": "attention", "batches": sizes, **tally.to_json()}
+    stages = dict(sorted(worker.comm.stage_transfers.items()))
+    return {"role": "attention", "batches": sizes, "stage_transfers": stages, **tally.to_json()}
 
 
 def _verify_cases(rank: int, world: int, cases: Sequence[Case]) -> list[dict | None]:
@@ -395,15 +383,24 @@ def _decode_line(spec: DecodeSpec, decode_steps: int) -> str:
 
 def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = None, gate: bool = False,
                steps: int = 2, tol: float | None = None, policy: str = "default",
-               timeout_s: float = DEFAULT_TIMEOUT_S, decode_steps: int = 0,
+               timeout_s: float = DEFAULT_TIMEOUT_S, decode_steps: int = 0, stages: int = 1,
                log: Callable[[str], None] = lambda s: None) -> VerifyReport:
     """Verify the AFD split of the ``.pt2`` at ``path``; ``batches`` per attention rank (None:
-    default sizes 1, 2, 3, ... when the batch dim is dynamic, the saved example otherwise).
+    default sizes 1, 2, 3, ... when the batch dim is dynamic, the saved example otherwise);
+    ``stages`` micro-batches per step (passes/stages.py).
     Raises VerifyInputError (before any process starts) on inputs :func:`check_verify_inputs` refuses."""
     ep = load_program(path)
     facts = ProgramFacts.of(ep)
     spec = DecodeSpec.of(ep)
     check_decode_steps(spec, decode_steps, batches, path)
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise VerifyInputError(f"--stages must be an integer >= 1, got {stages!r}")
+    if stages > 1 and spec is not None:
+        raise VerifyInputError(f"--stages {stages}: {path} holds a KV cache; micro-batch stages with a KV cache are "
+                               "not supported yet (each stage would own its cache rows)")
+    if stages > 1 and facts.batch_range is None:
+        raise VerifyInputError(f"--stages {stages}: {path} has a static batch dimension; micro-batches split the "
+                               "sequences of a step, so export with a dynamic batch")
     if batches is None and facts.batch_range is not None and spec is None:
         batches = [1 + a for a in range(layout.attention_ranks)]
     checked = check_verify_inputs(facts, units=layout.attention_ranks, unit="attention rank",
@@ -412,16 +409,18 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = 
         log(f"verify: {path} has a static batch dimension; every attention rank uses the saved example input")
     log(f"verify: {layout} on {layout.world_size} local gloo processes (FFN ranks 0..{layout.ffn_ranks - 1}), "
         f"batch per attention rank {list(checked.batches) if checked.batches is not None else 'as saved'}, "
-        + (_decode_line(spec, decode_steps) if decode_steps else f"{checked.steps} steps"))
+        + (_decode_line(spec, decode_steps) if decode_steps else f"{checked.steps} steps")
+        + (f", {stages} micro-batch stages" if stages > 1 else ""))
     t = time.perf_counter()
-    case = Case(path, layout, checked.batches, gate, checked.steps, policy, decode_steps)
+    case = Case(path, layout, checked.batches, gate, checked.steps, policy, decode_steps, stages)
     results = run_cases([case], timeout_s=timeout_s)[0]
     for r in sorted(results):
         res = results[r]
         if res["role"] == "ffn":
             log(f"  rank {r} ffn: served {res['steps']} steps from peers {list(layout.peers_of_ffn(r))}")
         else:
-            log(f"  rank {r} attention: batches {res['batches']} max_rel_err={res['max_rel_err']:.3g}")
+            staged = (f", transfers per stage {res['stage_transfers']}" if stages > 1 else "")
+            log(f"  rank {r} attention: batches {res['batches']} max_rel_err={res['max_rel_err']:.3g}{staged}")
     return _report(layout, results, checked.tol, time.perf_counter() - t)
 
 

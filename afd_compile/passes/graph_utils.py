@@ -249,3 +249,18 @@ def cache_length(gm: fx.GraphModule) -> int | None:
 def state_bytes(gm: fx.GraphModule) -> int:
     """Bytes of the buffers ``gm`` updates in place (its KV cache and write positions)."""
     return sum(get_attr_path(gm, name).numel() * get_attr_path(gm, name).element_size() for name in written_attrs(gm))
+
+
+def batch_symbol_dims(gm: fx.GraphModule) -> tuple[object | None, list[tuple[int, int]]]:
+    """The symbol of the first input's dim 0 and every (input, dim) carrying it."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in placeholders]
+    if not vals or not isinstance(vals[0], torch.Tensor) or vals[0].dim() == 0:
+        return None, []
+    sym = vals[0].shape[0]
+    if not isinstance(sym, torch.SymInt):
+        return None, []
+    key = str(sym.node.expr)
+    dims = [(i, d) for i, v in enumerate(vals) if isinstance(v, torch.Tensor)
+            for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt) and str(s.node.expr) == key]
+    return key, dims

@@ -1,0 +1,114 @@
+"""Micro-batch stages (issue 13): the staged programs' structure (their transfers in the ping-pong
+order, a golden around each cut), numerics of S = 2 and 3 against the single-process model on
+real gloo processes (1A1F, 2A1F, 3A2F, uneven batches, fewer sequences than stages, a rank with
+no tokens, MoE with the router on either side), and clear refusals."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.fx as fx
+
+from afd_compile.golden import cut_window_lines, graph_text
+from afd_compile.layout import AFDLayout
+from afd_compile.passes.schedule import transfers, verify_schedule
+from afd_compile.passes.stages import StageError, stage_attention_program, stage_ffn_program
+from afd_compile.split_api import split
+from afd_compile.verify import Case, run_cases
+
+GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
+
+
+@pytest.fixture(scope="module")
+def llama_split(exported):
+    return split(exported("llama2")[0], layout=AFDLayout(1, 1))
+
+
+def test_staged_programs_transfer_layer_major_stage_minor(llama_split):
+    attn = stage_attention_program(llama_split.attention, 3)
+    ffn = stage_ffn_program(llama_split.ffn, 3)
+    seq = [(t.direction, t.layer, t.stage) for t in verify_schedule(attn, ffn)]
+    assert seq == [(d, layer, s) for layer in range(2) for s in range(3) for d in ("to_ffn", "to_attention")]
+    assert [t.stage for t in transfers(ffn)] == [s for _ in range(2) for s in range(3) for _ in range(2)]
+    inputs = [n.name for n in attn.graph.nodes if n.op == "placeholder"]
+    assert inputs[-3:] == ["stage_rows_0", "stage_rows_1", "stage_rows_2"]
+    assert [n.name for n in ffn.graph.nodes if n.op == "placeholder"] == [f"token_slots_{s}" for s in range(3)]
+    # the model's weights are shared by the stages, not copied
+    assert len(dict(attn.named_parameters())) == len(dict(llama_split.attention.named_parameters()))
+    assert stage_attention_program(llama_split.attention, 1) is llama_split.attention
+
+
+def test_golden_of_the_two_stage_programs(llama_split, update_goldens):
+    attn = stage_attention_program(llama_split.attention, 2)
+    ffn = stage_ffn_program(llama_split.ffn, 2)
+    text = "\n".join(["# llama2 1A1F, 2 micro-batch stages",
+                      "## attention program, around each cut", *cut_window_lines(attn),
+                      "## ffn program (structure)", graph_text(ffn, shapes=False).rstrip("\n")]) + "\n"
+    path = os.path.join(GOLDEN_DIR, "stages_llama2_1A1F_S2.txt")
+    if update_goldens or not os.path.exists(path):
+        if not update_goldens:
+            pytest.fail(f"missing golden {path}; run pytest --update-goldens and review the diff")
+        with open(path, "w") as fh:
+            fh.write(text)
+    with open(path) as fh:
+        assert text == fh.read(), f"{path} changed; if intended, rerun with --update-goldens"
+
+
+def test_stages_match_the_single_process_model(exported):
+    llama, moe = exported("llama2")[1], exported("qwen3moe2")[1]
+    cases = [
+        Case(llama, AFDLayout(1, 1), (3, 2), stages=2),
+        Case(llama, AFDLayout(2, 1), (3, 1), stages=3),         # a step with 1 sequence over 3 stages
+        Case(llama, AFDLayout(3, 2), (4, 2, 1), stages=2),      # fan-in, uneven peer blocks and batches
+        Case(llama, AFDLayout(2, 1), (3, 0), stages=2),         # a rank with no tokens at a step
+        Case(moe, AFDLayout(2, 1), (3, 2), stages=2),
+        Case(moe, AFDLayout(2, 1), (3, 2), gate=True, stages=3),  # router logits on the wire
+    ]
+    for case, res in zip(cases, run_cases(cases), strict=True):
+        attn = [r for r in res.values() if r["role"] == "attention"]
+        assert len(attn) == case.layout.attention_ranks, (case, res)
+        assert all(r["compared"] and r["max_rel_err"] <= 1e-5 for r in attn), (case, res)
+        # the stages really ran: transfers of every stage the largest batch fills
+        assert all(set(r["stage_transfers"]) == set(range(min(case.stages, max(r["batches"])))) for r in attn), res
+
+
+def _graph_with(target: object) -> fx.GraphModule:
+    g = fx.Graph()
+    x, buf = g.placeholder("x"), g.placeholder("buf")
+    for n, shape in ((x, (2, 3)), (buf, (2, 3))):
+        n.meta["val"] = torch.empty(shape)
+    g.output(g.call_function(target, (buf, x)))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_refusals_name_the_reason():
+    with pytest.raises(StageError, match=r"attention program: node add__tensor \(aten.add_.Tensor\) writes a tensor in place \(a KV cache\)"):
+        stage_attention_program(_graph_with(torch.ops.aten.add_.Tensor), 2)
+    with pytest.raises(StageError, match="no dynamic batch dim"):
+        stage_attention_program(_graph_with(torch.ops.aten.add.Tensor), 2)
+    with pytest.raises(StageError, match="stages must be an integer >= 1, got 0"):
+        stage_ffn_program(_graph_with(torch.ops.aten.add.Tensor), 0)
+
+
+def test_an_ffn_rank_refuses_a_peer_with_other_stages():
+    from afd_compile.comm import AFDCommunicator
+    from afd_compile.runtime import ControlError, FFNWorker
+
+    worker = FFNWorker(fx.GraphModule(torch.nn.Module(), fx.Graph()), AFDCommunicator("ffn", 0, (1, 2), check_wire=False),
+                       torch.device("cpu"), stages=2)
+    assert worker._check_control({1: [4, 0 | 1 << 1], 2: [3, 0 | 1 << 1]}) == (4, 3)
+    with pytest.raises(ControlError, match="FFN rank 0 runs 2 micro-batch stage\\(s\\), attention rank 2 1"):
+        worker._check_control({1: [4, 1 << 1], 2: [3, 0]})
+
+
+def test_cli_stages(exported, capsys):
+    from afd_compile.cli import main
+
+    path = exported("llama2")[1]
+    assert main(["plan", path, "-A", "2", "-F", "1", "--stages", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ping-pong schedule 2A1F, 2 layers x 2 stages" in out and "schedule: checked" in out
+    assert main(["verify", path, "--tp", "2", "--stages", "2"]) == 2
+    assert "--stages" in capsys.readouterr().err
