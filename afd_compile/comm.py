@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,17 +111,25 @@ class AFDCommunicator:
         are skipped on both sides (both sides know the counts). With ``check_wire`` the headers
         of every transfer go first (:meth:`_check_headers`).
         """
+        for work in self.start(sends, recvs, layer_idx=layer_idx, stage_idx=stage_idx, where=where):
+            work.wait()
+
+    def start(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *, layer_idx: int = -1,
+              stage_idx: int = -1, where: str = "afd") -> list[Any]:
+        """Post the transfers of :meth:`exchange` and return their works, not waited on: the
+        caller waits (``work.wait()``: on NCCL the current stream waits for the transfer, the host
+        does not) and keeps the sent tensors alive until then. The wire-check headers, if on, are
+        exchanged (and waited on) first."""
         sends = [s for s in sends if s[0].numel()]
         recvs = [r for r in recvs if r[0].numel()]
         if not sends and not recvs:
-            return
+            return []
         self.stage_transfers[stage_idx] = self.stage_transfers.get(stage_idx, 0) + len(sends) + len(recvs)
         if self.check_wire:
             self._check_headers(sends, recvs, layer_idx, stage_idx, where)
         ops = [dist.P2POp(dist.isend, t.contiguous(), p, self.group) for t, p, _ in sends]
         ops += [dist.P2POp(dist.irecv, t, p, self.group) for t, p, _ in recvs]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        return list(dist.batch_isend_irecv(ops))
 
     def _check_headers(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], layer_idx: int,
                        stage_idx: int, where: str) -> None:

@@ -99,7 +99,8 @@ def graph_lines(gm: fx.GraphModule, shapes: bool = True) -> list[str]:
     return lines
 
 
-_AFD_OPS = (torch.ops.afd.p2p_send.default, torch.ops.afd.p2p_recv.default)
+_AFD_OPS = (torch.ops.afd.p2p_send.default, torch.ops.afd.p2p_recv.default, torch.ops.afd.p2p_send_start.default,
+            torch.ops.afd.p2p_recv_start.default, torch.ops.afd.p2p_recv_wait.default)
 
 
 def graph_text(gm: fx.GraphModule, shapes: bool = True) -> str:
@@ -114,13 +115,18 @@ def cut_window_lines(gm: fx.GraphModule) -> list[str]:
     out: list[str] = []
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    for send in (n for n in nodes if n.target == torch.ops.afd.p2p_send.default):
-        restored = next(n for n in nodes[pos[send]:] if n.name.startswith("afd_ffn_out"))
+    for send in (n for n in nodes if n.target in (torch.ops.afd.p2p_send.default, torch.ops.afd.p2p_send_start.default)):
+        stage = send.meta.get("afd.stage", 0)  # a staged program: this micro-batch's nodes only
+
+        def ours(n: fx.Node, _stage: int = stage) -> bool:
+            return n.meta.get("afd.stage", 0) == _stage
+
+        restored = next(n for n in nodes[pos[send]:] if n.name.startswith("afd_ffn_out") and ours(n))
         first = min((a for a in send.args[0][0].all_input_nodes), key=pos.__getitem__)
-        window = [first] + [n for n in nodes[pos[first] + 1 : pos[restored] + 1]
-                            if n.name.startswith("afd_") or n.op == "call_function" and n.target in (
-                                torch.ops.aten.sym_size.int, torch.ops.afd.p2p_recv.default) or
-                            (n.target.__module__ in ("_operator", "operator") if callable(n.target) else False)]
+        window = [first] + [n for n in nodes[pos[first] + 1 : pos[restored] + 1] if ours(n) and (
+                            n.name.startswith("afd_") or n.op == "call_function" and n.target in (
+                                torch.ops.aten.sym_size.int, *_AFD_OPS) or
+                            (n.target.__module__ in ("_operator", "operator") if callable(n.target) else False))]
         window += sorted(restored.users, key=pos.__getitem__)
         names = {n: f"a{i}" for i, n in enumerate(window)}
 
@@ -131,7 +137,7 @@ def cut_window_lines(gm: fx.GraphModule) -> list[str]:
                 return "[" + ", ".join(arg(x) for x in a) + "]"
             return str(a).removeprefix("torch.")
 
-        layer, stage = send.args[2], send.args[3]
+        layer = send.args[2]
         out.append(f"# cut of layer {layer}" + (f", stage {stage}" if stage else ""))
         for n in window:
             kw = [f"{k}={arg(v)}" for k, v in n.kwargs.items()] if n.target in _AFD_OPS else []

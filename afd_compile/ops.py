@@ -160,6 +160,101 @@ def _(dep, comm_id, layer_idx, stage_idx, num_tokens, spec):
     ]
 
 
+# --- attention side, asynchronous (micro-batch stages) ------------------------------------------
+#
+# A staged attention program (passes/stages.py) starts the transfers of micro-batch s and goes on
+# computing micro-batch s + 1; it waits for them where the FFN output is first used:
+#
+#   token  = afd::p2p_send_start(tensors, comm_id, layer, stage, spec, dep)   # posts the send
+#   handle = afd::p2p_recv_start(token, comm_id, layer, stage, num_tokens, spec)   # posts the receive
+#   ... the next micro-batch's work ...
+#   outs   = afd::p2p_recv_wait(handle, comm_id, layer, stage, num_tokens, spec, dep)
+#
+# The works and the tensors in flight (the sent ones stay alive until the wait) are held here,
+# keyed by (comm, layer, stage, direction): unique within a step. On NCCL a work's wait() makes
+# the current stream wait for the transfer, not the host, so the three ops are capturable.
+
+#: transfers started and not waited on: (comm_id, layer, stage, "send" | "recv") -> (works, tensors)
+IN_FLIGHT: dict[tuple[int, int, int, str], tuple[list, list[torch.Tensor]]] = {}
+
+
+def _hold(key: tuple[int, int, int, str], works: list, tensors: list[torch.Tensor], where: str) -> None:
+    if key in IN_FLIGHT:
+        raise RuntimeError(f"{where}: a {key[3]} of this layer and stage is already in flight (started twice "
+                           "without a wait in between)")
+    IN_FLIGHT[key] = (works, tensors)
+
+
+@torch.library.custom_op("afd::p2p_send_start", mutates_args=())
+def p2p_send_start(
+    tensors: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str,
+    dep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    comm = get_communicator(comm_id)
+    where = _where("p2p_send_start", comm, layer_idx, stage_idx)
+    wspec = _spec(spec)
+    if not torch.compiler.is_compiling():
+        check_wire_tensors(tensors, wspec, comm.metadata(layer_idx, stage_idx), comm, where)
+    sent = [t.contiguous() for t in tensors]
+    works = comm.start([(t, comm.peers[0], w.kind) for t, w in zip(sent, wspec.tensors, strict=True)], [],
+                       layer_idx=layer_idx, stage_idx=stage_idx, where=where)
+    _hold((comm_id, layer_idx, stage_idx, "send"), works, sent, where)
+    return _token(tensors[0])
+
+
+@p2p_send_start.register_fake
+def _(tensors, comm_id, layer_idx, stage_idx, spec, dep=None):
+    return torch.empty(0, device=tensors[0].device)
+
+
+@torch.library.custom_op("afd::p2p_recv_start", mutates_args=())
+def p2p_recv_start(
+    dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int, spec: str
+) -> torch.Tensor:
+    comm = get_communicator(comm_id)
+    where = _where("p2p_recv_start", comm, layer_idx, stage_idx)
+    wspec = _spec(spec)
+    if not torch.compiler.is_compiling():
+        meta = comm.metadata(layer_idx, stage_idx)
+        if meta.total_tokens != num_tokens:
+            raise ValueError(f"{where}: shape mismatch: expecting {num_tokens} tokens but the transfer metadata says "
+                             f"{meta.total_tokens}")
+    outs = [torch.empty(w.shape(num_tokens), dtype=w.dtype, device=dep.device) for w in wspec.tensors]
+    works = comm.start([], [(t, comm.peers[0], w.kind) for t, w in zip(outs, wspec.tensors, strict=True)],
+                       layer_idx=layer_idx, stage_idx=stage_idx, where=where)
+    _hold((comm_id, layer_idx, stage_idx, "recv"), works, outs, where)
+    return _token(dep)
+
+
+@p2p_recv_start.register_fake
+def _(dep, comm_id, layer_idx, stage_idx, num_tokens, spec):
+    return torch.empty(0, device=dep.device)
+
+
+@torch.library.custom_op("afd::p2p_recv_wait", mutates_args=())
+def p2p_recv_wait(
+    handle: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int, spec: str,
+    dep: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """Wait for the receive (and the send) of this layer and stage; returns what was received.
+    ``dep``: the latest transfer started, so the wait stays after it."""
+    comm = get_communicator(comm_id)
+    where = _where("p2p_recv_wait", comm, layer_idx, stage_idx)
+    key = (comm_id, layer_idx, stage_idx, "recv")
+    if key not in IN_FLIGHT:
+        raise RuntimeError(f"{where}: no receive of this layer and stage was started")
+    works, outs = IN_FLIGHT.pop(key)
+    sent = IN_FLIGHT.pop((comm_id, layer_idx, stage_idx, "send"), ([], []))
+    for work in [*sent[0], *works]:
+        work.wait()
+    return list(outs)
+
+
+@p2p_recv_wait.register_fake
+def _(handle, comm_id, layer_idx, stage_idx, num_tokens, spec, dep=None):
+    return [torch.empty(w.shape(num_tokens), dtype=w.dtype, device=handle.device) for w in _spec(spec).tensors]
+
+
 # --- FFN side -------------------------------------------------------------------------------
 
 
@@ -225,10 +320,16 @@ AFD_OPS = (
     torch.ops.afd.p2p_recv_group.default,
     torch.ops.afd.p2p_send_group.default,
 )
+#: the asynchronous attention-side ops of staged programs
+ASYNC_OPS = (
+    torch.ops.afd.p2p_send_start.default,
+    torch.ops.afd.p2p_recv_start.default,
+    torch.ops.afd.p2p_recv_wait.default,
+)
 SEND_OPS = (torch.ops.afd.p2p_send.default, torch.ops.afd.p2p_send_group.default)
 RECV_OPS = (torch.ops.afd.p2p_recv.default, torch.ops.afd.p2p_recv_group.default)
 
-for _op in AFD_OPS:
+for _op in AFD_OPS + ASYNC_OPS:
     has_side_effect(_op)
 
 

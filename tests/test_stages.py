@@ -13,12 +13,14 @@ import torch.fx as fx
 
 from afd_compile.golden import cut_window_lines, graph_text
 from afd_compile.layout import AFDLayout
+from afd_compile.ops import ASYNC_OPS
 from afd_compile.passes.schedule import transfers, verify_schedule
 from afd_compile.passes.stages import StageError, stage_attention_program, stage_ffn_program
 from afd_compile.split_api import split
 from afd_compile.verify import Case, run_cases
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
+RECV_START, RECV_WAIT = torch.ops.afd.p2p_recv_start.default, torch.ops.afd.p2p_recv_wait.default
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +40,21 @@ def test_staged_programs_transfer_layer_major_stage_minor(llama_split):
     # the model's weights are shared by the stages, not copied
     assert len(dict(attn.named_parameters())) == len(dict(llama_split.attention.named_parameters()))
     assert stage_attention_program(llama_split.attention, 1) is llama_split.attention
+    # overlap: micro-batch s is waited on only after micro-batch s + 1 has started its transfers
+    pos = {(n.target, n.args[2], n.args[3]): i for i, n in enumerate(attn.graph.nodes) if n.target in ASYNC_OPS}
+    for layer in range(2):
+        for s in range(2):
+            assert pos[(RECV_WAIT, layer, s)] > pos[(RECV_START, layer, s + 1)]
 
 
 def test_golden_of_the_two_stage_programs(llama_split, update_goldens):
     attn = stage_attention_program(llama_split.attention, 2)
     ffn = stage_ffn_program(llama_split.ffn, 2)
+    order = [f"{n.target.__name__.split('.')[0].removeprefix('p2p_')} L{n.args[2]}/S{n.args[3]}"
+             for n in attn.graph.nodes if n.op == "call_function" and n.target in ASYNC_OPS]
     text = "\n".join(["# llama2 1A1F, 2 micro-batch stages",
-                      "## attention program, around each cut", *cut_window_lines(attn),
+                      "## the attention program's transfers, in program order", *order,
+                      "## attention program, around each cut (each stage's own nodes)", *cut_window_lines(attn),
                       "## ffn program (structure)", graph_text(ffn, shapes=False).rstrip("\n")]) + "\n"
     path = os.path.join(GOLDEN_DIR, "stages_llama2_1A1F_S2.txt")
     if update_goldens or not os.path.exists(path):

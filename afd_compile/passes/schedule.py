@@ -42,6 +42,8 @@ class Transfer:
 
 _DIRECTION = {
     afd.p2p_send.default: "to_ffn",
+    afd.p2p_send_start.default: "to_ffn",
+    afd.p2p_recv_start.default: "to_attention",
     afd.p2p_recv_group.default: "to_ffn",
     afd.p2p_recv.default: "to_attention",
     afd.p2p_send_group.default: "to_attention",

@@ -6,7 +6,7 @@ holds one copy of the model per micro-batch, interleaved layer by layer, so that
 of layer ``l`` is exchanged while ``s + 1`` is computed (the ping-pong schedule of
 ``passes/pingpong.py``); the FFN program holds one copy of each layer's FFN per stage, in the same
 order. Every transfer carries its stage index, and each transfer depends on the one before it
-(data, or the ``dep`` of ``afd::p2p_send``), so no compiler reorders them.
+(data, or a ``dep`` argument), so no compiler reorders them.
 
 Attention program, before (``S = 1``; one layer)::
 
@@ -20,12 +20,19 @@ After (``S = 2``): two more inputs whose first dims are the micro-batches' seque
 
     ids = placeholder; ...; stage_rows_0 = placeholder; stage_rows_1 = placeholder
     ids_0 = aten.slice(ids, 0, 0, b0); ids_1 = aten.slice(ids, 0, b0, b0 + b1)
-    ... (layer 0, stage 0) ...;  send_0 = afd.p2p_send([hidden_0], 0, 0, 0, spec)
-    recv_0 = afd.p2p_recv(send_0, 0, 0, 0, n_0, spec)
-    ... (layer 0, stage 1) ...;  send_1 = afd.p2p_send([hidden_1], 0, 0, 1, spec, dep=recv_0[0])
-    recv_1 = afd.p2p_recv(send_1, 0, 0, 1, n_1, spec)
+    ... (layer 0, stage 0) ...;  send_0 = afd.p2p_send_start([hidden_0], 0, 0, 0, spec)
+    recv_0 = afd.p2p_recv_start(send_0, 0, 0, 0, n_0, spec)
+    ... (layer 0, stage 1) ...;  send_1 = afd.p2p_send_start([hidden_1], 0, 0, 1, spec, dep=recv_0)
+    recv_1 = afd.p2p_recv_start(send_1, 0, 0, 1, n_1, spec)
+    out_0 = afd.p2p_recv_wait(recv_0, 0, 0, 0, n_0, spec, dep=recv_1)   # layer 1, stage 0 begins
     ... (layer 1, stage 0) ... (layer 1, stage 1) ...
     return (aten.cat([logits_0, logits_1], 0),)
+
+The attention side's transfers are asynchronous (``afd::p2p_send_start`` / ``p2p_recv_start``
+post them, ``p2p_recv_wait`` waits where the FFN output is first used), so micro-batch ``s + 1``
+is computed while the FFN rank computes ``s``; on one communication stream per rank the order
+start(send s), start(recv s), start(send s + 1), ... is the pairing the FFN rank's blocking
+receive, compute, send follows (``passes/pingpong.py`` checks that order).
 
 FFN program, after: inputs ``token_slots_0 .. token_slots_{S-1}`` (each stage's tokens over all
 peers), ``recv_group(l, s)`` depending on ``send_group`` of the transfer before.
@@ -71,13 +78,14 @@ def _refuse_state(gm: fx.GraphModule, name: str) -> None:
 
 
 def _replicate(gm: fx.GraphModule, stages: int, graph: fx.Graph, envs: list[dict[fx.Node, object]],
-               boundary: object, on_transfer: Callable[[fx.Node, fx.Node, int, fx.Node | None], fx.Node | None]
-               ) -> list[list[object]]:
+               boundary: object, on_transfer: Callable[[fx.Node, fx.Node, int, fx.Node | None], fx.Node | None],
+               enter: Callable[[int, fx.Node | None], None] = lambda s, last: None) -> list[list[object]]:
     """Copy every node of ``gm`` but placeholders and output once per stage into ``graph``,
     segment by segment (a segment ends with a ``boundary`` op), stage-minor; ``get_attr`` once for
     all. ``on_transfer(old, new, stage, last)`` fixes a copied transfer (its stage, its
-    dependency on the transfer before) and returns the token the next one depends on. Returns
-    each stage's output values (the output node's args, mapped)."""
+    dependency on the transfer before) and returns the token the next one depends on;
+    ``enter(stage, last)`` runs before a stage's nodes of each segment. Returns each stage's
+    output values (the output node's args, mapped)."""
     body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     segments: list[list[fx.Node]] = [[]]
     for n in body:
@@ -89,6 +97,7 @@ def _replicate(gm: fx.GraphModule, stages: int, graph: fx.Graph, envs: list[dict
     for seg in segments:
         for s in range(stages):
             env = envs[s]
+            enter(s, last)
             for n in seg:
                 if n.op == "get_attr":
                     if n not in shared:
@@ -143,14 +152,28 @@ def stage_attention_program(gm: fx.GraphModule, stages: int, name: str = "attent
         envs.append(env)
         start = end
 
+    pending: dict[int, tuple[fx.Node, fx.Node]] = {}  # stage -> (the receive, its started copy)
+
     def on_transfer(old: fx.Node, new: fx.Node, s: int, last: fx.Node | None) -> fx.Node | None:
+        # the transfers start here and are waited on where the next segment of the stage begins
         if old.target == afd.p2p_send.default:
+            new.target = afd.p2p_send_start.default
             if last is not None:
                 new.kwargs = {**new.kwargs, "dep": last}
-            return last
-        return g.call_function(operator.getitem, (new, 0))  # a receive: the next send waits for it
+            return new
+        new.target = afd.p2p_recv_start.default
+        pending[s] = (old, new)
+        return new
 
-    outs = _replicate(gm, stages, g, envs, afd.p2p_recv.default, on_transfer)
+    def enter(s: int, last: fx.Node | None) -> None:
+        if s in pending:
+            old, started = pending.pop(s)
+            wait = g.call_function(afd.p2p_recv_wait.default, (started, *started.args[1:]), {"dep": last})
+            wait.meta.update(old.meta)
+            wait.meta[META_KEY] = s
+            envs[s][old] = wait
+
+    outs = _replicate(gm, stages, g, envs, afd.p2p_recv.default, on_transfer, enter)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     g.output(_concat_outputs(g, out_node, outs, sym, name))
     staged = fx.GraphModule(gm, g)
