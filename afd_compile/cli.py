@@ -273,9 +273,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout | None) -> str:
-    """The staged programs (built: a program that cannot be staged is refused here) and the
-    ping-pong schedule of the saved example's batch on every attention rank, checked."""
-    from .passes.pingpong import check_schedule, micro_batches, pingpong_schedule
+    """The staged programs (built: a program that cannot be staged is refused here), the
+    schedule they hold for the layout, checked, and the micro-batches of the saved example."""
+    from .passes.pingpong import check_schedule, micro_batches, schedule_of_programs
     from .passes.schedule import verify_schedule
     from .passes.stages import stage_attention_program, stage_ffn_program
     from .programs import flat_inputs, load_program
@@ -284,16 +284,18 @@ def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout 
     if args.stages < 1:
         raise UsageError(f"--stages must be >= 1, got {args.stages}")
     layout = layout or AFDLayout(1, 1)
-    verify_schedule(stage_attention_program(result.attention, args.stages), stage_ffn_program(result.ffn, args.stages))
-    ep = load_program(args.model)
-    inputs = flat_inputs(ep)
+    staged = stage_attention_program(result.attention, args.stages), stage_ffn_program(result.ffn, args.stages)
+    verify_schedule(*staged)
+    sched = schedule_of_programs(layout, *staged)
+    check_schedule(sched)
+    inputs = flat_inputs(load_program(args.model))
     tokens = TokenCount.for_graph(result.attention, result.plan.cuts[0].token_dims)(inputs)
     batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
     per_seq = tokens // batch if batch else 0
-    per_stage = [(end - start) * per_seq for start, end in micro_batches([per_seq] * batch, args.stages)]
-    sched = pingpong_schedule(layout, len(result.plan.cuts), [per_stage] * layout.attention_ranks)
-    check_schedule(sched)
-    return f"{sched}\nschedule: checked (every send paired with its receive in order, no deadlock)"
+    split = [(end - start) * per_seq for start, end in micro_batches([per_seq] * batch, args.stages)]
+    return (f"{sched}\nschedule: checked (every send paired with its receive in order, each micro-batch through "
+            f"the layers in order, no deadlock on one communication stream per rank)\n"
+            f"micro-batches of the saved example ({batch} sequences of {per_seq} tokens): tokens per stage {split}")
 
 
 class _AtomicFolder:

@@ -344,6 +344,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     (an attention rank reuses the one registered there when it matches: :func:`communicator_for`).
     ``check_wire``: header checks on every transfer (None: ``AFD_CHECK_WIRE``; see AFDCommunicator).
     ``stages``: micro-batches per step (passes/stages.py); every rank of the layout the same."""
+    from .passes.pingpong import check_schedule, schedule_of_programs
     from .passes.schedule import verify_schedule
 
     config = config or SplitConfig()
@@ -355,6 +356,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     if stages != 1:  # the programs of all stages built now: refused here, not at a step
         staged = stage_attention_program(attention, stages), stage_ffn_program(ffn, stages)
         verify_schedule(*staged)  # the two programs' transfers, stage by stage, in one order
+        check_schedule(schedule_of_programs(layout, *staged))  # paired in order, no deadlock
     device = device or torch.device("cpu")
     check = wire_checks_from_env() if check_wire is None else check_wire
     if role == "ffn":

@@ -122,3 +122,19 @@ def test_cli_stages(exported, capsys):
     assert "ping-pong schedule 2A1F, 2 layers x 2 stages" in out and "schedule: checked" in out
     assert main(["verify", path, "--tp", "2", "--stages", "2"]) == 2
     assert "--stages" in capsys.readouterr().err
+
+
+def test_the_schedule_the_programs_hold_is_checked(llama_split):
+    from afd_compile.passes.pingpong import check_schedule, schedule_of_programs
+    from afd_compile.passes.schedule import ScheduleError
+
+    attn = stage_attention_program(llama_split.attention, 2)
+    ffn = stage_ffn_program(llama_split.ffn, 2)
+    check_schedule(schedule_of_programs(AFDLayout(3, 2), attn, ffn))
+    # an FFN program that takes stage 1 of layer 0 before stage 0: every pair mismatches
+    recvs = [n for n in ffn.graph.nodes if n.target == torch.ops.afd.p2p_recv_group.default]
+    a, b = recvs[0], recvs[1]
+    a.args, b.args = (*a.args[:3], 1, *a.args[4:]), (*b.args[:3], 0, *b.args[4:])
+    with pytest.raises(ScheduleError, match=r"transfer #0 from rank 1 to rank 0: rank 1 has send L0/S0 hidden -> 0, "
+                                            r"rank 0 has recv L0/S1 hidden <- 1"):
+        check_schedule(schedule_of_programs(AFDLayout(1, 1), attn, ffn))

@@ -32,8 +32,12 @@ The first violation is a :class:`ScheduleError` naming the rank, layer, stage an
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
 
 from ..layout import AFDLayout
 from .schedule import ScheduleError
@@ -80,10 +84,13 @@ class Schedule:
     stages: int
     tokens: tuple[tuple[int, ...], ...]
     ranks: tuple[RankSchedule, ...] = field(default=())
+    #: False for the schedule read from programs (every micro-batch taken to have tokens)
+    tokens_known: bool = True
 
     def __str__(self) -> str:
-        head = (f"ping-pong schedule {self.layout}, {self.layers} layers x {self.stages} stages; tokens per "
-                f"attention rank and stage {[list(t) for t in self.tokens]}")
+        head = f"ping-pong schedule {self.layout}, {self.layers} layers x {self.stages} stages"
+        if self.tokens_known:
+            head += f"; tokens per attention rank and stage {[list(t) for t in self.tokens]}"
         return "\n".join([head, *(f"  {r}" for r in self.ranks)])
 
 
@@ -224,3 +231,39 @@ def _check_progress(by_rank: dict[int, RankSchedule]) -> None:
     waiting = {r: head(r) for r in comm if head(r) is not None}
     if waiting:
         raise ScheduleError("deadlock: " + "; ".join(f"rank {r} waits at {h}" for r, h in sorted(waiting.items())))
+
+
+def schedule_of_programs(layout: AFDLayout, attention: fx.GraphModule, ffn: fx.GraphModule) -> Schedule:
+    """The schedule the programs themselves hold, every attention rank running ``attention``
+    (each micro-batch with tokens) and every FFN rank ``ffn``: the transfers in program order
+    (a started transfer counts where it starts), a layer's compute before its send."""
+    from .. import ops  # noqa: F401  (registers the afd ops)
+
+    afd = torch.ops.afd
+    sends = {afd.p2p_send.default, afd.p2p_send_start.default}
+    recvs = {afd.p2p_recv.default, afd.p2p_recv_start.default}
+    a_steps: list[Step] = []
+    for n in attention.graph.nodes:
+        if n.op == "call_function" and n.target in sends | recvs:
+            layer, stage = int(n.args[2]), int(n.args[3])
+            a_steps += [Step(COMPUTE, layer, stage), Step(SEND, layer, stage)] if n.target in sends else \
+                [Step(RECV, layer, stage)]
+    f_steps: list[Step] = []
+    for n in ffn.graph.nodes:
+        if n.op == "call_function" and n.target in (afd.p2p_recv_group.default, afd.p2p_send_group.default):
+            layer, stage = int(n.args[2]), int(n.args[3])
+            f_steps += [Step(RECV, layer, stage), Step(COMPUTE, layer, stage)] \
+                if n.target == afd.p2p_recv_group.default else [Step(SEND, layer, stage)]
+    layers = 1 + max((s.layer for s in a_steps), default=-1)
+    stages = 1 + max((s.stage for s in a_steps + f_steps), default=-1)
+    ranks = []
+    for f in range(layout.ffn_ranks):
+        peers = layout.peers_of_ffn(f)
+        steps = tuple(s if s.kind == COMPUTE else dataclasses.replace(s, peers=peers) for s in f_steps)
+        ranks.append(RankSchedule(f, "ffn", steps))
+    for a in range(layout.attention_ranks):
+        ffn_rank = (layout.ffn_of_attention(a),)
+        steps = tuple(s if s.kind == COMPUTE else dataclasses.replace(s, peers=ffn_rank) for s in a_steps)
+        ranks.append(RankSchedule(layout.attention_world_rank(a), "attention", steps))
+    tokens = tuple(tuple([1] * stages) for _ in range(layout.attention_ranks))
+    return Schedule(layout, layers, stages, tokens, tuple(ranks), tokens_known=False)
