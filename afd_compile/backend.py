@@ -37,6 +37,10 @@ Options (all optional)::
                        (measured 4.8x faster per decode step at batch 64 x context 4096 on an H200,
                        BENCHMARKS.md) and "sdpa" on CPU (Inductor's CPU flex template does not
                        compile many decode shapes). With no layout only "flex" applies the pass
+    stages             AFD: micro-batches per step (default 1): each step's sequences split into S
+                       micro-batches run interleaved layer by layer, the attention rank computing
+                       micro-batch s + 1 while the FFN rank computes s (passes/stages.py); every
+                       rank the same S; a graph with a dynamic batch (dynamic=True) and no KV cache
     check_wire         AFD: a check header ahead of every transfer (default: AFD_CHECK_WIRE; see
                        afd_compile.comm.AFDCommunicator); every rank must agree; not with CUDA graphs
                        (the comparison runs on the host): needs cudagraphs=False on CUDA
@@ -151,6 +155,7 @@ _OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                           and math.isfinite(v) and v > 0), "None or a finite number of seconds > 0"),
     "check_wire": (lambda v: v is None or isinstance(v, bool), "None or a bool"),
     "decode_attention": (lambda v: v in ("auto", "flex", "sdpa"), "'auto', 'flex' or 'sdpa'"),
+    "stages": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
 }
 
 
@@ -171,6 +176,7 @@ class BackendOptions:
     timeout_s: float | None = None
     check_wire: bool | None = None
     decode_attention: str = "auto"
+    stages: int = 1
 
     @staticmethod
     def parse(options: dict[str, Any] | None) -> BackendOptions:
@@ -196,6 +202,8 @@ class BackendOptions:
                                      f"{opts.attention}, ffn={opts.ffn})")
         if opts.check_wire is not None and not opts.attention:
             raise BackendOptionError("afd backend: check_wire applies to an AFD layout (attention, ffn) only")
+        if opts.stages > 1 and not opts.attention:
+            raise BackendOptionError(f"afd backend: stages={opts.stages} applies to an AFD layout (attention, ffn) only")
         from .passes.roles import POLICIES
 
         if opts.policy not in POLICIES:
@@ -567,7 +575,7 @@ def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str, 
 
 def _layout_key(opts: BackendOptions, rank: int, world: int) -> str:
     fields = (source_id(), torch.__version__, opts.mode, opts.tp, opts.attn_dp, opts.moe_a2a, opts.dense_dp,
-              opts.attention, opts.ffn, rank, world, opts.policy, opts.decode_attention)
+              opts.attention, opts.ffn, rank, world, opts.policy, opts.decode_attention, opts.stages)
     return hashlib.sha256(repr(fields).encode()).hexdigest()
 
 
@@ -721,15 +729,26 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
         from .runtime import process_group
 
         group = process_group(range(world), opts.timeout_s)
-    worker = make_worker(ep.module(), layout, rank, config, device=device, group=group, check_wire=check)
+    worker = make_worker(ep.module(), layout, rank, config, device=device, group=group, check_wire=check,
+                         stages=opts.stages)
     if isinstance(worker, AttentionWorker):
         _decode_attention(worker.program, opts, f"rank {rank} attention", device)
         worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called
-        compiled = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} attention", static)
-        worker.program = lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)  # type: ignore[assignment]
+
+        def wrap(prog: fx.GraphModule) -> Callable[..., Any]:  # one compiled program per input shapes
+            compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} attention", static)
+            return lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)
+
+        worker.wrap = wrap
         return worker.step
     compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
     worker.run_program = lambda counts, slots: compiled_ffn(counts, slots)  # type: ignore[attr-defined]
+
+    def wrap_ffn(prog: fx.GraphModule) -> Callable[..., Any]:  # staged: one per stage token counts
+        compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
+        return lambda *slots: compiled(tuple(int(t.shape[0]) for t in slots), *slots)
+
+    worker.wrap = wrap_ffn
     outs = [n for n in (gm or ep.graph_module).graph.nodes if n.op == "output"][0].args[0]
     n_out = len(outs) if isinstance(outs, (list, tuple)) else 1
 

@@ -168,7 +168,7 @@ def _(dep, comm_id, layer_idx, stage_idx, num_tokens, spec):
 #   token  = afd::p2p_send_start(tensors, comm_id, layer, stage, spec, dep)   # posts the send
 #   handle = afd::p2p_recv_start(token, comm_id, layer, stage, num_tokens, spec)   # posts the receive
 #   ... the next micro-batch's work ...
-#   outs   = afd::p2p_recv_wait(handle, comm_id, layer, stage, num_tokens, spec, dep)
+#   outs   = afd::p2p_recv_wait(handle, comm_id, layer, stage, num_tokens, spec, tensors, dep)
 #
 # The works and the tensors in flight (the sent ones stay alive until the wait) are held here,
 # keyed by (comm, layer, stage, direction): unique within a step. On NCCL a work's wait() makes
@@ -234,10 +234,12 @@ def _(dep, comm_id, layer_idx, stage_idx, num_tokens, spec):
 @torch.library.custom_op("afd::p2p_recv_wait", mutates_args=())
 def p2p_recv_wait(
     handle: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int, spec: str,
-    dep: torch.Tensor | None = None,
+    keep: list[torch.Tensor], dep: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Wait for the receive (and the send) of this layer and stage; returns what was received.
-    ``dep``: the latest transfer started, so the wait stays after it."""
+    ``dep``: the latest transfer started, so the wait stays after it; ``keep``: the tensors the
+    send reads, inputs here so that a compiler keeps their memory (no buffer reuse) until the
+    transfer is done."""
     comm = get_communicator(comm_id)
     where = _where("p2p_recv_wait", comm, layer_idx, stage_idx)
     key = (comm_id, layer_idx, stage_idx, "recv")
@@ -251,7 +253,7 @@ def p2p_recv_wait(
 
 
 @p2p_recv_wait.register_fake
-def _(handle, comm_id, layer_idx, stage_idx, num_tokens, spec, dep=None):
+def _(handle, comm_id, layer_idx, stage_idx, num_tokens, spec, keep, dep=None):
     return [torch.empty(w.shape(num_tokens), dtype=w.dtype, device=handle.device) for w in _spec(spec).tensors]
 
 

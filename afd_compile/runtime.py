@@ -161,13 +161,23 @@ class AttentionWorker:
     #: the program of k micro-batches, built on first use (k < stages when a step has fewer
     #: sequences than stages: the empty micro-batches are the last ones and have no transfer)
     staged: dict[int, fx.GraphModule] = field(default_factory=dict)
+    #: how a program runs (the compile backend compiles it): applied once per program
+    wrap: Callable[[fx.GraphModule], Callable[..., Any]] | None = None
+    runners: dict[int, Callable[..., Any]] = field(default_factory=dict)
+
+    def program_for(self, k: int) -> Callable[..., Any]:
+        """The program of ``k`` micro-batches (1: the unstaged one), as it runs."""
+        if k not in self.runners:
+            prog = self.program if k == 1 else staged_program(self.staged, self.program, k, stage_attention_program)
+            self.runners[k] = self.wrap(prog) if self.wrap is not None else prog
+        return self.runners[k]
 
     def step(self, *inputs: torch.Tensor) -> Any:
         n = self.count_tokens(inputs)
         if self.stages == 1:
             send_control(self.comm, n)
             self.comm.set_step({self.stage: (n,)})
-            return self.program(*inputs) if n else None
+            return self.program_for(1)(*inputs) if n else None
         from .passes.pingpong import micro_batches
 
         assert self.batch_dim is not None
@@ -181,10 +191,9 @@ class AttentionWorker:
             return None
         rows = [r for r in rows if r]
         if len(rows) == 1:
-            return self.program(*inputs)
+            return self.program_for(1)(*inputs)
         dev = inputs[self.batch_dim[0]].device
-        return staged_program(self.staged, self.program, len(rows), stage_attention_program)(
-            *inputs, *(torch.empty(r, 0, device=dev) for r in rows))
+        return self.program_for(len(rows))(*inputs, *(torch.empty(r, 0, device=dev) for r in rows))
 
     def stop(self) -> None:
         send_control(self.comm, STOP)
@@ -252,6 +261,16 @@ class FFNWorker:
     #: tensor per stage; built on first use (stages with no token from any peer are the last ones)
     stages: int = 1
     staged: dict[int, fx.GraphModule] = field(default_factory=dict)
+    #: how a staged program runs (the compile backend compiles it): applied once per program
+    wrap: Callable[[fx.GraphModule], Callable[..., Any]] | None = None
+    runners: dict[int, Callable[..., Any]] = field(default_factory=dict)
+
+    def program_for(self, k: int) -> Callable[..., Any]:
+        """The program of ``k`` micro-batch stages (1: the unstaged one), as it runs."""
+        if k not in self.runners:
+            prog = self.program if k == 1 else staged_program(self.staged, self.program, k, stage_ffn_program)
+            self.runners[k] = self.wrap(prog) if self.wrap is not None else prog
+        return self.runners[k]
 
     def serve(self, on_step: Callable[[tuple[int, ...]], None] | None = None) -> int:
         """Serve steps until every peer says stop; returns the number of steps served."""
@@ -295,11 +314,7 @@ class FFNWorker:
         if sum(counts):
             if self.stages > 1:
                 live = [sum(c) for c in per_stage if sum(c)]
-                slots = [torch.empty(t, 0, device=self.device) for t in live]
-                if len(live) == 1:
-                    self.program(*slots)
-                else:
-                    staged_program(self.staged, self.program, len(live), stage_ffn_program)(*slots)
+                self.program_for(len(live))(*(torch.empty(t, 0, device=self.device) for t in live))
                 return counts
             slots = torch.empty(sum(counts), 0, device=self.device)
             if self.run_program is not None:

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/compile_backend.py --tp 2
     torchrun --nproc-per-node 2 examples/compile_backend.py --tp 2 --attn-dp 2 --family qwen3_moe
     torchrun --nproc-per-node 3 examples/compile_backend.py --attention 2 --ffn 1
+    torchrun --nproc-per-node 2 examples/compile_backend.py --attention 1 --ffn 1 --stages 2
 
 Every rank builds the same small HF model (seeded random weights) and calls
 ``torch.compile(model, backend="afd", options=...)`` on it; the backend (found through its entry
@@ -53,6 +54,7 @@ def main() -> int:
     parser.add_argument("--dense-dp", action="store_true", help="dense MLPs data-parallel (SCATTERED)")
     parser.add_argument("--attention", type=int, default=0, help="AFD: attention ranks")
     parser.add_argument("--ffn", type=int, default=0, help="AFD: FFN ranks")
+    parser.add_argument("--stages", type=int, default=1, help="AFD: micro-batches per step (ping-pong)")
     parser.add_argument("--family", default="llama", choices=["llama", "qwen3_moe"])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
@@ -75,7 +77,7 @@ def main() -> int:
     model = build_hf(args.family, num_layers=args.layers).to(device=device, dtype=dtype)
     options = {"tp": args.tp, "attn_dp": args.attn_dp, "attention": args.attention, "ffn": args.ffn,
                "inductor": not args.no_inductor, "moe_a2a": args.moe_a2a, "dense_dp": args.dense_dp,
-               "timeout_s": args.timeout}
+               "timeout_s": args.timeout, **({"stages": args.stages} if args.stages != 1 else {})}
     # token counts change per step (and per DP group / attention peer): dynamic shapes
     compiled = torch.compile(model, backend="afd", options=options, dynamic=True)
     if args.attention:

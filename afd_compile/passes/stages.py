@@ -24,7 +24,7 @@ After (``S = 2``): two more inputs whose first dims are the micro-batches' seque
     recv_0 = afd.p2p_recv_start(send_0, 0, 0, 0, n_0, spec)
     ... (layer 0, stage 1) ...;  send_1 = afd.p2p_send_start([hidden_1], 0, 0, 1, spec, dep=recv_0)
     recv_1 = afd.p2p_recv_start(send_1, 0, 0, 1, n_1, spec)
-    out_0 = afd.p2p_recv_wait(recv_0, 0, 0, 0, n_0, spec, dep=recv_1)   # layer 1, stage 0 begins
+    out_0 = afd.p2p_recv_wait(recv_0, 0, 0, 0, n_0, spec, [hidden_0], dep=recv_1)   # layer 1, stage 0
     ... (layer 1, stage 0) ... (layer 1, stage 1) ...
     return (aten.cat([logits_0, logits_1], 0),)
 
@@ -153,11 +153,13 @@ def stage_attention_program(gm: fx.GraphModule, stages: int, name: str = "attent
         start = end
 
     pending: dict[int, tuple[fx.Node, fx.Node]] = {}  # stage -> (the receive, its started copy)
+    sent: dict[int, object] = {}  # stage -> the tensors its send in flight reads
 
     def on_transfer(old: fx.Node, new: fx.Node, s: int, last: fx.Node | None) -> fx.Node | None:
         # the transfers start here and are waited on where the next segment of the stage begins
         if old.target == afd.p2p_send.default:
             new.target = afd.p2p_send_start.default
+            sent[s] = new.args[0]
             if last is not None:
                 new.kwargs = {**new.kwargs, "dep": last}
             return new
@@ -168,7 +170,9 @@ def stage_attention_program(gm: fx.GraphModule, stages: int, name: str = "attent
     def enter(s: int, last: fx.Node | None) -> None:
         if s in pending:
             old, started = pending.pop(s)
-            wait = g.call_function(afd.p2p_recv_wait.default, (started, *started.args[1:]), {"dep": last})
+            # the sent tensors are inputs of the wait: a compiler keeps their memory until then
+            wait = g.call_function(afd.p2p_recv_wait.default, (started, *started.args[1:], sent.pop(s)),
+                                   {"dep": last})
             wait.meta.update(old.meta)
             wait.meta[META_KEY] = s
             envs[s][old] = wait
