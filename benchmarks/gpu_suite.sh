@@ -13,7 +13,9 @@
 #           The jobs run side by side, each under `timeout`.
 #           With "all", the CPU section runs alongside them.
 # exchange: benchmarks/gpu_exchange.py (AFD layer exchange in CUDA graphs vs the bare NCCL floor)
-# step:     benchmarks/compile_step.py for tp and afd (compiled+graphed vs eager, vs one GPU)
+# step:     benchmarks/compile_step.py for tp and afd (compiled+graphed vs eager, vs one GPU), and
+#           benchmarks/pingpong_step.py (AFD 1A1F with 1, 2, 3 micro-batch stages vs each role alone
+#           and one GPU; a profiler trace of S=2 steps)
 # cpu:      the CPU test suite under this host's torch (checks the torch>=2.11 claim), GPUs hidden
 # decode:   KV-cache decoding (issue 12): examples/generate.py (HF generate() with a static cache,
 #           the forward compiled with the afd backend, Inductor + CUDA graphs, bf16) for TP=2 and AFD
@@ -84,6 +86,9 @@ if want tests; then
   par compiled_afd1a1f_qwen3moe $TR $E --attention 1 --ffn 1 --family qwen3_moe --dtype bfloat16 --control
   par compiled_afd1a1f_qwen3moe_fp32 $TR $E --attention 1 --ffn 1 --family qwen3_moe
   par eager_afd1a1f_llama $TR examples/afd_torchrun.py --attention-ranks 1 --ffn-ranks 1
+  # micro-batch stages (issue 13): asynchronous transfers inside CUDA graphs on NCCL
+  par compiled_afd1a1f_llama_stages2 $TR $E --attention 1 --ffn 1 --dtype bfloat16 --stages 2
+  par compiled_afd1a1f_qwen3moe_stages3_fp32 $TR $E --attention 1 --ffn 1 --family qwen3_moe --stages 3
   # SCATTERED MLPs (issue 3): MoE experts over 2 GPUs with all-to-all (fp32; the EP ops sync with
   # the host, so that program runs compiled without CUDA graphs), and a data-parallel dense MLP
   # inside a 2-rank attention-TP group (reduce-scatter / all-gather of token shares, graphed)
@@ -137,6 +142,7 @@ fi
 if want step; then
   TAIL=6 run step_tp $TR benchmarks/compile_step.py --mode tp --out "$OUT/step_tp.json"
   TAIL=6 run step_afd $TR benchmarks/compile_step.py --mode afd --out "$OUT/step_afd.json"
+  TAIL=8 run pingpong $TR benchmarks/pingpong_step.py --out "$OUT/pingpong.json" --trace "$OUT/pingpong_trace.json"
 fi
 # everything in one archive as well (the device tool brings back a limited number of files)
 tar czf "/tmp/gpu_suite_logs.$$.tgz" -C "$OUT" --exclude 00_gpu_suite_logs.tgz . && mv "/tmp/gpu_suite_logs.$$.tgz" "$OUT/00_gpu_suite_logs.tgz"
