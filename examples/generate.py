@@ -30,8 +30,9 @@ Every rank builds the same HF causal LM (a small one with seeded random weights,
 - **No layout** (one process): the backend applies only ``--decode-attention`` (one GPU).
 
 Each rank that generates compares its tokens with single-process ``generate()`` (the same model,
-uncompiled) and prints its tokens/s (a second, timed ``generate()`` after the compiling one) and
-the KV cache bytes it holds; rank 0 prints the last line ``OK tokens_match=<n>/<n>`` or
+uncompiled) and reports its tokens/s (a second, timed ``generate()`` after the compiling one) and
+the KV cache bytes it holds; rank 0 prints every rank's line in rank order, then the last line
+``OK tokens_match=<n>/<n>`` or
 ``FAIL tokens_match=<m>/<n> ...``. gloo on CPU, NCCL when CUDA is available (AFD_BACKEND=gloo
 forces gloo).
 """
@@ -140,8 +141,8 @@ def main() -> int:
     if afd and rank < args.ffn:  # an FFN rank: serve until every attention peer finished
         t0 = time.perf_counter()
         steps = afd_compile.serve(model, options)
-        print(f"rank {rank} ffn: served {steps} steps in {time.perf_counter() - t0:.1f}s; kv_cache_bytes=0 "
-              "(no cache: this rank runs no attention)", flush=True)
+        line = (f"rank {rank} ffn: served {steps} steps in {time.perf_counter() - t0:.1f}s; kv_cache_bytes=0 "
+                "(no cache: this rank runs no attention)")
         match = (0, 0)
     else:
         unit = rank - args.ffn if afd else rank // (args.tp // args.attn_dp)
@@ -176,14 +177,16 @@ def main() -> int:
         share = "" if afd else f" of {full} for all KV heads"
         what = "no sequences (a one-token dummy prompt, not compared)" if idle else f"{ids.shape[0]} sequences"
         compared = "" if idle else f"tokens_match={same}/{want.numel()}, "
-        print(f"rank {rank} {'attention' if afd else 'tp' if world > 1 else 'one process'}: {what} x {new} new tokens, "
-              f"{ids.shape[0] * new / seconds:.1f} tokens/s, {compared}kv_cache_bytes={held}{share}{diverge}",
-              flush=True)
+        line = (f"rank {rank} {'attention' if afd else 'tp' if world > 1 else 'one process'}: {what} x {new} new "
+                f"tokens, {ids.shape[0] * new / seconds:.1f} tokens/s, {compared}kv_cache_bytes={held}{share}{diverge}")
         if afd:
             finish()  # the FFN rank stops serving this rank
-    totals = [None] * world
-    dist.all_gather_object(totals, match)
+    totals: list = [None] * world
+    dist.all_gather_object(totals, (match, line))  # rank 0 prints every rank's line, in rank order
     if rank == 0:
+        for _, text in totals:
+            print(text, flush=True)
+        totals = [m for m, _ in totals]
         same, total = sum(m[0] for m in totals), sum(m[1] for m in totals)
         ok = total > 0 and same == total
         print(f"{'OK' if ok else 'FAIL'} tokens_match={same}/{total}", flush=True)
