@@ -744,9 +744,11 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
     worker.run_program = lambda counts, slots: compiled_ffn(counts, slots)  # type: ignore[attr-defined]
 
-    def wrap_ffn(prog: fx.GraphModule) -> Callable[..., Any]:  # staged: one per stage token counts
+    def wrap_ffn(prog: fx.GraphModule) -> Callable[..., Any]:
+        # staged: one compiled program per tokens of each stage and peer (not only per stage:
+        # a CUDA graph replays the per-peer receive sizes it captured)
         compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
-        return lambda *slots: compiled(tuple(int(t.shape[0]) for t in slots), *slots)
+        return lambda *slots: compiled(worker.step_counts, *slots)
 
     worker.wrap = wrap_ffn
     outs = [n for n in (gm or ep.graph_module).graph.nodes if n.op == "output"][0].args[0]

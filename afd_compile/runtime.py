@@ -264,6 +264,9 @@ class FFNWorker:
     #: how a staged program runs (the compile backend compiles it): applied once per program
     wrap: Callable[[fx.GraphModule], Callable[..., Any]] | None = None
     runners: dict[int, Callable[..., Any]] = field(default_factory=dict)
+    #: this step's tokens per stage and peer: what a compiled program (a CUDA graph captures the
+    #: per-peer receive sizes) is chosen by
+    step_counts: tuple[tuple[int, ...], ...] = ()
 
     def program_for(self, k: int) -> Callable[..., Any]:
         """The program of ``k`` micro-batch stages (1: the unstaged one), as it runs."""
@@ -314,6 +317,7 @@ class FFNWorker:
         if sum(counts):
             if self.stages > 1:
                 live = [sum(c) for c in per_stage if sum(c)]
+                self.step_counts = tuple(c for c in per_stage if sum(c))
                 self.program_for(len(live))(*(torch.empty(t, 0, device=self.device) for t in live))
                 return counts
             slots = torch.empty(sum(counts), 0, device=self.device)
