@@ -110,34 +110,23 @@ def _token(like: torch.Tensor) -> torch.Tensor:
 # --- attention side ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("afd::p2p_send", mutates_args=())
-def p2p_send(
-    tensors: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str,
-    dep: torch.Tensor | None = None,
-) -> torch.Tensor:
-    # ``dep``: the token of the transfer before this one, where data does not order them
-    # (micro-batch stages: passes/stages.py); unused here, it only orders the program
+def _attention_sends(tensors: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str,
+                     op: str) -> tuple[AFDCommunicator, str, list]:
+    """An attention rank's send to its FFN rank, checked: (communicator, where, transfers)."""
     comm = get_communicator(comm_id)
-    where = _where("p2p_send", comm, layer_idx, stage_idx)
+    where = _where(op, comm, layer_idx, stage_idx)
     wspec = _spec(spec)
     if not torch.compiler.is_compiling():
         check_wire_tensors(tensors, wspec, comm.metadata(layer_idx, stage_idx), comm, where)
-    comm.exchange([(t, comm.peers[0], w.kind) for t, w in zip(tensors, wspec.tensors, strict=True)], [],
-                  layer_idx=layer_idx, stage_idx=stage_idx, where=where)
-    return _token(tensors[0])
+    return comm, where, [(t, comm.peers[0], w.kind) for t, w in zip(tensors, wspec.tensors, strict=True)]
 
 
-@p2p_send.register_fake
-def _(tensors, comm_id, layer_idx, stage_idx, spec, dep=None):
-    return torch.empty(0, device=tensors[0].device)
-
-
-@torch.library.custom_op("afd::p2p_recv", mutates_args=())
-def p2p_recv(
-    dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int, spec: str
-) -> list[torch.Tensor]:
+def _attention_recv_buffers(dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int,
+                            spec: str, op: str) -> tuple[AFDCommunicator, str, list, list[torch.Tensor]]:
+    """An attention rank's receive from its FFN rank, checked against the step's token count:
+    (communicator, where, transfers, the buffers they fill)."""
     comm = get_communicator(comm_id)
-    where = _where("p2p_recv", comm, layer_idx, stage_idx)
+    where = _where(op, comm, layer_idx, stage_idx)
     wspec = _spec(spec)
     if not torch.compiler.is_compiling():
         meta = comm.metadata(layer_idx, stage_idx)
@@ -147,8 +136,30 @@ def p2p_recv(
                 f"{num_tokens} tokens but the transfer metadata says {meta.total_tokens}"
             )
     outs = [torch.empty(w.shape(num_tokens), dtype=w.dtype, device=dep.device) for w in wspec.tensors]
-    comm.exchange([], [(t, comm.peers[0], w.kind) for t, w in zip(outs, wspec.tensors, strict=True)],
-                  layer_idx=layer_idx, stage_idx=stage_idx, where=where)
+    return comm, where, [(t, comm.peers[0], w.kind) for t, w in zip(outs, wspec.tensors, strict=True)], outs
+
+
+@torch.library.custom_op("afd::p2p_send", mutates_args=())
+def p2p_send(
+    tensors: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str
+) -> torch.Tensor:
+    comm, where, sends = _attention_sends(tensors, comm_id, layer_idx, stage_idx, spec, "p2p_send")
+    comm.exchange(sends, [], layer_idx=layer_idx, stage_idx=stage_idx, where=where)
+    return _token(tensors[0])
+
+
+@p2p_send.register_fake
+def _(tensors, comm_id, layer_idx, stage_idx, spec):
+    return torch.empty(0, device=tensors[0].device)
+
+
+@torch.library.custom_op("afd::p2p_recv", mutates_args=())
+def p2p_recv(
+    dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int, spec: str
+) -> list[torch.Tensor]:
+    comm, where, recvs, outs = _attention_recv_buffers(dep, comm_id, layer_idx, stage_idx, num_tokens, spec,
+                                                       "p2p_recv")
+    comm.exchange([], recvs, layer_idx=layer_idx, stage_idx=stage_idx, where=where)
     return outs
 
 
@@ -190,14 +201,9 @@ def p2p_send_start(
     tensors: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str,
     dep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    comm = get_communicator(comm_id)
-    where = _where("p2p_send_start", comm, layer_idx, stage_idx)
-    wspec = _spec(spec)
-    if not torch.compiler.is_compiling():
-        check_wire_tensors(tensors, wspec, comm.metadata(layer_idx, stage_idx), comm, where)
     sent = [t.contiguous() for t in tensors]
-    works = comm.start([(t, comm.peers[0], w.kind) for t, w in zip(sent, wspec.tensors, strict=True)], [],
-                       layer_idx=layer_idx, stage_idx=stage_idx, where=where)
+    comm, where, sends = _attention_sends(sent, comm_id, layer_idx, stage_idx, spec, "p2p_send_start")
+    works = comm.start(sends, [], layer_idx=layer_idx, stage_idx=stage_idx, where=where)
     _hold((comm_id, layer_idx, stage_idx, "send"), works, sent, where)
     return _token(tensors[0])
 
@@ -211,17 +217,9 @@ def _(tensors, comm_id, layer_idx, stage_idx, spec, dep=None):
 def p2p_recv_start(
     dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int, spec: str
 ) -> torch.Tensor:
-    comm = get_communicator(comm_id)
-    where = _where("p2p_recv_start", comm, layer_idx, stage_idx)
-    wspec = _spec(spec)
-    if not torch.compiler.is_compiling():
-        meta = comm.metadata(layer_idx, stage_idx)
-        if meta.total_tokens != num_tokens:
-            raise ValueError(f"{where}: shape mismatch: expecting {num_tokens} tokens but the transfer metadata says "
-                             f"{meta.total_tokens}")
-    outs = [torch.empty(w.shape(num_tokens), dtype=w.dtype, device=dep.device) for w in wspec.tensors]
-    works = comm.start([], [(t, comm.peers[0], w.kind) for t, w in zip(outs, wspec.tensors, strict=True)],
-                       layer_idx=layer_idx, stage_idx=stage_idx, where=where)
+    comm, where, recvs, outs = _attention_recv_buffers(dep, comm_id, layer_idx, stage_idx, num_tokens, spec,
+                                                       "p2p_recv_start")
+    works = comm.start([], recvs, layer_idx=layer_idx, stage_idx=stage_idx, where=where)
     _hold((comm_id, layer_idx, stage_idx, "recv"), works, outs, where)
     return _token(dep)
 

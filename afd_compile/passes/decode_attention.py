@@ -40,6 +40,7 @@ keys, softmax: Gemma-2's logit soft-capping) is left as is, with a record saying
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 from collections.abc import Callable
@@ -165,6 +166,16 @@ def _kernel(*args: Any) -> Callable[..., torch.Tensor]:
     return fn
 
 
+@functools.cache
+def _outside_exclude(raw: int) -> torch._C.DispatchKeySet:
+    """The excluded dispatch keys ``raw`` (as inside an op) with all but autocast's removed."""
+    exclude = torch._C.DispatchKeySet.from_raw_repr(raw)
+    for name, key in torch._C.DispatchKey.__members__.items():
+        if not name.startswith("Autocast") and exclude.has(key):
+            exclude = exclude.remove(key)
+    return exclude
+
+
 @torch.library.custom_op("afd::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor, kv_num: torch.Tensor,
                      kv_idx: torch.Tensor, full_num: torch.Tensor, full_idx: torch.Tensor, scale: float) -> torch.Tensor:
@@ -176,10 +187,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch
     # AOT's first-call alias check, functorch and Python too): dynamo tracing FlexAttention's mask
     # (under vmap) and its guards want the dispatch state of code outside any op. Only autocast
     # stays as it was
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for name, key in torch._C.DispatchKey.__members__.items():
-        if not name.startswith("Autocast") and exclude.has(key):
-            exclude = exclude.remove(key)
+    exclude = _outside_exclude(torch._C._dispatch_tls_local_exclude_set().raw_repr())
     args = (q, k, v, m, kv_num, kv_idx, full_num, full_idx, scale)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
         out = _kernel(*args)(*args)

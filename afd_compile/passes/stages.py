@@ -6,7 +6,7 @@ holds one copy of the model per micro-batch, interleaved layer by layer, so that
 of layer ``l`` is exchanged while ``s + 1`` is computed (the ping-pong schedule of
 ``passes/pingpong.py``); the FFN program holds one copy of each layer's FFN per stage, in the same
 order. Every transfer carries its stage index, and each transfer depends on the one before it
-(data, or a ``dep`` argument), so no compiler reorders them.
+(data, or a ``dep`` argument of the start and wait ops), so no compiler reorders them.
 
 Attention program, before (``S = 1``; one layer)::
 
