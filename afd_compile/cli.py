@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tp(p)
     p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
                    "planning; TP: rank 0's program)")
+    _add_stages(p, "record S micro-batches per step in plan.json (load_rewritten_worker runs the programs as S "
+                "stages); the staged programs and their ping-pong schedule are built and checked now, and printed")
 
     p = sub.add_parser("plan", help="AFD: per layer, which nodes go to which role and what crosses the wire; "
                        "with --tp: per layer, the five scatter modes and the junction collectives")
@@ -419,11 +421,17 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
     cache = _cache_json(result)
     if cache:
         plan["cache"] = cache
+    schedule = None
+    if args.stages != 1:  # refused before anything is written; the role programs are saved unstaged
+        schedule = _stage_schedule(args, result, layout)
+        plan["stages"] = args.stages
     with out as d:
         torch.export.save(att, os.path.join(d, "attention.pt2"))
         torch.export.save(ffn, os.path.join(d, "ffn.pt2"))
         write_json(os.path.join(d, "plan.json"), plan)
     print(plan_table(result, layout))
+    if schedule is not None:
+        print(schedule)
     _print_timings(args, result.timings)
     print(f"rewrite: wrote attention.pt2, ffn.pt2, plan.json to {args.output} "
           f"({time.perf_counter() - t:.1f}s)")

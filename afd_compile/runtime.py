@@ -412,15 +412,18 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     role, idx = layout.role_of(rank)
     device = device or torch.device("cpu")
     comm_id = int(plan["comm_id"])
+    # rewrite --stages S saves the unstaged programs and S; the staged ones are built on first use
+    stages = int(plan.get("stages", 1))
     if role == "ffn":
         comm = AFDCommunicator("ffn", rank, layout.peers_of_ffn(idx))
         register_communicator(comm, comm_id)
         program = load_program(os.path.join(outdir, plan["programs"]["ffn"])).module().to(device)
-        return FFNWorker(program, comm, device)
+        return FFNWorker(program, comm, device, stages=stages)
     comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),))
     register_communicator(comm, comm_id)
     program = load_program(os.path.join(outdir, plan["programs"]["attention"])).module().to(device)
-    return AttentionWorker(program, comm, TokenCount.from_json(plan["token_count"]))
+    batch_dim = batch_symbol_dims(program)[1][0] if stages != 1 else None
+    return AttentionWorker(program, comm, TokenCount.from_json(plan["token_count"]), stages=stages, batch_dim=batch_dim)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from afd_compile.models import build_hf
+from afd_compile.models import FAMILIES, build_hf
 from afd_compile.runtime import init_distributed, max_rel_err, shutdown
 
 
@@ -55,7 +55,7 @@ def main() -> int:
     parser.add_argument("--attention", type=int, default=0, help="AFD: attention ranks")
     parser.add_argument("--ffn", type=int, default=0, help="AFD: FFN ranks")
     parser.add_argument("--stages", type=int, default=1, help="AFD: micro-batches per step (ping-pong)")
-    parser.add_argument("--family", default="llama", choices=["llama", "qwen3_moe"])
+    parser.add_argument("--family", default="llama", choices=sorted(FAMILIES))
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4, help="tokens per sequence (1: a decode step)")
