@@ -72,6 +72,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx import traceback as fx_traceback
 
 from .errors import AFDCompileError
 from .passes.graph_utils import get_attr_path, set_attr_path
@@ -237,9 +238,11 @@ class BackendOptions:
 _SEGMENT = re.compile(r"(?:^|_)(?:modules|parameters|buffers)_")
 
 
-#: dynamo's name prefixes of the compiled module's own inputs: ``torch.compile(model)`` (self) and
-#: ``torch.compile(model.forward)`` (the bound method's module is its first argument)
-_MODULE_PREFIX = re.compile(r"l_(?:self|args_0)_", flags=re.IGNORECASE)
+#: dynamo's name prefixes of the compiled module's own inputs (``torch.compile(model)``: self;
+#: ``torch.compile(model.forward)``: the bound method's module is its first argument) and of the
+#: Python globals the model reads (``g_import_transformers_dot_activations_math_pi``: ``math.pi``
+#: in GPT-2's GELU, a float dynamo passes as a 0-d tensor under dynamic=True)
+_CONSTANT_PREFIX = re.compile(r"l_(?:self|args_0)_|g_", flags=re.IGNORECASE)
 
 
 def _module_path(placeholder: str) -> str | None:
@@ -280,10 +283,11 @@ class _Lifted(torch.nn.Module):
                 used.add(path)
                 set_attr_path(self, path, x)
                 self.slots.append(("attr", path))
-            elif (isinstance(x, torch.Tensor) and x.dim() == 0 and _MODULE_PREFIX.match(p.name)
+            elif (isinstance(x, torch.Tensor) and x.dim() == 0 and _CONSTANT_PREFIX.match(p.name)
                   and (_only_item(p) or not p.users)):
-                # a float module attribute (an RMSNorm eps) dynamo passes as a 0-d tensor under
-                # dynamic=True: a constant of this graph (dynamo guards its value)
+                # a float module attribute (an RMSNorm eps) or global (math.pi) dynamo passes as a
+                # 0-d tensor under dynamic=True: a constant of this graph, never a symbolic float
+                # that export would make unbacked (or that would cross an AFD cut as a scalar)
                 for u in list(p.users):
                     u.replace_all_uses_with(x.item())
                     gm.graph.erase_node(u)
@@ -335,7 +339,11 @@ class _Lifted(torch.nn.Module):
             else:
                 u, d = ref
                 args.append(user[u].shape[d])
-        return self.gm(*args)
+        # run node by node with each node's meta current: the export records dynamo's
+        # nn_module_stack (module paths: the layers the role policy reads) on the ATen nodes,
+        # which running the generated code would lose
+        with fx_traceback.preserve_node_meta():
+            return fx.Interpreter(self.gm).run(*args)
 
 
 def is_static_address(x: torch.Tensor) -> bool:

@@ -243,7 +243,9 @@ def structural_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
     with a value from before the attention; the MLP residual add ``h2 = h1 + mlp_out`` is the next
     add reading ``h1`` (or a cast of it) and a value computed through a linear op from ``h1``. The
     FFN input is the last node every path from ``h1`` to ``mlp_out`` passes through before the
-    first linear op (the post-attention norm's output)."""
+    first linear op (the post-attention norm's output); its output is the last linear op when
+    every later node of the MLP branch reads only that op's output (a post-MLP norm or scale stays
+    on the residual branch), else ``mlp_out``."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     anchors = [n for n in nodes if is_attention_op(n)]
@@ -300,7 +302,14 @@ def structural_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
             max_reach = max(max_reach, *(rpos[u] for u in n.users if u in rpos), i)
         if cut is None:
             raise NoStructureError(f"layer {li}: cannot find the FFN input between {h1.name} and {h2.name}")
-        ffn = set(region[rpos[cut] + 1 :])
+        # and the first cut vertex after the last linear: a dense MLP's down projection, when all
+        # that follows it reads only its output (a post-MLP norm, a scale, a cast: Gemma-2's and
+        # OLMo-2's sandwich norms) - that tail is the residual branch's, as under module paths;
+        # an MoE's combine (several partial sums meeting after their projections) stays inside
+        last_linear = max(i for i, n in enumerate(region) if n.op == "call_function" and n.target in LINEAR_OPS)
+        reach = max([rpos[u] for n in region[:last_linear] for u in n.users if u in rpos], default=-1)
+        end = last_linear + 1 if reach <= last_linear else len(region)
+        ffn = set(region[rpos[cut] + 1 : end])
         # constants computed inside the MLP (no data from h1) go with the nodes that use them
         from_cut = descendants(cut)
         upstream = [n for n in ancestors([mlp_out]) if n not in from_cut and n.op == "call_function"]
