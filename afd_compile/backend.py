@@ -749,6 +749,9 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
 
         worker.wrap = wrap
         return worker.step
+    from .runtime import SERVE_AT_SHUTDOWN
+
+    SERVE_AT_SHUTDOWN.append(worker)  # runtime.shutdown() hears the peers stop
     compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
     worker.run_program = lambda counts, slots: compiled_ffn(counts, slots)  # type: ignore[attr-defined]
 

@@ -79,6 +79,21 @@ def shutdown() -> None:
 
             logging.getLogger("afd_compile.runtime").warning("afd: shutdown: could not tell an FFN rank this rank "
                                                             "stopped: %s", e)
+        try:  # ... and the backend's FFN workers hear it (else the peers' STOP finds no receiver)
+            by_comm: dict[int, list[FFNWorker]] = {}
+            for w in SERVE_AT_SHUTDOWN:  # workers of several graphs share a communicator: serve it once
+                by_comm.setdefault(id(w.comm), []).append(w)
+            for workers in by_comm.values():
+                w = workers[-1]
+                w.left.update(*(x.left for x in workers))
+                if len(w.left) < len(w.comm.peers):
+                    w.serve()
+        except Exception as e:  # a peer already gone
+            import logging
+
+            logging.getLogger("afd_compile.runtime").warning("afd: shutdown: FFN rank could not hear every "
+                                                            "attention peer stop: %s", e)
+        SERVE_AT_SHUTDOWN.clear()
     backend = sys.modules.get("afd_compile.backend")
     if backend is not None:
         backend.release()
@@ -86,6 +101,10 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
+
+#: FFN workers the compile backend runs one step per call: :func:`shutdown` serves them until
+#: every attention peer has stopped (the peers' shutdown sends STOP)
+SERVE_AT_SHUTDOWN: list[FFNWorker] = []
 
 #: process groups created by :func:`process_group`, by (ranks, timeout): created once per process
 _GROUPS: dict[tuple[tuple[int, ...], float | None], dist.ProcessGroup] = {}

@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 examples/compile_backend.py --tp 2 --attn-dp 2 --family qwen3_moe
     torchrun --nproc-per-node 3 examples/compile_backend.py --attention 2 --ffn 1
     torchrun --nproc-per-node 2 examples/compile_backend.py --attention 1 --ffn 1 --stages 2
+    torchrun --nproc-per-node 2 examples/compile_backend.py --tp 2 --model tests/handwritten.py:NanoGPT
 
 Every rank builds the same small HF model (seeded random weights) and calls
 ``torch.compile(model, backend="afd", options=...)`` on it; the backend (found through its entry
@@ -45,6 +46,23 @@ def _graphs_recorded(device: torch.device) -> int | None:
     return 0 if manager is None else int(re.search(r"\d+", repr(manager.graph_counter)).group())
 
 
+def _load_model(spec: str) -> torch.nn.Module:
+    """``FILE.py:FACTORY`` -> ``FACTORY()`` (the file's folder is importable, as for a script)."""
+    import importlib.util
+    import os
+
+    path, _, factory = spec.rpartition(":")
+    if not path or not factory:
+        raise SystemExit(f"--model: expected FILE.py:FACTORY, got {spec!r}")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    mod_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    if mod_spec is None or mod_spec.loader is None:
+        raise SystemExit(f"--model: cannot import {path}")
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return getattr(module, factory)()
+
+
 def main() -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -55,7 +73,11 @@ def main() -> int:
     parser.add_argument("--attention", type=int, default=0, help="AFD: attention ranks")
     parser.add_argument("--ffn", type=int, default=0, help="AFD: FFN ranks")
     parser.add_argument("--stages", type=int, default=1, help="AFD: micro-batches per step (ping-pong)")
-    parser.add_argument("--family", default="llama", choices=sorted(FAMILIES))
+    parser.add_argument("--family", default="llama", choices=sorted(FAMILIES),
+                        help="the small HF model to build (afd_compile.models.FAMILIES)")
+    parser.add_argument("--model", metavar="FILE.py:FACTORY",
+                        help="instead of --family: a model of your own, FACTORY() from FILE.py (an nn.Module "
+                             "taking token ids [batch, seq] and returning logits; ids drawn below 128)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4, help="tokens per sequence (1: a decode step)")
@@ -74,7 +96,8 @@ def main() -> int:
     rank, world = init_distributed(timeout_s=args.timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     dtype = getattr(torch, args.dtype)
-    model = build_hf(args.family, num_layers=args.layers).to(device=device, dtype=dtype)
+    model = (_load_model(args.model) if args.model else build_hf(args.family, num_layers=args.layers))
+    model = model.to(device=device, dtype=dtype).eval()
     options = {"tp": args.tp, "attn_dp": args.attn_dp, "attention": args.attention, "ffn": args.ffn,
                "inductor": not args.no_inductor, "moe_a2a": args.moe_a2a, "dense_dp": args.dense_dp,
                "timeout_s": args.timeout, **({"stages": args.stages} if args.stages != 1 else {})}

@@ -77,11 +77,36 @@ class BmmMoE(nn.Module):
         return (y * weights.t().unsqueeze(-1)).sum(0).view(b, s, h)
 
 
+class LoopMoE(nn.Module):
+    """Top-k MoE looping over its experts, each run only on the tokens routed to it (selected by
+    ``torch.where`` on the routing mask) and scattered back with ``index_add_``: the older
+    Mixtral-style loop many hand-written MoEs keep (data-dependent token counts per expert)."""
+
+    def __init__(self, hidden: int, inter: int, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(hidden, inter) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        t = x.reshape(b * s, h)
+        probs = self.router(t).softmax(-1)
+        top, idx = probs.topk(self.top_k, dim=-1)
+        top = top / top.sum(-1, keepdim=True)
+        out = torch.zeros_like(t)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(idx == e)
+            out.index_add_(0, tok, expert(t[tok]) * top[tok, slot, None])
+        return out.view(b, s, h)
+
+
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, inter: int, moe: bool = False) -> None:
+    def __init__(self, hidden: int, heads: int, kv_heads: int, inter: int, moe: bool | str = False) -> None:
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(hidden), GQAAttention(hidden, heads, kv_heads)
-        self.mlp_norm, self.mlp = RMSNorm(hidden), (BmmMoE(hidden, inter) if moe else SwiGLU(hidden, inter))
+        mlp = {False: SwiGLU, True: BmmMoE, "bmm": BmmMoE, "loop": LoopMoE}[moe]
+        self.mlp_norm, self.mlp = RMSNorm(hidden), mlp(hidden, inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attn(self.attn_norm(x))
@@ -90,7 +115,7 @@ class Block(nn.Module):
 
 class GQADecoder(nn.Module):
     def __init__(self, vocab: int = 128, hidden: int = 64, heads: int = 4, kv_heads: int = 2, layers: int = 2,
-                 inter: int = 128, seed: int = 0, moe: bool = False) -> None:
+                 inter: int = 128, seed: int = 0, moe: bool | str = False) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.embed = nn.Embedding(vocab, hidden)
@@ -102,6 +127,73 @@ class GQADecoder(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x))
+
+
+class GPTBlock(nn.Module):
+    """nanoGPT's block: LayerNorm with bias, fused ``c_attn`` split into q/k/v, GELU MLP."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.c_attn, self.c_proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.c_fc, self.mlp_proj = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (t.view(b, s, self.heads, c // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, s, c))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class NanoGPT(nn.Module):
+    """A nanoGPT-style GPT: blocks in ``transformer.h``, learned positions, tied embedding and head."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 64, heads: int = 4, layers: int = 2, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, hidden), wpe=nn.Embedding(64, hidden),
+            h=nn.ModuleList(GPTBlock(hidden, heads) for _ in range(layers)), ln_f=nn.LayerNorm(hidden)))
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        x = self.transformer.wte(ids) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+class Flat(nn.Module):
+    """Two decoder layers held as plain attributes (no container, no ``.N`` in any module path):
+    only the structural policy can find them."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 64, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, hidden)
+        self.first, self.second = Block(hidden, 4, 2, 128), Block(hidden, 4, 2, 128)
+        self.norm, self.head = RMSNorm(hidden), nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.second(self.first(self.embed(ids)))))
+
+
+def bmm_moe() -> GQADecoder:
+    return GQADecoder(moe="bmm")
+
+
+def loop_moe() -> GQADecoder:
+    return GQADecoder(moe="loop")
+
+
+#: the hand-written decoders the tests run, by name (each a factory of no arguments:
+#: ``examples/compile_backend.py --model tests/handwritten.py:<factory>``)
+MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "nanogpt": NanoGPT, "flat": Flat}
 
 
 def export(model: nn.Module, batch: int = 2, seq: int = 5, vocab: int = 128) -> torch.export.ExportedProgram:

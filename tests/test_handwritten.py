@@ -110,3 +110,50 @@ def test_dp_attention_refuses_an_mlp_with_sizes_fixed_at_trace_time():
                 check_any_token_total(prog, [ids], "rank 0")
         else:
             check_any_token_total(prog, [ids], "rank 0")
+
+
+@pytest.fixture(scope="module")
+def more_paths(tmp_path_factory) -> dict[str, str]:
+    """nanoGPT (fused c_attn, LayerNorm, tied head, blocks in ``transformer.h``), an MoE looping
+    over experts with ``index_add_``, and a decoder with no layer container at all."""
+    from handwritten import MODELS
+
+    folder = tmp_path_factory.mktemp("handwritten")
+    paths = {}
+    for name in ("nanogpt", "loop_moe", "flat"):
+        paths[name] = str(folder / f"{name}.pt2")
+        torch.export.save(export(MODELS[name]()), paths[name])
+    return paths
+
+
+def test_layers_without_a_numbered_container_are_found_by_structure(more_paths):
+    from afd_compile.passes.graph_utils import layers_of
+    from afd_compile.passes.roles import NoStructureError, annotate_roles, module_path_policy
+    from afd_compile.programs import load_program
+
+    gm = load_program(more_paths["flat"]).module()
+    with pytest.raises(NoStructureError, match="no nn_module_stack paths with a layer index"):
+        module_path_policy(gm)
+    annotate_roles(gm)  # the default policy falls back to the data flow
+    layers = layers_of(gm)
+    assert sorted(layers) == [0, 1]
+    # the FFN region is the SwiGLU: three linears, nothing of the norms or residual adds
+    for parts in layers.values():
+        ffn = [n for n in parts.members if n.meta["afd.role"].role.name == "FFN"]
+        assert sum(n.target == torch.ops.aten.linear.default for n in ffn) == 3
+        assert not any(n.target == torch.ops.aten.rsqrt.default for n in ffn)
+
+
+def test_more_hand_written_decoders_shard_and_split_and_match(more_paths):
+    # TP: nanoGPT's fused c_attn (column blocks), the expert loop's index_add_ (linear in the
+    # partial sums: one all-reduce at the block output), the flat decoder's structural layers
+    tp = [TPCase(more_paths["nanogpt"], TPLayout(2)), TPCase(more_paths["loop_moe"], TPLayout(2)),
+          TPCase(more_paths["loop_moe"], TPLayout(4, 2), (3, 1)), TPCase(more_paths["flat"], TPLayout(4, 2), (1, 2))]
+    for case, res in zip(tp, run_tp_cases(tp), strict=True):
+        assert res and all(r["compared"] for r in res.values()), (case, res)
+        assert max(r["max_rel_err"] for r in res.values()) <= 1e-5, (case, res)
+    # AFD: the expert loop's data-dependent token counts per expert run on the FFN rank
+    afd = [Case(more_paths[name], AFDLayout(2, 1), (2, 3)) for name in ("nanogpt", "loop_moe", "flat")]
+    for case, res in zip(afd, run_cases(afd), strict=True):
+        errs = [r["max_rel_err"] for r in res.values() if r["role"] == "attention"]
+        assert len(errs) == 2 and max(errs) <= 1e-5, (case, res)

@@ -345,6 +345,7 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
         for n in members:
             env[n] = new_node = graph.node_copy(n, lookup)
             new_node.meta.pop("val", None)  # stale: its sizes are in the original graph's symbols
+            new_node.meta.pop("unbacked_bindings", None)  # (data-dependent sizes: an expert's tokens)
         y = graph.call_function(aten.view.default, (env[src[cut.output]], [total, int(hval.shape[-1])]))
         dep = graph.call_function(torch.ops.afd.p2p_send_group.default,
                                   ([y], plan.comm_id, cut.layer, plan.stage, str(cut.wire_out)))

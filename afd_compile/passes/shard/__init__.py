@@ -474,6 +474,14 @@ _LINEAR_IN_PARTIAL = {
 }
 
 
+_INDEX_ADD = (aten.index_add_.default, aten.index_add.default)
+
+
+def _is_zeros(n: object) -> bool:
+    return isinstance(n, fx.Node) and (n.target in (aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default)
+                                       or (n.target in (aten.full.default, aten.full_like.default) and n.args[1] == 0))
+
+
 def _column_row_pairs(projs: list[fx.Node], region: set[fx.Node],
                       where: str) -> list[tuple[list[fx.Node], fx.Node]]:
     """Group an MLP's projections into (column-parallel inputs, row-parallel output) pairs: a row
@@ -521,6 +529,10 @@ def _check_linear_path(rows: list[fx.Node], out: fx.Node, region: set[fx.Node], 
         ok |= n.target == aten.masked_fill.Scalar and len(on) == 1 and n.args[0] in on and n.args[2] == 0
         ok |= n.target == aten.dropout.default and n.args[0] in on and (n.args[1] == 0 or not n.args[2])  # identity
         ok |= n.target in (aten.add.Tensor, aten.sub.Tensor) and len(n.all_input_nodes) == 2 and len(on) == 2
+        # out.index_add_(0, tokens, partial): linear in the source and in out, which must be a
+        # partial sum too or zeros (a zero counted once per rank is still zero): an expert loop
+        ok |= (n.target in _INDEX_ADD and len(n.args) > 3 and n.args[3] in on and n.args[2] not in on
+               and (n.args[0] in on or _is_zeros(n.args[0])))
         if not ok:
             raise ShardError(f"{where}: {n.name} ({n.target}) sits between the row-parallel "
                              f"{[r.name for r in rows]} and the block output {out.name} but is not linear in "
