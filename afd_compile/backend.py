@@ -507,6 +507,8 @@ class PerLayout:
         from .passes.tp_rewrite import drop_export_guards
 
         drop_export_guards(self.program)
+        for n in self.program.graph.nodes:  # bound to symbols of the shape env that traced it, not the
+            n.meta.pop("unbacked_bindings", None)  # compile's: data-dependent sizes are bound afresh
         from torch._guards import TracingContext, tracing
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
@@ -661,10 +663,20 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
         _decode_attention(prog, opts, "one process", device)
         one = PerLayout(prog, key, opts.inductor, cudagraphs, "one process", static)
         run = lambda *x: one(tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)), *x)  # noqa: E731
-    elif opts.mode == "tp":
-        run = _tp_runner(ep, opts, rank, world, key, cudagraphs, device, static, user)
     else:
-        run = _afd_runner(ep, opts, rank, world, key, cudagraphs, device, gm, static)
+        from .passes.roles import NoStructureError
+
+        try:
+            if opts.mode == "tp":
+                run = _tp_runner(ep, opts, rank, world, key, cudagraphs, device, static, user)
+            else:
+                run = _afd_runner(ep, opts, rank, world, key, cudagraphs, device, gm, static)
+        except NoStructureError as e:
+            raise NoStructureError(
+                f"{e}. Each graph dynamo hands the backend must hold whole decoder layers: a graph break "
+                "inside a layer (TORCH_LOGS=graph_breaks lists them; e.g. a data-dependent op such as "
+                "torch.where or nonzero in an MoE's expert loop) splits it. "
+                "torch._dynamo.config.capture_dynamic_output_shape_ops = True keeps such ops in the graph") from None
     return run, lifted
 
 

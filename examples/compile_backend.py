@@ -78,6 +78,9 @@ def main() -> int:
     parser.add_argument("--model", metavar="FILE.py:FACTORY",
                         help="instead of --family: a model of your own, FACTORY() from FILE.py (an nn.Module "
                              "taking token ids [batch, seq] and returning logits; ids drawn below 128)")
+    parser.add_argument("--dynamic-output-shapes", action="store_true",
+                        help="torch._dynamo.config.capture_dynamic_output_shape_ops = True: data-dependent ops "
+                             "(torch.where / nonzero in an MoE's expert loop) stay in the graph, no graph break")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4, help="tokens per sequence (1: a decode step)")
@@ -93,6 +96,8 @@ def main() -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the backend does")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if args.dynamic_output_shapes:
+        torch._dynamo.config.capture_dynamic_output_shape_ops = True
     rank, world = init_distributed(timeout_s=args.timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     dtype = getattr(torch, args.dtype)

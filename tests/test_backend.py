@@ -86,11 +86,28 @@ RUNS = [  # (processes, example arguments)
     # micro-batch stages, compiled: the sent tensors must outlive their asynchronous sends (Inductor
     # reused their memory before the wait kept them: max_rel_err 0.04 here)
     (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "3")),
+    # families other than Llama, each for a construct the backend's graph once lost: module paths
+    # through the re-export and a norm after the down projection (Gemma-2), a Python float global
+    # (GPT-2's math.pi), MoE routing outputs inside the FFN region (DeepSeek-V3)
+    (2, ("--tp", "2", "--family", "gemma2")),
+    (2, ("--tp", "2", "--family", "gpt2")),
+    (3, ("--attention", "2", "--ffn", "1", "--family", "deepseek_v3")),
+    # a hand-written MoE looping over its experts (data-dependent token counts per expert)
+    (3, ("--attention", "2", "--ffn", "1", "--dynamic-output-shapes",
+         "--model", os.path.join(os.path.dirname(__file__), "handwritten.py:loop_moe"))),
 ]
-SLOW_RUNS = [
-    (3, ("--attention", "2", "--ffn", "1")),
-    (2, ("--tp", "2", "--family", "qwen3_moe")),
-]
+#: the backend matrix mirroring the CLI's: every family x AFD 2A1F (prefill and a decode step),
+#: TP 2 and TP 4 with attn_dp 2 (Falcon: 2 KV groups, TP 2 only), and the hand-written decoders
+_FAMILIES = ["llama", "qwen3_moe", "phi3", "gemma2", "gpt2", "olmo2", "granite", "gptj", "nemotron", "falcon",
+             "deepseek_v3", "gpt_bigcode"]
+_HANDWRITTEN = [os.path.join(os.path.dirname(__file__), f"handwritten.py:{f}")
+                for f in ("GQADecoder", "bmm_moe", "loop_moe", "NanoGPT", "Flat")]
+_LAYOUTS = [(3, ("--attention", "2", "--ffn", "1")), (3, ("--attention", "2", "--ffn", "1", "--seq", "1")),
+            (2, ("--tp", "2")), (4, ("--tp", "4", "--attn-dp", "2"))]
+SLOW_RUNS = [(n, (*lay, "--family", fam)) for fam in _FAMILIES for n, lay in _LAYOUTS
+             if not (fam == "falcon" and n == 4) and (n, (*lay, "--family", fam)) not in RUNS]
+SLOW_RUNS += [(n, (*lay, "--dynamic-output-shapes", "--model", m)) for m in _HANDWRITTEN for n, lay in _LAYOUTS
+              if "--seq" not in lay]
 
 
 def _check(proc: subprocess.CompletedProcess, n: int, check_cache: bool) -> None:
@@ -104,7 +121,11 @@ def _check(proc: subprocess.CompletedProcess, n: int, check_cache: bool) -> None
         assert len(hits) == n and all(int(h) > 0 for h in hits), hits
 
 
-@pytest.mark.parametrize("n,args", RUNS, ids=[" ".join(a) for _, a in RUNS])
+def _ids(runs: list) -> list[str]:
+    return [" ".join(os.path.basename(x) if os.sep in x else x for x in a) for _, a in runs]
+
+
+@pytest.mark.parametrize("n,args", RUNS, ids=_ids(RUNS))
 def test_compiled_matches_eager_under_torchrun(n, args):
     proc = _torchrun(n, *args)
     _check(proc, n, "--check-cache" in args)
@@ -115,7 +136,7 @@ def test_compiled_matches_eager_under_torchrun(n, args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n,args", SLOW_RUNS, ids=[" ".join(a) for _, a in SLOW_RUNS])
+@pytest.mark.parametrize("n,args", SLOW_RUNS, ids=_ids(SLOW_RUNS))
 def test_compiled_matches_eager_under_torchrun_more_layouts(n, args):
     _check(_torchrun(n, *args), n, False)
 
