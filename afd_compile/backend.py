@@ -157,6 +157,7 @@ _OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "check_wire": (lambda v: v is None or isinstance(v, bool), "None or a bool"),
     "decode_attention": (lambda v: v in ("auto", "flex", "sdpa"), "'auto', 'flex' or 'sdpa'"),
     "stages": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "ffn_tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
 }
 
 
@@ -178,6 +179,7 @@ class BackendOptions:
     check_wire: bool | None = None
     decode_attention: str = "auto"
     stages: int = 1
+    ffn_tp: int = 1
 
     @staticmethod
     def parse(options: dict[str, Any] | None) -> BackendOptions:
@@ -203,6 +205,8 @@ class BackendOptions:
                                      f"{opts.attention}, ffn={opts.ffn})")
         if opts.check_wire is not None and not opts.attention:
             raise BackendOptionError("afd backend: check_wire applies to an AFD layout (attention, ffn) only")
+        if opts.ffn_tp > 1 and not opts.attention:
+            raise BackendOptionError(f"afd backend: ffn_tp={opts.ffn_tp} applies to an AFD layout (attention, ffn) only")
         if opts.stages > 1 and not opts.attention:
             raise BackendOptionError(f"afd backend: stages={opts.stages} applies to an AFD layout (attention, ffn) only")
         from .passes.roles import POLICIES
@@ -727,12 +731,15 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
 def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
                 cudagraphs: bool | None, device: torch.device, gm: fx.GraphModule | None,
                 static: Sequence[int] = ()) -> Callable[..., Any]:
-    from .layout import AFDLayout
+    from .layout import AFDLayout, LayoutError
     from .passes.roles import POLICIES
     from .runtime import AttentionWorker, make_worker
     from .split_api import SplitConfig
 
-    layout = AFDLayout(opts.attention, opts.ffn)
+    try:
+        layout = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp)
+    except LayoutError as e:
+        raise BackendOptionError(f"afd backend: {e}") from None
     if layout.world_size != world:
         raise BackendOptionError(f"afd backend: attention={opts.attention} + ffn={opts.ffn} ranks must equal the "
                                  f"world size ({world})")
@@ -765,7 +772,8 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
 
     SERVE_AT_SHUTDOWN.append(worker)  # runtime.shutdown() hears the peers stop
     compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
-    worker.run_program = lambda counts, slots: compiled_ffn(counts, slots)  # type: ignore[attr-defined]
+    # one compiled program per per-peer counts (and, in an FFN TP group, the group's counts)
+    worker.run_program = lambda counts, *slots: compiled_ffn((counts, worker.group_counts), *slots)  # type: ignore[attr-defined]
 
     def wrap_ffn(prog: fx.GraphModule) -> Callable[..., Any]:
         # staged: one compiled program per tokens of each stage and peer (not only per stage:
@@ -839,7 +847,7 @@ def serve(model: torch.nn.Module, options: dict[str, Any], example_inputs: tuple
                                  "rank of an AFD deployment serves")
     from .layout import AFDLayout
 
-    role, _ = AFDLayout(opts.attention, opts.ffn).role_of(rank)
+    role, _ = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp).role_of(rank)
     if role != "ffn":
         raise BackendOptionError(f"afd serve: rank {rank} is an attention rank of layout attention={opts.attention}, "
                                  f"ffn={opts.ffn} (FFN ranks are 0..{opts.ffn - 1}); attention ranks run the model "

@@ -198,8 +198,9 @@ def get_communicator(comm_id: int) -> AFDCommunicator:
 
 # --- process groups for the scatter-mode collectives, looked up by integer id ----------------
 
-#: Group ids the TP rewrite uses: the whole TP group, and this rank's attention TP group.
-GROUP_TP, GROUP_ATTN_TP = 0, 1
+#: Group ids the TP rewrite uses: the whole TP group, and this rank's attention TP group; and an
+#: AFD FFN rank's FFN TP group (passes/ffn_tp.py).
+GROUP_TP, GROUP_ATTN_TP, GROUP_FFN_TP = 0, 1, 2
 _GROUPS: dict[int, dist.ProcessGroup | None] = {}
 
 

@@ -3,6 +3,12 @@
 World ranks ``[0, F)`` are FFN ranks and ``[F, F + A)`` attention ranks. FFN rank ``f`` owns a
 contiguous block of attention peers; when ``A`` is not a multiple of ``F`` the first ``A % F``
 FFN ranks own one peer more (3 attention : 2 FFN gives blocks of 2 and 1).
+
+``ffn_tp``: the FFN ranks form tensor-parallel groups of ``ffn_tp`` consecutive ranks (``[0,
+ffn_tp)``, ``[ffn_tp, 2 ffn_tp)``, ...). Each FFN rank still receives its own block's tokens
+(every token crosses the wire once); inside the group the MLP runs on the group's tokens
+(all-gathered), its weights split over the group, and each rank returns its own tokens' output
+(reduce-scattered): ``-A 4 -F 2 --ffn-tp 2`` is one FFN TP group of 2 serving 4 attention ranks.
 """
 
 from __future__ import annotations
@@ -20,8 +26,12 @@ class LayoutError(AFDCompileError):
 class AFDLayout:
     attention_ranks: int
     ffn_ranks: int
+    ffn_tp: int = 1
 
     def __post_init__(self) -> None:
+        if self.ffn_tp < 1 or self.ffn_ranks % self.ffn_tp:
+            raise LayoutError(f"AFD layout {self}: ffn_tp={self.ffn_tp} must be >= 1 and divide the {self.ffn_ranks} "
+                              "FFN ranks (FFN TP groups of ffn_tp consecutive FFN ranks)")
         if self.attention_ranks < 1 or self.ffn_ranks < 1:
             raise LayoutError(
                 f"AFD layout needs at least 1 attention and 1 FFN rank, got "
@@ -34,7 +44,12 @@ class AFDLayout:
             )
 
     def __str__(self) -> str:
-        return f"{self.attention_ranks}A{self.ffn_ranks}F"
+        return f"{self.attention_ranks}A{self.ffn_ranks}F" + (f" ffn_tp={self.ffn_tp}" if self.ffn_tp != 1 else "")
+
+    def ffn_group(self, f: int) -> tuple[int, ...]:
+        """World ranks of FFN rank ``f``'s TP group (``(f,)`` when ``ffn_tp`` is 1)."""
+        start = f - f % self.ffn_tp
+        return tuple(range(start, start + self.ffn_tp))
 
     @property
     def world_size(self) -> int:

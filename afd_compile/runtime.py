@@ -286,6 +286,14 @@ class FFNWorker:
     #: this step's tokens per stage and peer: what a compiled program (a CUDA graph captures the
     #: per-peer receive sizes) is chosen by
     step_counts: tuple[tuple[int, ...], ...] = ()
+    #: an FFN TP group (passes/ffn_tp.py): its process group and this rank's index in it; the
+    #: program takes a second ``[group total, 0]`` input; each step the group's ranks exchange their
+    #: token counts (:meth:`_group_step`), and a rank runs while any rank of its group has a live peer
+    ffn_group: dist.ProcessGroup | None = None
+    group_rank: int = 0
+    group_size: int = 1
+    #: the token counts of the group's ranks this step
+    group_counts: tuple[int, ...] = ()
 
     def program_for(self, k: int) -> Callable[..., Any]:
         """The program of ``k`` micro-batch stages (1: the unstaged one), as it runs."""
@@ -313,6 +321,8 @@ class FFNWorker:
             dist.recv(b, p, group=self.comm.group)
         got = dict(zip(live, ([int(v) for v in b.tolist()] for b in bufs), strict=True))
         counts = self._check_control(got)
+        if self.group_size > 1:
+            counts = self._group_step(counts)
         if counts is None:
             return None
         if self.stages == 1:
@@ -339,12 +349,39 @@ class FFNWorker:
                 self.step_counts = tuple(c for c in per_stage if sum(c))
                 self.program_for(len(live))(*(torch.empty(t, 0, device=self.device) for t in live))
                 return counts
-            slots = torch.empty(sum(counts), 0, device=self.device)
-            if self.run_program is not None:
-                self.run_program(counts, slots)
-            else:
-                self.program(slots)
+            self._run(counts)
+        elif self.group_size > 1 and sum(self.group_counts):  # no token here, some in the group: join its collectives
+            self._run(counts)
         return counts
+
+    def _run(self, counts: tuple[int, ...]) -> None:
+        """The unstaged program on this step's ``(T, 0)`` carrier (and, in an FFN TP group, the
+        group's ``(total, 0)``)."""
+        slots = [torch.empty(sum(counts), 0, device=self.device)]
+        if self.group_size > 1:
+            slots.append(torch.empty(sum(self.group_counts), 0, device=self.device))
+        if self.run_program is not None:
+            self.run_program(counts, *slots)
+        else:
+            self.program(*slots)
+
+    def _group_step(self, counts: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """Exchange this rank's token count with its FFN TP group (-1: every peer has left) and
+        record the group's counts for the program's collectives (``comm.set_tp_step``). Returns
+        the per-peer counts (zeros once this rank's peers have left while others of the group
+        run), or None once every rank of the group is done."""
+        from .comm import TPStep, set_tp_step
+
+        dev = "cuda" if self.comm.device_transport else "cpu"
+        mine = torch.tensor([-1 if counts is None else sum(counts)], dtype=torch.int64, device=dev)
+        parts = [torch.empty_like(mine) for _ in range(self.group_size)]
+        dist.all_gather(parts, mine, group=self.ffn_group)
+        got = [int(p.item()) for p in parts]
+        if all(g < 0 for g in got):
+            return None
+        self.group_counts = tuple(max(g, 0) for g in got)
+        set_tp_step(TPStep(self.group_rank, self.group_counts))
+        return counts if counts is not None else tuple(0 for _ in self.comm.peers)
 
     def _check_control(self, messages: dict[int, list[int]]) -> tuple[int, ...] | None:
         """The per-peer counts of a step from the control messages ``[tokens, check_wire]`` of
@@ -391,6 +428,13 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     # static token count (a decode graph of a static cache)
     result = split_graph_module(gm, config, layout=layout if role == "ffn" else None)
     attention, ffn = result.attention, result.ffn
+    groups = [process_group(layout.ffn_group(f)) for f in range(0, layout.ffn_ranks, layout.ffn_tp)] \
+        if layout.ffn_tp > 1 else []  # every rank creates every group, in one order
+    if stages != 1 and layout.ffn_tp > 1:
+        from .passes.stages import StageError
+
+        raise StageError(f"layout {layout}: micro-batch stages with an FFN TP group are not supported yet; "
+                         "use stages=1 or ffn_tp=1")
     if stages != 1:  # the programs of all stages built now: refused here, not at a step
         staged = stage_attention_program(attention, stages), stage_ffn_program(ffn, stages)
         verify_schedule(*staged)  # the two programs' transfers, stage by stage, in one order
@@ -399,7 +443,16 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     check = wire_checks_from_env() if check_wire is None else check_wire
     if role == "ffn":
         comm = communicator_for("ffn", rank, layout.peers_of_ffn(idx), group, check, config.comm_id)
-        worker = FFNWorker(ffn.to(device), comm, device, stages=stages)
+        worker = FFNWorker(ffn, comm, device, stages=stages)
+        if layout.ffn_tp > 1:
+            from .comm import GROUP_FFN_TP, register_group
+            from .passes.ffn_tp import tensor_parallel_ffn
+
+            tensor_parallel_ffn(ffn, layout.ffn_tp, idx % layout.ffn_tp)
+            worker.ffn_group = groups[idx // layout.ffn_tp]
+            register_group(GROUP_FFN_TP, worker.ffn_group)
+            worker.group_rank, worker.group_size = idx % layout.ffn_tp, layout.ffn_tp
+        worker.program = ffn.to(device)
         if stages != 1:
             worker.staged[stages] = staged[1].to(device)
         return worker

@@ -51,11 +51,11 @@ def split_graph_module(gm: fx.GraphModule, config: SplitConfig | None = None, *,
                        graph_name=config.graph_name)
     with timings("plan_split"):
         plan = plan_split(gm, comm_id=config.comm_id, stage=config.stage, graph_name=config.graph_name)
-    if plan.static_tokens is not None and layout is not None and max(layout.block_sizes()) > 1:
+    if plan.static_tokens is not None and layout is not None and (max(layout.block_sizes()) > 1 or layout.ffn_tp > 1):
         raise SplitError(
             f"{config.graph_name}: the graph was exported with static token dims "
             f"({plan.cuts[0].token_dims}), but layout {layout} has an FFN rank fanning in "
-            f"{max(layout.block_sizes())} attention peers, whose concatenated tokens need a dynamic "
+            f"{max(layout.block_sizes())} attention peers or an FFN TP group, whose tokens need a dynamic "
             "token dimension; re-export with dynamic_shapes (e.g. {'input_ids': {0: Dim.DYNAMIC}}; a program "
             "with a KV cache has a fixed batch: make its sequence dynamic, {'input_ids': {1: seq}, "
             "'cache_position': {0: seq}})"

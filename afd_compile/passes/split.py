@@ -363,7 +363,8 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
 
 def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None, multiple: int = 1) -> None:
     """``meta['val']`` on every FFN program node, with a symbolic token count (or the fixed
-    count of a graph exported with static shapes)."""
+    count of a graph exported with static shapes) per ``(T, 0)`` input (an FFN TP group's
+    program has two: its own tokens and the group's)."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -372,12 +373,14 @@ def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None, mu
     shape_env = ShapeEnv()
     mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     device = next((t.device for t in [*ffn.parameters(), *ffn.buffers()]), torch.device("cpu"))
-    if static_tokens is not None:
-        tokens: object = static_tokens
-    else:  # a fresh symbol for the token count, made directly so no version specialises it
-        source = ConstantSource("token_slots")
-        sym = shape_env.create_symbol(8, source=source, dynamic_dim=DimDynamic.DYNAMIC)
-        tokens = shape_env.create_symintnode(sym, hint=8, source=source) * multiple
-    with mode:
-        slots = torch.empty((tokens, 0), device=device)
-    FakeTensorProp(ffn, mode).propagate_dont_convert_inputs(slots)
+    inputs = []
+    for i, ph in enumerate(n for n in ffn.graph.nodes if n.op == "placeholder"):
+        if static_tokens is not None:
+            tokens: object = static_tokens
+        else:  # a fresh symbol for the token count, made directly so no version specialises it
+            source = ConstantSource(ph.name)
+            sym = shape_env.create_symbol(8 * (i + 1), source=source, dynamic_dim=DimDynamic.DYNAMIC)
+            tokens = shape_env.create_symintnode(sym, hint=8 * (i + 1), source=source) * multiple
+        with mode:
+            inputs.append(torch.empty((tokens, 0), device=device))
+    FakeTensorProp(ffn, mode).propagate_dont_convert_inputs(*inputs)

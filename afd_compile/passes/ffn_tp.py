@@ -1,0 +1,160 @@
+"""FFN tensor parallelism inside AFD: an FFN program run by a TP group of FFN ranks.
+
+With ``ffn_tp = P`` the FFN ranks form groups of ``P`` (``AFDLayout.ffn_group``). Each FFN rank
+still receives only its own attention peers' tokens (every token crosses the wire once); the
+group's ranks then all-gather their tokens (distribution state SCATTERED -> FULL over the FFN
+group), run the MLP with its weights split over the group (column-parallel up projections,
+row-parallel down projection: the output is a partial sum), and reduce-scatter the output (FULL +
+partial -> SCATTERED: the sum settled, each rank keeping its own tokens) before sending it back.
+The collectives are the scatter-mode ones (``afd.all_gather_tokens`` / ``reduce_scatter_tokens``,
+chosen by :func:`afd_compile.scatter.transition`), and the weight split is the TP sharding's
+(``passes/shard``), so what a TP layout can shard an FFN TP group can.
+
+FFN program, one layer, before (``ffn_tp = 1``)::
+
+    token_slots = placeholder; total_tokens = sym_size(token_slots, 0)
+    recv = afd.p2p_recv_group(dep, 0, L, S, total_tokens, spec)
+    x = view(getitem(recv, 0), [1, total_tokens, 64]) ; <MLP> ; y = view(mlp_out, [total_tokens, 64])
+    dep = afd.p2p_send_group([y], 0, L, S, spec)
+
+After (``ffn_tp = 2``; the weights of ``<MLP>`` are this rank's slices)::
+
+    token_slots = placeholder; ffn_group_slots = placeholder   # [own, 0], [group total, 0]
+    group_tokens = sym_size(ffn_group_slots, 0)
+    recv = afd.p2p_recv_group(dep, 0, L, S, total_tokens, spec)
+    g = afd.all_gather_tokens(getitem(recv, 0), FFN_TP, group_tokens)
+    x = view(g, [1, group_tokens, 64]) ; <MLP> ; y = view(mlp_out, [group_tokens, 64])
+    dep = afd.p2p_send_group([afd.reduce_scatter_tokens(y, FFN_TP, group_tokens, total_tokens)], ...)
+
+The runtime gives the program the group's total each step (one small all-gather of the FFN
+ranks' token counts, ``runtime.FFNWorker``), which is also what the collectives check against.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .. import ops as afd_ops  # noqa: F401  (registers torch.ops.afd)
+from ..comm import GROUP_FFN_TP
+from ..errors import AFDCompileError
+from ..scatter import Collective, DistState, ScatterMode, TPLayout, Transition, transition
+from .roles import LINEAR_OPS, find_router, role_of
+from .shard import ShardError, ShardPlan, apply_shards, is_expert_mm
+from .shard import _check_linear_path as check_linear_path
+from .shard import _column_row_pairs as column_row_pairs
+from .shard import _shard_pair as shard_pair
+from .shard.types import ArgFix, ShardedWeight
+
+aten = torch.ops.aten
+afd = torch.ops.afd
+
+#: node.meta key of the nodes this pass inserts: "gather" / "settle"
+META_KEY = "afd.ffn_tp"
+
+#: the two boundaries of an FFN TP group, as the state algebra names them: FULL is the FFN TP
+#: group (a TPLayout of tp = ffn_tp whose attention is fully data-parallel: SCATTERED is one rank)
+ENTER = (DistState(ScatterMode.SCATTERED), DistState(ScatterMode.FULL))
+LEAVE = (DistState(ScatterMode.FULL, partial=True), DistState(ScatterMode.SCATTERED))
+
+#: the op of each collective the boundaries need
+_OPS = {Collective.ALL_GATHER: afd.all_gather_tokens.default,
+        Collective.REDUCE_SCATTER: afd.reduce_scatter_tokens.default}
+
+
+class FFNTPError(AFDCompileError):
+    """An FFN program that an FFN TP group cannot run, and why (names layer and node)."""
+
+
+@dataclass(frozen=True)
+class FFNTPProgram:
+    program: fx.GraphModule
+    shards: ShardPlan
+    parts: int
+    rank: int
+
+    def __str__(self) -> str:
+        enter, leave = (boundary(self.parts, *b) for b in (ENTER, LEAVE))
+        return (f"FFN TP rank {self.rank} of {self.parts}: {len(self.shards.weights)} weights split; per layer "
+                f"{enter} after the receive, {leave} before the send")
+
+
+def boundary(parts: int, src: DistState, dst: DistState) -> Transition:
+    """The collective taking an FFN program's tensor from ``src`` to ``dst`` in a group of ``parts``."""
+    rec = transition(src, dst, TPLayout(parts, parts))
+    if rec is None or rec.collective not in _OPS:
+        raise FFNTPError(f"ffn_tp={parts}: no FFN-group collective takes {src} to {dst} (transition: {rec})")
+    return rec
+
+
+def tensor_parallel_ffn(ffn: fx.GraphModule, parts: int, rank: int) -> FFNTPProgram:
+    """``ffn`` (an FFN program of ``build_ffn_program``; changed in place) for rank ``rank`` of an
+    FFN TP group of ``parts`` ranks (module docstring). ``parts = 1`` returns it unchanged."""
+    if parts == 1:
+        return FFNTPProgram(ffn, ShardPlan((), (), (), (), ()), 1, 0)
+    enter, leave = _OPS[boundary(parts, *ENTER).collective], _OPS[boundary(parts, *LEAVE).collective]
+    graph = ffn.graph
+    slots = next(n for n in graph.nodes if n.op == "placeholder")
+    own = next(u for u in slots.users if u.target == aten.sym_size.int)
+    with graph.inserting_after(slots):
+        group_slots = graph.placeholder("ffn_group_slots")
+    with graph.inserting_after(own):
+        group_total = graph.call_function(aten.sym_size.int, (group_slots, 0))
+    group_total._rename("group_tokens")
+    # the MLP and its sizes run on the group's tokens; the receive and the send on this rank's
+    own.replace_all_uses_with(group_total, delete_user_cb=lambda u: u.target != afd.p2p_recv_group.default)
+    for recv in [n for n in graph.nodes if n.target == afd.p2p_recv_group.default]:
+        for item in [u for u in recv.users if u.target == operator.getitem]:
+            with graph.inserting_after(item):
+                g = graph.call_function(enter, (item, GROUP_FFN_TP, group_total))
+            g.meta[META_KEY] = "gather"
+            item.replace_all_uses_with(g, delete_user_cb=lambda u, _g=g: u is not _g)
+    sends = [n for n in graph.nodes if n.target == afd.p2p_send_group.default]
+    for send in sends:
+        (y,) = send.args[0]
+        with graph.inserting_before(send):
+            rs = graph.call_function(leave, (y, GROUP_FFN_TP, group_total, own))
+        rs.meta[META_KEY] = "settle"
+        send.args = ([rs], *send.args[1:])
+    graph.lint()
+    ffn.recompile()
+    from .split import propagate_ffn_meta
+
+    propagate_ffn_meta(ffn)
+    weights: list[ShardedWeight] = []
+    fixes: list[ArgFix] = []
+    for send in sends:
+        _plan_layer(ffn, send.args[0][0].args[0], send.args[2], parts, weights, fixes)
+    plan = ShardPlan(tuple(weights), tuple(fixes), (), (), ())
+    apply_shards(ffn, plan, {"mlp": rank})
+    return FFNTPProgram(ffn, plan, parts, rank)
+
+
+def _plan_layer(ffn: fx.GraphModule, y: fx.Node, layer: int, parts: int, weights: list[ShardedWeight],
+                fixes: list[ArgFix]) -> None:
+    """The weight split of one layer's MLP: its column/row pairs, and a check that everything
+    between the row-parallel outputs and ``y`` (settled by the reduce-scatter) is linear."""
+    where = f"FFN program: layer {layer}"
+    region = {n for n in ffn.graph.nodes if n.op == "call_function" and _layer(n) == layer}
+    router = find_router(list(region))
+    projs = [n for n in region if (n.target in LINEAR_OPS or is_expert_mm(n)) and n is not router
+             and not role_of(n).router]
+    try:
+        pairs = column_row_pairs(projs, region, where)
+        if not pairs:
+            raise ShardError(f"{where}: the MLP has no down projection fed by up projections "
+                             f"(projections found: {[n.name for n in projs]})")
+        for cols, row in pairs:
+            shard_pair(ffn, cols, row, parts, "mlp", weights, fixes, where)
+        check_linear_path([row for _, row in pairs], y, region | {y}, where)
+    except ShardError as e:
+        raise FFNTPError(f"ffn_tp={parts}: {e}") from None
+
+
+def _layer(n: fx.Node) -> int | None:
+    r = n.meta.get("afd.role")
+    return None if r is None else r.layer
+

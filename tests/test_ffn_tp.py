@@ -1,0 +1,100 @@
+"""AFD with FFN tensor-parallel groups (issue 18): the boundary collectives from the state
+algebra, the FFN program's structure, numerics against the single-process model on real gloo
+processes (uneven fan-in, a zero-token attention rank, MoE with the router on either side), and
+the CLI / backend refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from afd_compile.layout import AFDLayout, LayoutError
+from afd_compile.passes.ffn_tp import ENTER, LEAVE, boundary, tensor_parallel_ffn
+from afd_compile.scatter import Collective
+from afd_compile.verify import Case, run_cases
+
+afd = torch.ops.afd
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_boundaries_come_from_the_state_algebra(parts):
+    enter, leave = boundary(parts, *ENTER), boundary(parts, *LEAVE)
+    assert (enter.collective, enter.src_size, enter.dst_size, enter.reduces) == (Collective.ALL_GATHER, 1, parts, False)
+    assert (leave.collective, leave.src_size, leave.dst_size, leave.reduces) == (Collective.REDUCE_SCATTER, parts, 1, True)
+
+
+def test_layout_groups_and_refusals():
+    lay = AFDLayout(4, 4, 2)
+    assert [lay.ffn_group(f) for f in range(4)] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert lay.peers_of_ffn(1) == (5,) and str(lay) == "4A4F ffn_tp=2"
+    with pytest.raises(LayoutError, match=r"ffn_tp=2 must be >= 1 and divide the 3 FFN ranks"):
+        AFDLayout(3, 3, 2)
+
+
+@pytest.mark.parametrize("name", ["llama2", "qwen3moe2"])
+def test_ffn_program_gathers_splits_and_settles_per_layer(exported, name):
+    from afd_compile.split_api import split
+
+    ep, _ = exported(name)
+    result = split(ep)
+    full = {k: v.shape for k, v in result.ffn.named_parameters()}
+    prog = tensor_parallel_ffn(result.ffn, 2, 1)
+    nodes = list(prog.program.graph.nodes)
+    count = {op: sum(n.target == op for n in nodes) for op in (afd.all_gather_tokens.default,
+                                                               afd.reduce_scatter_tokens.default,
+                                                               afd.p2p_recv_group.default)}
+    layers = count[afd.p2p_recv_group.default]
+    assert layers == 2 and count[afd.all_gather_tokens.default] == layers
+    assert count[afd.reduce_scatter_tokens.default] == layers
+    assert [n.name for n in nodes if n.op == "placeholder"] == ["token_slots", "ffn_group_slots"]
+    # every MLP weight but the router's is halved along one dim
+    split_names = {w.target for w in prog.shards.weights}
+    for k, shape in full.items():
+        now = dict(prog.program.named_parameters())[k].shape
+        halved = [d for d, (a, b) in enumerate(zip(shape, now, strict=True)) if a != b]
+        assert (halved != []) == (k in split_names), (k, shape, now)
+        if halved:
+            assert len(halved) == 1 and now[halved[0]] * 2 == shape[halved[0]]
+
+
+def test_ffn_tp_groups_reproduce_the_model(exported):
+    # 4 attention ranks into one FFN TP group of 2 (6 ranks); Qwen3-MoE 3A2F, uneven fan-in with a
+    # zero-token attention rank at every step in turn, the router on either side
+    llama, moe = exported("llama2")[1], exported("qwen3moe2")[1]
+    cases = [Case(llama, AFDLayout(4, 2, 2), (1, 2, 3, 2)),
+             Case(moe, AFDLayout(3, 2, 2), (2, 0, 3)),
+             Case(moe, AFDLayout(2, 2, 2), (2, 3), gate=True)]
+    for case, res in zip(cases, run_cases(cases), strict=True):
+        errs = [r["max_rel_err"] for r in res.values() if r["role"] == "attention"]
+        assert len(errs) == case.layout.attention_ranks, (case, res)
+        assert max(errs) <= 1e-5, (case, res)
+        assert sum(r["compared"] for r in res.values() if r["role"] == "attention") > 0
+
+
+def test_cli_plans_ffn_tp_and_refuses_what_it_cannot(exported):
+    path = exported("qwen3moe2")[1]
+    cli = [sys.executable, "-m", "afd_compile.cli"]
+    res = subprocess.run([*cli, "plan", path, "-A", "4", "-F", "2", "--ffn-tp", "2"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "ffn tp: groups [[0, 1]]; FFN TP rank 0 of 2: 4 weights split; per layer all_gather SCATTERED[1] -> " \
+           "FULL[2] after the receive, reduce_scatter FULL+P[2] -> SCATTERED[1] before the send" in res.stdout
+    for args, msg in [(["plan", path, "-A", "3", "-F", "3", "--ffn-tp", "2"], "must be >= 1 and divide the 3 FFN ranks"),
+                      (["plan", path, "--tp", "2", "--ffn-tp", "2"], "not both"),
+                      (["rewrite", path, "-o", "/nonexistent/x", "-A", "2", "-F", "2", "--ffn-tp", "2"],
+                       "rewrite --ffn-tp: not supported yet")]:
+        res = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 2 and msg in res.stderr, (args, res.stderr)
+
+
+def test_backend_option_ffn_tp_is_checked():
+    from afd_compile.backend import BackendOptionError, BackendOptions
+
+    assert BackendOptions.parse({"attention": 2, "ffn": 2, "ffn_tp": 2}).ffn_tp == 2
+    with pytest.raises(BackendOptionError, match="ffn_tp=2 applies to an AFD layout"):
+        BackendOptions.parse({"tp": 2, "ffn_tp": 2})
+    with pytest.raises(BackendOptionError, match=r"ffn_tp=0 \(int\) must be an int >= 1"):
+        BackendOptions.parse({"attention": 2, "ffn": 2, "ffn_tp": 0})
