@@ -43,10 +43,15 @@ from ..comm import GROUP_FFN_TP
 from ..errors import AFDCompileError
 from ..scatter import Collective, DistState, ScatterMode, TPLayout, Transition, transition
 from .roles import LINEAR_OPS, find_router, role_of
-from .shard import ShardError, ShardPlan, apply_shards, is_expert_mm
-from .shard import _check_linear_path as check_linear_path
-from .shard import _column_row_pairs as column_row_pairs
-from .shard import _shard_pair as shard_pair
+from .shard import (
+    ShardError,
+    ShardPlan,
+    apply_shards,
+    check_linear_path,
+    column_row_pairs,
+    is_expert_mm,
+    shard_pair,
+)
 from .shard.types import ArgFix, ShardedWeight
 
 aten = torch.ops.aten

@@ -482,7 +482,7 @@ def _is_zeros(n: object) -> bool:
                                        or (n.target in (aten.full.default, aten.full_like.default) and n.args[1] == 0))
 
 
-def _column_row_pairs(projs: list[fx.Node], region: set[fx.Node],
+def column_row_pairs(projs: list[fx.Node], region: set[fx.Node],
                       where: str) -> list[tuple[list[fx.Node], fx.Node]]:
     """Group an MLP's projections into (column-parallel inputs, row-parallel output) pairs: a row
     reads a value computed from other projections, its columns are those projections. Others
@@ -510,7 +510,7 @@ def _column_row_pairs(projs: list[fx.Node], region: set[fx.Node],
     return pairs
 
 
-def _check_linear_path(rows: list[fx.Node], out: fx.Node, region: set[fx.Node], where: str) -> None:
+def check_linear_path(rows: list[fx.Node], out: fx.Node, region: set[fx.Node], where: str) -> None:
     """Everything between the row-parallel outputs and the block output must be linear in them
     (partial sums may be scaled, indexed, reshaped, summed, added to each other), so settling
     the sum once at the block output equals settling each at its row."""
@@ -579,7 +579,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
                              "cannot divide (only KV heads may be replicated)")
         if attn_parts > 1:
             means: list[fx.Node] = []
-            _shard_pair(gm, cols, rows[0], attn_parts, "attn", weights, fixes, where, means, states)
+            shard_pair(gm, cols, rows[0], attn_parts, "attn", weights, fixes, where, means, states)
             rows_out.append((rows[0].name, "attn", layer))
             split_means.extend((m.name, "attn", layer, attn_parts) for m in means)
         ffn_set = set(ffn)
@@ -587,17 +587,17 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
         router = find_router(ffn)
         projs = [n for n in ffn if (n.target in LINEAR_OPS or is_expert_mm(n)) and n is not router
                  and not role_of(n).router]
-        pairs = _column_row_pairs(projs, ffn_set, where)
+        pairs = column_row_pairs(projs, ffn_set, where)
         if not pairs:
             raise ShardError(f"{where}: the MLP has no down projection fed by up projections "
                              f"(projections found: {[n.name for n in projs]})")
         if mlp_parts > 1 and layer not in replicated_mlp:
             for cols_, row in pairs:
-                _shard_pair(gm, cols_, row, mlp_parts, "mlp", weights, fixes, where)
+                shard_pair(gm, cols_, row, mlp_parts, "mlp", weights, fixes, where)
             if len(pairs) == 1 and _producer_linear(out, ffn_set) is pairs[0][1]:
                 rows_out.append((pairs[0][1].name, "mlp", layer))  # settle right after the down projection
             else:  # several partial sums (experts + shared experts) or a combine step: settle at the block output
-                _check_linear_path([row for _, row in pairs], out, ffn_set, where)
+                check_linear_path([row for _, row in pairs], out, ffn_set, where)
                 rows_out.append((out.name, "mlp", layer))
     return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out), tuple(split_means), tuple(states))
 
@@ -636,7 +636,7 @@ def _projection_weight(gm: fx.GraphModule, proj: fx.Node, column: bool) -> tuple
     return str(p.weight.target), dim, int(get_attr_path(gm, p.weight.target).shape[dim])
 
 
-def _shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int, group: str,
+def shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int, group: str,
                 weights: list[ShardedWeight], fixes: list[ArgFix], where: str,
                 means: list[fx.Node] | None = None, states: list[ShardedState] | None = None) -> None:
     names = ", ".join(_projection_weight(gm, c, True)[0] for c in cols)
