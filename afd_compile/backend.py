@@ -246,7 +246,9 @@ _SEGMENT = re.compile(r"(?:^|_)(?:modules|parameters|buffers)_")
 #: ``torch.compile(model.forward)``: the bound method's module is its first argument) and of the
 #: Python globals the model reads (``g_import_transformers_dot_activations_math_pi``: ``math.pi``
 #: in GPT-2's GELU, a float dynamo passes as a 0-d tensor under dynamic=True)
-_CONSTANT_PREFIX = re.compile(r"l_(?:self|args_0)_|g_", flags=re.IGNORECASE)
+#: (torch 2.11 names a config attribute read as
+#: ``object_getattribute_l_self_modules_model_config_hidden_dropout_``: Falcon's dropout p)
+_CONSTANT_SOURCE = re.compile(r"(?:^|_)l_(?:self|args_0)_|^g_", flags=re.IGNORECASE)
 
 
 def _module_path(placeholder: str) -> str | None:
@@ -287,7 +289,7 @@ class _Lifted(torch.nn.Module):
                 used.add(path)
                 set_attr_path(self, path, x)
                 self.slots.append(("attr", path))
-            elif (isinstance(x, torch.Tensor) and x.dim() == 0 and _CONSTANT_PREFIX.match(p.name)
+            elif (isinstance(x, torch.Tensor) and x.dim() == 0 and _CONSTANT_SOURCE.search(p.name)
                   and (_only_item(p) or not p.users)):
                 # a float module attribute (an RMSNorm eps) or global (math.pi) dynamo passes as a
                 # 0-d tensor under dynamic=True: a constant of this graph, never a symbolic float

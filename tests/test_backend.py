@@ -73,6 +73,19 @@ def test_module_paths_of_lifted_parameters():
     assert _module_path("l_self_modules_layers_modules_1_modules_norm_variance_epsilon") is None
 
 
+@pytest.mark.parametrize("name,constant", [
+    ("l_self_modules_model_modules_layers_modules_0_modules_input_layernorm_eps", True),  # a module float
+    ("l_args_0_modules_norm_eps", True),  # torch.compile(model.forward)
+    ("g_import_transformers_dot_activations_math_pi", True),  # a global (GPT-2's GELU)
+    ("object_getattribute_l_self_modules_model_config_hidden_dropout_", True),  # torch 2.11: Falcon's config
+    ("l_input_ids_", False), ("l_kwargs_scale_", False),  # the caller's own inputs stay inputs
+])
+def test_which_0d_graph_inputs_are_constants_of_the_model(name, constant):
+    from afd_compile.backend import _CONSTANT_SOURCE
+
+    assert bool(_CONSTANT_SOURCE.search(name)) is constant
+
+
 def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
     return subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(n), EXAMPLE, *args], capture_output=True, text=True,
