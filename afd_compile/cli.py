@@ -36,7 +36,7 @@ def _layout(args: argparse.Namespace, required: bool) -> AFDLayout | None:
         return None
     if args.attention_ranks is None or args.ffn_ranks is None:
         raise UsageError("give both --attention-ranks and --ffn-ranks")
-    return AFDLayout(args.attention_ranks, args.ffn_ranks, getattr(args, "ffn_tp", 1))
+    return AFDLayout(args.attention_ranks, args.ffn_ranks, getattr(args, "ffn_tp", 1), getattr(args, "ffn_ep", 1))
 
 
 def _positive_seconds(text: str) -> float:
@@ -56,6 +56,9 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ffn-tp", type=int, default=1, metavar="P",
                    help="FFN ranks in tensor-parallel groups of P (the MLP weights split over each group; every "
                    "token still crosses the wire once); P divides F (default 1)")
+    g.add_argument("--ffn-ep", type=int, default=1, metavar="P",
+                   help="FFN ranks in expert-parallel groups of P (an MoE's experts split over each group, tokens "
+                   "routed by all-to-all); P divides F; not with --ffn-tp (default 1)")
     g.add_argument("--gate-on-attention", action="store_true",
                    help="compute the MoE router on the attention side and send router logits (compute_gate_on_attention)")
     p.add_argument("--policy", choices=["default", "module_path", "structural"], default="default",
@@ -79,7 +82,7 @@ def _add_stages(p: argparse.ArgumentParser, what: str) -> None:
 _TP_FLAGS = {"attn_dp": "--attn-dp", "moe_a2a": "--moe-a2a", "dense_dp": "--dense-dp"}
 _AFD_FLAGS = {"attention_ranks": "-A/--attention-ranks", "ffn_ranks": "-F/--ffn-ranks",
               "gate_on_attention": "--gate-on-attention"}
-_AFD_VALUED = {"stages": ("--stages", 1), "ffn_tp": ("--ffn-tp", 1)}  # AFD flags with a default: given when not at it
+_AFD_VALUED = {"stages": ("--stages", 1), "ffn_tp": ("--ffn-tp", 1), "ffn_ep": ("--ffn-ep", 1)}  # AFD flags with a default: given when not at it
 
 
 def _check_mode_flags(args: argparse.Namespace) -> None:
@@ -195,14 +198,16 @@ def plan_table(result, layout: AFDLayout | None) -> str:
 def _ffn_tp_line(result, layout: AFDLayout | None) -> str | None:
     """An FFN TP group's program, built for group rank 0 (a layout the MLP cannot take is refused
     here, before anything runs), in one line."""
-    if layout is None or layout.ffn_tp == 1:
+    if layout is None or layout.ffn_group_size == 1:
         return None
-    from .passes.ffn_tp import tensor_parallel_ffn
+    from .passes.ffn_tp import expert_parallel_ffn, tensor_parallel_ffn
     from .passes.graph_utils import copy_graph_module
 
-    prog = tensor_parallel_ffn(copy_graph_module(result.ffn)[0], layout.ffn_tp, 0)
-    groups = [list(layout.ffn_group(f)) for f in range(0, layout.ffn_ranks, layout.ffn_tp)]
-    return f"ffn tp: groups {groups}; {prog}"
+    size = layout.ffn_group_size
+    build = tensor_parallel_ffn if layout.ffn_tp > 1 else expert_parallel_ffn
+    prog = build(copy_graph_module(result.ffn)[0], size, 0)
+    groups = [list(layout.ffn_group(f)) for f in range(0, layout.ffn_ranks, size)]
+    return f"ffn {'tp' if layout.ffn_tp > 1 else 'ep'}: groups {groups}; {prog}"
 
 
 def _cache_json(result) -> dict | None:
@@ -423,9 +428,9 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
     if args.attention_ranks is None and args.ffn_ranks is None:
         raise UsageError("give an AFD layout (--attention-ranks/--ffn-ranks) or a TP layout (--tp)")
     layout = _layout(args, required=True)
-    if layout.ffn_tp > 1:
-        raise UsageError("rewrite --ffn-tp: not supported yet (an FFN TP group's programs are split per rank: "
-                         "plan and verify take --ffn-tp, and the backend takes ffn_tp)")
+    if layout.ffn_group_size > 1:
+        raise UsageError("rewrite --ffn-tp/--ffn-ep: not supported yet (an FFN group's programs are split per rank: "
+                         "plan and verify take them, and the backend takes ffn_tp / ffn_ep)")
     t = time.perf_counter()
     out = _AtomicFolder(args.output, args.force)
     ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy)

@@ -9,6 +9,8 @@ ffn_tp)``, ``[ffn_tp, 2 ffn_tp)``, ...). Each FFN rank still receives its own bl
 (every token crosses the wire once); inside the group the MLP runs on the group's tokens
 (all-gathered), its weights split over the group, and each rank returns its own tokens' output
 (reduce-scattered): ``-A 4 -F 2 --ffn-tp 2`` is one FFN TP group of 2 serving 4 attention ranks.
+``ffn_ep``: the same groups, an MoE's experts split over them instead (each rank's tokens go to
+their experts' ranks and back by all-to-all; dense layers run on each rank's own tokens).
 """
 
 from __future__ import annotations
@@ -27,11 +29,17 @@ class AFDLayout:
     attention_ranks: int
     ffn_ranks: int
     ffn_tp: int = 1
+    ffn_ep: int = 1
 
     def __post_init__(self) -> None:
-        if self.ffn_tp < 1 or self.ffn_ranks % self.ffn_tp:
-            raise LayoutError(f"AFD layout {self}: ffn_tp={self.ffn_tp} must be >= 1 and divide the {self.ffn_ranks} "
-                              "FFN ranks (FFN TP groups of ffn_tp consecutive FFN ranks)")
+        for name in ("ffn_tp", "ffn_ep"):
+            size = getattr(self, name)
+            if size < 1 or self.ffn_ranks % size:
+                raise LayoutError(f"AFD layout {self}: {name}={size} must be >= 1 and divide the {self.ffn_ranks} "
+                                  f"FFN ranks (FFN groups of {name} consecutive FFN ranks)")
+        if self.ffn_tp > 1 and self.ffn_ep > 1:
+            raise LayoutError(f"AFD layout {self}: ffn_tp and ffn_ep together (TP inside expert groups) are not "
+                              "supported yet; give one of them")
         if self.attention_ranks < 1 or self.ffn_ranks < 1:
             raise LayoutError(
                 f"AFD layout needs at least 1 attention and 1 FFN rank, got "
@@ -44,12 +52,18 @@ class AFDLayout:
             )
 
     def __str__(self) -> str:
-        return f"{self.attention_ranks}A{self.ffn_ranks}F" + (f" ffn_tp={self.ffn_tp}" if self.ffn_tp != 1 else "")
+        return (f"{self.attention_ranks}A{self.ffn_ranks}F" + (f" ffn_tp={self.ffn_tp}" if self.ffn_tp != 1 else "")
+                + (f" ffn_ep={self.ffn_ep}" if self.ffn_ep != 1 else ""))
+
+    @property
+    def ffn_group_size(self) -> int:
+        """Ranks per FFN group (TP or EP); 1: every FFN rank alone."""
+        return max(self.ffn_tp, self.ffn_ep)
 
     def ffn_group(self, f: int) -> tuple[int, ...]:
-        """World ranks of FFN rank ``f``'s TP group (``(f,)`` when ``ffn_tp`` is 1)."""
-        start = f - f % self.ffn_tp
-        return tuple(range(start, start + self.ffn_tp))
+        """World ranks of FFN rank ``f``'s group (``(f,)`` when it has none)."""
+        start = f - f % self.ffn_group_size
+        return tuple(range(start, start + self.ffn_group_size))
 
     @property
     def world_size(self) -> int:

@@ -292,6 +292,8 @@ class FFNWorker:
     ffn_group: dist.ProcessGroup | None = None
     group_rank: int = 0
     group_size: int = 1
+    #: the program takes the group's token count as a second input (FFN TP; EP routes by all-to-all)
+    group_input: bool = False
     #: the token counts of the group's ranks this step
     group_counts: tuple[int, ...] = ()
 
@@ -358,7 +360,7 @@ class FFNWorker:
         """The unstaged program on this step's ``(T, 0)`` carrier (and, in an FFN TP group, the
         group's ``(total, 0)``)."""
         slots = [torch.empty(sum(counts), 0, device=self.device)]
-        if self.group_size > 1:
+        if self.group_input:
             slots.append(torch.empty(sum(self.group_counts), 0, device=self.device))
         if self.run_program is not None:
             self.run_program(counts, *slots)
@@ -428,13 +430,14 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     # static token count (a decode graph of a static cache)
     result = split_graph_module(gm, config, layout=layout if role == "ffn" else None)
     attention, ffn = result.attention, result.ffn
-    groups = [process_group(layout.ffn_group(f)) for f in range(0, layout.ffn_ranks, layout.ffn_tp)] \
-        if layout.ffn_tp > 1 else []  # every rank creates every group, in one order
-    if stages != 1 and layout.ffn_tp > 1:
+    size = layout.ffn_group_size
+    groups = [process_group(layout.ffn_group(f)) for f in range(0, layout.ffn_ranks, size)] \
+        if size > 1 else []  # every rank creates every group, in one order
+    if stages != 1 and size > 1:
         from .passes.stages import StageError
 
-        raise StageError(f"layout {layout}: micro-batch stages with an FFN TP group are not supported yet; "
-                         "use stages=1 or ffn_tp=1")
+        raise StageError(f"layout {layout}: micro-batch stages with FFN groups are not supported yet; "
+                         "use stages=1 or ffn_tp=ffn_ep=1")
     if stages != 1:  # the programs of all stages built now: refused here, not at a step
         staged = stage_attention_program(attention, stages), stage_ffn_program(ffn, stages)
         verify_schedule(*staged)  # the two programs' transfers, stage by stage, in one order
@@ -444,14 +447,17 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     if role == "ffn":
         comm = communicator_for("ffn", rank, layout.peers_of_ffn(idx), group, check, config.comm_id)
         worker = FFNWorker(ffn, comm, device, stages=stages)
-        if layout.ffn_tp > 1:
+        if size > 1:
             from .comm import GROUP_FFN_TP, register_group
-            from .passes.ffn_tp import tensor_parallel_ffn
+            from .passes.ffn_tp import expert_parallel_ffn, tensor_parallel_ffn
 
-            tensor_parallel_ffn(ffn, layout.ffn_tp, idx % layout.ffn_tp)
-            worker.ffn_group = groups[idx // layout.ffn_tp]
+            if layout.ffn_tp > 1:
+                tensor_parallel_ffn(ffn, size, idx % size)
+            else:
+                expert_parallel_ffn(ffn, size, idx % size)
+            worker.ffn_group = groups[idx // size]
             register_group(GROUP_FFN_TP, worker.ffn_group)
-            worker.group_rank, worker.group_size = idx % layout.ffn_tp, layout.ffn_tp
+            worker.group_rank, worker.group_size, worker.group_input = idx % size, size, layout.ffn_tp > 1
         worker.program = ffn.to(device)
         if stages != 1:
             worker.staged[stages] = staged[1].to(device)

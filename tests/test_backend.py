@@ -105,6 +105,8 @@ RUNS = [  # (processes, example arguments)
     (2, ("--tp", "2", "--family", "gemma2")),
     (2, ("--tp", "2", "--family", "gpt2")),
     (3, ("--attention", "2", "--ffn", "1", "--family", "deepseek_v3")),
+    # AFD with an FFN TP group: the FFN ranks' programs are compiled per the group's token counts
+    (4, ("--attention", "2", "--ffn", "2", "--ffn-tp", "2", "--family", "qwen3_moe")),
     # a hand-written MoE looping over its experts (data-dependent token counts per expert)
     (3, ("--attention", "2", "--ffn", "1", "--dynamic-output-shapes",
          "--model", os.path.join(os.path.dirname(__file__), "handwritten.py:loop_moe"))),
@@ -119,6 +121,8 @@ _LAYOUTS = [(3, ("--attention", "2", "--ffn", "1")), (3, ("--attention", "2", "-
             (2, ("--tp", "2")), (4, ("--tp", "4", "--attn-dp", "2"))]
 SLOW_RUNS = [(n, (*lay, "--family", fam)) for fam in _FAMILIES for n, lay in _LAYOUTS
              if not (fam == "falcon" and n == 4) and (n, (*lay, "--family", fam)) not in RUNS]
+SLOW_RUNS += [(4, ("--attention", "2", "--ffn", "2", "--ffn-ep", "2", "--family", "qwen3_moe")),
+              (4, ("--attention", "2", "--ffn", "2", "--ffn-tp", "2", "--family", "llama"))]
 SLOW_RUNS += [(n, (*lay, "--dynamic-output-shapes", "--model", m)) for m in _HANDWRITTEN for n, lay in _LAYOUTS
               if "--seq" not in lay]
 

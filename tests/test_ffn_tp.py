@@ -1,7 +1,7 @@
-"""AFD with FFN tensor-parallel groups (issue 18): the boundary collectives from the state
-algebra, the FFN program's structure, numerics against the single-process model on real gloo
-processes (uneven fan-in, a zero-token attention rank, MoE with the router on either side), and
-the CLI / backend refusals."""
+"""AFD with FFN tensor-parallel and expert-parallel groups (issue 18): the boundary collectives
+from the state algebra, the FFN program's structure, numerics against the single-process model on
+real gloo processes (uneven fan-in, a zero-token attention rank, MoE with the router on either
+side), and the CLI / backend refusals."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from afd_compile.layout import AFDLayout, LayoutError
-from afd_compile.passes.ffn_tp import ENTER, LEAVE, boundary, tensor_parallel_ffn
+from afd_compile.passes.ffn_tp import (
+    ENTER,
+    LEAVE,
+    FFNTPError,
+    boundary,
+    expert_parallel_ffn,
+    tensor_parallel_ffn,
+)
 from afd_compile.scatter import Collective
 from afd_compile.verify import Case, run_cases
 
@@ -60,13 +67,32 @@ def test_ffn_program_gathers_splits_and_settles_per_layer(exported, name):
             assert len(halved) == 1 and now[halved[0]] * 2 == shape[halved[0]]
 
 
-def test_ffn_tp_groups_reproduce_the_model(exported):
+def test_ffn_ep_splits_the_experts_and_routes_by_all_to_all(exported):
+    from afd_compile.split_api import split
+
+    result = split(exported("qwen3moe3_mixed")[0])  # layer 1 dense: data-parallel, whole weights
+    prog = expert_parallel_ffn(result.ffn, 2, 1)
+    nodes = list(prog.program.graph.nodes)
+    assert sum(n.target == afd.ep_dispatch.default for n in nodes) == 2  # the two MoE layers
+    assert sum(n.target == afd.ep_combine.default for n in nodes) == 2
+    assert {w.kind for w in prog.shards.weights} == {"expert"} and all(w.dim == 0 for w in prog.shards.weights)
+    assert not any(n.target == afd.all_gather_tokens.default for n in nodes)  # tokens stay SCATTERED
+    with pytest.raises(FFNTPError, match="no MoE layer"):
+        expert_parallel_ffn(split(exported("llama2")[0]).ffn, 2, 0)
+    with pytest.raises(LayoutError, match="ffn_tp and ffn_ep together"):
+        AFDLayout(2, 2, 2, 2)
+
+
+def test_ffn_groups_reproduce_the_model(exported):
     # 4 attention ranks into one FFN TP group of 2 (6 ranks); Qwen3-MoE 3A2F, uneven fan-in with a
-    # zero-token attention rank at every step in turn, the router on either side
-    llama, moe = exported("llama2")[1], exported("qwen3moe2")[1]
+    # zero-token attention rank at every step in turn, the router on either side; Qwen3-MoE with
+    # its experts over an FFN EP group of 2 (and a dense layer between)
+    llama, moe, mixed = exported("llama2")[1], exported("qwen3moe2")[1], exported("qwen3moe3_mixed")[1]
     cases = [Case(llama, AFDLayout(4, 2, 2), (1, 2, 3, 2)),
              Case(moe, AFDLayout(3, 2, 2), (2, 0, 3)),
-             Case(moe, AFDLayout(2, 2, 2), (2, 3), gate=True)]
+             Case(moe, AFDLayout(2, 2, 2), (2, 3), gate=True),
+             Case(moe, AFDLayout(2, 2, ffn_ep=2), (2, 3)),
+             Case(mixed, AFDLayout(3, 2, ffn_ep=2), (1, 0, 3), gate=True)]
     for case, res in zip(cases, run_cases(cases), strict=True):
         errs = [r["max_rel_err"] for r in res.values() if r["role"] == "attention"]
         assert len(errs) == case.layout.attention_ranks, (case, res)
@@ -85,7 +111,8 @@ def test_cli_plans_ffn_tp_and_refuses_what_it_cannot(exported):
     for args, msg in [(["plan", path, "-A", "3", "-F", "3", "--ffn-tp", "2"], "must be >= 1 and divide the 3 FFN ranks"),
                       (["plan", path, "--tp", "2", "--ffn-tp", "2"], "not both"),
                       (["rewrite", path, "-o", "/nonexistent/x", "-A", "2", "-F", "2", "--ffn-tp", "2"],
-                       "rewrite --ffn-tp: not supported yet")]:
+                       "rewrite --ffn-tp/--ffn-ep: not supported yet"),
+                      (["plan", exported("llama2")[1], "-A", "2", "-F", "2", "--ffn-ep", "2"], "no MoE layer")]:
         res = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=300)
         assert res.returncode == 2 and msg in res.stderr, (args, res.stderr)
 
@@ -98,3 +125,5 @@ def test_backend_option_ffn_tp_is_checked():
         BackendOptions.parse({"tp": 2, "ffn_tp": 2})
     with pytest.raises(BackendOptionError, match=r"ffn_tp=0 \(int\) must be an int >= 1"):
         BackendOptions.parse({"attention": 2, "ffn": 2, "ffn_tp": 0})
+    with pytest.raises(BackendOptionError, match="ffn_ep=2 applies to an AFD layout"):
+        BackendOptions.parse({"ffn_ep": 2})

@@ -80,8 +80,12 @@ class FFNTPProgram:
     shards: ShardPlan
     parts: int
     rank: int
+    kind: str = "tp"  # "tp": weights split, tokens gathered; "ep": experts split, tokens all-to-all
 
     def __str__(self) -> str:
+        if self.kind == "ep":
+            return (f"FFN EP rank {self.rank} of {self.parts}: {len(self.shards.weights)} expert weights split; "
+                    "per MoE layer the tokens stay SCATTERED and go to their experts' ranks and back by all-to-all")
         enter, leave = (boundary(self.parts, *b) for b in (ENTER, LEAVE))
         return (f"FFN TP rank {self.rank} of {self.parts}: {len(self.shards.weights)} weights split; per layer "
                 f"{enter} after the receive, {leave} before the send")
@@ -163,3 +167,38 @@ def _layer(n: fx.Node) -> int | None:
     r = n.meta.get("afd.role")
     return None if r is None else r.layer
 
+
+def expert_parallel_ffn(ffn: fx.GraphModule, parts: int, rank: int) -> FFNTPProgram:
+    """``ffn`` (changed in place) for rank ``rank`` of an FFN expert-parallel group of ``parts``
+    ranks: each MoE layer's experts split over the group, every rank routing its own tokens to
+    the experts' ranks and back with all-to-all (``scattered.expert_parallel``: the tokens stay
+    SCATTERED, no gather); dense layers run on each rank's own tokens with their whole weights.
+    A program with no MoE layer is refused (expert parallelism would change nothing)."""
+    if parts == 1:
+        return FFNTPProgram(ffn, ShardPlan((), (), (), (), ()), 1, 0)
+    from torch._guards import detect_fake_mode
+
+    from .graph_utils import layers_of
+    from .scattered import ScatteredRewriteError, expert_parallel
+
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in ffn.graph.nodes if "val" in n.meta])
+    # weights first (the FFN program reads each where first used): the rewrite copies the experts
+    # to after the dispatch, which may come before the original reads
+    last_input = [n for n in ffn.graph.nodes if n.op == "placeholder"][-1]
+    for n in [n for n in ffn.graph.nodes if n.op == "get_attr"]:
+        last_input.append(n)
+    weights: list[ShardedWeight] = []
+    for layer, parts_of in layers_of(ffn).items():
+        if not any(n.target == aten.topk.default for n in parts_of.members):
+            continue  # dense: data-parallel over the group, whole weights
+        try:
+            weights.extend(expert_parallel(ffn, layer, parts, rank, fake_mode, group=GROUP_FFN_TP))
+        except (ScatteredRewriteError, ShardError) as e:
+            raise FFNTPError(f"ffn_ep={parts}: FFN program: {e}") from None
+    if not weights:
+        raise FFNTPError(f"ffn_ep={parts}: the FFN program has no MoE layer (no top-k routing): expert "
+                         "parallelism would change nothing; use ffn_tp for dense MLPs")
+    ffn.graph.eliminate_dead_code()
+    ffn.graph.lint()
+    ffn.recompile()
+    return FFNTPProgram(ffn, ShardPlan(tuple(weights), (), (), (), ()), parts, rank, "ep")

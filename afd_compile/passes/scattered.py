@@ -247,8 +247,10 @@ _TOKEN_MAJOR = {aten.view.default, aten.reshape.default, aten._unsafe_view.defau
                 aten.flatten.using_ints}
 
 
-def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake_mode: object) -> list[ShardedWeight]:
-    """Split one MoE layer's experts over ``parts`` ranks and route tokens with all-to-all.
+def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake_mode: object,
+                    group: int = GROUP_TP) -> list[ShardedWeight]:
+    """Split one MoE layer's experts over ``parts`` ranks (process group ``group``: the TP group,
+    or an AFD FFN rank's FFN group) and route tokens with all-to-all.
 
     Before (transformers' grouped experts, one layer)::
 
@@ -358,7 +360,7 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
     with graph.inserting_before(anchor.next):
         count = call(aten.sym_size.int, (ids, 0))  # (explicit widths: a view to [0, -1] is ambiguous with no tokens)
         rows = [call(aten.view.default, (t, [count, _row_width(t, n_tok)])) for t in tensors]
-        disp = call(torch.ops.afd.ep_dispatch.default, (rows, ids, GROUP_TP, num_experts, parts), "ep_dispatch")
+        disp = call(torch.ops.afd.ep_dispatch.default, (rows, ids, group, num_experts, parts), "ep_dispatch")
         got = [call(operator.getitem, (disp, j)) for j in range(len(tensors) + 3)]
         env: dict[fx.Node, object] = {ids: got[len(tensors)]}
         valid = got[len(tensors) + 1]
@@ -387,7 +389,7 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
             env[n] = c
             last = c
         with graph.inserting_after(last):
-            y = call(torch.ops.afd.ep_combine.default, (env[end], ids, got[len(tensors) + 2], GROUP_TP, num_experts),
+            y = call(torch.ops.afd.ep_combine.default, (env[end], ids, got[len(tensors) + 2], group, num_experts),
                      "ep_combine")
     end.replace_all_uses_with(y, delete_user_cb=lambda u: u not in region)
     for n in region_list:
