@@ -159,6 +159,7 @@ _OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stages": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "ffn_tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "ffn_ep": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "attn_tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
 }
 
 
@@ -182,6 +183,7 @@ class BackendOptions:
     stages: int = 1
     ffn_tp: int = 1
     ffn_ep: int = 1
+    attn_tp: int = 1
 
     @staticmethod
     def parse(options: dict[str, Any] | None) -> BackendOptions:
@@ -207,7 +209,7 @@ class BackendOptions:
                                      f"{opts.attention}, ffn={opts.ffn})")
         if opts.check_wire is not None and not opts.attention:
             raise BackendOptionError("afd backend: check_wire applies to an AFD layout (attention, ffn) only")
-        for name in ("ffn_tp", "ffn_ep"):
+        for name in ("ffn_tp", "ffn_ep", "attn_tp"):
             if getattr(opts, name) > 1 and not opts.attention:
                 raise BackendOptionError(f"afd backend: {name}={getattr(opts, name)} applies to an AFD layout "
                                          "(attention, ffn) only")
@@ -743,7 +745,7 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     from .split_api import SplitConfig
 
     try:
-        layout = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp, opts.ffn_ep)
+        layout = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp, opts.ffn_ep, opts.attn_tp)
     except LayoutError as e:
         raise BackendOptionError(f"afd backend: {e}") from None
     if layout.world_size != world:
@@ -853,7 +855,7 @@ def serve(model: torch.nn.Module, options: dict[str, Any], example_inputs: tuple
                                  "rank of an AFD deployment serves")
     from .layout import AFDLayout
 
-    role, _ = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp, opts.ffn_ep).role_of(rank)
+    role, _ = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp, opts.ffn_ep, opts.attn_tp).role_of(rank)
     if role != "ffn":
         raise BackendOptionError(f"afd serve: rank {rank} is an attention rank of layout attention={opts.attention}, "
                                  f"ffn={opts.ffn} (FFN ranks are 0..{opts.ffn - 1}); attention ranks run the model "

@@ -36,7 +36,8 @@ def _layout(args: argparse.Namespace, required: bool) -> AFDLayout | None:
         return None
     if args.attention_ranks is None or args.ffn_ranks is None:
         raise UsageError("give both --attention-ranks and --ffn-ranks")
-    return AFDLayout(args.attention_ranks, args.ffn_ranks, getattr(args, "ffn_tp", 1), getattr(args, "ffn_ep", 1))
+    return AFDLayout(args.attention_ranks, args.ffn_ranks, getattr(args, "ffn_tp", 1), getattr(args, "ffn_ep", 1),
+                     getattr(args, "attn_tp", 1))
 
 
 def _positive_seconds(text: str) -> float:
@@ -53,6 +54,9 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("AFD layout (attention-FFN disaggregation)")
     g.add_argument("--attention-ranks", "-A", type=int, metavar="A", help="number of attention ranks")
     g.add_argument("--ffn-ranks", "-F", type=int, metavar="F", help="number of FFN ranks (each fans in a block of attention ranks)")
+    g.add_argument("--attn-tp", type=int, default=1, metavar="T",
+                   help="attention ranks in tensor-parallel groups of T, each group one data-parallel group (its "
+                   "own sequences); each rank sends its slice of the group's tokens; T divides A (default 1)")
     g.add_argument("--ffn-tp", type=int, default=1, metavar="P",
                    help="FFN ranks in tensor-parallel groups of P (the MLP weights split over each group; every "
                    "token still crosses the wire once); P divides F (default 1)")
@@ -82,7 +86,8 @@ def _add_stages(p: argparse.ArgumentParser, what: str) -> None:
 _TP_FLAGS = {"attn_dp": "--attn-dp", "moe_a2a": "--moe-a2a", "dense_dp": "--dense-dp"}
 _AFD_FLAGS = {"attention_ranks": "-A/--attention-ranks", "ffn_ranks": "-F/--ffn-ranks",
               "gate_on_attention": "--gate-on-attention"}
-_AFD_VALUED = {"stages": ("--stages", 1), "ffn_tp": ("--ffn-tp", 1), "ffn_ep": ("--ffn-ep", 1)}  # AFD flags with a default: given when not at it
+_AFD_VALUED = {"stages": ("--stages", 1), "ffn_tp": ("--ffn-tp", 1), "ffn_ep": ("--ffn-ep", 1),
+               "attn_tp": ("--attn-tp", 1)}  # AFD flags with a default: given when not at it
 
 
 def _check_mode_flags(args: argparse.Namespace) -> None:
@@ -166,6 +171,10 @@ def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "defau
     ep = load_program(model)
     config = SplitConfig(compute_gate_on_attention=gate, policy=POLICIES[policy], graph_name=model)
     result = split(fresh_module(ep), config, layout=layout)  # inputs flat, in the program's order
+    if layout is not None and layout.attn_tp > 1:  # the first attention rank's program: refused here, not on a rank
+        from .runtime import attention_tp_program
+
+        attention_tp_program(fresh_module(ep), result, layout, 0, config, None)
     return ep, result
 
 
@@ -191,8 +200,22 @@ def plan_table(result, layout: AFDLayout | None) -> str:
         blocks = ", ".join(f"ffn {f} <- attention {list(layout.peers_of_ffn(f))}" for f in range(layout.ffn_ranks))
         head += f"; layout {layout} ({blocks})"
     cache = _cache_line(result)
-    ffn_tp = _ffn_tp_line(result, layout)
-    return "\n".join([head, *lines, *([ffn_tp] if ffn_tp else []), *([cache] if cache else [])])
+    groups = [g for g in (_attn_tp_line(layout), _ffn_tp_line(result, layout)) if g]
+    return "\n".join([head, *lines, *groups, *([cache] if cache else [])])
+
+
+def _attn_tp_line(layout: AFDLayout | None) -> str | None:
+    """What an attention TP group does around each cut, from the state algebra."""
+    if layout is None or layout.attn_tp == 1:
+        return None
+    from .scatter import DistState, ScatterMode, TPLayout, transition
+
+    lay = TPLayout(layout.attn_tp)
+    out = transition(DistState(ScatterMode.TP_ATTN_FULL, partial=True), DistState(ScatterMode.SCATTERED), lay)
+    back = transition(DistState(ScatterMode.SCATTERED), DistState(ScatterMode.TP_ATTN_FULL), lay)
+    groups = [list(layout.attention_group(a)) for a in range(0, layout.attention_ranks, layout.attn_tp)]
+    return (f"attn tp: groups {groups} (one DP group each); per layer {out} (o_proj's sum settled onto this rank's "
+            f"slice of the group's tokens, the slice it sends: each token once), {back} before the next attention")
 
 
 def _ffn_tp_line(result, layout: AFDLayout | None) -> str | None:
@@ -428,9 +451,9 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
     if args.attention_ranks is None and args.ffn_ranks is None:
         raise UsageError("give an AFD layout (--attention-ranks/--ffn-ranks) or a TP layout (--tp)")
     layout = _layout(args, required=True)
-    if layout.ffn_group_size > 1:
-        raise UsageError("rewrite --ffn-tp/--ffn-ep: not supported yet (an FFN group's programs are split per rank: "
-                         "plan and verify take them, and the backend takes ffn_tp / ffn_ep)")
+    if layout.ffn_group_size > 1 or layout.attn_tp > 1:
+        raise UsageError("rewrite --ffn-tp/--ffn-ep/--attn-tp: not supported yet (a group's programs are split per "
+                         "rank: plan and verify take them, and the backend takes ffn_tp / ffn_ep / attn_tp)")
     t = time.perf_counter()
     out = _AtomicFolder(args.output, args.force)
     ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy)

@@ -77,6 +77,8 @@ class AFDCommunicator:
     finish_at_shutdown: bool = False
     #: transfers exchanged per stage index (non-empty ones), since this communicator was made
     stage_transfers: dict[int, int] = field(default_factory=dict)
+    #: bytes this rank has sent through this communicator (the data, not the check headers)
+    bytes_sent: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ("attention", "ffn"):
@@ -125,6 +127,7 @@ class AFDCommunicator:
         if not sends and not recvs:
             return []
         self.stage_transfers[stage_idx] = self.stage_transfers.get(stage_idx, 0) + len(sends) + len(recvs)
+        self.bytes_sent += sum(t.numel() * t.element_size() for t, _, _ in sends)
         if self.check_wire:
             self._check_headers(sends, recvs, layer_idx, stage_idx, where)
         ops = [dist.P2POp(dist.isend, t.contiguous(), p, self.group) for t, p, _ in sends]

@@ -11,6 +11,11 @@ ffn_tp)``, ``[ffn_tp, 2 ffn_tp)``, ...). Each FFN rank still receives its own bl
 (reduce-scattered): ``-A 4 -F 2 --ffn-tp 2`` is one FFN TP group of 2 serving 4 attention ranks.
 ``ffn_ep``: the same groups, an MoE's experts split over them instead (each rank's tokens go to
 their experts' ranks and back by all-to-all; dense layers run on each rank's own tokens).
+
+``attn_tp``: the attention ranks form tensor-parallel groups of ``attn_tp`` consecutive ranks, each
+group one data-parallel group (its own sequences): attention weights split over the group, and at
+each cut every rank of the group sends its slice of the group's tokens (SCATTERED: each token
+crosses the wire once), then gathers the group's tokens back for the next attention.
 """
 
 from __future__ import annotations
@@ -30,8 +35,12 @@ class AFDLayout:
     ffn_ranks: int
     ffn_tp: int = 1
     ffn_ep: int = 1
+    attn_tp: int = 1
 
     def __post_init__(self) -> None:
+        if self.attn_tp < 1 or self.attention_ranks % self.attn_tp:
+            raise LayoutError(f"AFD layout {self}: attn_tp={self.attn_tp} must be >= 1 and divide the "
+                              f"{self.attention_ranks} attention ranks (attention groups of attn_tp consecutive ranks)")
         for name in ("ffn_tp", "ffn_ep"):
             size = getattr(self, name)
             if size < 1 or self.ffn_ranks % size:
@@ -52,8 +61,14 @@ class AFDLayout:
             )
 
     def __str__(self) -> str:
-        return (f"{self.attention_ranks}A{self.ffn_ranks}F" + (f" ffn_tp={self.ffn_tp}" if self.ffn_tp != 1 else "")
+        return (f"{self.attention_ranks}A{self.ffn_ranks}F" + (f" attn_tp={self.attn_tp}" if self.attn_tp != 1 else "")
+                + (f" ffn_tp={self.ffn_tp}" if self.ffn_tp != 1 else "")
                 + (f" ffn_ep={self.ffn_ep}" if self.ffn_ep != 1 else ""))
+
+    def attention_group(self, a: int) -> tuple[int, ...]:
+        """World ranks of attention index ``a``'s TP group (one DP group of the attention side)."""
+        start = a - a % self.attn_tp
+        return tuple(self.attention_world_rank(i) for i in range(start, start + self.attn_tp))
 
     @property
     def ffn_group_size(self) -> int:

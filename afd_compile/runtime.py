@@ -433,11 +433,15 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     size = layout.ffn_group_size
     groups = [process_group(layout.ffn_group(f)) for f in range(0, layout.ffn_ranks, size)] \
         if size > 1 else []  # every rank creates every group, in one order
-    if stages != 1 and size > 1:
+    attn_groups = [process_group(layout.attention_group(a)) for a in range(0, layout.attention_ranks, layout.attn_tp)] \
+        if layout.attn_tp > 1 else []
+    if stages != 1 and (size > 1 or layout.attn_tp > 1):
         from .passes.stages import StageError
 
-        raise StageError(f"layout {layout}: micro-batch stages with FFN groups are not supported yet; "
-                         "use stages=1 or ffn_tp=ffn_ep=1")
+        raise StageError(f"layout {layout}: micro-batch stages with FFN or attention groups are not supported yet; "
+                         "use stages=1 or one rank per group")
+    if role == "attention" and layout.attn_tp > 1:
+        attention, counter = attention_tp_program(gm, result, layout, idx, config, attn_groups[idx // layout.attn_tp])
     if stages != 1:  # the programs of all stages built now: refused here, not at a step
         staged = stage_attention_program(attention, stages), stage_ffn_program(ffn, stages)
         verify_schedule(*staged)  # the two programs' transfers, stage by stage, in one order
@@ -464,12 +468,80 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
         return worker
     # one communicator per comm id, shared by every graph of this rank (prefill, decode)
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id)
-    counter = TokenCount.for_graph(gm, result.plan.cuts[0].token_dims)
+    if layout.attn_tp == 1:
+        counter = TokenCount.for_graph(gm, result.plan.cuts[0].token_dims)
     batch_dim = batch_symbol_dims(result.attention)[1][0] if stages != 1 else None
     worker = AttentionWorker(attention.to(device), comm, counter, stages=stages, batch_dim=batch_dim)
     if stages != 1:
         worker.staged[stages] = staged[0].to(device)
     return worker
+
+
+@dataclass(frozen=True)
+class GroupSlice:
+    """An attention-TP rank's token count: its slice of the group's ``total`` tokens (the group
+    shares its sequences; ``ops.group_token_sizes``' rule, the first ranks one row more)."""
+
+    total: Callable[[Sequence[torch.Tensor]], int]
+    parts: int
+    rank: int
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> int:
+        from .ops import group_token_sizes
+
+        return group_token_sizes(self.total(inputs), self.parts)[self.rank]
+
+
+def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, idx: int, config: SplitConfig,
+                         group: dist.ProcessGroup | None) -> tuple[fx.GraphModule, GroupSlice]:
+    """An attention rank of an attention TP group: the model sharded over the group with every
+    MLP SCATTERED over it (the scatter-mode TP rewrite with dense MLPs data-parallel: o_proj's
+    partial sum reduce-scattered to this rank's slice of the group's tokens, the residual stream
+    gathered back before the next attention), then cut: the slice is what this rank sends, so
+    each token crosses the wire once. MoE layers (whose SCATTERED mode is expert parallelism
+    inside the group) are refused for now."""
+    from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
+    from .layout import LayoutError
+    from .passes.roles import annotate_roles
+    from .passes.split import build_attention_program, plan_split
+    from .passes.tp_rewrite import shard_for_rank
+    from .scatter import TPLayout
+
+    annotate_roles(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
+                   graph_name=config.graph_name)
+    moe = sorted({n.meta["afd.role"].layer for n in gm.graph.nodes if n.target == torch.ops.aten.topk.default
+                  and n.meta["afd.role"].layer is not None})
+    if moe:
+        raise LayoutError(f"AFD layout {layout}: attention TP with MoE layers ({moe}: top-k routing) is not supported "
+                          "yet; use attn_tp=1 (the FFN side can still be ffn_tp / ffn_ep)")
+    tp = shard_for_rank(gm, TPLayout(layout.attn_tp, dense_dp=True), idx % layout.attn_tp, config.graph_name,
+                        fuse_norm=False)
+    for gid in (GROUP_TP, GROUP_ATTN_TP):
+        register_group(gid, group)
+    _propagate_meta(tp.program)  # the MLPs now run on this rank's slice: their shapes change
+    annotate_roles(tp.program, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
+                   graph_name=config.graph_name)
+    plan = plan_split(tp.program, comm_id=config.comm_id, stage=config.stage, graph_name=config.graph_name,
+                      attention_only=True)
+    if [c.wire_in for c in plan.cuts] != [c.wire_in for c in result.plan.cuts]:
+        raise LayoutError(f"AFD layout {layout}: the attention TP program's wire {[str(c.wire_in) for c in plan.cuts]} "
+                          f"differs from the FFN program's {[str(c.wire_in) for c in result.plan.cuts]}")
+    total = TokenCount.for_graph(gm, result.plan.cuts[0].token_dims)
+    return build_attention_program(tp.program, plan), GroupSlice(total, layout.attn_tp, idx % layout.attn_tp)
+
+
+def _propagate_meta(gm: fx.GraphModule) -> None:
+    """``meta['val']`` of every node again, from the placeholders' (symbolic) values."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode(inputs)
+    allow, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
+    try:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    finally:
+        mode.allow_non_fake_inputs = allow
 
 
 def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = None) -> AttentionWorker | FFNWorker:

@@ -291,7 +291,7 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
                          stages=case.stages)
     if not isinstance(worker, AttentionWorker):
         return {"role": "ffn", "steps": worker.serve()}
-    a = case.layout.role_of(rank)[1]
+    a = case.layout.role_of(rank)[1] // case.layout.attn_tp  # an attention TP group shares its tokens
     _, dims = batch_symbol_dims(original)
     tally, sizes = Tally(), []
     steps = 1 + case.decode_steps if case.decode_steps else case.steps
@@ -307,7 +307,8 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
     finally:
         worker.stop()
     stages = dict(sorted(worker.comm.stage_transfers.items()))
-    return {"role": "attention", "batches": sizes, "stage_transfers": stages, **tally.to_json()}
+    return {"role": "attention", "batches": sizes, "stage_transfers": stages, "bytes_sent": worker.comm.bytes_sent,
+            **tally.to_json()}
 
 
 def _verify_cases(rank: int, world: int, cases: Sequence[Case]) -> list[dict | None]:
@@ -317,6 +318,16 @@ def _verify_cases(rank: int, world: int, cases: Sequence[Case]) -> list[dict | N
 
     sizes = sorted({c.layout.world_size for c in cases})
     groups = {w: (dist.group.WORLD if w == world else dist.new_group(list(range(w)))) for w in sizes}
+    from .runtime import process_group
+
+    for c in cases:  # the FFN groups of every case, made by every rank (new_group is collective)
+        lay = c.layout
+        if isinstance(lay, AFDLayout) and lay.ffn_group_size > 1:
+            for f in range(0, lay.ffn_ranks, lay.ffn_group_size):
+                process_group(lay.ffn_group(f))
+        if isinstance(lay, AFDLayout) and lay.attn_tp > 1:
+            for a in range(0, lay.attention_ranks, lay.attn_tp):
+                process_group(lay.attention_group(a))
     cache: dict = {}
     out: list[dict | None] = []
     for case in cases:
@@ -401,14 +412,16 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = 
     if stages > 1 and facts.batch_range is None:
         raise VerifyInputError(f"--stages {stages}: {path} has a static batch dimension; micro-batches split the "
                                "sequences of a step, so export with a dynamic batch")
+    groups = layout.attention_ranks // layout.attn_tp  # the ranks of an attention TP group share their tokens
     if batches is None and facts.batch_range is not None and spec is None:
-        batches = [1 + a for a in range(layout.attention_ranks)]
-    checked = check_verify_inputs(facts, units=layout.attention_ranks, unit="attention rank",
+        batches = [1 + a for a in range(groups)]
+    unit = "attention rank" if layout.attn_tp == 1 else "attention TP group"
+    checked = check_verify_inputs(facts, units=groups, unit=unit,
                                   world_size=layout.world_size, batches=batches, steps=steps, tol=tol)
     if checked.batches is None:
         log(f"verify: {path} has a static batch dimension; every attention rank uses the saved example input")
     log(f"verify: {layout} on {layout.world_size} local gloo processes (FFN ranks 0..{layout.ffn_ranks - 1}), "
-        f"batch per attention rank {list(checked.batches) if checked.batches is not None else 'as saved'}, "
+        f"batch per {unit} {list(checked.batches) if checked.batches is not None else 'as saved'}, "
         + (_decode_line(spec, decode_steps) if decode_steps else f"{checked.steps} steps")
         + (f", {stages} micro-batch stages" if stages > 1 else ""))
     t = time.perf_counter()

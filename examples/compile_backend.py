@@ -75,6 +75,8 @@ def main() -> int:
     parser.add_argument("--stages", type=int, default=1, help="AFD: micro-batches per step (ping-pong)")
     parser.add_argument("--ffn-tp", type=int, default=1, help="AFD: FFN ranks in tensor-parallel groups of this size")
     parser.add_argument("--ffn-ep", type=int, default=1, help="AFD: FFN ranks in expert-parallel groups of this size")
+    parser.add_argument("--attn-tp", type=int, default=1,
+                        help="AFD: attention ranks in tensor-parallel groups of this size (a group shares its tokens)")
     parser.add_argument("--family", default="llama", choices=sorted(FAMILIES),
                         help="the small HF model to build (afd_compile.models.FAMILIES)")
     parser.add_argument("--model", metavar="FILE.py:FACTORY",
@@ -109,12 +111,13 @@ def main() -> int:
                "inductor": not args.no_inductor, "moe_a2a": args.moe_a2a, "dense_dp": args.dense_dp,
                "timeout_s": args.timeout, **({"stages": args.stages} if args.stages != 1 else {}),
                **({"ffn_tp": args.ffn_tp} if args.ffn_tp != 1 else {}),
-               **({"ffn_ep": args.ffn_ep} if args.ffn_ep != 1 else {})}
+               **({"ffn_ep": args.ffn_ep} if args.ffn_ep != 1 else {}),
+               **({"attn_tp": args.attn_tp} if args.attn_tp != 1 else {})}
     # token counts change per step (and per DP group / attention peer): dynamic shapes
     compiled = torch.compile(model, backend="afd", options=options, dynamic=True)
     if args.attention:
-        group = rank - args.ffn  # FFN ranks first
-        ffn_rank = group < 0
+        group = (rank - args.ffn) // args.attn_tp  # FFN ranks first; an attention TP group shares its tokens
+        ffn_rank = rank < args.ffn
     else:
         attn_tp = args.tp // args.attn_dp
         group, ffn_rank = rank // attn_tp, False

@@ -122,7 +122,8 @@ _LAYOUTS = [(3, ("--attention", "2", "--ffn", "1")), (3, ("--attention", "2", "-
 SLOW_RUNS = [(n, (*lay, "--family", fam)) for fam in _FAMILIES for n, lay in _LAYOUTS
              if not (fam == "falcon" and n == 4) and (n, (*lay, "--family", fam)) not in RUNS]
 SLOW_RUNS += [(4, ("--attention", "2", "--ffn", "2", "--ffn-ep", "2", "--family", "qwen3_moe")),
-              (4, ("--attention", "2", "--ffn", "2", "--ffn-tp", "2", "--family", "llama"))]
+              (4, ("--attention", "2", "--ffn", "2", "--ffn-tp", "2", "--family", "llama")),
+              (6, ("--attention", "4", "--attn-tp", "2", "--ffn", "2", "--ffn-tp", "2", "--family", "llama"))]
 SLOW_RUNS += [(n, (*lay, "--dynamic-output-shapes", "--model", m)) for m in _HANDWRITTEN for n, lay in _LAYOUTS
               if "--seq" not in lay]
 

@@ -111,7 +111,7 @@ def test_cli_plans_ffn_tp_and_refuses_what_it_cannot(exported):
     for args, msg in [(["plan", path, "-A", "3", "-F", "3", "--ffn-tp", "2"], "must be >= 1 and divide the 3 FFN ranks"),
                       (["plan", path, "--tp", "2", "--ffn-tp", "2"], "not both"),
                       (["rewrite", path, "-o", "/nonexistent/x", "-A", "2", "-F", "2", "--ffn-tp", "2"],
-                       "rewrite --ffn-tp/--ffn-ep: not supported yet"),
+                       "rewrite --ffn-tp/--ffn-ep/--attn-tp: not supported yet"),
                       (["plan", exported("llama2")[1], "-A", "2", "-F", "2", "--ffn-ep", "2"], "no MoE layer")]:
         res = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=300)
         assert res.returncode == 2 and msg in res.stderr, (args, res.stderr)
@@ -127,3 +127,31 @@ def test_backend_option_ffn_tp_is_checked():
         BackendOptions.parse({"attention": 2, "ffn": 2, "ffn_tp": 0})
     with pytest.raises(BackendOptionError, match="ffn_ep=2 applies to an AFD layout"):
         BackendOptions.parse({"ffn_ep": 2})
+
+
+def test_attention_tp_groups_send_each_token_once_and_reproduce_the_model(exported):
+    # attention 2 x TP 2 + FFN TP 2 (6 ranks: the layout); attention 2 x TP 2 into one FFN
+    # rank with a zero-token group; each attention rank sends only its slice of its group's tokens
+    llama = exported("llama2")[1]
+    cases = [Case(llama, AFDLayout(4, 2, ffn_tp=2, attn_tp=2), (2, 3)),
+             Case(llama, AFDLayout(4, 1, attn_tp=2), (0, 3), steps=1)]
+    hidden_bytes, layers, seq = 64 * 4, 2, 5
+    for case, res in zip(cases, run_cases(cases), strict=True):
+        att = {r: v for r, v in res.items() if v["role"] == "attention"}
+        assert len(att) == 4 and max(v["max_rel_err"] for v in att.values()) <= 1e-5, (case, res)
+        # bytes per token on the wire: one hidden state per token and layer, summed over a group's ranks
+        ffn = case.layout.ffn_ranks
+        for g in range(2):
+            ranks = [ffn + 2 * g, ffn + 2 * g + 1]
+            tokens = sum(att[ranks[0]]["batches"]) * seq
+            sent = [att[r]["bytes_sent"] for r in ranks]
+            assert sum(sent) == tokens * layers * hidden_bytes, (case, g, sent, tokens)
+            if tokens:  # split between the group's ranks (the first one row more), not sent twice
+                assert abs(sent[0] - sent[1]) <= layers * hidden_bytes * len(att[ranks[0]]["batches"])
+
+
+def test_attention_tp_refuses_moe_before_anything_runs(exported):
+    path = exported("qwen3moe2")[1]
+    res = subprocess.run([sys.executable, "-m", "afd_compile.cli", "verify", path, "-A", "2", "--attn-tp", "2",
+                          "-F", "1"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "attention TP with MoE layers ([0, 1]: top-k routing) is not supported" in res.stderr

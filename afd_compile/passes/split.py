@@ -131,8 +131,12 @@ def _is_symint_node(n: fx.Node) -> bool:
     )
 
 
-def plan_split(gm: fx.GraphModule, *, comm_id: int = 0, stage: int = 0, graph_name: str = "graph") -> SplitPlan:
-    """One :class:`LayerCut` per layer with an FFN region. Needs ``afd.role`` on every node."""
+def plan_split(gm: fx.GraphModule, *, comm_id: int = 0, stage: int = 0, graph_name: str = "graph",
+               attention_only: bool = False) -> SplitPlan:
+    """One :class:`LayerCut` per layer with an FFN region. Needs ``afd.role`` on every node.
+    ``attention_only``: the plan builds only an attention program, so the token dims need not map
+    onto a flat count (an attention-TP rank's slice of its group's tokens, ``(b*s + 1) // 2``), as
+    long as the FFN region reads no size."""
     nodes = list(gm.graph.nodes)
     ffn_by_layer = {i: layer.ffn for i, layer in layers_of(gm).items() if layer.ffn}
     layers = sorted(ffn_by_layer)
@@ -180,12 +184,17 @@ def plan_split(gm: fx.GraphModule, *, comm_id: int = 0, stage: int = 0, graph_na
                 f"many tokens of width {hval.shape[-1]} as the FFN input {h.name} {tuple(hval.shape)}"
             )
         token_dims = list(hval.shape[:-1])
-        binding = TokenBinding.for_token_dims(token_dims, where)
-        if binding.sigma is None:
+        try:
+            binding: TokenBinding | None = TokenBinding.for_token_dims(token_dims, where)
+        except ValueError:
+            if not attention_only or syms:
+                raise
+            binding = None
+        if binding is not None and binding.sigma is None:
             static_tokens = binding.coeff
         for s in syms:
             e = sym_expr(_val(s))
-            if not binding.known(e):
+            if binding is None or not binding.known(e):
                 raise SplitError(
                     f"{where}: FFN node uses size {s.name} = {e}, which is not a function of the token "
                     f"dims {[str(sym_expr(d)) for d in token_dims]}"
