@@ -1,14 +1,59 @@
-"""afd-compile: torch.fx passes that split a traced transformer for attention-FFN disaggregation."""
+"""afd-compile: torch.fx passes that split a traced transformer for attention-FFN disaggregation.
 
-from . import ops  # noqa: F401  (registers the afd:: custom ops)
-from .comm import AFDCommunicator, TransferMetadata, get_communicator, register_communicator
-from .layout import AFDLayout, LayoutError
-from .passes.roles import NodeRole, NoStructureError, Role, annotate_roles
-from .passes.schedule import ScheduleError, verify_schedule
-from .passes.split import LayerCut, SplitError, SplitPlan, SplitResult
-from .split_api import SplitConfig, split, split_graph_module
-from .state_store import held_state_bytes
-from .wire import WireSpec, WireTensor
+The names below are imported on first use (PEP 562), so ``afd-compile --help`` and argument
+errors do not pay for importing torch. Importing any of them (or ``afd_compile.ops``) registers
+the ``afd::`` custom ops.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: public name -> the module that defines it
+_EXPORTS = {
+    "AFDCommunicator": ".comm",
+    "TransferMetadata": ".comm",
+    "get_communicator": ".comm",
+    "register_communicator": ".comm",
+    "AFDLayout": ".layout",
+    "LayoutError": ".layout",
+    "NodeRole": ".passes.roles",
+    "NoStructureError": ".passes.roles",
+    "Role": ".passes.roles",
+    "annotate_roles": ".passes.roles",
+    "ScheduleError": ".passes.schedule",
+    "verify_schedule": ".passes.schedule",
+    "LayerCut": ".passes.split",
+    "SplitError": ".passes.split",
+    "SplitPlan": ".passes.split",
+    "SplitResult": ".passes.split",
+    "SplitConfig": ".split_api",
+    "split": ".split_api",
+    "split_graph_module": ".split_api",
+    "held_state_bytes": ".state_store",
+    "WireSpec": ".wire",
+    "WireTensor": ".wire",
+}
+
+if TYPE_CHECKING:
+    from .comm import AFDCommunicator, TransferMetadata, get_communicator, register_communicator
+    from .layout import AFDLayout, LayoutError
+    from .passes.roles import NodeRole, NoStructureError, Role, annotate_roles
+    from .passes.schedule import ScheduleError, verify_schedule
+    from .passes.split import LayerCut, SplitError, SplitPlan, SplitResult
+    from .split_api import SplitConfig, split, split_graph_module
+    from .state_store import held_state_bytes
+    from .wire import WireSpec, WireTensor
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'afd_compile' has no attribute {name!r}")
+    importlib.import_module(".ops", __name__)  # the afd:: ops, before anything that runs them
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
 
 
 def serve(model: object, options: dict, example_inputs: tuple | None = None,

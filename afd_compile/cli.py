@@ -525,12 +525,11 @@ def cmd_verify_tp(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import verify_afd
-
     if args.tp is not None:
         return cmd_verify_tp(args)
     layout = _layout(args, required=True)
     batches = _tokens(args)
+    from .verify import verify_afd  # (after the argument checks: they need no torch)
     _, result = _plan(args.model, layout, args.gate_on_attention, args.policy)  # fail fast, before spawning
     print(plan_table(result, layout))
     _print_timings(args, result.timings)

@@ -18,6 +18,18 @@ def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def test_help_and_argument_errors_do_not_import_torch():
+    # the CLI and the package import their torch-heavy parts on first use (issue 17: --help paid
+    # the full torch import, 14-20 s on a busy machine)
+    code = ("import sys, afd_compile.cli as c\n"
+            "for argv in (['--help'], ['verify', 'x.pt2', '-A', '1']):\n"
+            "    try:\n        c.main(argv)\n    except SystemExit:\n        pass\n"
+            "print('torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "False", res.stdout
+
+
 def test_help_lists_the_subcommands():
     out = _run("--help").stdout
     for cmd in ("rewrite", "plan", "verify", "demo"):
