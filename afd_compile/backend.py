@@ -614,9 +614,10 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
     rank, world = opts.resolved()
     STATS["graphs"] += 1
     if opts.mode == "none" and opts.decode_attention != "flex":
-        STATS["no_layout"] += 1
-        log.warning("afd: no layout given (tp=1, no attention/ffn ranks): no distribution applied; compiling "
-                    "with Inductor" if opts.inductor else "afd: no layout given: no distribution applied")
+        STATS["no_layout"] += 1  # said once per process (as a warning), then per graph at INFO
+        (log.warning if STATS["no_layout"] == 1 else log.info)(
+            "afd: no layout given (tp=1, no attention/ffn ranks): no distribution applied; compiling "
+            "with Inductor" if opts.inductor else "afd: no layout given: no distribution applied")
         if not opts.inductor:
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
