@@ -243,9 +243,11 @@ def check_any_token_total(program: fx.GraphModule, inputs: list[object], where: 
     static batch: an MLP that builds sizes from its token count, as HF's grouped-mm experts do,
     then holds them as constants.)"""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     own = next(int(x.numel()) for x in inputs if isinstance(x, torch.Tensor))  # as runtime.dp_step_counts
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # a shape env: data-dependent sizes (an expert loop's torch.where) become unbacked, not a failure
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in inputs]
     probe = _Probe(program)
     try:
