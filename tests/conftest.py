@@ -43,6 +43,23 @@ def update_goldens(request: pytest.FixtureRequest) -> bool:
 
 
 @pytest.fixture(scope="session")
+def check_golden(update_goldens: bool):
+    """``check_golden(name, text)``: ``text`` equals ``tests/golden/<name>`` (rewritten first with
+    ``--update-goldens``)."""
+
+    def check(name: str, text: str) -> None:
+        path = os.path.join(os.path.dirname(__file__), "golden", name)
+        if update_goldens:
+            with open(path, "w") as f:
+                f.write(text)
+        assert os.path.exists(path), f"missing golden {path}; run pytest --update-goldens"
+        with open(path) as f:
+            assert text == f.read(), f"{path} changed; rerun with --update-goldens and explain it in the commit"
+
+    return check
+
+
+@pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("models"))
 

@@ -159,19 +159,11 @@ def test_attention_tp_refuses_moe_before_anything_runs(exported):
 
 @pytest.mark.parametrize("layout,tag", [(AFDLayout(4, 2, ffn_tp=2, attn_tp=2), "4A_attn_tp2_2F_ffn_tp2"),
                                         (AFDLayout(4, 2, ffn_tp=2), "4A2F_ffn_tp2")])
-def test_golden_plans_of_composed_layouts(exported, update_goldens, layout, tag):
-    import os
-
+def test_golden_plans_of_composed_layouts(exported, check_golden, layout, tag):
     from afd_compile.cli import plan_table
     from afd_compile.programs import fresh_module
     from afd_compile.split_api import SplitConfig, split
 
     ep = exported("llama2")[0]
     text = plan_table(split(fresh_module(ep), SplitConfig(graph_name="llama2"), layout=layout), layout) + "\n"
-    path = os.path.join(os.path.dirname(__file__), "golden", f"plan_afd_llama2_{tag}.txt")
-    if update_goldens:
-        with open(path, "w") as f:
-            f.write(text)
-    assert os.path.exists(path), f"missing golden {path}; run pytest --update-goldens"
-    with open(path) as f:
-        assert text == f.read(), f"{path} changed; rerun with --update-goldens and explain it in the commit"
+    check_golden(f"plan_afd_llama2_{tag}.txt", text)

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from afd_compile.passes.dist_states import META_KEY, annotate_dist_states, layer_kinds, plan_tp
 from afd_compile.passes.roles import Role, annotate_roles
 from afd_compile.scatter import DistState, ScatterMode, TPLayout
-
-GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
 
 PLANS = [
     ("llama2", TPLayout(4), "tp4"),
@@ -31,16 +28,9 @@ def _plan(exported, name, layout):
 
 
 @pytest.mark.parametrize(("name", "layout", "tag"), PLANS, ids=[p[2] + "-" + p[0] for p in PLANS])
-def test_golden_plan_tables(exported, update_goldens, name, layout, tag):
+def test_golden_plan_tables(exported, check_golden, name, layout, tag):
     _, plan = _plan(exported, name, layout)
-    text = json.dumps(plan.to_json(), indent=1) + "\n\n" + plan.table() + "\n"
-    path = os.path.join(GOLDEN_DIR, f"plan_{name}_{tag}.txt")
-    if update_goldens:
-        with open(path, "w") as f:
-            f.write(text)
-    assert os.path.exists(path), f"missing golden {path}; run pytest --update-goldens"
-    with open(path) as f:
-        assert text == f.read(), f"{path} changed; rerun with --update-goldens and explain it in the commit"
+    check_golden(f"plan_{name}_{tag}.txt", json.dumps(plan.to_json(), indent=1) + "\n\n" + plan.table() + "\n")
 
 
 def test_mixture_layer_kinds(exported):
