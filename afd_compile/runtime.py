@@ -502,6 +502,7 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
     inside the group) are refused for now."""
     from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
     from .layout import LayoutError
+    from .passes.graph_utils import propagate_meta
     from .passes.roles import annotate_roles
     from .passes.split import build_attention_program, plan_split
     from .passes.tp_rewrite import shard_for_rank
@@ -518,7 +519,7 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
                         fuse_norm=False)
     for gid in (GROUP_TP, GROUP_ATTN_TP):
         register_group(gid, group)
-    _propagate_meta(tp.program)  # the MLPs now run on this rank's slice: their shapes change
+    propagate_meta(tp.program)  # the MLPs now run on this rank's slice: their shapes change
     annotate_roles(tp.program, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
                    graph_name=config.graph_name)
     plan = plan_split(tp.program, comm_id=config.comm_id, stage=config.stage, graph_name=config.graph_name,
@@ -528,20 +529,6 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
                           f"differs from the FFN program's {[str(c.wire_in) for c in result.plan.cuts]}")
     total = TokenCount.for_graph(gm, result.plan.cuts[0].token_dims)
     return build_attention_program(tp.program, plan), GroupSlice(total, layout.attn_tp, idx % layout.attn_tp)
-
-
-def _propagate_meta(gm: fx.GraphModule) -> None:
-    """``meta['val']`` of every node again, from the placeholders' (symbolic) values."""
-    from torch._guards import detect_fake_mode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    mode = detect_fake_mode(inputs)
-    allow, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
-    try:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
-    finally:
-        mode.allow_non_fake_inputs = allow
 
 
 def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = None) -> AttentionWorker | FFNWorker:

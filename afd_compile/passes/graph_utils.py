@@ -264,3 +264,17 @@ def batch_symbol_dims(gm: fx.GraphModule) -> tuple[object | None, list[tuple[int
     dims = [(i, d) for i, v in enumerate(vals) if isinstance(v, torch.Tensor)
             for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt) and str(s.node.expr) == key]
     return key, dims
+
+
+def propagate_meta(gm: fx.GraphModule) -> None:
+    """``meta['val']`` of every node again, from the placeholders' (symbolic) values."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode(inputs)
+    allow, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
+    try:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    finally:
+        mode.allow_non_fake_inputs = allow
