@@ -213,7 +213,7 @@ def _attn_tp_line(layout: AFDLayout | None) -> str | None:
     lay = TPLayout(layout.attn_tp)
     out = transition(DistState(ScatterMode.TP_ATTN_FULL, partial=True), DistState(ScatterMode.SCATTERED), lay)
     back = transition(DistState(ScatterMode.SCATTERED), DistState(ScatterMode.TP_ATTN_FULL), lay)
-    groups = [list(layout.attention_group(a)) for a in range(0, layout.attention_ranks, layout.attn_tp)]
+    groups = [list(g) for g in layout.attention_groups()]
     return (f"attn tp: groups {groups} (one DP group each); per layer {out} (o_proj's sum settled onto this rank's "
             f"slice of the group's tokens, the slice it sends: each token once), {back} before the next attention")
 
@@ -223,14 +223,11 @@ def _ffn_tp_line(result, layout: AFDLayout | None) -> str | None:
     here, before anything runs), in one line."""
     if layout is None or layout.ffn_group_size == 1:
         return None
-    from .passes.ffn_tp import expert_parallel_ffn, tensor_parallel_ffn
+    from .passes.ffn_tp import ffn_group_program
     from .passes.graph_utils import copy_graph_module
 
-    size = layout.ffn_group_size
-    build = tensor_parallel_ffn if layout.ffn_tp > 1 else expert_parallel_ffn
-    prog = build(copy_graph_module(result.ffn)[0], size, 0)
-    groups = [list(layout.ffn_group(f)) for f in range(0, layout.ffn_ranks, size)]
-    return f"ffn {'tp' if layout.ffn_tp > 1 else 'ep'}: groups {groups}; {prog}"
+    prog = ffn_group_program(copy_graph_module(result.ffn)[0], layout.ffn_tp, layout.ffn_ep, 0)
+    return f"ffn {prog.kind}: groups {[list(g) for g in layout.ffn_groups()]}; {prog}"
 
 
 def _cache_json(result) -> dict | None:

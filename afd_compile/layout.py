@@ -65,6 +65,15 @@ class AFDLayout:
                 + (f" ffn_tp={self.ffn_tp}" if self.ffn_tp != 1 else "")
                 + (f" ffn_ep={self.ffn_ep}" if self.ffn_ep != 1 else ""))
 
+    def ffn_groups(self) -> list[tuple[int, ...]]:
+        """Every FFN group's world ranks, in order (none when each FFN rank is alone)."""
+        size = self.ffn_group_size
+        return [self.ffn_group(f) for f in range(0, self.ffn_ranks, size)] if size > 1 else []
+
+    def attention_groups(self) -> list[tuple[int, ...]]:
+        """Every attention TP group's world ranks, in order (none when ``attn_tp`` is 1)."""
+        return [self.attention_group(a) for a in range(0, self.attention_ranks, self.attn_tp)] if self.attn_tp > 1 else []
+
     def attention_group(self, a: int) -> tuple[int, ...]:
         """World ranks of attention index ``a``'s TP group (one DP group of the attention side)."""
         start = a - a % self.attn_tp

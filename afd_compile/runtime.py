@@ -431,10 +431,8 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     result = split_graph_module(gm, config, layout=layout if role == "ffn" else None)
     attention, ffn = result.attention, result.ffn
     size = layout.ffn_group_size
-    groups = [process_group(layout.ffn_group(f)) for f in range(0, layout.ffn_ranks, size)] \
-        if size > 1 else []  # every rank creates every group, in one order
-    attn_groups = [process_group(layout.attention_group(a)) for a in range(0, layout.attention_ranks, layout.attn_tp)] \
-        if layout.attn_tp > 1 else []
+    groups = [process_group(g) for g in layout.ffn_groups()]  # every rank creates every group, in one order
+    attn_groups = [process_group(g) for g in layout.attention_groups()]
     if stages != 1 and (size > 1 or layout.attn_tp > 1):
         from .passes.stages import StageError
 
@@ -453,12 +451,9 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
         worker = FFNWorker(ffn, comm, device, stages=stages)
         if size > 1:
             from .comm import GROUP_FFN_TP, register_group
-            from .passes.ffn_tp import expert_parallel_ffn, tensor_parallel_ffn
+            from .passes.ffn_tp import ffn_group_program
 
-            if layout.ffn_tp > 1:
-                tensor_parallel_ffn(ffn, size, idx % size)
-            else:
-                expert_parallel_ffn(ffn, size, idx % size)
+            ffn_group_program(ffn, layout.ffn_tp, layout.ffn_ep, idx % size)
             worker.ffn_group = groups[idx // size]
             register_group(GROUP_FFN_TP, worker.ffn_group)
             worker.group_rank, worker.group_size, worker.group_input = idx % size, size, layout.ffn_tp > 1

@@ -321,13 +321,9 @@ def _verify_cases(rank: int, world: int, cases: Sequence[Case]) -> list[dict | N
     from .runtime import process_group
 
     for c in cases:  # the FFN groups of every case, made by every rank (new_group is collective)
-        lay = c.layout
-        if isinstance(lay, AFDLayout) and lay.ffn_group_size > 1:
-            for f in range(0, lay.ffn_ranks, lay.ffn_group_size):
-                process_group(lay.ffn_group(f))
-        if isinstance(lay, AFDLayout) and lay.attn_tp > 1:
-            for a in range(0, lay.attention_ranks, lay.attn_tp):
-                process_group(lay.attention_group(a))
+        if isinstance(c.layout, AFDLayout):
+            for ranks in c.layout.ffn_groups() + c.layout.attention_groups():
+                process_group(ranks)
     cache: dict = {}
     out: list[dict | None] = []
     for case in cases:

@@ -202,3 +202,13 @@ def expert_parallel_ffn(ffn: fx.GraphModule, parts: int, rank: int) -> FFNTPProg
     ffn.graph.lint()
     ffn.recompile()
     return FFNTPProgram(ffn, ShardPlan(tuple(weights), (), (), (), ()), parts, rank, "ep")
+
+
+def ffn_group_program(ffn: fx.GraphModule, ffn_tp: int, ffn_ep: int, rank: int) -> FFNTPProgram:
+    """``ffn`` for rank ``rank`` of its FFN group: tensor-parallel (``ffn_tp > 1``) or
+    expert-parallel (``ffn_ep > 1``); unchanged when both are 1."""
+    if ffn_tp > 1 and ffn_ep > 1:
+        raise FFNTPError(f"ffn_tp={ffn_tp} and ffn_ep={ffn_ep} together are not supported yet; give one of them")
+    if ffn_ep > 1:
+        return expert_parallel_ffn(ffn, ffn_ep, rank)
+    return tensor_parallel_ffn(ffn, ffn_tp, rank)
