@@ -19,6 +19,9 @@ Options (all optional)::
     tp, attn_dp        tensor parallelism over all ranks (tp must equal the world size)
     moe_a2a, dense_dp  SCATTERED MLPs: MoE experts split over the TP group with all-to-all, or
                        data-parallel dense MLPs (as the CLI's --moe-a2a / --dense-dp)
+    vocab_parallel     TP: split the LM head by vocabulary over the attention TP group, logits
+                       all-gathered (default True; False keeps it whole on every rank, as the CLI's
+                       --no-vocab-parallel)
     attention, ffn     AFD: the first `ffn` ranks serve FFN, the rest attention (world = A + F)
     rank, world_size   default: RANK / WORLD_SIZE from the environment (torchrun)
     inductor           compile each program with Inductor (default True; False: run the FX program)
@@ -144,6 +147,7 @@ _OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "attn_dp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "moe_a2a": (lambda v: isinstance(v, bool), "a bool"),
     "dense_dp": (lambda v: isinstance(v, bool), "a bool"),
+    "vocab_parallel": (lambda v: isinstance(v, bool), "a bool"),
     "attention": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
     "ffn": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
     "rank": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an int >= 0"),
@@ -169,6 +173,7 @@ class BackendOptions:
     attn_dp: int = 1
     moe_a2a: bool = False
     dense_dp: bool = False
+    vocab_parallel: bool = True
     attention: int = 0
     ffn: int = 0
     rank: int | None = None
@@ -204,6 +209,9 @@ class BackendOptions:
             raise BackendOptionError(f"afd backend: attn_dp={opts.attn_dp} needs a TP layout (tp > 1)")
         if (opts.moe_a2a or opts.dense_dp) and opts.tp == 1:
             raise BackendOptionError("afd backend: moe_a2a / dense_dp need a TP layout (tp > 1)")
+        if not opts.vocab_parallel and opts.tp == 1:
+            raise BackendOptionError("afd backend: vocab_parallel=False applies to a TP layout (tp > 1) only; "
+                                     "an AFD attention TP group always splits the LM head")
         if bool(opts.attention) != bool(opts.ffn):
             raise BackendOptionError(f"afd backend: AFD needs both attention and ffn ranks (attention="
                                      f"{opts.attention}, ffn={opts.ffn})")
@@ -596,8 +604,8 @@ def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str, 
 
 
 def _layout_key(opts: BackendOptions, rank: int, world: int) -> str:
-    fields = (source_id(), torch.__version__, opts.mode, opts.tp, opts.attn_dp, opts.moe_a2a, opts.dense_dp,
-              opts.attention, opts.ffn, rank, world, opts.policy, opts.decode_attention, opts.stages)
+    fields = (source_id(), torch.__version__, opts.mode, rank, world,
+              sorted((k, v) for k, v in dataclasses.asdict(opts).items() if k not in ("rank", "world_size")))
     return hashlib.sha256(repr(fields).encode()).hexdigest()
 
 
@@ -704,7 +712,8 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     from .scatter import TPLayout
     from .state_store import bind_inputs, bind_outputs
 
-    layout = TPLayout(opts.tp, opts.attn_dp, moe_a2a=opts.moe_a2a, dense_dp=opts.dense_dp)
+    layout = TPLayout(opts.tp, opts.attn_dp, moe_a2a=opts.moe_a2a, dense_dp=opts.dense_dp,
+                      vocab_parallel=opts.vocab_parallel)
     if layout.tp != world:
         raise BackendOptionError(f"afd backend: tp={layout.tp} must equal the world size ({world})")
     groups = tp_groups(world, [layout], timeout_s=opts.timeout_s)

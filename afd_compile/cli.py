@@ -51,7 +51,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def _add_layout(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("AFD layout (attention-FFN disaggregation)")
+    g = p.add_argument_group("AFD layout (attention-FFN disaggregation); not with --tp")
     g.add_argument("--attention-ranks", "-A", type=int, metavar="A", help="number of attention ranks")
     g.add_argument("--ffn-ranks", "-F", type=int, metavar="F", help="number of FFN ranks (each fans in a block of attention ranks)")
     g.add_argument("--attn-tp", type=int, default=1, metavar="T",
@@ -77,13 +77,28 @@ def _add_tp(p: argparse.ArgumentParser) -> None:
                    help="data-parallel attention groups inside the TP group (attn_tp = T / D; default 1)")
     g.add_argument("--moe-a2a", action="store_true", help="MoE layers dispatch with all-to-all (MLP mode SCATTERED)")
     g.add_argument("--dense-dp", action="store_true", help="dense MLPs run fully data-parallel (MLP mode SCATTERED)")
+    g.add_argument("--no-vocab-parallel", action="store_true",
+                   help="keep the LM head whole on every rank (default: split by vocabulary over the attention TP "
+                   "group, logits all-gathered)")
+
+
+def _add_quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress lines (by default each phase prints one on stderr as it ends, with its time)")
+
+
+def _progress(args: argparse.Namespace):
+    from .progress import Progress
+
+    return Progress(args.command, quiet=getattr(args, "quiet", False))
 
 
 def _add_stages(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--stages", type=int, default=1, metavar="S", help=f"AFD: {what}; not with --tp")
 
 
-_TP_FLAGS = {"attn_dp": "--attn-dp", "moe_a2a": "--moe-a2a", "dense_dp": "--dense-dp"}
+_TP_FLAGS = {"attn_dp": "--attn-dp", "moe_a2a": "--moe-a2a", "dense_dp": "--dense-dp",
+             "no_vocab_parallel": "--no-vocab-parallel"}
 _AFD_FLAGS = {"attention_ranks": "-A/--attention-ranks", "ffn_ranks": "-F/--ffn-ranks",
               "gate_on_attention": "--gate-on-attention"}
 _AFD_VALUED = {"stages": ("--stages", 1), "ffn_tp": ("--ffn-tp", 1), "ffn_ep": ("--ffn-ep", 1),
@@ -123,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tp(p)
     p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
                    "planning; TP: rank 0's program)")
+    _add_quiet(p)
     _add_stages(p, "record S micro-batches per step in plan.json (load_rewritten_worker runs the programs as S "
                 "stages); the staged programs and their ping-pong schedule are built and checked now, and printed")
 
@@ -134,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
                    "planning; TP: rank 0's program)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_quiet(p)
     _add_stages(p, "also print the ping-pong schedule of S micro-batches per step (for the saved example's "
                 "batch on every attention rank) and check it (pairing, order, no deadlock)")
 
@@ -158,8 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long a rank waits for a peer before the run fails (default 300); a rank that dies "
                    "or is stopped fails the run at once")
+    _add_quiet(p)
 
-    sub.add_parser("demo", help="build a small HF Llama, split it 2 attention : 1 FFN, run and verify it")
+    p = sub.add_parser("demo", help="build a small HF Llama, split it 2 attention : 1 FFN, run and verify it",
+                       description="Build a 2-layer HF Llama (random weights, offline), export it, split it "
+                       "2 attention : 1 FFN, run the split on 3 local gloo processes and compare with the "
+                       "original. Last line: verify: OK max_rel_err=<x> (exit 0) or FAIL (exit 1).")
+    _add_quiet(p)
     return parser
 
 
@@ -204,6 +226,20 @@ def plan_table(result, layout: AFDLayout | None) -> str:
     return "\n".join([head, *lines, *groups, *([cache] if cache else [])])
 
 
+AFD_LEGEND = """\
+legend: attention / ffn nodes: the layer's graph nodes in each role; ffn weights: parameters only the FFN
+  program holds; to FFN / to attention: what crosses the wire per token at the layer's cut, kind:dtype[width]
+  (hidden states, router logits, int32 token ids, the FFN output); bytes/token: to FFN + back"""
+
+TP_LEGEND = """\
+legend: per layer the distribution state of the layer's input, attention, MLP, residual after attention and
+  output: SCATTERED = each rank holds its own tokens, TP_ATTN_FULL = the attention TP group shares its tokens,
+  FULL = every rank of the TP group holds every token (the tokens, not the weights: a FULL MLP under TP still
+  has its weights split column/row-parallel); +P: a partial sum pending, +S: the last dim split over the group.
+  prepare_attn / prepare_mlp / postprocess_layer: the collective before attention, before the MLP, after the
+  layer; inside_mlp: an MoE's all-to-all dispatch and combine"""
+
+
 def _attn_tp_line(layout: AFDLayout | None) -> str | None:
     """What an attention TP group does around each cut, from the state algebra."""
     if layout is None or layout.attn_tp == 1:
@@ -214,8 +250,10 @@ def _attn_tp_line(layout: AFDLayout | None) -> str | None:
     out = transition(DistState(ScatterMode.TP_ATTN_FULL, partial=True), DistState(ScatterMode.SCATTERED), lay)
     back = transition(DistState(ScatterMode.SCATTERED), DistState(ScatterMode.TP_ATTN_FULL), lay)
     groups = [list(g) for g in layout.attention_groups()]
+    head = transition(DistState(ScatterMode.TP_ATTN_FULL, split_last=True), DistState(ScatterMode.TP_ATTN_FULL), lay)
     return (f"attn tp: groups {groups} (one DP group each); per layer {out} (o_proj's sum settled onto this rank's "
-            f"slice of the group's tokens, the slice it sends: each token once), {back} before the next attention")
+            f"slice of the group's tokens, the slice it sends: each token once), {back} before the next attention; "
+            f"the LM head split by vocabulary over the group, {head}")
 
 
 def _ffn_tp_line(result, layout: AFDLayout | None) -> str | None:
@@ -255,7 +293,7 @@ def _tp_graph(args: argparse.Namespace):
     from .scatter import TPLayout
 
     layout = TPLayout(args.tp, 1 if args.attn_dp is None else args.attn_dp, moe_a2a=args.moe_a2a,
-                      dense_dp=args.dense_dp)
+                      dense_dp=args.dense_dp, vocab_parallel=not args.no_vocab_parallel)
     gm = positional_module(load_program(args.model))
     annotate_roles(gm, POLICIES[args.policy], graph_name=args.model)
     return layout, gm
@@ -273,9 +311,10 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
 
     from .passes.tp_rewrite import shard_for_rank
 
-    layout, gm = _tp_graph(args)
-    # shard rank 0 as verify and rewrite do: a layout the model cannot take is refused here too
-    prog = shard_for_rank(gm, layout, 0, graph_name=args.model)
+    with _progress(args).phase(f"loaded and sharded {args.model} (rank 0)"):
+        layout, gm = _tp_graph(args)
+        # shard rank 0 as verify and rewrite do: a layout the model cannot take is refused here too
+        prog = shard_for_rank(gm, layout, 0, graph_name=args.model)
     from .passes.graph_utils import state_bytes, written_attrs
 
     cache = None
@@ -286,6 +325,7 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
         print(json.dumps({**prog.plan.to_json(), **({"cache": cache} if cache else {})}, indent=2))
     else:
         print(prog.plan.table())
+        print(TP_LEGEND)
         if cache:
             print(f"KV cache: {len(cache['buffers'])} buffers updated in place, {cache['bytes_per_rank']} bytes per rank "
                   f"of {cache['bytes_unsharded']} ({len(cache['split_by_kv_heads'])} split by KV heads)")
@@ -297,19 +337,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.tp is not None:
         return cmd_plan_tp(args)
     layout = _layout(args, required=False)
-    _, result = _plan(args.model, layout, args.gate_on_attention, args.policy)
+    with _progress(args).phase(f"loaded and planned {args.model}"):
+        _, result = _plan(args.model, layout, args.gate_on_attention, args.policy)
     if args.json:
         import json
 
+        from .runtime import TokenCount
+
         data = result.plan.to_json()
         data["layout"] = str(layout) if layout else None
-        data["layers"] = [{"index": c["layer"], **c} for c in data["layers"]]
+        names = [n.name for n in result.attention.graph.nodes if n.op == "placeholder"]
+        data["tokens_per_step"] = TokenCount.for_graph(result.attention, result.plan.cuts[0].token_dims).describe(names)
         cache = _cache_json(result)
         if cache:
             data["cache"] = cache
         print(json.dumps(data, indent=2))
     else:
         print(plan_table(result, layout))
+        print(AFD_LEGEND)
     if args.stages != 1:
         print(_stage_schedule(args, result, layout))
     _print_timings(args, result.timings)
@@ -393,28 +438,40 @@ class _AtomicFolder:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def _export_tp_rank(gm, layout, rank: int, model: str, inputs: list):
+    """(rank's TPProgram, its re-exported program)."""
+    import torch
+
+    from .passes.tp_rewrite import shard_for_rank
+    from .programs import dynamic_shapes_of
+
+    prog = shard_for_rank(gm, layout, rank, graph_name=model)
+    x = tuple(inputs)
+    if layout.attn_dp > 1:  # the carrier of all DP groups' tokens (equal groups in the example)
+        x = (*x, torch.empty(layout.attn_dp * int(inputs[0].numel()), 0))
+    with torch.no_grad():
+        return prog, torch.export.export(prog.program, x, dynamic_shapes=dynamic_shapes_of(prog.program))
+
+
 def cmd_rewrite_tp(args: argparse.Namespace) -> int:
     """One sharded program per TP rank, re-exported: ``rank<r>.pt2`` (its weight slices, its
     collectives with group ids) and ``plan.json`` (layout, groups, the scatter-mode plan)."""
     import torch
 
-    from .passes.tp_rewrite import shard_for_rank
-    from .programs import dynamic_shapes_of, flat_inputs, load_program, write_json
+    from .programs import flat_inputs, load_program, write_json
 
     t = time.perf_counter()
     out = _AtomicFolder(args.output, args.force)
-    layout, gm = _tp_graph(args)
-    inputs = flat_inputs(load_program(args.model))
+    progress = _progress(args)
+    with progress.phase(f"loaded {args.model}"):
+        layout, gm = _tp_graph(args)
+        inputs = flat_inputs(load_program(args.model))
     programs = []
     for rank in range(layout.tp):  # every rank planned and exported before anything is written
-        prog = shard_for_rank(gm, layout, rank, graph_name=args.model)
+        with progress.phase(f"rank {rank}: sharded and re-exported"):
+            prog, ep = _export_tp_rank(gm, layout, rank, args.model, inputs)
         if rank == 0:
             _print_timings(args, prog.timings)
-        x = tuple(inputs)
-        if layout.attn_dp > 1:  # the carrier of all DP groups' tokens (equal groups in the example)
-            x = (*x, torch.empty(layout.attn_dp * int(inputs[0].numel()), 0))
-        with torch.no_grad():
-            ep = torch.export.export(prog.program, x, dynamic_shapes=dynamic_shapes_of(prog.program))
         programs.append((f"rank{rank}.pt2", ep))
         print(f"rewrite: rank {rank}: {len(prog.shards.weights)} weights sharded, "
               f"{sum(1 for n in ep.graph.nodes if 'afd.' in str(n.target))} afd collectives", flush=True)
@@ -423,7 +480,8 @@ def cmd_rewrite_tp(args: argparse.Namespace) -> int:
             "layout": {"tp": layout.tp, "attn_dp": layout.attn_dp, "attn_tp": layout.attn_tp,
                        "attn_tp_groups": [list(range(g * layout.attn_tp, (g + 1) * layout.attn_tp))
                                           for g in range(layout.attn_dp)],
-                       "moe_a2a": layout.moe_a2a, "dense_dp": layout.dense_dp},
+                       "moe_a2a": layout.moe_a2a, "dense_dp": layout.dense_dp,
+                       "vocab_parallel": layout.vocab_parallel},
             "programs": files, "scatter_plan": prog.plan.to_json(),
             "inputs": "the original inputs (this rank's DP group's tokens)" + (
                 ", then dp_token_slots: an empty (total tokens of all DP groups, 0) tensor; before each step the "
@@ -453,9 +511,12 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
                          "rank: plan and verify take them, and the backend takes ffn_tp / ffn_ep / attn_tp)")
     t = time.perf_counter()
     out = _AtomicFolder(args.output, args.force)
-    ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy)
+    progress = _progress(args)
+    with progress.phase(f"loaded and split {args.model}"):
+        ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy)
     original = positional_module(ep)
-    att, ffn = export_split(result.attention, result.ffn, original, flat_inputs(ep))
+    with progress.phase("attention and FFN programs re-exported"):
+        att, ffn = export_split(result.attention, result.ffn, original, flat_inputs(ep))
     plan = result.plan.to_json()
     plan["kind"] = "afd"
     plan["layout"] = {"attention_ranks": layout.attention_ranks, "ffn_ranks": layout.ffn_ranks,
@@ -510,15 +571,17 @@ def cmd_verify_tp(args: argparse.Namespace) -> int:
     from .passes.tp_rewrite import shard_for_rank
     from .verify import verify_tp
 
-    layout, gm = _tp_graph(args)
     batches = _tokens(args)
-    prog = shard_for_rank(gm, layout, 0, graph_name=args.model)  # fail fast, before spawning
+    progress = _progress(args)
+    with progress.phase(f"loaded and sharded {args.model} (rank 0)"):
+        layout, gm = _tp_graph(args)
+        prog = shard_for_rank(gm, layout, 0, graph_name=args.model)  # fail fast, before spawning
     print(prog.plan.table())
     _print_timings(args, prog.timings)
     print(f"verify: {len(prog.shards.weights)} weights sharded, {len(prog.shards.arg_fixes)} head counts divided")
     return _verdict(lambda: verify_tp(args.model, layout, batches=batches, steps=args.steps, tol=args.tol,
                                       policy=args.policy, timeout_s=args.timeout, decode_steps=args.decode_steps,
-                                      log=print))
+                                      log=print, on_progress=progress.rank))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -527,14 +590,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     layout = _layout(args, required=True)
     batches = _tokens(args)
     from .verify import verify_afd  # (after the argument checks: they need no torch)
-    _, result = _plan(args.model, layout, args.gate_on_attention, args.policy)  # fail fast, before spawning
+    progress = _progress(args)
+    with progress.phase(f"loaded and split {args.model}"):
+        _, result = _plan(args.model, layout, args.gate_on_attention, args.policy)  # fail fast, before spawning
     print(plan_table(result, layout))
     _print_timings(args, result.timings)
     if args.stages != 1:
         print(_stage_schedule(args, result, layout))
     return _verdict(lambda: verify_afd(args.model, layout, batches=batches, gate=args.gate_on_attention,
                                        steps=args.steps, tol=args.tol, policy=args.policy, timeout_s=args.timeout,
-                                       decode_steps=args.decode_steps, stages=args.stages, log=print))
+                                       decode_steps=args.decode_steps, stages=args.stages, log=print,
+                                       on_progress=progress.rank))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -546,14 +612,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .verify import verify_afd
 
     layout = AFDLayout(2, 1)
+    progress = _progress(args)
     print("demo: building a 2-layer HF Llama (hidden 64, random weights, offline) and exporting it")
-    ep = export_lm(build_hf("llama", num_layers=2))
+    with progress.phase("built and exported"):
+        ep = export_lm(build_hf("llama", num_layers=2))
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "llama.pt2")
         torch.export.save(ep, path)
         _, result = _plan(path, layout, False)
         print(plan_table(result, layout).replace(path, "llama (demo)", 1))
-        report = verify_afd(path, layout, batches=[2, 3], log=print)
+        report = verify_afd(path, layout, batches=[2, 3], log=print, on_progress=progress.rank)
     print(report.line())
     return EXIT_OK if report.ok else EXIT_FAIL
 

@@ -15,6 +15,7 @@ import re
 import torch
 import torch.fx as fx
 
+from . import ops as afd_ops  # noqa: F401  (registers torch.ops.afd)
 from .passes.roles import META_KEY
 
 _SKIP_TARGETS = {"_assert_tensor_metadata", "_guards_fn"}

@@ -353,7 +353,30 @@ def _(x, group_id):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-COLLECTIVE_OPS = (torch.ops.afd.all_reduce.default,)
+@torch.library.custom_op("afd::all_gather_last", mutates_args=())
+def all_gather_last(x: torch.Tensor, group_id: int, size: int) -> torch.Tensor:
+    """Join the group's slices of the last dim, in group-rank order, and keep the first ``size``
+    (a column-parallel LM head's logits: each rank holds ``ceil(V / parts)`` columns, the last
+    rank's padded with zero rows of the weight): ``(..., n) -> (..., size)``."""
+    import torch.distributed as dist
+
+    from .comm import get_group
+
+    group = get_group(group_id)
+    src = x.contiguous()
+    parts = [torch.empty_like(src) for _ in range(dist.get_world_size(group))]
+    if len(parts) * src.shape[-1] < size:
+        raise ValueError(f"afd.all_gather_last: {len(parts)} slices of {src.shape[-1]} columns cannot hold {size}")
+    dist.all_gather(parts, src, group=group)
+    return torch.cat(parts, dim=-1)[..., :size].contiguous()
+
+
+@all_gather_last.register_fake
+def _(x, group_id, size):
+    return x.new_empty((*x.shape[:-1], size))
+
+
+COLLECTIVE_OPS = (torch.ops.afd.all_reduce.default, torch.ops.afd.all_gather_last.default)
 
 
 def _dp_check(x: torch.Tensor, total: int, where: str, rows: str) -> object:

@@ -138,6 +138,11 @@ class TokenCount:
     def to_json(self) -> dict:
         return {"dims": [list(x) for x in self.dims], "factor": self.factor}
 
+    def describe(self, names: Sequence[str]) -> str:
+        """``input_ids.shape[0] * input_ids.shape[1]`` (``names``: the program's inputs, in order)."""
+        terms = [f"{names[i]}.shape[{d}]" for i, d in sorted(self.dims)]
+        return " * ".join(([str(self.factor)] if self.factor != 1 or not terms else []) + terms)
+
     @staticmethod
     def from_json(data: dict) -> TokenCount:
         return TokenCount(tuple((int(i), int(d)) for i, d in data["dims"]), int(data["factor"]))
@@ -677,7 +682,19 @@ def max_local_processes() -> int:
 
 
 
+_PROGRESS: Any = None  # a worker's queue to the parent process (run_local), for progress()
+
+
+def progress(text: str) -> None:
+    """From a worker of :func:`run_local`: a progress line for the parent (its ``on_progress``);
+    nothing outside such a worker."""
+    if _PROGRESS is not None:
+        _PROGRESS.put((int(os.environ.get("RANK", -1)), "progress", text))
+
+
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, timeout_s: float) -> None:
+    global _PROGRESS
+    _PROGRESS = queue
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -746,9 +763,10 @@ def _end_all(procs: Sequence[Any], grace_s: float) -> None:
 
 
 def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0,
-              deadline_s: float | None = None) -> dict[int, Any]:
+              deadline_s: float | None = None,
+              on_progress: Callable[[int, str], None] | None = None) -> dict[int, Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; returns
-    {rank: result}.
+    {rank: result}. ``on_progress(rank, text)`` gets what the workers report with :func:`progress`.
 
     Never waits unbounded: ``timeout_s`` is the process group's timeout (a rank blocked on a peer
     raises after it); ``deadline_s`` (default ``2 * timeout_s + 60``) bounds the whole run. A rank
@@ -778,6 +796,10 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
                 if failure is None and time.monotonic() > deadline:
                     missing = [r for r in range(world_size) if r not in results]
                     failure = RankFailure(missing[0], f"no result within {deadline_s:.0f}s from ranks {missing}")
+                continue
+            if status == "progress":
+                if on_progress is not None:
+                    on_progress(rank, payload)
                 continue
             if status == "ok":
                 results[rank] = payload

@@ -2,7 +2,8 @@
 
 A tensor's :class:`DistState` is a :class:`ScatterMode` (how many ranks hold the same data: its
 *group size*) plus ``partial`` (a sum is still owed across that group, e.g. after a row-parallel
-linear). Group sizes come from the :class:`TPLayout`:
+linear) and ``split_last`` (each rank of the group holds a slice of the last dim, e.g. after a
+column-parallel LM head: its slice of the vocabulary). Group sizes come from the :class:`TPLayout`:
 
 =================  ==========================================
 SCATTERED          1: each rank its own tokens
@@ -18,6 +19,11 @@ FULL               tp: every TP rank holds every token
     large->small, partial     -> reduce_scatter
     large->small, not partial -> scatter (take the local slice, no communication)
     same size,  not partial  -> nothing (no record; like DTensor, no-op transforms are refused)
+    same size,  split_last -> whole   -> all_gather along the last dim (``dim="last"``)
+    same size,  whole -> split_last   -> scatter along the last dim (take the local slice)
+
+A split last dim changes only within one mode and never with a partial sum pending (two steps,
+each its own record); over a group of one rank it is no split at all.
 
 Standard TP (attn_dp == 1) makes TP_ATTN_FULL and FULL the same size, so every mode change
 vanishes and only the in-block all-reduces remain: the Megatron pattern, nothing special-cased.
@@ -47,12 +53,15 @@ class TPLayout:
 
     ``moe_a2a``: MoE layers dispatch tokens with all-to-all (their MLP mode is SCATTERED).
     ``dense_dp``: dense MLPs run fully data-parallel (mode SCATTERED, weights not sharded).
+    ``vocab_parallel``: the LM head is split by vocabulary over the attention TP group, its
+    logits all-gathered (``passes/vocab_head.py``); off: every rank holds the whole head.
     """
 
     tp: int
     attn_dp: int = 1
     moe_a2a: bool = False
     dense_dp: bool = False
+    vocab_parallel: bool = True
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.attn_dp < 1:
@@ -61,7 +70,8 @@ class TPLayout:
             raise LayoutError(f"attn_dp={self.attn_dp} does not divide tp={self.tp}")
 
     def __str__(self) -> str:
-        extra = "".join([" moe_a2a" if self.moe_a2a else "", " dense_dp" if self.dense_dp else ""])
+        extra = "".join([" moe_a2a" if self.moe_a2a else "", " dense_dp" if self.dense_dp else "",
+                         "" if self.vocab_parallel else " whole_head"])
         return f"tp={self.tp} attn_dp={self.attn_dp}{extra}"
 
     @property
@@ -87,12 +97,14 @@ class TPLayout:
 class DistState:
     mode: ScatterMode
     partial: bool = False
+    split_last: bool = False
 
     def __str__(self) -> str:
-        return f"{self.mode.value}{'+P' if self.partial else ''}"
+        return f"{self.mode.value}{'+P' if self.partial else ''}{'+S' if self.split_last else ''}"
 
     def __repr__(self) -> str:
-        return f"DistState({self.mode.value}, partial={self.partial})"
+        split = ", split_last=True" if self.split_last else ""
+        return f"DistState({self.mode.value}, partial={self.partial}{split})"
 
 
 class Collective(enum.Enum):
@@ -116,10 +128,12 @@ class Transition:
     src_size: int
     dst_size: int
     reduces: bool
+    dim: str = "tokens"  # which dim the collective joins or cuts: "tokens" | "last"
 
     def __str__(self) -> str:
         r = "(reduce)" if self.reduces and self.collective is Collective.ALL_GATHER else ""
-        return f"{self.collective}{r} {self.src}[{self.src_size}] -> {self.dst}[{self.dst_size}]"
+        d = "(last)" if self.dim == "last" else ""
+        return f"{self.collective}{r}{d} {self.src}[{self.src_size}] -> {self.dst}[{self.dst_size}]"
 
 
 class TransitionError(AFDCompileError):
@@ -131,6 +145,8 @@ def transition(src: DistState, dst: DistState, layout: TPLayout) -> Transition |
     if dst.partial:
         raise TransitionError(f"cannot move {src} into a partial state {dst}: partial sums are produced, not targeted")
     a, b = layout.group_size(src.mode), layout.group_size(dst.mode)
+    if src.split_last or dst.split_last:
+        return _last_dim(src, dst, a, b)
     if a == b:
         if not src.partial:
             return None
@@ -140,6 +156,17 @@ def transition(src: DistState, dst: DistState, layout: TPLayout) -> Transition |
     if src.partial:
         return Transition(src, dst, Collective.REDUCE_SCATTER, a, b, True)
     return Transition(src, dst, Collective.SCATTER, a, b, False)
+
+
+def _last_dim(src: DistState, dst: DistState, a: int, b: int) -> Transition | None:
+    if src.mode is not dst.mode or src.partial:
+        raise TransitionError(f"cannot move {src} to {dst} in one collective: a split last dim changes only "
+                              "within one mode with no partial sum pending (settle the sum, change the mode, "
+                              "then gather or split the last dim)")
+    if src.split_last == dst.split_last or a == 1:
+        return None
+    kind = Collective.ALL_GATHER if src.split_last else Collective.SCATTER
+    return Transition(src, dst, kind, a, b, False, "last")
 
 
 # --- per-layer modes (SGLang's LayerScatterModes) ---------------------------------------------

@@ -36,6 +36,7 @@ from .runtime import (
     dp_step_counts,
     make_worker,
     max_local_processes,
+    progress,
     run_local,
     tp_groups,
 )
@@ -287,6 +288,8 @@ def _step_inputs(inputs: Sequence[torch.Tensor], spec: DecodeSpec | None, decode
 def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
     ep, original, inputs, spec = _loaded(case.path, cache)
     config = SplitConfig(compute_gate_on_attention=case.gate, policy=POLICIES[case.policy], graph_name=case.path)
+    report = progress if rank == case.layout.ffn_ranks else (lambda _text: None)  # the first attention rank
+    report(f"{case.layout.world_size} processes up (torch imported, process group formed)")
     worker = make_worker(fresh_module(ep), case.layout, rank, config, group=group, check_wire=True,
                          stages=case.stages)
     if not isinstance(worker, AttentionWorker):
@@ -295,15 +298,16 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
     _, dims = batch_symbol_dims(original)
     tally, sizes = Tally(), []
     steps = 1 + case.decode_steps if case.decode_steps else case.steps
+    report("programs built")
     try:
         for step in range(steps):
             x = _step_inputs(inputs, spec, case.decode_steps, case.batches, dims, a, step)
             sizes.append(int(x[0].shape[0]) if x[0].dim() else 0)
             with torch.no_grad():
                 out = worker.step(*x)
-                if out is None:  # zero tokens this step
-                    continue
-                tally.add(step, compare(out, original(*x)))
+                if out is not None:  # (zero tokens this step: nothing to compare)
+                    tally.add(step, compare(out, original(*x)))
+            report(f"step {step + 1}/{steps} done")
     finally:
         worker.stop()
     stages = dict(sorted(worker.comm.stage_transfers.items()))
@@ -334,11 +338,14 @@ def _verify_cases(rank: int, world: int, cases: Sequence[Case]) -> list[dict | N
 
 
 def run_cases(cases: Sequence[Case], timeout_s: float = DEFAULT_TIMEOUT_S,
-              deadline_s: float | None = None) -> list[dict[int, dict]]:
+              deadline_s: float | None = None,
+              on_progress: Callable[[int, str], None] | None = None) -> list[dict[int, dict]]:
     """Verify several cases with one spawn; per case, {rank: result}. ``timeout_s``: how long a
-    rank waits for a peer; ``deadline_s``: the whole run (see :func:`run_local`)."""
+    rank waits for a peer; ``deadline_s``: the whole run (see :func:`run_local`); ``on_progress``:
+    the first attention rank's lines (programs built, each step)."""
     world = max(c.layout.world_size for c in cases)
-    results = run_local(_verify_cases, world, list(cases), timeout_s=timeout_s, deadline_s=deadline_s)
+    results = run_local(_verify_cases, world, list(cases), timeout_s=timeout_s, deadline_s=deadline_s,
+                        on_progress=on_progress)
     return [{r: results[r][i] for r in results if results[r][i] is not None} for i in range(len(cases))]
 
 
@@ -391,7 +398,8 @@ def _decode_line(spec: DecodeSpec, decode_steps: int) -> str:
 def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = None, gate: bool = False,
                steps: int = 2, tol: float | None = None, policy: str = "default",
                timeout_s: float = DEFAULT_TIMEOUT_S, decode_steps: int = 0, stages: int = 1,
-               log: Callable[[str], None] = lambda s: None) -> VerifyReport:
+               log: Callable[[str], None] = lambda s: None,
+               on_progress: Callable[[int, str], None] | None = None) -> VerifyReport:
     """Verify the AFD split of the ``.pt2`` at ``path``; ``batches`` per attention rank (None:
     default sizes 1, 2, 3, ... when the batch dim is dynamic, the saved example otherwise);
     ``stages`` micro-batches per step (passes/stages.py).
@@ -422,7 +430,7 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = 
         + (f", {stages} micro-batch stages" if stages > 1 else ""))
     t = time.perf_counter()
     case = Case(path, layout, checked.batches, gate, checked.steps, policy, decode_steps, stages)
-    results = run_cases([case], timeout_s=timeout_s)[0]
+    results = run_cases([case], timeout_s=timeout_s, on_progress=on_progress)[0]
     for r in sorted(results):
         res = results[r]
         if res["role"] == "ffn":
@@ -457,6 +465,8 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
 
     ep, original, inputs, spec = _loaded(case.path, cache)
     lay = case.layout
+    report = progress if rank == 0 else (lambda _text: None)
+    report(f"{lay.tp} processes up (torch imported, process group formed)")
     register_group(GROUP_TP, groups[("tp", lay.tp)])
     register_group(GROUP_ATTN_TP, groups[("attn", lay.attn_tp_group(rank))])
     if case.saved is not None:  # the saved rank program, re-loaded: what `rewrite --tp` wrote
@@ -472,6 +482,7 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
     tally, seen = Tally(), []
     g = lay.attn_dp_rank(rank)
     steps = 1 + case.decode_steps if case.decode_steps else case.steps
+    report("programs built")
     for step in range(steps):
         # DP groups rotate their batch sizes between steps; ranks of one group share tokens
         x = _step_inputs(inputs, spec, case.decode_steps, case.batches, dims, g, step)
@@ -490,6 +501,7 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
             if not empty:
                 tally.add(step, compare(out, original(*x)))
         seen.append(0 if empty else int(x[0].shape[0]))
+        report(f"step {step + 1}/{steps} done")
     return {"sharded_weights": sharded, "batches": seen, **tally.to_json()}
 
 
@@ -512,15 +524,18 @@ def _verify_tp_cases(rank: int, world: int, cases: Sequence[TPCase]) -> list[dic
 
 
 def run_tp_cases(cases: Sequence[TPCase], timeout_s: float = DEFAULT_TIMEOUT_S,
-                 deadline_s: float | None = None) -> list[dict[int, dict]]:
+                 deadline_s: float | None = None,
+                 on_progress: Callable[[int, str], None] | None = None) -> list[dict[int, dict]]:
     world = max(c.layout.tp for c in cases)
-    results = run_local(_verify_tp_cases, world, list(cases), timeout_s=timeout_s, deadline_s=deadline_s)
+    results = run_local(_verify_tp_cases, world, list(cases), timeout_s=timeout_s, deadline_s=deadline_s,
+                        on_progress=on_progress)
     return [{r: results[r][i] for r in results if results[r][i] is not None} for i in range(len(cases))]
 
 
 def verify_tp(path: str, layout: TPLayout, *, batches: Sequence[int] | None = None, steps: int = 2,
               tol: float | None = None, policy: str = "default", timeout_s: float = DEFAULT_TIMEOUT_S,
-              decode_steps: int = 0, log: Callable[[str], None] = lambda s: None) -> VerifyReport:
+              decode_steps: int = 0, log: Callable[[str], None] = lambda s: None,
+              on_progress: Callable[[int, str], None] | None = None) -> VerifyReport:
     """Verify the TP sharding of the ``.pt2`` at ``path`` on ``layout.tp`` local processes;
     ``batches`` per attention DP group (None: 1, 2, ... with DP attention, else as saved). The
     same input checks as :func:`verify_afd`."""
@@ -537,7 +552,7 @@ def verify_tp(path: str, layout: TPLayout, *, batches: Sequence[int] | None = No
         + (_decode_line(spec, decode_steps) if decode_steps else f"{checked.steps} steps"))
     t = time.perf_counter()
     case = TPCase(path, layout, checked.batches, checked.steps, policy, decode_steps=decode_steps)
-    (results,) = run_tp_cases([case], timeout_s=timeout_s)
+    (results,) = run_tp_cases([case], timeout_s=timeout_s, on_progress=on_progress)
     for r in sorted(results):
         log(f"  rank {r}: batches {results[r]['batches']} max_rel_err={results[r]['max_rel_err']:.3g}")
     return _report(layout, results, checked.tol, time.perf_counter() - t)

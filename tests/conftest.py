@@ -30,6 +30,7 @@ MODELS = {
     "gpt_bigcode": ("gpt_bigcode", 1, {}),
     "falcon": ("falcon", 2, {}),
     "deepseek_v3": ("deepseek_v3", 2, {}),
+    "llama2_v127": ("llama", 2, {"vocab_size": 127}),  # a vocabulary no TP group size divides
 }
 
 
@@ -74,7 +75,7 @@ def exported(model_dir: str):
     def get(name: str) -> tuple[torch.export.ExportedProgram, str]:
         if name not in cache:
             family, layers, overrides = MODELS[name]
-            ep = export_lm(build_hf(family, num_layers=layers, **overrides))
+            ep = export_lm(build_hf(family, num_layers=layers, **overrides), vocab_size=overrides.get("vocab_size", 128))
             path = os.path.join(model_dir, f"{name}.pt2")
             torch.export.save(ep, path)
             cache[name] = (ep, path)

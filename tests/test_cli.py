@@ -37,6 +37,38 @@ def test_help_lists_the_subcommands():
     assert "--tokens" in _run("verify", "--help").stdout
 
 
+def _readme_flags() -> dict[str, set[str]]:
+    """Per subcommand, every flag the README's synopsis lines (``afd-compile CMD ...`` and their
+    indented continuations) name."""
+    import re
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    flags: dict[str, set[str]] = {}
+    cmd = None
+    for line in readme.splitlines():
+        m = re.match(r"afd-compile (\w+)", line)
+        if m:
+            cmd, line = m.group(1), line[m.end():]
+        elif not (cmd and line.startswith(" " * 20 + "[")):
+            cmd = None
+            continue
+        flags.setdefault(cmd, set()).update(re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", line))
+    return flags
+
+
+def test_readme_synopsis_and_parser_name_the_same_flags():
+    from afd_compile.cli import build_parser
+
+    readme = _readme_flags()
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    assert set(readme) == set(sub.choices), "README synopsis lines vs subcommands"
+    for cmd, parser in sub.choices.items():
+        options = [a.option_strings for a in parser._actions if a.option_strings and "-h" not in a.option_strings]
+        missing = [o[-1] for o in options if not set(o) & readme[cmd]]
+        unknown = readme[cmd] - {s for o in options for s in o}
+        assert not missing and not unknown, f"afd-compile {cmd}: in --help only {missing}; in README only {unknown}"
+
+
 def test_rewrite_tp_writes_rank_programs_that_reload_and_match(exported, tmp_path):
     # rewrite --tp: one re-exported program per rank (weight slices, collectives); loaded back
     # from disk on real gloo processes they reproduce the original (also with DP attention)
@@ -141,6 +173,11 @@ def test_verify_ok_exit_0(exported):
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.strip().splitlines()[-1].startswith("verify: OK max_rel_err=")
     assert "batches [2, 3]" in res.stdout and "batches [3, 2]" in res.stdout
+    # progress on stderr, one line per phase as it ends (the first attention rank's, rank 1)
+    lines = [line.split("] ", 1)[1] for line in res.stderr.splitlines() if line.startswith("afd-compile verify: [")]
+    assert lines[0].startswith("loaded and split ") and lines[1:] == [
+        "3 processes up (torch imported, process group formed) (rank 1)", "programs built (rank 1)",
+        "step 1/2 done (rank 1)", "step 2/2 done (rank 1)"], res.stderr
 
 
 def test_verify_fail_exit_1(exported):
@@ -194,7 +231,8 @@ def test_plan_json_lists_nodes_and_wire_bytes(exported):
     res = _run("plan", exported("llama2")[1], "--json")
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
-    assert [layer["index"] for layer in data["layers"]] == [0, 1]
+    assert [layer["layer"] for layer in data["layers"]] == [0, 1] and "index" not in data["layers"][0]
+    assert data["tokens_per_step"] == "input_ids.shape[0] * input_ids.shape[1]"
     wire = data["layers"][0]["wire"]
     assert wire["to_ffn"] == [{"kind": "hidden", "dtype": "float32", "shape": ["tokens", 64], "bytes_per_token": 256}]
     assert len(data["layers"][0]["ffn_nodes"]) == 5
@@ -218,7 +256,7 @@ def test_plan_tp_json_uses_the_relied_on_names(exported):
     res = _run("plan", exported("llama2")[1], "--tp", "4", "--attn-dp", "2", "--json")
     assert res.returncode == 0, res.stderr
     layer = json.loads(res.stdout)["layers"][0]
-    assert layer["index"] == 0 and layer["kind"] == "dense"
+    assert layer["layer"] == 0 and layer["kind"] == "dense"
     assert layer["modes"] == {"layer_input": "TP_ATTN_FULL", "attn": "TP_ATTN_FULL", "mlp": "FULL",
                               "middle_residual": "TP_ATTN_FULL", "layer_output": "TP_ATTN_FULL"}
     assert layer["junctions"] == {"prepare_attn": [], "prepare_mlp": ["all_gather"],
@@ -226,9 +264,10 @@ def test_plan_tp_json_uses_the_relied_on_names(exported):
 
 
 def test_verify_tp_ok_with_uneven_dp_groups(exported):
-    res = _run("verify", exported("llama2")[1], "--tp", "2", "--attn-dp", "2", "--tokens", "3,0")
+    res = _run("verify", exported("llama2")[1], "--tp", "2", "--attn-dp", "2", "--tokens", "3,0", "-q")
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.strip().splitlines()[-1].startswith("verify: OK max_rel_err=")
+    assert "afd-compile verify: [" not in res.stderr  # -q: no progress lines
 
 
 @pytest.mark.parametrize(

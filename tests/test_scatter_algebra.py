@@ -106,3 +106,29 @@ def test_moe_all_to_all_mixture_adapts_per_layer():
 def test_bad_layouts(tp, attn_dp, msg):
     with pytest.raises(LayoutError, match=msg):
         TPLayout(tp, attn_dp)
+
+
+# the last (feature) dim split over the group: a vocab-parallel head's logits
+SPLIT = [
+    (DistState(T, split_last=True), DistState(T), Collective.ALL_GATHER, "all_gather(last) TP_ATTN_FULL+S[2] -> TP_ATTN_FULL[2]"),
+    (DistState(F, split_last=True), DistState(F), Collective.ALL_GATHER, "all_gather(last) FULL+S[4] -> FULL[4]"),
+    (DistState(T), DistState(T, split_last=True), Collective.SCATTER, "scatter(last) TP_ATTN_FULL[2] -> TP_ATTN_FULL+S[2]"),
+    (DistState(S, split_last=True), DistState(S), None, None),  # a group of one: nothing is split
+    (DistState(T, split_last=True), DistState(T, split_last=True), None, None),
+]
+
+
+@pytest.mark.parametrize(("src", "dst", "collective", "text"), SPLIT, ids=[f"{a}-to-{b}" for a, b, *_ in SPLIT])
+def test_split_last_dim_table(src, dst, collective, text):
+    t = transition(src, dst, DP)
+    assert (t and t.collective, t and str(t)) == (collective, text)
+    if t is not None:
+        assert t.dim == "last" and not t.reduces
+
+
+@pytest.mark.parametrize(("src", "dst"), [(DistState(T, split_last=True), DistState(F)),
+                                          (DistState(T, True), DistState(T, split_last=True)),
+                                          (DistState(F, split_last=True), DistState(T))])
+def test_split_last_dim_changes_alone(src, dst):
+    with pytest.raises(TransitionError, match="in one collective: a split last dim changes only within one mode"):
+        transition(src, dst, DP)

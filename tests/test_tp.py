@@ -348,6 +348,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("falcon", 2, 2, (2, 1)),            # qkv packed per KV group; parallel attention; attn_tp == 1
     ("deepseek_v3", 2, 1, (2,)),         # MLA; a dense layer, then MoE with group-limited routing
     ("gpt_bigcode", 4, 1, (2,)),         # multi-query: K/V replicated whole
+    ("llama2_v127", 2, 1, (2,)),         # vocab 127 over 2 ranks: the LM head's slices zero-padded
 ]
 
 
@@ -453,7 +454,9 @@ def test_the_allreduce_add_rmsnorm_unit_fuses_in_bf16_and_computes_the_same():
     for fuse in (True, False):
         gm = ep.module()
         annotate_roles(gm)
-        progs[fuse] = shard_for_rank(gm, TPLayout(2), 0, graph_name="bf16", fuse_norm=fuse).program
+        # (the head whole: one rank of a group of one cannot gather a vocabulary split in two)
+        progs[fuse] = shard_for_rank(gm, TPLayout(2, vocab_parallel=False), 0, graph_name="bf16",
+                                     fuse_norm=fuse).program
     fused = [n for n in progs[True].graph.nodes if n.target == torch.ops.afd.all_reduce_add_rms_norm.default]
     assert len(fused) == 4 and all(n.args[5] == torch.bfloat16 for n in fused)
     store = dist.HashStore()
@@ -468,3 +471,52 @@ def test_the_allreduce_add_rmsnorm_unit_fuses_in_bf16_and_computes_the_same():
         dist.destroy_process_group()
     a, b = (o[0] if isinstance(o, (tuple, list)) else o for o in (out[True], out[False]))
     assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+def _head(prog):
+    (gather,) = [n for n in prog.program.graph.nodes if n.target == torch.ops.afd.all_gather_last.default]
+    return gather.args[0], gather
+
+
+def test_lm_head_is_split_by_vocabulary_and_its_logits_gathered(exported):
+    from afd_compile.comm import GROUP_ATTN_TP
+    from afd_compile.scatter import DistState, ScatterMode
+
+    prog = _program(exported, "llama2", TPLayout(4, 2), rank=3)  # attention TP groups of 2
+    head, gather = _head(prog)
+    assert gather.args[1:] == (GROUP_ATTN_TP, 128) and list(head.users) == [gather]
+    weights = dict(prog.program.named_parameters())
+    full = exported("llama2")[0].state_dict["model.lm_head.weight"]
+    assert torch.equal(weights["model.lm_head.weight"], full[64:])  # attention TP rank 1 of 2: rows 64..127
+    assert tuple(head.meta["val"].shape)[-1] == 64 and tuple(gather.meta["val"].shape)[-1] == 128
+    assert str(prog.plan.head) == ("lm head linear_14: model.lm_head.weight split by vocabulary over the attention "
+                                   "TP group (2 x 64 rows); all_gather(last) TP_ATTN_FULL+S[2] -> TP_ATTN_FULL[2]")
+    assert (head.meta["afd.dist"], gather.meta["afd.dist"]) == (
+        DistState(ScatterMode.TP_ATTN_FULL, split_last=True), DistState(ScatterMode.TP_ATTN_FULL))
+
+
+def test_a_tied_head_gets_its_own_slice_and_the_embedding_stays_whole(exported):
+    prog = _program(exported, "gemma2", TPLayout(2), rank=1)
+    head, _ = _head(prog)
+    weights = dict(prog.program.named_parameters())
+    full = exported("gemma2")[0].state_dict["model.model.embed_tokens.weight"]
+    assert torch.equal(weights["model.model.embed_tokens.weight"], full)
+    assert torch.equal(weights["afd_vocab_head_weight"], full[64:])
+    assert head.args[1].target == "afd_vocab_head_weight" and prog.plan.head.tied
+
+
+def test_a_vocabulary_the_group_does_not_divide_is_zero_padded(exported):
+    prog = _program(exported, "llama2_v127", TPLayout(2), rank=1)
+    _, gather = _head(prog)
+    w = dict(prog.program.named_parameters())["model.lm_head.weight"]
+    full = exported("llama2_v127")[0].state_dict["model.lm_head.weight"]
+    assert tuple(w.shape) == (64, 64) and torch.equal(w[:63], full[64:]) and not w[63].any()
+    assert gather.args[2] == 127 and "zero-padded from 127" in str(prog.plan.head)
+
+
+def test_no_vocab_parallel_keeps_the_head_whole_and_says_why(exported):
+    prog = _program(exported, "llama2", TPLayout(2, vocab_parallel=False))
+    assert not [n for n in prog.program.graph.nodes if n.target == torch.ops.afd.all_gather_last.default]
+    assert tuple(dict(prog.program.named_parameters())["model.lm_head.weight"].shape) == (128, 64)
+    assert str(prog.plan.head).endswith("whole on every rank (vocab_parallel off)")
+    assert "whole on every rank (a group of one rank)" in str(_program(exported, "llama2", TPLayout(2, 2)).plan.head)

@@ -30,6 +30,7 @@ from ..scatter import (
 )
 from .graph_utils import layers_of, region_output
 from .roles import Role, role_of
+from .vocab_head import HeadPlan, plan_head
 
 META_KEY = "afd.dist"
 
@@ -39,14 +40,17 @@ class TPPlan:
     graph_name: str
     layout: TPLayout
     layers: tuple[tuple[LayerModes, JunctionPlan], ...]
+    head: HeadPlan | None = None  # the LM head's vocabulary split (vocab_head.py); None: no head found
 
     def to_json(self) -> dict:
         return {
             "graph": self.graph_name,
             "layout": {"tp": self.layout.tp, "attn_dp": self.layout.attn_dp, "attn_tp": self.layout.attn_tp,
-                       "moe_a2a": self.layout.moe_a2a, "dense_dp": self.layout.dense_dp},
-            "layers": [{"index": m.index, "kind": m.kind, "modes": m.modes(), "junctions": j.names(),
+                       "moe_a2a": self.layout.moe_a2a, "dense_dp": self.layout.dense_dp,
+                       "vocab_parallel": self.layout.vocab_parallel},
+            "layers": [{"layer": m.index, "kind": m.kind, "modes": m.modes(), "junctions": j.names(),
                         "inside_mlp": self.inside_mlp(m)} for m, j in self.layers],
+            "head": None if self.head is None else self.head.to_json(),
         }
 
     def inside_mlp(self, m: LayerModes) -> list[str]:
@@ -67,7 +71,8 @@ class TPPlan:
                          ", ".join(self.inside_mlp(m)) or "-", ", ".join(names["postprocess_layer"]) or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-        return "\n".join([f"plan: {self.graph_name}: {self.layout} (attn_tp={self.layout.attn_tp})", *lines])
+        head = [str(self.head)] if self.head is not None else []
+        return "\n".join([f"plan: {self.graph_name}: {self.layout} (attn_tp={self.layout.attn_tp})", *lines, *head])
 
 
 def layer_kinds(gm: fx.GraphModule) -> list[str]:
@@ -85,7 +90,9 @@ def layer_kinds(gm: fx.GraphModule) -> list[str]:
 
 def plan_tp(gm: fx.GraphModule, layout: TPLayout, graph_name: str = "graph") -> TPPlan:
     modes = infer_layer_modes(layer_kinds(gm), layout)
-    return TPPlan(graph_name, layout, tuple((m, plan_junctions(m, layout)) for m in modes))
+    last = modes[-1].layer_output if modes else ScatterMode.TP_ATTN_FULL
+    return TPPlan(graph_name, layout, tuple((m, plan_junctions(m, layout)) for m in modes),
+                  plan_head(gm, layout, last))
 
 
 def annotate_dist_states(gm: fx.GraphModule, plan: TPPlan) -> None:
@@ -125,3 +132,6 @@ def annotate_dist_states(gm: fx.GraphModule, plan: TPPlan) -> None:
     tail = max((pos[n] for ms in by_layer.values() for n in ms), default=-1)
     for n in nodes[tail + 1:]:
         n.meta[META_KEY] = DistState(last)
+    if plan.head is not None and plan.head.transition is not None:  # its slice of the vocabulary
+        head = next(n for n in nodes if n.name == plan.head.node)
+        head.meta[META_KEY] = plan.head.transition.src

@@ -91,7 +91,6 @@ class LayerCut:
                                   "shape": ["tokens"] + ([] if w.width is None else [w.width]),
                                   "bytes_per_token": w.bytes_per_token} for w in self.wire_out.tensors],
             },
-            "token_dims": list(self.token_dims),
         }
 
 

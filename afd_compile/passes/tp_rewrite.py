@@ -37,6 +37,7 @@ from .pipeline import PassTimings
 from .roles import META_KEY as ROLE_KEY
 from .scattered import ScatteredRewriteError, expert_parallel, rewrite_scattered_layers
 from .shard import ShardPlan, apply_shards, plan_shards
+from .vocab_head import split_head
 
 
 @dataclass
@@ -78,6 +79,9 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
         fake_mode = detect_fake_mode([n.meta.get("val") for n in new.graph.nodes if "val" in n.meta])
         by_name = {n.name: n for n in new.graph.nodes}
         _settle_split_means(new, shards, by_name, fake_mode)
+    if plan.head is not None:
+        with timings("vocab_parallel_head"):
+            split_head(new, plan.head, layout.attn_tp_rank(rank), fake_mode)
     experts = []
     with timings("expert_parallel"):
         for m, _ in plan.layers:  # MoE with all-to-all: experts split over the TP group

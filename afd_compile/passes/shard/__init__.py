@@ -49,7 +49,7 @@ META_KEY = "afd.shard"
 
 __all__ = ["META_KEY", "RULES", "ArgFix", "ShardError", "ShardPlan", "ShardRule", "ShardedState", "ShardedWeight",
            "apply_shards",
-           "is_expert_mm", "is_grouped_mm", "plan_shards", "reads_weight", "shard_tensor"]
+           "Projection", "is_expert_mm", "is_grouped_mm", "plan_shards", "projection", "reads_weight", "shard_tensor"]
 
 
 
@@ -81,7 +81,7 @@ def is_expert_mm(node: fx.Node) -> bool:
 
 
 @dataclass(frozen=True)
-class _Proj:
+class Projection:
     """A projection's operands: activation ``x``, the weight attribute, which weight dim holds the
     output features (0: ``linear``'s ``[out, in]``; 1: ``[in, out]`` as GPT-2's Conv1D ``addmm``
     or a plain ``x @ W``), and the bias attribute if any."""
@@ -92,7 +92,7 @@ class _Proj:
     bias: fx.Node | None
 
 
-def _projection(n: fx.Node) -> _Proj:
+def projection(n: fx.Node) -> Projection:
     """``linear(x, W[out, in], b)``, ``addmm(b, x, W[in, out])``, ``mm/matmul(x, W[in, out])``, or
     ``mm/matmul(x, W.t())`` with ``W[out, in]``."""
     bias = None
@@ -118,7 +118,7 @@ def _projection(n: fx.Node) -> _Proj:
         raise ShardError(f"{n.name}: projection weight is not a 2-D graph attribute ({w})")
     if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr"):
         raise ShardError(f"{n.name}: projection bias is not a graph attribute ({bias})")
-    return _Proj(x, w, out_dim, bias)
+    return Projection(x, w, out_dim, bias)
 
 
 def _expert_weight(mm: fx.Node, operand_dim: int) -> tuple[fx.Node, int]:
@@ -355,7 +355,7 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
         seen.add(n)
         split_in = [a for a in n.all_input_nodes if a in sdim]
         if n in rows:
-            a = n.args[0] if is_expert_mm(n) else _projection(n).x
+            a = n.args[0] if is_expert_mm(n) else projection(n).x
             if sdim.get(a) != ndim(a) - 1:
                 raise ShardError(f"{where}: row-parallel {n.name} gets an input not split along its last dim")
             if t.factor[a] != parts:
@@ -492,7 +492,7 @@ def column_row_pairs(projs: list[fx.Node], region: set[fx.Node],
     pset = set(projs)
 
     def act(n: fx.Node) -> fx.Node:  # the activation operand
-        return n.args[0] if is_expert_mm(n) else _projection(n).x
+        return n.args[0] if is_expert_mm(n) else projection(n).x
 
     def up(n: fx.Node) -> set[fx.Node]:  # ancestors inside the MLP region (a walk linear in its size)
         return ancestors([act(n)], within=region)
@@ -631,7 +631,7 @@ def _projection_weight(gm: fx.GraphModule, proj: fx.Node, column: bool) -> tuple
     if is_expert_mm(proj):
         w, dim = _expert_weight(proj, 2 if column else 1)
         return str(w.target), dim, int(get_attr_path(gm, w.target).shape[dim])
-    p = _projection(proj)
+    p = projection(proj)
     dim = p.out_dim if column else 1 - p.out_dim
     return str(p.weight.target), dim, int(get_attr_path(gm, p.weight.target).shape[dim])
 
@@ -674,7 +674,7 @@ def shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int
         target, dim, size = _projection_weight(gm, c, True)
         blocks, rep = _block_fixes(c, track, parts, fixes)
         weights.append(ShardedWeight(target, dim, parts, group, "column", blocks, rep))
-        bias = None if is_expert_mm(c) else _projection(c).bias
+        bias = None if is_expert_mm(c) else projection(c).bias
         if bias is not None:
             weights.append(ShardedWeight(str(bias.target), 0, parts, group, "column", blocks, rep))
         for a in track.attrs:
@@ -692,7 +692,7 @@ def shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int
         raise ShardError(f"{where}: {track.means[0].name} averages over a split dim")
     target, dim, size = _projection_weight(gm, row, False)
     weights.append(ShardedWeight(target, dim, parts, group, "row", (size,)))
-    bias = None if is_expert_mm(row) else _projection(row).bias
+    bias = None if is_expert_mm(row) else projection(row).bias
     if bias is not None:  # added once: kept on group rank 0, zeros elsewhere
         weights.append(ShardedWeight(str(bias.target), -1, parts, group, "row_bias"))
 
