@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRA_SPEC ?=
 
-.PHONY: demo test test-torch211 lint bench clean
+.PHONY: demo test test-torch211 lint bench readme clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,13 +20,18 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check afd_compile tests benchmarks examples
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # the oldest supported torch (the GPU host's: torch 2.11, transformers 5.17) in a second venv,
 # CPU only (the torch 2.11 wheel pulls its CUDA libraries: a few GB)
 test-torch211:
 	CUDA_VISIBLE_DEVICES= AFD_BACKEND=gloo \
 		$(MAKE) test VENV=.venv-211 TORCH_SPEC=torch==2.11.0 EXTRA_SPEC=transformers==5.17.0
+
+# the README's generated parts: the support table (from the test matrices) and the plan pictures
+readme: $(VENV)/.installed
+	$(PY) tests/support_table.py --write
+	$(PY) -m pytest -q tests/test_cli.py -k readme_figures --update-goldens
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/pass_time.py

@@ -149,7 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tp(p)
     p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
                    "planning; TP: rank 0's program)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the plan as JSON")
+    out.add_argument("--mermaid", type=int, nargs="?", const=0, metavar="LAYER",
+                   help="print one layer (default 0) as a Mermaid flowchart instead of the table: the AFD split "
+                   "(both programs, what crosses the wire) or the TP junctions (states, collectives)")
     _add_quiet(p)
     _add_stages(p, "also print the ping-pong schedule of S micro-batches per step (for the saved example's "
                 "batch on every attention rank) and check it (pairing, order, no deadlock)")
@@ -321,7 +325,11 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
     if written_attrs(gm):
         cache = {"buffers": sorted(written_attrs(gm)), "bytes_per_rank": state_bytes(prog.program),
                  "bytes_unsharded": state_bytes(gm), "split_by_kv_heads": [str(s) for s in prog.shards.states]}
-    if args.json:
+    if args.mermaid is not None:
+        from .figures import tp_mermaid
+
+        print(tp_mermaid(prog.plan, args.mermaid))
+    elif args.json:
         print(json.dumps({**prog.plan.to_json(), **({"cache": cache} if cache else {})}, indent=2))
     else:
         print(prog.plan.table())
@@ -339,7 +347,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     layout = _layout(args, required=False)
     with _progress(args).phase(f"loaded and planned {args.model}"):
         _, result = _plan(args.model, layout, args.gate_on_attention, args.policy)
-    if args.json:
+    if args.mermaid is not None:
+        from .figures import afd_mermaid
+
+        print(afd_mermaid(result, layout, args.mermaid))
+    elif args.json:
         import json
 
         from .runtime import TokenCount

@@ -75,7 +75,8 @@ def flat_inputs(ep: torch.export.ExportedProgram) -> tuple[Any, ...]:
     args, kwargs = ep.example_inputs
     spec = ep.call_spec.in_spec
     if kwargs and spec is not None and spec.num_children == 2:
-        keys = spec.children_specs[1].context
+        kw = spec.child(1) if hasattr(spec, "child") else spec.children_specs[1]  # (child: torch >= 2.12)
+        keys = kw.context
         kwargs = {k: kwargs[k] for k in keys if k in kwargs}
     leaves, got = torch.utils._pytree.tree_flatten((tuple(args), kwargs))
     if spec is not None and got != spec:

@@ -20,8 +20,13 @@ def gqa_path(tmp_path_factory) -> str:
     return path
 
 
+#: (tp, attn_dp, batches) each hand-written GQA decoder (dense and bmm-experts) is verified with;
+#: AFD: 2A1F (tests/support_table.py reads these for the README's table)
+GQA_TP = [(2, 1, None), (4, 2, (3, 1))]
+
+
 def test_gqa_by_repeat_interleave_shards_and_matches(gqa_path):
-    results = run_tp_cases([TPCase(gqa_path, TPLayout(2)), TPCase(gqa_path, TPLayout(4, 2), (3, 1))])
+    results = run_tp_cases([TPCase(gqa_path, TPLayout(t, d), b) for t, d, b in GQA_TP])
     for res in results:
         assert res and max(r["max_rel_err"] for r in res.values()) <= 1e-5, res
         assert all(r["compared"] for r in res.values())
@@ -52,7 +57,7 @@ def test_bmm_experts_shard_over_the_intermediate_size_and_match(bmm_moe_path):
     weights = {str(w) for w in shard_for_rank(gm, TPLayout(2), 0).shards.weights}
     assert "column-parallel layers.0.mlp.gate_up dim 2 / 2 over mlp in blocks [128, 128]" in weights
     assert "row-parallel layers.0.mlp.down dim 1 / 2 over mlp" in weights
-    results = run_tp_cases([TPCase(bmm_moe_path, TPLayout(2)), TPCase(bmm_moe_path, TPLayout(4, 2), (3, 1))])
+    results = run_tp_cases([TPCase(bmm_moe_path, TPLayout(t, d), b) for t, d, b in GQA_TP])
     for res in results:
         assert res and max(r["max_rel_err"] for r in res.values()) <= 1e-5, res
         assert all(r["compared"] for r in res.values())
@@ -144,16 +149,19 @@ def test_layers_without_a_numbered_container_are_found_by_structure(more_paths):
         assert not any(n.target == torch.ops.aten.rsqrt.default for n in ffn)
 
 
+MORE_TP = [("nanogpt", 2, 1, None), ("loop_moe", 2, 1, None), ("loop_moe", 4, 2, (3, 1)), ("flat", 4, 2, (1, 2))]
+MORE_AFD = ["nanogpt", "loop_moe", "flat"]
+
+
 def test_more_hand_written_decoders_shard_and_split_and_match(more_paths):
     # TP: nanoGPT's fused c_attn (column blocks), the expert loop's index_add_ (linear in the
     # partial sums: one all-reduce at the block output), the flat decoder's structural layers
-    tp = [TPCase(more_paths["nanogpt"], TPLayout(2)), TPCase(more_paths["loop_moe"], TPLayout(2)),
-          TPCase(more_paths["loop_moe"], TPLayout(4, 2), (3, 1)), TPCase(more_paths["flat"], TPLayout(4, 2), (1, 2))]
+    tp = [TPCase(more_paths[name], TPLayout(t, d), batches) for name, t, d, batches in MORE_TP]
     for case, res in zip(tp, run_tp_cases(tp), strict=True):
         assert res and all(r["compared"] for r in res.values()), (case, res)
         assert max(r["max_rel_err"] for r in res.values()) <= 1e-5, (case, res)
     # AFD: the expert loop's data-dependent token counts per expert run on the FFN rank
-    afd = [Case(more_paths[name], AFDLayout(2, 1), (2, 3)) for name in ("nanogpt", "loop_moe", "flat")]
+    afd = [Case(more_paths[name], AFDLayout(2, 1), (2, 3)) for name in MORE_AFD]
     for case, res in zip(afd, run_cases(afd), strict=True):
         errs = [r["max_rel_err"] for r in res.values() if r["role"] == "attention"]
         assert len(errs) == 2 and max(errs) <= 1e-5, (case, res)

@@ -80,12 +80,22 @@ def symbol_sources(graph: fx.Graph) -> dict:
     return out
 
 
+def _copy_codegen(codegen: fx.graph.CodeGen) -> fx.graph.CodeGen:
+    """A copy of a graph's codegen: its pytree specs are immutable and shared (a deep copy pickles
+    them, which torch >= 2.12 warns about), the list of argument names is copied."""
+    new = copy.copy(codegen)
+    info = getattr(new, "pytree_info", None)
+    if info is not None:
+        new.pytree_info = info._replace(orig_args=list(info.orig_args))
+    return new
+
+
 def copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, env)
     graph.output(out)
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    graph._codegen = _copy_codegen(gm.graph._codegen)
     new = fx.GraphModule(gm, graph)
     for k in ("_in_spec", "_out_spec"):
         if hasattr(gm, k):
