@@ -56,6 +56,19 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+def compile(model: object, options: dict | None = None, **kwargs: object) -> object:  # noqa: A001
+    """``torch.compile(model, backend="afd", options=options, **kwargs)`` with the options checked
+    first (:func:`afd_compile.backend.check_options`: types, the layout, the live process group):
+    a bad option raises BackendOptionError here, in one line of your traceback, instead of inside
+    dynamo's first compile."""
+    import torch
+
+    from .backend import check_options
+
+    check_options(options)
+    return torch.compile(model, backend="afd", options=options, **kwargs)
+
+
 def serve(model: object, options: dict, example_inputs: tuple | None = None,
           example_kwargs: dict | None = None) -> int:
     """Run an FFN rank of an AFD deployment until every attention rank has finished (see

@@ -613,12 +613,39 @@ def _device_of(xs: Sequence[Any]) -> torch.device:
     return next((x.device for x in xs if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 
+def check_options(options: dict[str, Any] | None) -> BackendOptions:
+    """Every check of the options that needs no graph: types and ranges, the layout itself, the
+    live process group against it (initialised, rank and world size). Raises BackendOptionError.
+    :func:`afd_compile.compile` runs it before ``torch.compile``, so a bad option is one error in the
+    caller's frame, not a failure dynamo wraps at the first call."""
+    import torch.distributed as dist
+
+    opts = BackendOptions.parse(options)
+    rank, world = opts.resolved()
+    if opts.mode != "none" and not dist.is_initialized():
+        raise BackendOptionError(f"afd backend: layout {opts.mode} needs torch.distributed initialised on every "
+                                 "rank first (torchrun + afd_compile.runtime.init_distributed())")
+    if opts.mode == "tp" and opts.tp != world:
+        raise BackendOptionError(f"afd backend: tp={opts.tp} must equal the world size ({world})")
+    if opts.mode == "afd":
+        from .layout import AFDLayout, LayoutError
+
+        try:
+            layout = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp, opts.ffn_ep, opts.attn_tp)
+        except LayoutError as e:
+            raise BackendOptionError(f"afd backend: {e}") from None
+        if layout.world_size != world:
+            raise BackendOptionError(f"afd backend: attention={opts.attention} + ffn={opts.ffn} ranks must equal the "
+                                     f"world size ({world})")
+    return opts
+
+
 def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None,
                 **kwargs: Any) -> Callable[..., Any]:
     """The ``afd`` dynamo backend (see the module docstring for the options)."""
     if kwargs:
         raise BackendOptionError(f"afd backend: unexpected arguments {sorted(kwargs)} (use options={{...}})")
-    opts = BackendOptions.parse(options)
+    opts = check_options(options)
     rank, world = opts.resolved()
     STATS["graphs"] += 1
     if opts.mode == "none" and opts.decode_attention != "flex":
@@ -631,11 +658,6 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, list(example_inputs))
-    import torch.distributed as dist
-
-    if opts.mode != "none" and not dist.is_initialized():
-        raise BackendOptionError(f"afd backend: layout {opts.mode} needs torch.distributed initialised on every "
-                                 "rank first (torchrun + afd_compile.runtime.init_distributed())")
     device = _device_of(example_inputs)
     # None on CUDA: capture unless a program holds an op that cannot be captured (PerLayout)
     cudagraphs = (None if device.type == "cuda" else False) if opts.cudagraphs is None else opts.cudagraphs
@@ -714,8 +736,6 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
 
     layout = TPLayout(opts.tp, opts.attn_dp, moe_a2a=opts.moe_a2a, dense_dp=opts.dense_dp,
                       vocab_parallel=opts.vocab_parallel)
-    if layout.tp != world:
-        raise BackendOptionError(f"afd backend: tp={layout.tp} must equal the world size ({world})")
     groups = tp_groups(world, [layout], timeout_s=opts.timeout_s)
     register_group(GROUP_TP, groups[("tp", layout.tp)])
     register_group(GROUP_ATTN_TP, groups[("attn", layout.attn_tp_group(rank))])
@@ -749,18 +769,12 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
 def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
                 cudagraphs: bool | None, device: torch.device, gm: fx.GraphModule | None,
                 static: Sequence[int] = ()) -> Callable[..., Any]:
-    from .layout import AFDLayout, LayoutError
+    from .layout import AFDLayout
     from .passes.roles import POLICIES
     from .runtime import AttentionWorker, make_worker
     from .split_api import SplitConfig
 
-    try:
-        layout = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp, opts.ffn_ep, opts.attn_tp)
-    except LayoutError as e:
-        raise BackendOptionError(f"afd backend: {e}") from None
-    if layout.world_size != world:
-        raise BackendOptionError(f"afd backend: attention={opts.attention} + ffn={opts.ffn} ranks must equal the "
-                                 f"world size ({world})")
+    layout = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp, opts.ffn_ep, opts.attn_tp)  # (check_options: valid)
     from .comm import wire_checks_from_env
 
     check = wire_checks_from_env() if opts.check_wire is None else opts.check_wire
@@ -858,7 +872,7 @@ def serve(model: torch.nn.Module, options: dict[str, Any], example_inputs: tuple
     ``torch.compile(..., backend="afd", options=...)``. The FFN rank builds its program from its
     own export of ``model`` (see :func:`_ffn_export`): it never runs attention, so it allocates no
     KV cache; one program serves prefill and decode steps (compiled per token layout)."""
-    opts = BackendOptions.parse(options)
+    opts = check_options(options)
     rank, world = opts.resolved()
     if opts.mode != "afd":
         raise BackendOptionError(f"afd serve: options {options} give no AFD layout (attention, ffn); only an FFN "

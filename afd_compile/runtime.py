@@ -64,11 +64,14 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, bac
     return rank, world_size
 
 
-def shutdown() -> None:
+def shutdown(sync: bool = True) -> None:
     """Leave the process group cleanly: free the compiled programs and their CUDA graphs first
     (:func:`afd_compile.backend.release`; a graph that captured an NCCL operation keeps its
     communicator from being destroyed, and the process would hang at exit), then
-    ``destroy_process_group``."""
+    ``destroy_process_group``. ``sync`` (the normal end, every rank calling it): a barrier first,
+    so no rank closes its connections while a peer is still communicating (gloo aborted a rank at
+    exit now and then under load: "terminate called without an active exception"); pass False
+    on an error path, where the peers may never arrive."""
     import sys
 
     if dist.is_initialized():
@@ -99,6 +102,8 @@ def shutdown() -> None:
         backend.release()
     _GROUPS.clear()
     if dist.is_initialized():
+        if sync:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -701,14 +706,16 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    ok = False
     try:
         init_distributed(rank, world_size, backend="gloo", timeout_s=timeout_s)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
+        ok = True
     except BaseException as e:  # report, never hang the parent
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        shutdown()
+        shutdown(sync=ok)
 
 
 class RankFailure(RuntimeError):

@@ -26,6 +26,8 @@
 #           layout and --decode-attention flex (Llama, Qwen3-MoE; bf16 tokens against generate()),
 #           decode_step.py's one-GPU columns (reduce-overhead vs the afd backend with the pass), and
 #           decode_attention_kernel.py
+# families: the backend (TP=2 and AFD 1A1F, bf16, Inductor + CUDA graphs, --control) on HF families
+#           other than Llama (FAMILIES="gemma2 gpt2 ..." picks them)
 # four:     (only when named; a 4-GPU host) compiled AFD 2A1F / 3A1F and TP=4 (with DP attention)
 #           on NCCL, bf16, Llama and Qwen3-MoE (MoE with --control), and generate() for AFD 3A1F
 #           (ranks finishing apart) and TP=4 with 2 DP groups; the jobs run side by side
@@ -101,6 +103,15 @@ if want tests; then
 elif want cpu; then
   par pytest_cpu env CUDA_VISIBLE_DEVICES= AFD_BACKEND=gloo python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests}
   TAIL=15 collect
+fi
+if want families; then  # issue 14: the backend on families other than Llama, bf16, Inductor + CUDA graphs
+  export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-2}
+  E="examples/compile_backend.py --steps 4 --dtype bfloat16 --control"
+  for fam in ${FAMILIES:-gemma2 gpt2 phi3 olmo2 granite deepseek_v3}; do
+    par "family_tp2_$fam" $TR $E --tp 2 --family "$fam"
+    par "family_afd1a1f_$fam" $TR $E --attention 1 --ffn 1 --family "$fam"
+  done
+  TAIL=3 collect
 fi
 if [[ $SECTIONS == *" four "* ]]; then  # issue 5: needs a 4-GPU host (device tool kind nvidia-h200-x4); not in "all"
   export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}

@@ -59,6 +59,21 @@ def test_bad_options_are_refused_clearly():
         BackendOptions.parse({"attention": 2})
     assert BackendOptions.parse(None).mode == "none"
     assert BackendOptions.parse({"tp": 2, "attn_dp": 2}).mode == "tp"
+    with pytest.raises(BackendOptionError, match="vocab_parallel=False applies to a TP layout"):
+        BackendOptions.parse({"vocab_parallel": False})
+
+
+def test_afd_compile_checks_the_options_before_torch_compile():
+    # afd_compile.compile: a bad layout is raised in the caller's frame (one error, no dynamo chain)
+    import afd_compile
+    from afd_compile.backend import BackendOptionError
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(BackendOptionError, match="layout tp needs torch.distributed initialised"):
+        afd_compile.compile(model, {"tp": 2})
+    with pytest.raises(BackendOptionError, match="option attention=-1"):
+        afd_compile.compile(model, {"attention": -1, "ffn": 1})
+    assert callable(afd_compile.compile(model))  # no layout: Inductor, compiled at the first call
 
 
 def test_module_paths_of_lifted_parameters():
