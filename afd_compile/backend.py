@@ -20,8 +20,8 @@ Options (all optional)::
     moe_a2a, dense_dp  SCATTERED MLPs: MoE experts split over the TP group with all-to-all, or
                        data-parallel dense MLPs (as the CLI's --moe-a2a / --dense-dp)
     vocab_parallel     TP: split the LM head by vocabulary over the attention TP group, logits
-                       all-gathered (default True; False keeps it whole on every rank, as the CLI's
-                       --no-vocab-parallel)
+                       all-gathered (default False: the head whole on every rank; as the CLI's
+                       --vocab-parallel)
     attention, ffn     AFD: the first `ffn` ranks serve FFN, the rest attention (world = A + F)
     rank, world_size   default: RANK / WORLD_SIZE from the environment (torchrun)
     inductor           compile each program with Inductor (default True; False: run the FX program)
@@ -173,7 +173,7 @@ class BackendOptions:
     attn_dp: int = 1
     moe_a2a: bool = False
     dense_dp: bool = False
-    vocab_parallel: bool = True
+    vocab_parallel: bool = False
     attention: int = 0
     ffn: int = 0
     rank: int | None = None
@@ -209,9 +209,8 @@ class BackendOptions:
             raise BackendOptionError(f"afd backend: attn_dp={opts.attn_dp} needs a TP layout (tp > 1)")
         if (opts.moe_a2a or opts.dense_dp) and opts.tp == 1:
             raise BackendOptionError("afd backend: moe_a2a / dense_dp need a TP layout (tp > 1)")
-        if not opts.vocab_parallel and opts.tp == 1:
-            raise BackendOptionError("afd backend: vocab_parallel=False applies to a TP layout (tp > 1) only; "
-                                     "an AFD attention TP group always splits the LM head")
+        if opts.vocab_parallel and opts.tp == 1:
+            raise BackendOptionError("afd backend: vocab_parallel applies to a TP layout (tp > 1) only")
         if bool(opts.attention) != bool(opts.ffn):
             raise BackendOptionError(f"afd backend: AFD needs both attention and ffn ranks (attention="
                                      f"{opts.attention}, ffn={opts.ffn})")

@@ -77,9 +77,9 @@ def _add_tp(p: argparse.ArgumentParser) -> None:
                    help="data-parallel attention groups inside the TP group (attn_tp = T / D; default 1)")
     g.add_argument("--moe-a2a", action="store_true", help="MoE layers dispatch with all-to-all (MLP mode SCATTERED)")
     g.add_argument("--dense-dp", action="store_true", help="dense MLPs run fully data-parallel (MLP mode SCATTERED)")
-    g.add_argument("--no-vocab-parallel", action="store_true",
-                   help="keep the LM head whole on every rank (default: split by vocabulary over the attention TP "
-                   "group, logits all-gathered)")
+    g.add_argument("--vocab-parallel", action="store_true",
+                   help="split the LM head by vocabulary over the attention TP group, logits all-gathered (default: "
+                   "the head whole on every rank)")
 
 
 def _add_quiet(p: argparse.ArgumentParser) -> None:
@@ -98,7 +98,7 @@ def _add_stages(p: argparse.ArgumentParser, what: str) -> None:
 
 
 _TP_FLAGS = {"attn_dp": "--attn-dp", "moe_a2a": "--moe-a2a", "dense_dp": "--dense-dp",
-             "no_vocab_parallel": "--no-vocab-parallel"}
+             "vocab_parallel": "--vocab-parallel"}
 _AFD_FLAGS = {"attention_ranks": "-A/--attention-ranks", "ffn_ranks": "-F/--ffn-ranks",
               "gate_on_attention": "--gate-on-attention"}
 _AFD_VALUED = {"stages": ("--stages", 1), "ffn_tp": ("--ffn-tp", 1), "ffn_ep": ("--ffn-ep", 1),
@@ -254,10 +254,8 @@ def _attn_tp_line(layout: AFDLayout | None) -> str | None:
     out = transition(DistState(ScatterMode.TP_ATTN_FULL, partial=True), DistState(ScatterMode.SCATTERED), lay)
     back = transition(DistState(ScatterMode.SCATTERED), DistState(ScatterMode.TP_ATTN_FULL), lay)
     groups = [list(g) for g in layout.attention_groups()]
-    head = transition(DistState(ScatterMode.TP_ATTN_FULL, split_last=True), DistState(ScatterMode.TP_ATTN_FULL), lay)
     return (f"attn tp: groups {groups} (one DP group each); per layer {out} (o_proj's sum settled onto this rank's "
-            f"slice of the group's tokens, the slice it sends: each token once), {back} before the next attention; "
-            f"the LM head split by vocabulary over the group, {head}")
+            f"slice of the group's tokens, the slice it sends: each token once), {back} before the next attention")
 
 
 def _ffn_tp_line(result, layout: AFDLayout | None) -> str | None:
@@ -297,7 +295,7 @@ def _tp_graph(args: argparse.Namespace):
     from .scatter import TPLayout
 
     layout = TPLayout(args.tp, 1 if args.attn_dp is None else args.attn_dp, moe_a2a=args.moe_a2a,
-                      dense_dp=args.dense_dp, vocab_parallel=not args.no_vocab_parallel)
+                      dense_dp=args.dense_dp, vocab_parallel=args.vocab_parallel)
     gm = positional_module(load_program(args.model))
     annotate_roles(gm, POLICIES[args.policy], graph_name=args.model)
     return layout, gm

@@ -364,11 +364,13 @@ def all_gather_last(x: torch.Tensor, group_id: int, size: int) -> torch.Tensor:
 
     group = get_group(group_id)
     src = x.contiguous()
-    parts = [torch.empty_like(src) for _ in range(dist.get_world_size(group))]
-    if len(parts) * src.shape[-1] < size:
-        raise ValueError(f"afd.all_gather_last: {len(parts)} slices of {src.shape[-1]} columns cannot hold {size}")
-    dist.all_gather(parts, src, group=group)
-    return torch.cat(parts, dim=-1)[..., :size].contiguous()
+    parts, n = dist.get_world_size(group), src.shape[-1]
+    if parts * n < size:
+        raise ValueError(f"afd.all_gather_last: {parts} slices of {n} columns cannot hold {size}")
+    out = src.new_empty((parts * src.shape[0], *src.shape[1:]))  # the slices one after another on dim 0
+    dist.all_gather_into_tensor(out, src, group=group)  # one buffer, no per-slice copies
+    joined = out.view(parts, *src.shape).movedim(0, -2).reshape(*src.shape[:-1], parts * n)  # [P, ..., n] -> [..., P * n]: one copy
+    return joined[..., :size].contiguous()
 
 
 @all_gather_last.register_fake

@@ -54,14 +54,15 @@ class TPLayout:
     ``moe_a2a``: MoE layers dispatch tokens with all-to-all (their MLP mode is SCATTERED).
     ``dense_dp``: dense MLPs run fully data-parallel (mode SCATTERED, weights not sharded).
     ``vocab_parallel``: the LM head is split by vocabulary over the attention TP group, its
-    logits all-gathered (``passes/vocab_head.py``); off: every rank holds the whole head.
+    logits all-gathered (``passes/vocab_head.py``); off (the default: measured no faster at
+    decode on 2 H200s, BENCHMARKS.md): every rank holds the whole head.
     """
 
     tp: int
     attn_dp: int = 1
     moe_a2a: bool = False
     dense_dp: bool = False
-    vocab_parallel: bool = True
+    vocab_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.attn_dp < 1:
@@ -71,7 +72,7 @@ class TPLayout:
 
     def __str__(self) -> str:
         extra = "".join([" moe_a2a" if self.moe_a2a else "", " dense_dp" if self.dense_dp else "",
-                         "" if self.vocab_parallel else " whole_head"])
+                         " vocab_parallel" if self.vocab_parallel else ""])
         return f"tp={self.tp} attn_dp={self.attn_dp}{extra}"
 
     @property

@@ -7,7 +7,8 @@ HF Llama with Llama-3-8B-shaped layers (hidden 4096, 32 heads, 8 KV heads, inter
 ``--layers`` layers, vocab 32000, bf16, random weights, no KV cache; input T sequences x 1 token.
 Both variants go through ``torch.compile(model, backend="afd")`` with the same layout (tp=2, or 1
 attention : 1 FFN); ``eager`` sets ``inductor=False`` (the FX programs run as they are), ``compiled``
-uses Inductor + CUDA graphs. Reference: the same model on one GPU, eager and ``torch.compile``
+uses Inductor + CUDA graphs; under TP also ``compiled`` with ``vocab_parallel=True`` (the LM head
+split by vocabulary, logits all-gathered) beside the default whole head. Reference: the same model on one GPU, eager and ``torch.compile``
 (Inductor default mode) in the same run. Median wall time per step (CUDA synchronised), us.
 """
 
@@ -93,7 +94,10 @@ def main() -> None:
     for i, T in enumerate(int(t) for t in args.tokens.split(",")):
         ids = torch.randint(0, VOCAB, (T, 1), device=dev)
         row: dict = {"tokens": T}
-        for name, extra in (("eager", {"inductor": False}), ("compiled", {"inductor": True})):
+        variants = [("eager", {"inductor": False}), ("compiled", {"inductor": True})]
+        if args.mode == "tp":  # the LM head split by vocabulary against whole on every rank (the default)
+            variants.append(("compiled_vocab_parallel", {"inductor": True, "vocab_parallel": True}))
+        for name, extra in variants:
             torch._dynamo.reset()
             fn = torch.compile(model, backend="afd", dynamic=True,
                                options={**layout, **extra, "comm_id": 10 * i + len(row)})
@@ -112,11 +116,15 @@ def main() -> None:
         shape = "tiny (--small)" if args.small else "Llama-8B-shaped"
         print(f"afd backend step time, {args.mode} ({layout}), {shape} x {args.layers} layers, {dev.type}, "
               f"torch {torch.__version__}; median us per step (rank {rank})")
-        print("| T x 1 token | afd eager FX | afd compiled+graphs | speed-up | 1 GPU eager | 1 GPU compiled |")
-        print("|---|---|---|---|---|---|")
+        whole = args.mode == "tp"
+        print("| T x 1 token | afd eager FX | afd compiled+graphs | speed-up |"
+              + (" compiled, vocab-parallel head | vocab-parallel / whole |" if whole else "") + " 1 GPU eager | 1 GPU compiled |")
+        print("|---" * (8 if whole else 6) + "|")
         for r in rows:
+            extra = (f" {r['compiled_vocab_parallel_us']:.0f} | {r['compiled_vocab_parallel_us'] / r['compiled_us']:.2f}x |"
+                     if whole else "")
             print(f"| {r['tokens']} | {r['eager_us']:.0f} | {r['compiled_us']:.0f} | "
-                  f"{r['eager_us'] / r['compiled_us']:.2f}x | {r['one_gpu_eager_us']:.0f} | "
+                  f"{r['eager_us'] / r['compiled_us']:.2f}x |{extra} {r['one_gpu_eager_us']:.0f} | "
                   f"{r['one_gpu_compiled_us']:.0f} |")
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

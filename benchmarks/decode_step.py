@@ -20,7 +20,8 @@ written at position C - 1 (reset before every step). Per shape (batch B x contex
   columns);
 - the HBM floors: bytes a step must read (weights, and the KV cache: HF's static-cache attention
   reads all of it, ``C`` positions, whatever is filled) / measured copy bandwidth. One GPU: all of
-  it; TP2: per GPU, half of the layer weights and of the KV heads (embedding and head whole); AFD:
+  it; TP2: per GPU, half of the layer weights and of the KV heads, the LM head whole (the
+  embedding is not read whole by a step, so no floor counts it); AFD:
   the attention GPU's bytes then the FFN GPU's (no overlap yet: the two run in turn).
 
 Median wall time per step (CUDA synchronised) on rank 1, us; a table and JSON. On one rank
@@ -155,10 +156,12 @@ def _copy_bandwidth(dev: torch.device) -> float:
 
 
 def _weight_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of the attention side's layer weights, the MLPs', and the rest (embedding, head, norms)."""
-    parts = {"attn": 0, "mlp": 0, "other": 0}
+    """Bytes of the attention side's layer weights, the MLPs', the LM head and the rest (norms; the
+    embedding is left out: a step reads B of its rows, not the table)."""
+    parts = {"attn": 0, "mlp": 0, "head": 0, "other": 0, "embed": 0}
     for name, p in model.named_parameters():
-        key = "attn" if ".self_attn." in name else "mlp" if ".mlp." in name else "other"
+        key = ("attn" if ".self_attn." in name else "mlp" if ".mlp." in name else "head" if "lm_head" in name
+               else "embed" if "embed_tokens" in name else "other")
         parts[key] += p.numel() * p.element_size()
     return parts
 
@@ -252,9 +255,11 @@ def main() -> None:
         if rank == last:
             floor = lambda nbytes: nbytes / bandwidth * 1e6  # noqa: E731
             layer_w = weights["attn"] + weights["mlp"]
-            row["floor_one_gpu_us"] = floor(layer_w + weights["other"] + kv)
-            row["floor_tp2_us"] = floor(layer_w / 2 + weights["other"] + kv / 2)
-            row["floor_afd_us"] = floor(weights["attn"] + weights["other"] + kv) + floor(weights["mlp"])
+            rest = weights["head"] + weights["other"]
+            row["floor_one_gpu_us"] = floor(layer_w + rest + kv)
+            # TP2: half the layers and the KV heads; the head whole (the default: not split by vocabulary)
+            row["floor_tp2_us"] = floor(layer_w / 2 + rest + kv / 2)
+            row["floor_afd_us"] = floor(weights["attn"] + rest + kv) + floor(weights["mlp"])
             row["kv_bytes"] = kv
             rows.append(row)
             print(f"progress: {batch} x {context}: {row}", flush=True)

@@ -70,7 +70,7 @@ def main() -> int:
     parser.add_argument("--attn-dp", type=int, default=1)
     parser.add_argument("--moe-a2a", action="store_true", help="MoE experts over the TP group, all-to-all")
     parser.add_argument("--dense-dp", action="store_true", help="dense MLPs data-parallel (SCATTERED)")
-    parser.add_argument("--no-vocab-parallel", action="store_true", help="TP: keep the LM head whole on every rank")
+    parser.add_argument("--vocab-parallel", action="store_true", help="TP: split the LM head by vocabulary")
     parser.add_argument("--attention", type=int, default=0, help="AFD: attention ranks")
     parser.add_argument("--ffn", type=int, default=0, help="AFD: FFN ranks")
     parser.add_argument("--stages", type=int, default=1, help="AFD: micro-batches per step (ping-pong)")
@@ -111,7 +111,7 @@ def main() -> int:
     options = {"tp": args.tp, "attn_dp": args.attn_dp, "attention": args.attention, "ffn": args.ffn,
                "inductor": not args.no_inductor, "moe_a2a": args.moe_a2a, "dense_dp": args.dense_dp,
                "timeout_s": args.timeout, **({"stages": args.stages} if args.stages != 1 else {}),
-               **({"vocab_parallel": False} if args.no_vocab_parallel else {}),
+               **({"vocab_parallel": True} if args.vocab_parallel else {}),
                **({"ffn_tp": args.ffn_tp} if args.ffn_tp != 1 else {}),
                **({"ffn_ep": args.ffn_ep} if args.ffn_ep != 1 else {}),
                **({"attn_tp": args.attn_tp} if args.attn_tp != 1 else {})}

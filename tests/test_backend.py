@@ -59,8 +59,8 @@ def test_bad_options_are_refused_clearly():
         BackendOptions.parse({"attention": 2})
     assert BackendOptions.parse(None).mode == "none"
     assert BackendOptions.parse({"tp": 2, "attn_dp": 2}).mode == "tp"
-    with pytest.raises(BackendOptionError, match="vocab_parallel=False applies to a TP layout"):
-        BackendOptions.parse({"vocab_parallel": False})
+    with pytest.raises(BackendOptionError, match="vocab_parallel applies to a TP layout"):
+        BackendOptions.parse({"vocab_parallel": True})
 
 
 def test_afd_compile_checks_the_options_before_torch_compile():

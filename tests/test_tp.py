@@ -320,7 +320,7 @@ def test_dp_attention_with_attn_tp_2_gathers_partial_sums_once(exported):
     assert any(u.target == torch.ops.aten.to.dtype for u in gather.users)
 
 
-A2A, DDP = {"moe_a2a": True}, {"dense_dp": True}
+A2A, DDP, VP = {"moe_a2a": True}, {"dense_dp": True}, {"vocab_parallel": True}
 
 NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("llama3", 2, 1, (3,)),
@@ -330,11 +330,11 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("qwen3moe3_mixed", 4, 1, (2,)),     # MoE, dense, MoE layers; KV replicated
     ("phi3", 4, 2, (3, 1)),              # fused qkv (KV replicated) and gate_up, DP attention
     ("llama3", 2, 2, (3, 1)),            # attn_tp == 1: norm before all-gather
-    ("llama2_mha", 4, 2, (2, 5)),        # attn_tp == 2: partial gather, uneven groups
+    ("llama2_mha", 4, 2, (2, 5), VP),    # attn_tp == 2: partial gather, uneven groups; head split over 2
     ("llama2_mha", 4, 4, (2, 0, 3, 1)),  # one group with zero tokens
     ("qwen3moe3_mixed", 4, 2, (2, 5)),   # MoE under DP attention: expert buffers sized from all groups' tokens
     ("qwen3moe2", 2, 2, (3, 0)),         # attn_tp == 1, a group with zero tokens
-    ("gemma2", 4, 1, (2,)),              # explicit softmax attention (soft-capped), KV replicated
+    ("gemma2", 4, 1, (2,), VP),          # explicit softmax attention (soft-capped), KV replicated; tied head split
     ("gemma2", 4, 2, (3, 0)),            # norm after o_proj under DP attention; a group with zero tokens
     ("gptj", 2, 2, (3, 1)),              # parallel residual, stack/flatten rotary; attn_tp == 1
     ("gptj", 4, 2, (3, 0)),              # parallel residual under DP attention with attn_tp == 2
@@ -348,7 +348,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("falcon", 2, 2, (2, 1)),            # qkv packed per KV group; parallel attention; attn_tp == 1
     ("deepseek_v3", 2, 1, (2,)),         # MLA; a dense layer, then MoE with group-limited routing
     ("gpt_bigcode", 4, 1, (2,)),         # multi-query: K/V replicated whole
-    ("llama2_v127", 2, 1, (2,)),         # vocab 127 over 2 ranks: the LM head's slices zero-padded
+    ("llama2_v127", 2, 1, (2,), VP),     # vocab-parallel head: vocab 127 over 2 ranks, slices zero-padded
 ]
 
 
@@ -482,7 +482,7 @@ def test_lm_head_is_split_by_vocabulary_and_its_logits_gathered(exported):
     from afd_compile.comm import GROUP_ATTN_TP
     from afd_compile.scatter import DistState, ScatterMode
 
-    prog = _program(exported, "llama2", TPLayout(4, 2), rank=3)  # attention TP groups of 2
+    prog = _program(exported, "llama2", TPLayout(4, 2, vocab_parallel=True), rank=3)  # attention TP groups of 2
     head, gather = _head(prog)
     assert gather.args[1:] == (GROUP_ATTN_TP, 128) and list(head.users) == [gather]
     weights = dict(prog.program.named_parameters())
@@ -496,7 +496,7 @@ def test_lm_head_is_split_by_vocabulary_and_its_logits_gathered(exported):
 
 
 def test_a_tied_head_gets_its_own_slice_and_the_embedding_stays_whole(exported):
-    prog = _program(exported, "gemma2", TPLayout(2), rank=1)
+    prog = _program(exported, "gemma2", TPLayout(2, vocab_parallel=True), rank=1)
     head, _ = _head(prog)
     weights = dict(prog.program.named_parameters())
     full = exported("gemma2")[0].state_dict["model.model.embed_tokens.weight"]
@@ -506,7 +506,7 @@ def test_a_tied_head_gets_its_own_slice_and_the_embedding_stays_whole(exported):
 
 
 def test_a_vocabulary_the_group_does_not_divide_is_zero_padded(exported):
-    prog = _program(exported, "llama2_v127", TPLayout(2), rank=1)
+    prog = _program(exported, "llama2_v127", TPLayout(2, vocab_parallel=True), rank=1)
     _, gather = _head(prog)
     w = dict(prog.program.named_parameters())["model.lm_head.weight"]
     full = exported("llama2_v127")[0].state_dict["model.lm_head.weight"]
@@ -514,9 +514,10 @@ def test_a_vocabulary_the_group_does_not_divide_is_zero_padded(exported):
     assert gather.args[2] == 127 and "zero-padded from 127" in str(prog.plan.head)
 
 
-def test_no_vocab_parallel_keeps_the_head_whole_and_says_why(exported):
-    prog = _program(exported, "llama2", TPLayout(2, vocab_parallel=False))
+def test_the_head_stays_whole_by_default_and_the_plan_says_why(exported):
+    prog = _program(exported, "llama2", TPLayout(2))
     assert not [n for n in prog.program.graph.nodes if n.target == torch.ops.afd.all_gather_last.default]
     assert tuple(dict(prog.program.named_parameters())["model.lm_head.weight"].shape) == (128, 64)
     assert str(prog.plan.head).endswith("whole on every rank (vocab_parallel off)")
-    assert "whole on every rank (a group of one rank)" in str(_program(exported, "llama2", TPLayout(2, 2)).plan.head)
+    one = _program(exported, "llama2", TPLayout(2, 2, vocab_parallel=True)).plan.head
+    assert "whole on every rank (a group of one rank)" in str(one)

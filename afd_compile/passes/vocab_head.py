@@ -187,8 +187,10 @@ def split_head(gm: fx.GraphModule, plan: HeadPlan, rank: int, fake_mode: object)
         tied_bias = list(p.bias.users) != [head]
         changed += _set_slice(gm, p.bias, head, 0, plan.rows, rank, f"{HEAD_ATTR}_bias" if tied_bias else None,
                               fake_mode)
-    for n in [*changed, head]:
+    for n in changed:  # a transpose of the sliced weight (static shapes)
         _refake(n, fake_mode)
+    if isinstance(full, torch.Tensor):  # (by shape: re-running the op on symbolic sizes fails on torch 2.11)
+        head.meta["val"] = full.new_empty((*full.shape[:-1], plan.rows))
     with gm.graph.inserting_after(head):
         gather = gm.graph.call_function(torch.ops.afd.all_gather_last.default, (head, GROUP_ATTN_TP, plan.vocab))
     head.replace_all_uses_with(gather, delete_user_cb=lambda u: u is not gather)
