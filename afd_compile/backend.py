@@ -526,8 +526,13 @@ class PerLayout:
         from .passes.tp_rewrite import drop_export_guards
 
         drop_export_guards(self.program)
-        for n in self.program.graph.nodes:  # bound to symbols of the shape env that traced it, not the
+        for n in list(self.program.graph.nodes):  # bound to symbols of the shape env that traced it, not the
             n.meta.pop("unbacked_bindings", None)  # compile's: data-dependent sizes are bound afresh
+            if n.target == torch.ops.aten._assert_tensor_metadata.default and not n.users:
+                # export's record of a traced dtype: no value for compiled code, and torch 2.11's Inductor
+                # met one on a value of another dtype after its own passes (DeepSeek-V3's router)
+                self.program.graph.erase_node(n)
+        self.program.recompile()
         from torch._guards import TracingContext, tracing
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
@@ -549,13 +554,36 @@ class PerLayout:
             # layout's compile would then take the program for a dynamo graph without its sources
             del self.program._param_name_to_source
         context = TracingContext(mode)
-        with inductor_config.patch(patches), tracing(context), torch.no_grad(), _static_inputs(self.program, self.static):
-            fn = compile_fx(self.program, fake)
+        try:
+            with inductor_config.patch(patches), tracing(context), torch.no_grad(), \
+                    _static_inputs(self.program, self.static):
+                fn = compile_fx(self.program, fake)
+        except Exception:
+            _dump_program(self.program, inputs, self.name)
+            raise
         meta = context.fw_metadata
         self.static_inputs = len(meta.static_input_indices) if meta is not None else None
         log.info("afd: %s: Inductor compile %.1fs (%s static inputs)", self.name, time.perf_counter() - t0,
                  self.static_inputs)
         return fn
+
+def _dump_program(program: fx.GraphModule, inputs: Sequence[Any], name: str) -> None:
+    """With ``AFD_DUMP_DIR`` set: the program Inductor could not compile, and what it was called
+    with (each placeholder beside its input's dtype and shape), as ``<dir>/<name>.py``."""
+    folder = os.environ.get("AFD_DUMP_DIR")
+    if not folder:
+        return
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, re.sub(r"[^\w.-]+", "_", name) + ".py")
+    places = [n for n in program.graph.nodes if n.op == "placeholder"]
+    lines = [f"# {n.name}: program {getattr(n.meta.get('val'), 'dtype', '?')} "
+             f"{tuple(getattr(n.meta.get('val'), 'shape', ()))}; input {getattr(x, 'dtype', type(x).__name__)} "
+             f"{tuple(getattr(x, 'shape', ()))}" for n, x in zip(places, list(inputs) + [None] * len(places), strict=False)]
+    with open(path, "w") as f:
+        f.write("\n".join([f"# {name}: {len(places)} placeholders, {len(inputs)} inputs", *lines,
+                            program.print_readable(print_output=False)]))
+    log.error("afd: %s: Inductor failed; the program and its inputs are in %s", name, path)
+
 
 @contextlib.contextmanager
 def _static_inputs(program: fx.GraphModule, positions: Sequence[int]) -> Iterator[None]:

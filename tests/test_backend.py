@@ -217,3 +217,15 @@ def test_release_drops_every_compiled_layout(exported):
     assert len(per_layout.compiled) == 1
     release()
     assert per_layout.compiled == {}
+
+
+def test_a_program_inductor_cannot_compile_is_dumped_with_its_inputs(tmp_path, monkeypatch):
+    # AFD_DUMP_DIR: the program and what it was called with, for a bug report
+    from afd_compile.backend import _dump_program
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 3))
+    monkeypatch.setenv("AFD_DUMP_DIR", str(tmp_path))
+    _dump_program(gm, [torch.zeros(2, 4, dtype=torch.float16)], "rank 1 attention")
+    text = (tmp_path / "rank_1_attention.py").read_text()
+    assert "# rank 1 attention: 1 placeholders, 1 inputs" in text
+    assert "input torch.float16 (2, 4)" in text and "def forward(self, input" in text
