@@ -90,7 +90,7 @@ def _add_quiet(p: argparse.ArgumentParser) -> None:
 def _progress(args: argparse.Namespace):
     from .progress import Progress
 
-    return Progress(args.command, quiet=getattr(args, "quiet", False))
+    return Progress(f"afd-compile {args.command}", quiet=getattr(args, "quiet", False))
 
 
 def _add_stages(p: argparse.ArgumentParser, what: str) -> None:

@@ -18,8 +18,9 @@ from typing import TextIO
 
 
 class Progress:
-    def __init__(self, command: str, quiet: bool = False, stream: TextIO | None = None) -> None:
-        self.command = command
+    def __init__(self, prefix: str, quiet: bool = False, stream: TextIO | None = None) -> None:
+        """``prefix`` starts each line (``afd-compile verify``, ``afd_torchrun``)."""
+        self.prefix = prefix
         self.quiet = quiet
         self.stream = stream
         self.start = time.perf_counter()
@@ -28,7 +29,7 @@ class Progress:
         if self.quiet:
             return
         stream = self.stream or sys.stderr
-        print(f"afd-compile {self.command}: [{time.perf_counter() - self.start:6.1f}s] {text}", file=stream, flush=True)
+        print(f"{self.prefix}: [{time.perf_counter() - self.start:6.1f}s] {text}", file=stream, flush=True)
 
     @contextmanager
     def phase(self, what: str) -> Iterator[None]:

@@ -5,7 +5,7 @@
 Every rank builds the same small HF Llama (seeded random weights), exports it, splits it for its
 own role and runs. Attention rank a uses batch size a + 1. Each attention rank compares its output
 with the original model on its own input; rank F (the first attention rank) prints the last line
-`OK max_rel_err=<x>` or `FAIL max_rel_err=<x>`. gloo on CPU; NCCL when CUDA is available
+`OK max_rel_err=<x>` or `FAIL max_rel_err=<x>`, and progress lines on stderr as it goes. gloo on CPU; NCCL when CUDA is available
 (AFD_BACKEND=gloo forces gloo).
 """
 
@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from afd_compile.layout import AFDLayout
 from afd_compile.models import build_hf, export_lm
+from afd_compile.progress import Progress
 from afd_compile.runtime import (
     AttentionWorker,
     init_distributed,
@@ -43,13 +44,17 @@ def main() -> int:
     if world != layout.world_size:
         raise SystemExit(f"layout {layout} needs {layout.world_size} processes, torchrun started {world}")
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    model = build_hf(args.family, num_layers=2)
-    ep = export_lm(model)
+    progress = Progress("afd_torchrun", quiet=rank != layout.ffn_ranks)  # the first attention rank's lines
+    progress.line(f"{world} processes up")
+    with progress.phase(f"built and exported {args.family}"):
+        model = build_hf(args.family, num_layers=2)
+        ep = export_lm(model)
     if device.type == "cuda":  # the exported graph bakes device=cpu into factory ops: move it
         from torch.export.passes import move_to_device_pass
 
         ep = move_to_device_pass(ep, device)
-    worker = make_worker(ep.module(), layout, rank, device=device)
+    with progress.phase("programs split and built"):
+        worker = make_worker(ep.module(), layout, rank, device=device)
     err = 0.0
     if isinstance(worker, AttentionWorker):
         a = layout.role_of(rank)[1]
@@ -59,6 +64,7 @@ def main() -> int:
             ids = ids.to(device)
             with torch.no_grad():
                 err = max(err, max_rel_err(worker.step(ids), reference(ids)))
+            progress.line(f"step {step + 1}/{args.steps} done")
         worker.stop()
     else:
         worker.serve()
