@@ -632,7 +632,7 @@ def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str, 
 
 def _layout_key(opts: BackendOptions, rank: int, world: int) -> str:
     fields = (source_id(), torch.__version__, opts.mode, rank, world,
-              sorted((k, v) for k, v in dataclasses.asdict(opts).items() if k not in ("rank", "world_size")))
+              sorted((k, v) for k, v in dataclasses.asdict(opts).items() if k not in ("rank", "world_size", "timeout_s")))
     return hashlib.sha256(repr(fields).encode()).hexdigest()
 
 
