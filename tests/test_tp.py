@@ -521,3 +521,22 @@ def test_the_head_stays_whole_by_default_and_the_plan_says_why(exported):
     assert str(prog.plan.head).endswith("whole on every rank (vocab_parallel off)")
     one = _program(exported, "llama2", TPLayout(2, 2, vocab_parallel=True)).plan.head
     assert "whole on every rank (a group of one rank)" in str(one)
+
+
+def test_a_head_the_sharding_cannot_read_is_refused_only_when_the_split_is_asked_for(exported):
+    # the last projection is the head; when its form cannot be split (here its weight reaches it
+    # through a multiply), no earlier projection is taken for it: vocab_parallel is refused by name
+    from afd_compile.passes.dist_states import plan_tp
+    from afd_compile.passes.vocab_head import find_head
+
+    gm = exported("llama2")[0].module()
+    annotate_roles(gm)
+    head = find_head(gm)
+    with gm.graph.inserting_before(head):
+        scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (head.args[1], 1.0))
+    scaled.meta["afd.role"] = head.meta["afd.role"]
+    head.replace_input_with(head.args[1], scaled)
+    assert find_head(gm) is head
+    assert plan_tp(gm, TPLayout(2)).head is None
+    with pytest.raises(ShardError, match=f"vocab_parallel: the LM head {head.name} cannot be split"):
+        plan_tp(gm, TPLayout(2, vocab_parallel=True))

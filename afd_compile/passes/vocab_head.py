@@ -18,7 +18,7 @@ step (at decode the head is the largest single weight), and the logits cross the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -26,7 +26,7 @@ import torch.fx as fx
 from .. import ops as afd_ops  # noqa: F401  (registers torch.ops.afd)
 from ..comm import GROUP_ATTN_TP
 from ..scatter import DistState, ScatterMode, TPLayout, Transition, transition
-from .graph_utils import get_attr_path
+from .graph_utils import get_attr_path, set_attr_path
 from .roles import LINEAR_OPS, role_of
 from .shard import ShardError, projection
 
@@ -42,7 +42,6 @@ class HeadPlan:
 
     node: str
     weight: str
-    bias: str | None
     vocab: int
     parts: int
     tied: bool  # another node reads the weight (a tied embedding): the head gets its own slice
@@ -70,8 +69,10 @@ class HeadPlan:
 
 
 def find_head(gm: fx.GraphModule) -> fx.Node | None:
-    """The last projection outside every layer, after the last layer's nodes, whose value reaches
-    the output; None when there is none (a graph that returns hidden states)."""
+    """The last linear op outside every layer, after the last layer's nodes, whose value reaches
+    the output; None when there is none (a graph that returns hidden states). Not an earlier
+    projection when the last one's form is not understood (a projection before the head, as OPT's
+    ``project_out``, is not the head): :func:`plan_head` says so."""
     nodes = list(gm.graph.nodes)
     tail = max((i for i, n in enumerate(nodes) if role_of(n).layer is not None), default=None)
     if tail is None:
@@ -84,22 +85,23 @@ def find_head(gm: fx.GraphModule) -> fx.Node | None:
         if n not in reach:
             reach.add(n)
             todo.extend(n.all_input_nodes)
-    for n in reversed(nodes[tail + 1:]):
-        if n.op == "call_function" and n.target in LINEAR_OPS and n in reach and role_of(n).layer is None:
-            try:
-                projection(n)
-            except ShardError:
-                continue
-            return n
-    return None
+    return next((n for n in reversed(nodes[tail + 1:]) if n.op == "call_function" and n.target in LINEAR_OPS
+                 and n in reach and role_of(n).layer is None), None)
 
 
 def plan_head(gm: fx.GraphModule, layout: TPLayout, mode: ScatterMode) -> HeadPlan | None:
-    """The head's split over the group of ``mode`` (the final hidden states' mode)."""
+    """The head's split over the group of ``mode`` (the final hidden states' mode). A head whose
+    form the sharding cannot read is no head to split: None, unless ``vocab_parallel`` asks for
+    the split, then a ShardError naming the node."""
     head = find_head(gm)
     if head is None:
         return None
-    p = projection(head)
+    try:
+        p = projection(head)
+    except ShardError as e:
+        if layout.vocab_parallel:
+            raise ShardError(f"vocab_parallel: the LM head {head.name} cannot be split: {e}") from None
+        return None
     weight = get_attr_path(gm, str(p.weight.target))
     vocab = int(weight.shape[p.out_dim])
     link = _link(head, p.weight)
@@ -107,14 +109,12 @@ def plan_head(gm: fx.GraphModule, layout: TPLayout, mode: ScatterMode) -> HeadPl
     tied = list(p.weight.users) != [head] if link is p.weight else \
         (list(p.weight.users) != [link] or list(link.users) != [head])
     parts = layout.group_size(mode)
-    rec = HeadPlan(head.name, str(p.weight.target), None if p.bias is None else str(p.bias.target), vocab, parts,
-                   tied, None)
+    rec = HeadPlan(head.name, str(p.weight.target), vocab, parts, tied, None)
     if not layout.vocab_parallel:
-        return HeadPlan(**{**rec.__dict__, "why": "vocab_parallel off"})
+        return replace(rec, why="vocab_parallel off")
     if parts == 1:
-        return HeadPlan(**{**rec.__dict__, "why": "a group of one rank"})
-    t = transition(DistState(mode, split_last=True), DistState(mode), layout)
-    return HeadPlan(**{**rec.__dict__, "transition": t})
+        return replace(rec, why="a group of one rank")
+    return replace(rec, transition=transition(DistState(mode, split_last=True), DistState(mode), layout))
 
 
 def _slice(t: torch.Tensor, dim: int, rows: int, rank: int) -> torch.Tensor:
@@ -143,15 +143,12 @@ def _set_slice(gm: fx.GraphModule, attr: fx.Node, head: fx.Node, dim: int, rows:
     part = _slice(full, dim, rows, rank)
     value = torch.nn.Parameter(part, requires_grad=False) if isinstance(full, torch.nn.Parameter) else part
     link = _link(head, attr)
-    if own is None:
-        *path, leaf = str(attr.target).split(".")
-        mod: object = gm
-        for p in path:
-            mod = getattr(mod, p)
-        setattr(mod, leaf, value)
+    if own is None:  # (setattr: the attribute may be a plain tensor, neither parameter nor buffer)
+        parent, _, leaf = str(attr.target).rpartition(".")
+        setattr(get_attr_path(gm, parent) if parent else gm, leaf, value)
         new = attr
     else:
-        setattr(gm, own, value)
+        set_attr_path(gm, own, value)
         with gm.graph.inserting_before(head):
             new = gm.graph.get_attr(own)
             if link is not attr:  # a transpose of the whole weight: the head gets its own
