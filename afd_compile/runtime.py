@@ -714,8 +714,13 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         ok = True
     except BaseException as e:  # report, never hang the parent
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
+    try:
         shutdown(sync=ok)
+    except Exception:
+        if not ok:
+            raise
+        # this rank reported its result; the barrier at exit failed because a peer is gone, and
+        # that peer reports its own failure: exiting nonzero here would blame this rank for it
 
 
 class RankFailure(RuntimeError):
@@ -754,6 +759,20 @@ def _casualty(procs: Sequence[Any], reported: set[int]) -> RankFailure | None:
             return RankFailure(r, f"process is stopped (pid {p.pid}, SIGSTOP or a debugger); its peers cannot "
                                "progress")
     return None
+
+
+def _drain_results(queue: Any, results: dict[int, Any], on_progress: Callable[[int, str], None] | None) -> None:
+    """Take what is already queued without waiting: results and progress (a second error is
+    dropped: the first one is the failure)."""
+    while True:
+        try:
+            rank, status, payload = queue.get_nowait()
+        except queue_mod.Empty:
+            return
+        if status == "ok":
+            results[rank] = payload
+        elif status == "progress" and on_progress is not None:
+            on_progress(rank, payload)
 
 
 def _end_all(procs: Sequence[Any], grace_s: float) -> None:
@@ -815,6 +834,7 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
             # for a rank that died or stopped before blaming the one that reported
             failure = RankFailure(rank, payload)
             for _ in range(10):
+                _drain_results(queue, results, on_progress)  # a peer's "ok" still queued is no casualty
                 cause = _casualty(procs, set(results) | {rank})
                 if cause is not None:
                     failure = RankFailure(cause.rank, f"{cause.short} (rank {rank} then raised: {failure.short})")
