@@ -376,14 +376,16 @@ def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout 
     schedule they hold for the layout, checked, and the micro-batches of the saved example."""
     from .passes.pingpong import check_schedule, micro_batches, schedule_of_programs
     from .passes.schedule import verify_schedule
-    from .passes.stages import stage_attention_program, stage_ffn_program
+    from .passes.stages import stage_attention_program, stage_ffn_program, static_batch, static_rows
     from .programs import flat_inputs, load_program
     from .runtime import TokenCount
 
     if args.stages < 1:
         raise UsageError(f"--stages must be >= 1, got {args.stages}")
     layout = layout or AFDLayout(1, 1)
-    staged = stage_attention_program(result.attention, args.stages), stage_ffn_program(result.ffn, args.stages)
+    fixed = static_batch(result.attention)
+    staged = (stage_attention_program(result.attention, args.stages),
+              stage_ffn_program(result.ffn, args.stages, batch=fixed))
     verify_schedule(*staged)
     sched = schedule_of_programs(layout, *staged)
     check_schedule(sched)
@@ -394,7 +396,9 @@ def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout 
     split = [(end - start) * per_seq for start, end in micro_batches([per_seq] * batch, args.stages)]
     return (f"{sched}\nschedule: checked (every send paired with its receive in order, each micro-batch through "
             f"the layers in order, no deadlock on one communication stream per rank)\n"
-            f"micro-batches of the saved example ({batch} sequences of {per_seq} tokens): tokens per stage {split}")
+            f"micro-batches of the saved example ({batch} sequences of {per_seq} tokens): tokens per stage {split}"
+            + ("" if fixed is None else f"\nstatic batch {fixed} (a static KV cache): fixed micro-batches of "
+               f"{static_rows(fixed, args.stages)} sequences, each reading and writing its own cache rows"))
 
 
 class _AtomicFolder:
@@ -539,8 +543,12 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
         plan["cache"] = cache
     schedule = None
     if args.stages != 1:  # refused before anything is written; the role programs are saved unstaged
+        from .passes.stages import static_batch
+
         schedule = _stage_schedule(args, result, layout)
         plan["stages"] = args.stages
+        if static_batch(result.attention) is not None:
+            plan["static_batch"] = static_batch(result.attention)
     with out as d:
         torch.export.save(att, os.path.join(d, "attention.pt2"))
         torch.export.save(ffn, os.path.join(d, "ffn.pt2"))

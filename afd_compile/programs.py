@@ -134,9 +134,16 @@ def dynamic_shapes_of(gm: fx.GraphModule) -> tuple[dict[int, Any], ...]:
 def export_split(attention: fx.GraphModule, ffn: fx.GraphModule, original: fx.GraphModule,
                  inputs: Sequence[torch.Tensor]) -> tuple[torch.export.ExportedProgram, torch.export.ExportedProgram]:
     """Re-export both role programs so they can be saved as ``.pt2``."""
+    import math
+    import operator
+
+    # the FFN program views its tokens as [B, T // B, ...] when the batch B is static (a static
+    # KV cache): its example token count must be a multiple of every such B
+    unit = math.lcm(1, *(n.args[1] for n in ffn.graph.nodes
+                         if n.op == "call_function" and n.target == operator.floordiv and isinstance(n.args[1], int)))
     with torch.no_grad():
         att = torch.export.export(attention, tuple(inputs), dynamic_shapes=dynamic_shapes_of(original))
-        ffn_ep = torch.export.export(ffn, (torch.empty(8, 0),),
+        ffn_ep = torch.export.export(ffn, (torch.empty(unit * max(2, 8 // unit), 0),),
                                      dynamic_shapes=({0: torch.export.Dim.DYNAMIC},))
     return att, ffn_ep
 

@@ -17,6 +17,7 @@ environment.
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import os
 import queue as queue_mod
@@ -36,7 +37,7 @@ from .comm import AFDCommunicator, communicator_for, register_communicator, wire
 from .errors import AFDCompileError
 from .layout import AFDLayout
 from .passes.graph_utils import batch_symbol_dims
-from .passes.stages import stage_attention_program, stage_ffn_program
+from .passes.stages import stage_attention_program, stage_ffn_program, static_batch, static_rows
 from .passes.symbolic import sym_expr
 from .scatter import TPLayout
 from .split_api import SplitConfig, split_graph_module
@@ -187,6 +188,9 @@ class AttentionWorker:
     stages: int = 1
     #: (input, dim) of the batch (sequences), where ``stages`` > 1 splits it
     batch_dim: tuple[int, int] | None = None
+    #: the batch is static (a static KV cache): the staged program's micro-batches are fixed and
+    #: it takes no ``[b_s, 0]`` inputs
+    static: bool = False
     #: the program of k micro-batches, built on first use (k < stages when a step has fewer
     #: sequences than stages: the empty micro-batches are the last ones and have no transfer)
     staged: dict[int, fx.GraphModule] = field(default_factory=dict)
@@ -221,6 +225,8 @@ class AttentionWorker:
         rows = [r for r in rows if r]
         if len(rows) == 1:
             return self.program_for(1)(*inputs)
+        if self.static:
+            return self.program_for(len(rows))(*inputs)
         dev = inputs[self.batch_dim[0]].device
         return self.program_for(len(rows))(*inputs, *(torch.empty(r, 0, device=dev) for r in rows))
 
@@ -306,11 +312,15 @@ class FFNWorker:
     group_input: bool = False
     #: the token counts of the group's ranks this step
     group_counts: tuple[int, ...] = ()
+    #: the static batch of the attention peers (a static KV cache), whose micro-batches are fixed
+    #: (passes/stages.static_rows); None: a dynamic batch
+    static_batch: int | None = None
 
     def program_for(self, k: int) -> Callable[..., Any]:
         """The program of ``k`` micro-batch stages (1: the unstaged one), as it runs."""
         if k not in self.runners:
-            prog = self.program if k == 1 else staged_program(self.staged, self.program, k, stage_ffn_program)
+            prog = self.program if k == 1 else staged_program(
+                self.staged, self.program, k, functools.partial(stage_ffn_program, batch=self.static_batch))
             self.runners[k] = self.wrap(prog) if self.wrap is not None else prog
         return self.runners[k]
 
@@ -450,15 +460,20 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
                          "use stages=1 or one rank per group")
     if role == "attention" and layout.attn_tp > 1:
         attention, counter = attention_tp_program(gm, result, layout, idx, config, attn_groups[idx // layout.attn_tp])
-    if stages != 1:  # the programs of all stages built now: refused here, not at a step
-        staged = stage_attention_program(attention, stages), stage_ffn_program(ffn, stages)
+    batch = static_batch(result.attention) if stages != 1 else None
+    if batch is not None:  # a static batch (a static KV cache): min(stages, batch) micro-batches
+        stages_built = len(static_rows(batch, stages))
+    else:
+        stages_built = stages
+    if stages_built != 1:  # the programs of all stages built now: refused here, not at a step
+        staged = stage_attention_program(attention, stages), stage_ffn_program(ffn, stages, batch=batch)
         verify_schedule(*staged)  # the two programs' transfers, stage by stage, in one order
         check_schedule(schedule_of_programs(layout, *staged))  # paired in order, no deadlock
     device = device or torch.device("cpu")
     check = wire_checks_from_env() if check_wire is None else check_wire
     if role == "ffn":
         comm = communicator_for("ffn", rank, layout.peers_of_ffn(idx), group, check, config.comm_id)
-        worker = FFNWorker(ffn, comm, device, stages=stages)
+        worker = FFNWorker(ffn, comm, device, stages=stages, static_batch=batch)
         if size > 1:
             from .comm import GROUP_FFN_TP, register_group
             from .passes.ffn_tp import ffn_group_program
@@ -468,18 +483,27 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
             register_group(GROUP_FFN_TP, worker.ffn_group)
             worker.group_rank, worker.group_size, worker.group_input = idx % size, size, layout.ffn_tp > 1
         worker.program = ffn.to(device)
-        if stages != 1:
-            worker.staged[stages] = staged[1].to(device)
+        if stages_built != 1:
+            worker.staged[stages_built] = staged[1].to(device)
         return worker
     # one communicator per comm id, shared by every graph of this rank (prefill, decode)
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id)
     if layout.attn_tp == 1:
         counter = TokenCount.for_graph(gm, result.plan.cuts[0].token_dims)
-    batch_dim = batch_symbol_dims(result.attention)[1][0] if stages != 1 else None
-    worker = AttentionWorker(attention.to(device), comm, counter, stages=stages, batch_dim=batch_dim)
-    if stages != 1:
-        worker.staged[stages] = staged[0].to(device)
+    worker = AttentionWorker(attention.to(device), comm, counter, stages=stages,
+                             batch_dim=_stage_batch_dim(result.attention, stages), static=batch is not None)
+    if stages_built != 1:
+        worker.staged[stages_built] = staged[0].to(device)
     return worker
+
+
+def _stage_batch_dim(program: fx.GraphModule, stages: int) -> tuple[int, int] | None:
+    """(input, dim) of the batch that micro-batch stages split: the dynamic batch symbol's first
+    place, or a static batch's (the first input's dim 0); None with one stage."""
+    if stages == 1:
+        return None
+    dims = batch_symbol_dims(program)[1]
+    return dims[0] if dims else (0, 0)
 
 
 @dataclass(frozen=True)
@@ -560,12 +584,12 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
         comm = AFDCommunicator("ffn", rank, layout.peers_of_ffn(idx))
         register_communicator(comm, comm_id)
         program = load_program(os.path.join(outdir, plan["programs"]["ffn"])).module().to(device)
-        return FFNWorker(program, comm, device, stages=stages)
+        return FFNWorker(program, comm, device, stages=stages, static_batch=plan.get("static_batch"))
     comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),))
     register_communicator(comm, comm_id)
     program = load_program(os.path.join(outdir, plan["programs"]["attention"])).module().to(device)
-    batch_dim = batch_symbol_dims(program)[1][0] if stages != 1 else None
-    return AttentionWorker(program, comm, TokenCount.from_json(plan["token_count"]), stages=stages, batch_dim=batch_dim)
+    return AttentionWorker(program, comm, TokenCount.from_json(plan["token_count"]), stages=stages,
+                           batch_dim=_stage_batch_dim(program, stages), static=static_batch(program) is not None)
 
 
 @dataclass(frozen=True)

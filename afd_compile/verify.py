@@ -410,12 +410,6 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = 
     check_decode_steps(spec, decode_steps, batches, path)
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise VerifyInputError(f"--stages must be an integer >= 1, got {stages!r}")
-    if stages > 1 and spec is not None:
-        raise VerifyInputError(f"--stages {stages}: {path} holds a KV cache; micro-batch stages with a KV cache are "
-                               "not supported yet (each stage would own its cache rows)")
-    if stages > 1 and facts.batch_range is None:
-        raise VerifyInputError(f"--stages {stages}: {path} has a static batch dimension; micro-batches split the "
-                               "sequences of a step, so export with a dynamic batch")
     groups = layout.attention_ranks // layout.attn_tp  # the ranks of an attention TP group share their tokens
     if batches is None and facts.batch_range is not None and spec is None:
         batches = [1 + a for a in range(groups)]

@@ -109,6 +109,8 @@ def main() -> int:
                         help="TP with --attn-dp: the last DP group has no sequences (it steps a one-token dummy prompt)")
     parser.add_argument("--stagger", type=int, default=0,
                         help="AFD: attention rank i generates stagger*i fewer tokens (they finish at different steps)")
+    parser.add_argument("--stages", type=int, default=1,
+                        help="AFD: micro-batches per step (each its own rows of the static cache)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-inductor", action="store_true", help="run the FX programs (no Inductor)")
     parser.add_argument("--decode-attention", default="auto", choices=["auto", "sdpa", "flex"],
@@ -123,6 +125,8 @@ def main() -> int:
         parser.error("give an AFD layout (--attention A --ffn F) or a TP layout (--tp N), one of them")
     if args.idle_dp_group and args.attn_dp < 2:
         parser.error("--idle-dp-group needs --attn-dp 2 or more (another DP group has the sequences)")
+    if args.stages != 1 and not afd:
+        parser.error("--stages applies to AFD layouts (--attention A --ffn F)")
     if args.stagger and not afd:
         parser.error("--stagger applies to AFD layouts (TP ranks of one step must take the same steps)")
     rank, world = init_distributed(timeout_s=args.timeout)
@@ -132,7 +136,7 @@ def main() -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     options = {"inductor": not args.no_inductor, "timeout_s": args.timeout, "decode_attention": args.decode_attention}
     if afd:
-        options.update(attention=args.attention, ffn=args.ffn)
+        options.update(attention=args.attention, ffn=args.ffn, stages=args.stages)
     else:
         options.update(tp=args.tp, attn_dp=args.attn_dp)
     model = build_model(args, device)

@@ -17,13 +17,16 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "generate.py
 
 RUNS = [  # (processes, example arguments)
     (5, ("--attention", "3", "--ffn", "2", "--stagger", "2", "--no-inductor")),
-    (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--no-inductor")),
+    # micro-batch stages: each its own rows of the static cache (2 sequences | 3 over 2 stages)
+    (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "2", "--no-inductor")),
     (4, ("--tp", "4", "--attn-dp", "2", "--idle-dp-group", "--no-inductor")),  # 2 sequences | none
 ]
 SLOW_RUNS = [  # (CI time: FlexAttention through the backend is also compiled and checked in test_decode_attention.py;
     #            a Qwen3-MoE TP cache in the default decode-step verify runs)
     (2, ("--attention", "1", "--ffn", "1", "--decode-attention", "flex")),  # Inductor, FlexAttention decode
     (2, ("--tp", "2", "--family", "qwen3_moe", "--no-inductor")),
+    (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--no-inductor")),
+    (3, ("--attention", "2", "--ffn", "1", "--stages", "3")),  # Inductor; 2 sequences over 3 stages: 2 run
     (3, ("--attention", "2", "--ffn", "1", "--no-inductor")),
     (2, ("--attention", "1", "--ffn", "1", "--family", "qwen3_moe", "--no-inductor")),
     (5, ("--attention", "3", "--ffn", "2", "--family", "qwen3_moe", "--no-inductor")),
@@ -308,13 +311,15 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "afd_compile.cli", *args], capture_output=True, text=True, timeout=600)
 
 
-DECODE = [("llama", ("-A", "3", "-F", "2")), ("llama", ("--tp", "2")),
+DECODE = [("llama", ("-A", "3", "-F", "2", "--stages", "2")),  # each micro-batch its own cache rows
+          ("llama", ("--tp", "2")),
           ("llama", ("--tp", "4", "--attn-dp", "2")),  # each DP group its own sequences and cache
           ("qwen3_moe", ("--tp", "2")),
           # composed: two attention DP groups of TP 2 (each its own sequences and cache, sharded by
           # heads) and an FFN TP group of 2
           ("llama", ("-A", "4", "--attn-tp", "2", "-F", "2", "--ffn-tp", "2"))]
-SLOW_DECODE = [("qwen3_moe", ("-A", "2", "-F", "2", "--ffn-ep", "2")), ("llama", ("-A", "1", "-F", "1")), ("llama", ("-A", "2", "-F", "1")), ("llama", ("--tp", "4")),
+SLOW_DECODE = [("qwen3_moe", ("-A", "2", "-F", "2", "--ffn-ep", "2")), ("llama", ("-A", "1", "-F", "1")),
+               ("llama", ("-A", "3", "-F", "2")), ("qwen3_moe", ("-A", "2", "-F", "1", "--stages", "3")), ("llama", ("-A", "2", "-F", "1")), ("llama", ("--tp", "4")),
                ("qwen3_moe", ("-A", "1", "-F", "1")), ("qwen3_moe", ("-A", "2", "-F", "1")),
                ("qwen3_moe", ("-A", "3", "-F", "2")), ("qwen3_moe", ("--tp", "4", "--attn-dp", "2"))]
 
@@ -355,6 +360,33 @@ def test_decode_steps_read_the_cache(cached_pt2):
         b(*spec.inputs(inputs, 0, salt=5))  # another prefill
         out_a, out_b = a(*spec.inputs(inputs, 1, salt=0)), b(*spec.inputs(inputs, 1, salt=0))
     assert (out_a[0] - out_b[0]).abs().max() > 1e-3
+
+
+def test_static_cache_stages_cut_the_batch_only(cached_pt2):
+    # a static cache fixes the batch (2) and writes it as a constant into every view; the KV
+    # head count is 2 as well, and only the batch's 2s may change. One process, no transfers:
+    # the model's own program as 2 micro-batches of 1 sequence, each writing its own cache row,
+    # against the program itself, over a prefill and two decode steps
+    from afd_compile.passes.batch_dims import plan_batch
+    from afd_compile.passes.stages import stage_attention_program
+    from afd_compile.programs import flat_inputs, fresh_module, load_program
+    from afd_compile.verify import DecodeSpec
+
+    ep = load_program(cached_pt2("llama"))
+    spec, inputs = DecodeSpec.of(ep), flat_inputs(ep)
+    whole, staged = fresh_module(ep), stage_attention_program(fresh_module(ep), 2)
+    plan = plan_batch(fresh_module(ep), 2, {"input_ids": 0})
+    carried = dict(plan.inputs)  # input_ids and the K and V caches of 2 layers, all along dim 0
+    assert carried.pop("input_ids") == 0 and len(carried) == 4 and set(carried.values()) == {0}, plan.describe()
+    assert all(written in spec.state for written in carried), (carried, spec.state)  # the write positions are not
+    assert plan.sites and all(site.index == 0 and site.value == 2 for site in plan.sites)
+    expands = [n.args[1] for n in staged.graph.nodes if n.target == torch.ops.aten.expand.default and len(n.args[1]) == 5]
+    assert expands and all(list(a) == [1, 2, 2, 32, 16] for a in expands), expands  # [b, kv heads, n_rep, L, d]
+    with torch.no_grad():
+        for step in range(3):
+            x = spec.inputs(inputs, step, salt=0)
+            want, got = whole(*x)[0], staged(*x)[0]
+            assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max(), step
 
 
 @pytest.mark.parametrize(
@@ -425,8 +457,8 @@ def test_plan_shows_the_cache_bytes_per_rank(cached_pt2):
 
 def test_rewrite_writes_programs_that_carry_their_cache(cached_pt2, tmp_path):
     # rewrite on a cached program: the attention program holds the cache buffers (a TP rank only
-    # its KV heads), the FFN program none; the rewritten AFD programs, re-loaded, decode as the
-    # original does
+    # its KV heads), the FFN program none; the rewritten AFD programs, re-loaded and run as 2
+    # micro-batches (each its own cache row of the static batch of 2), decode as the original does
     import json
     import textwrap
 
@@ -434,10 +466,11 @@ def test_rewrite_writes_programs_that_carry_their_cache(cached_pt2, tmp_path):
 
     path = cached_pt2("llama")
     afd, tp = tmp_path / "afd", tmp_path / "tp"
-    for out, layout in ((afd, ("-A", "2", "-F", "1")), (tp, ("--tp", "2"))):
+    for out, layout in ((afd, ("-A", "2", "-F", "1", "--stages", "2")), (tp, ("--tp", "2"))):
         proc = _cli("rewrite", path, *layout, "-o", str(out))
         assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads((afd / "plan.json").read_text())["cache"]["bytes_per_ffn_rank"] == 0
+    plan = json.loads((afd / "plan.json").read_text())
+    assert plan["cache"]["bytes_per_ffn_rank"] == 0 and plan["stages"] == 2 and plan["static_batch"] == 2
     shapes = {k: tuple(v.shape) for k, v in load_program(str(tp / "rank1.pt2")).state_dict.items() if "cache" in k}
     assert shapes and set(shapes.values()) == {(2, 1, 32, 16)}  # 1 of 2 KV heads
     assert not [k for k in load_program(str(afd / "ffn.pt2")).state_dict if "cache" in k]
@@ -450,7 +483,7 @@ def test_rewrite_writes_programs_that_carry_their_cache(cached_pt2, tmp_path):
         def rank(r, world):
             w = load_rewritten_worker({str(afd)!r}, r)
             if not isinstance(w, AttentionWorker):
-                return w.serve()
+                return w.serve(), w.comm.stage_transfers
             ep = load_program({path!r})
             spec, inputs, ref = DecodeSpec.of(ep), flat_inputs(ep), fresh_module(ep)
             errs = []
@@ -461,12 +494,14 @@ def test_rewrite_writes_programs_that_carry_their_cache(cached_pt2, tmp_path):
                         errs.append(max_rel_err(w.step(*x), ref(*x)))
             finally:
                 w.stop()
-            return max(errs)
+            return max(errs), sorted(w.staged)
 
         if __name__ == "__main__":
             res = run_local(rank, 3)
             print("served", res[0], "errs", res[1], res[2])
-            assert res[0] == 5 and max(res[1], res[2]) <= 1e-5
+            (served, transfers), (err1, staged1), (err2, staged2) = res[0], res[1], res[2]
+            assert served == 5 and max(err1, err2) <= 1e-5 and staged1 == staged2 == [2]
+            assert transfers.get(0, 0) > 0 and transfers.get(1, 0) == transfers[0]  # both micro-batches ran
     """)
     script_path = tmp_path / "run_rewritten_cache.py"
     script_path.write_text(script)

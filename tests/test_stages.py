@@ -84,22 +84,54 @@ def test_stages_match_the_single_process_model(exported):
         assert all(set(r["stage_transfers"]) == set(range(min(case.stages, max(r["batches"])))) for r in attn), res
 
 
-def _graph_with(target: object) -> fx.GraphModule:
+def _static_graph(build) -> fx.GraphModule:
+    """A static-batch program (``x`` of [2, 3], ``counter`` a scalar buffer-like input) whose
+    body ``build(g, x, counter)`` returns the output node's value."""
     g = fx.Graph()
-    x, buf = g.placeholder("x"), g.placeholder("buf")
-    for n, shape in ((x, (2, 3)), (buf, (2, 3))):
-        n.meta["val"] = torch.empty(shape)
-    g.output(g.call_function(target, (buf, x)))
-    return fx.GraphModule(torch.nn.Module(), g)
+    x, counter = g.placeholder("x"), g.placeholder("counter")
+    x.meta["val"], counter.meta["val"] = torch.empty(2, 3), torch.empty(())
+    g.output(build(g, x, counter))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    ShapeProp(gm).propagate(torch.randn(2, 3), torch.zeros(()))
+    for n in gm.graph.nodes:
+        if "tensor_meta" in n.meta:
+            n.meta["val"] = torch.empty(n.meta["tensor_meta"].shape)
+        elif n.target == aten.sym_size.int:
+            n.meta["val"] = 2
+    return gm
+
+
+aten = torch.ops.aten
+
+
+def _counter(g, x, counter):
+    g.call_function(aten.add_.Scalar, (counter, g.call_function(aten.sym_size.int, (x, 0))))
+    return g.call_function(aten.mul.Tensor, (x, 2.0))
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (_counter, r"attention program: node add__scalar \(aten.add_.Scalar\) updates counter, which does not hold "
+               r"the batch, from each micro-batch's values"),
+    (lambda g, x, c: g.call_function(aten.sum.dim_IntList, (x, [0])), r"sum_dim_int_list .* reduces over the batch dim 0"),
+    (lambda g, x, c: g.call_function(aten.cumsum.default, (x, 1)),
+     r"node cumsum_default \(aten.cumsum.default\): the batch reaches an op micro-batch stages have no rule for"),
+    (lambda g, x, c: g.call_function(aten.sym_size.int, (x, 0)), r"output 0 \(sym_size_int\) is not a tensor"),
+])
+def test_static_batch_refusals_name_the_node(build, message):
+    with pytest.raises(StageError, match=message):
+        stage_attention_program(_static_graph(build), 2)
 
 
 def test_refusals_name_the_reason():
-    with pytest.raises(StageError, match=r"attention program: node add__tensor \(aten.add_.Tensor\) writes a tensor in place \(a KV cache\)"):
-        stage_attention_program(_graph_with(torch.ops.aten.add_.Tensor), 2)
-    with pytest.raises(StageError, match="no dynamic batch dim"):
-        stage_attention_program(_graph_with(torch.ops.aten.add.Tensor), 2)
     with pytest.raises(StageError, match="stages must be an integer >= 1, got 0"):
-        stage_ffn_program(_graph_with(torch.ops.aten.add.Tensor), 0)
+        stage_ffn_program(_static_graph(lambda g, x, c: x), 0)
+    g = fx.Graph()
+    g.placeholder("x").meta["val"] = torch.empty(())
+    g.output(None)
+    with pytest.raises(StageError, match="its first input has no batch dim"):
+        stage_attention_program(fx.GraphModule(torch.nn.Module(), g), 2)
 
 
 def test_an_ffn_rank_refuses_a_peer_with_other_stages():

@@ -268,7 +268,7 @@ def batch_symbol_dims(gm: fx.GraphModule) -> tuple[object | None, list[tuple[int
     if not vals or not isinstance(vals[0], torch.Tensor) or vals[0].dim() == 0:
         return None, []
     sym = vals[0].shape[0]
-    if not isinstance(sym, torch.SymInt):
+    if not isinstance(sym, torch.SymInt) or sym.node.expr.is_number:  # static (or a symbol specialised)
         return None, []
     key = str(sym.node.expr)
     dims = [(i, d) for i, v in enumerate(vals) if isinstance(v, torch.Tensor)
