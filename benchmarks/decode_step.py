@@ -15,6 +15,9 @@ written at position C - 1 (reset before every step). Per shape (batch B x contex
 - ``afd TP2``: ``torch.compile(model.forward, backend="afd", options={"tp": 2})`` on both GPUs;
 - ``afd AFD 1A1F``: rank 1 attention (its forward compiled with ``{"attention": 1, "ffn": 1}``),
   rank 0 FFN (``afd_compile.serve``);
+- ``afd AFD 1A1F S=k`` for each ``--stages`` k >= 2: the same with ``"stages": k``: the batch's
+  sequences as k micro-batches, each its own rows of the static cache, attention of one overlapping
+  the FFN of another (issue 13);
 - each afd variant with ``decode_attention`` "sdpa" (HF's masked SDPA over the whole cache) and
   "flex" (the decode-attention pass: FlexAttention over the filled blocks; the table's "flex"
   columns);
@@ -175,6 +178,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a tiny model (hidden 64), fp32: checks the script on CPU")
     parser.add_argument("--profile", metavar="FILE", help="CUDA only: append a profile of 5 steps of each one-rank "
                         "variant (one GPU, AFD attention rank) to FILE")
+    parser.add_argument("--stages", default="2", help="AFD 1A1F micro-batch stages to run besides 1, comma-separated "
+                        "('' for none)")
     parser.add_argument("--decode-attention", default="sdpa,flex",
                         help="the backend's decode_attention values to run, comma-separated (sdpa: HF's masked SDPA; "
                              "flex: the decode-attention pass)")
@@ -187,6 +192,9 @@ def main() -> None:
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     dtype = torch.float32 if args.small else torch.bfloat16
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    stage_list = [int(k) for k in args.stages.split(",") if k.strip()]
+    if any(k < 2 for k in stage_list):
+        raise SystemExit(f"--stages: give micro-batch counts >= 2 (1 always runs), got {args.stages!r}")
     bandwidth = _copy_bandwidth(dev)
     rows = []
     comm = 0
@@ -230,27 +238,29 @@ def main() -> None:
                 print(f"progress: {batch} x {context}: afd TP2 {attn} failed: {row[f'afd_tp2{tag}_error']}", flush=True)
             del cache
             dist.barrier()
-            # afd AFD 1A1F: rank 0 serves the FFN, rank 1 runs attention
-            torch._dynamo.reset()
-            model = _model(cfg, dev, dtype)
-            comm += 1
-            options = {"attention": 1, "ffn": 1, "comm_id": comm, "decode_attention": attn}
-            if rank == 0:
-                afd_compile.serve(model, options)
-            else:
-                cache = _cache(model, batch, context, dev, dtype)
-                model.forward = torch.compile(model.forward, backend="afd", options=options)
-                try:
-                    row[f"afd_1a1f{tag}_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=False,
-                                                             profile=args.profile,
-                                                             name=f"AFD 1A1F {attn} {batch}x{context}")
-                except Exception as e:  # noqa: BLE001
-                    row[f"afd_1a1f{tag}_error"] = _error(e)
-                    print(f"progress: {batch} x {context}: AFD 1A1F {attn} failed: {row[f'afd_1a1f{tag}_error']}",
-                          flush=True)
-                finish()
-                del cache
-            dist.barrier()
+            # afd AFD 1A1F: rank 0 serves the FFN, rank 1 runs attention; S = 1, then each --stages
+            for stages in (1, *stage_list):
+                key = f"afd_1a1f{tag}" + (f"_s{stages}" if stages > 1 else "")
+                torch._dynamo.reset()
+                model = _model(cfg, dev, dtype)
+                comm += 1
+                options = {"attention": 1, "ffn": 1, "comm_id": comm, "decode_attention": attn, "stages": stages}
+                if rank == 0:
+                    afd_compile.serve(model, options)
+                else:
+                    cache = _cache(model, batch, context, dev, dtype)
+                    model.forward = torch.compile(model.forward, backend="afd", options=options)
+                    try:
+                        row[f"{key}_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=False,
+                                                         profile=args.profile if stages == 1 else None,
+                                                         name=f"AFD 1A1F {attn} {batch}x{context}")
+                    except Exception as e:  # noqa: BLE001
+                        row[f"{key}_error"] = _error(e)
+                        print(f"progress: {batch} x {context}: AFD 1A1F S={stages} {attn} failed: {row[f'{key}_error']}",
+                              flush=True)
+                    finish()
+                    del cache
+                dist.barrier()
         row["fell_back_flex"] = decode_attention.STATS["compile_failures"] > failures
         if rank == last:
             floor = lambda nbytes: nbytes / bandwidth * 1e6  # noqa: E731
@@ -268,9 +278,12 @@ def main() -> None:
         shape = "tiny (--small), fp32" if args.small else "Llama-8B-shaped, bf16"
         print(f"decode step with a static KV cache (HF SDPA over the whole cache), {shape} x {args.layers} layers, "
               f"{dev.type}, torch {torch.__version__}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; median us per step")
+        staged = [f"afd_1a1f{tag}_s{k}" for k in stage_list for tag in ("", "_flex")]
         print("| B x C | KV bytes | floor 1 GPU | 1 GPU reduce-overhead | 1 GPU flex | floor TP2 | afd TP2 | afd TP2 flex "
-              "| floor AFD | afd AFD 1A1F | afd AFD 1A1F flex |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "| floor AFD | afd AFD 1A1F | afd AFD 1A1F flex |"
+              + "".join(f" AFD S={k}{' flex' if key.endswith('_flex_s' + str(k)) else ''} |"
+                        for k in stage_list for key in (f"afd_1a1f_s{k}", f"afd_1a1f_flex_s{k}")))
+        print("|---" * (11 + len(staged)) + "|")
 
         def us(r: dict, key: str) -> str:
             mark = "*" if key.endswith("_flex_us") and r.get("fell_back_flex") else ""
@@ -279,7 +292,8 @@ def main() -> None:
         for r in rows:
             print(f"| {r['batch']} x {r['context']} | {r['kv_bytes'] / 1e9:.2f} GB | {r['floor_one_gpu_us']:.0f} | "
                   f"{r['one_gpu_us']:.0f} | {us(r, 'one_gpu_flex_us')} | {r['floor_tp2_us']:.0f} | {us(r, 'afd_tp2_us')} | {us(r, 'afd_tp2_flex_us')} | "
-                  f"{r['floor_afd_us']:.0f} | {us(r, 'afd_1a1f_us')} | {us(r, 'afd_1a1f_flex_us')} |")
+                  f"{r['floor_afd_us']:.0f} | {us(r, 'afd_1a1f_us')} | {us(r, 'afd_1a1f_flex_us')} |"
+                  + "".join(f" {us(r, key + '_us')} |" for key in staged))
         if any(r.get("fell_back_flex") for r in rows):
             print("* Inductor could not compile the FlexAttention kernel for some shape: it ran masked SDPA "
                   "(the warning above names the error)")

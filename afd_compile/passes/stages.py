@@ -328,7 +328,7 @@ def _once_nodes(gm: fx.GraphModule, carried: set[str], holds_batch: Callable[[fx
             base = n.args[0]
             while isinstance(base, fx.Node) and base.op == "call_function" and base.args and aliases_first_arg(base):
                 base = base.args[0]
-            if isinstance(base, fx.Node) and base.op in ("placeholder", "get_attr") and base.name not in carried:
+            if isinstance(base, fx.Node) and base not in staged:  # a state, or a tensor computed once
                 raise StageError(f"{name}: node {n.name} ({n.target}) updates {base.name}, which does not hold the "
                                  "batch, from each micro-batch's values: every micro-batch would update it and the "
                                  "next read it; run with stages=1")
