@@ -361,19 +361,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cache = _cache_json(result)
         if cache:
             data["cache"] = cache
+        if args.stages != 1:
+            data["stages"] = _stage_schedule(args, result, layout)
         print(json.dumps(data, indent=2))
     else:
         print(plan_table(result, layout))
         print(AFD_LEGEND)
-    if args.stages != 1:
-        print(_stage_schedule(args, result, layout))
+    if args.stages != 1 and not args.json:
+        print(_stage_text(_stage_schedule(args, result, layout)))
     _print_timings(args, result.timings)
     return EXIT_OK
 
 
-def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout | None) -> str:
+def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout | None) -> dict:
     """The staged programs (built: a program that cannot be staged is refused here), the
-    schedule they hold for the layout, checked, and the micro-batches of the saved example."""
+    schedule they hold for the layout, checked, and the micro-batches of the saved example, as a
+    record (``plan --json`` prints it; :func:`_stage_text` renders it)."""
     from .passes.pingpong import check_schedule, micro_batches, schedule_of_programs
     from .passes.schedule import verify_schedule
     from .passes.stages import stage_attention_program, stage_ffn_program, static_batch, static_rows
@@ -393,12 +396,24 @@ def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout 
     tokens = TokenCount.for_graph(result.attention, result.plan.cuts[0].token_dims)(inputs)
     batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
     per_seq = tokens // batch if batch else 0
-    split = [(end - start) * per_seq for start, end in micro_batches([per_seq] * batch, args.stages)]
-    return (f"{sched}\nschedule: checked (every send paired with its receive in order, each micro-batch through "
-            f"the layers in order, no deadlock on one communication stream per rank)\n"
-            f"micro-batches of the saved example ({batch} sequences of {per_seq} tokens): tokens per stage {split}"
-            + ("" if fixed is None else f"\nstatic batch {fixed} (a static KV cache): fixed micro-batches of "
-               f"{static_rows(fixed, args.stages)} sequences, each reading and writing its own cache rows"))
+    return {"stages": args.stages, "schedule": str(sched).splitlines(), "schedule_checked": True,
+            "example": {"sequences": batch, "tokens_per_sequence": per_seq,
+                        "tokens_per_stage": [(end - start) * per_seq
+                                             for start, end in micro_batches([per_seq] * batch, args.stages)]},
+            "static_batch": fixed, "static_rows": static_rows(fixed, args.stages) if fixed is not None else None}
+
+
+def _stage_text(stages: dict) -> str:
+    ex = stages["example"]
+    return "\n".join([
+        *stages["schedule"],
+        "schedule: checked (every send paired with its receive in order, each micro-batch through the layers in "
+        "order, no deadlock on one communication stream per rank)",
+        f"micro-batches of the saved example ({ex['sequences']} sequences of {ex['tokens_per_sequence']} tokens): "
+        f"tokens per stage {ex['tokens_per_stage']}",
+        *([] if stages["static_batch"] is None else [
+            f"static batch {stages['static_batch']} (a static KV cache): fixed micro-batches of "
+            f"{stages['static_rows']} sequences, each reading and writing its own cache rows"])])
 
 
 class _AtomicFolder:
@@ -543,12 +558,11 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
         plan["cache"] = cache
     schedule = None
     if args.stages != 1:  # refused before anything is written; the role programs are saved unstaged
-        from .passes.stages import static_batch
-
-        schedule = _stage_schedule(args, result, layout)
+        staged = _stage_schedule(args, result, layout)
+        schedule = _stage_text(staged)
         plan["stages"] = args.stages
-        if static_batch(result.attention) is not None:
-            plan["static_batch"] = static_batch(result.attention)
+        if staged["static_batch"] is not None:
+            plan["static_batch"] = staged["static_batch"]
     with out as d:
         torch.export.save(att, os.path.join(d, "attention.pt2"))
         torch.export.save(ffn, os.path.join(d, "ffn.pt2"))
@@ -614,7 +628,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     print(plan_table(result, layout))
     _print_timings(args, result.timings)
     if args.stages != 1:
-        print(_stage_schedule(args, result, layout))
+        print(_stage_text(_stage_schedule(args, result, layout)))
     return _verdict(lambda: verify_afd(args.model, layout, batches=batches, gate=args.gate_on_attention,
                                        steps=args.steps, tol=args.tol, policy=args.policy, timeout_s=args.timeout,
                                        decode_steps=args.decode_steps, stages=args.stages, log=print,

@@ -5,6 +5,7 @@ no tokens, MoE with the router on either side), and clear refusals."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -20,6 +21,7 @@ from afd_compile.split_api import split
 from afd_compile.verify import Case, run_cases
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
+aten = torch.ops.aten
 RECV_START, RECV_WAIT = torch.ops.afd.p2p_recv_start.default, torch.ops.afd.p2p_recv_wait.default
 
 
@@ -103,9 +105,6 @@ def _static_graph(build) -> fx.GraphModule:
     return gm
 
 
-aten = torch.ops.aten
-
-
 def _counter(g, x, counter):
     g.call_function(aten.add_.Scalar, (counter, g.call_function(aten.sym_size.int, (x, 0))))
     return g.call_function(aten.mul.Tensor, (x, 2.0))
@@ -152,6 +151,12 @@ def test_cli_stages(exported, capsys):
     assert main(["plan", path, "-A", "2", "-F", "1", "--stages", "2"]) == 0
     out = capsys.readouterr().out
     assert "ping-pong schedule 2A1F, 2 layers x 2 stages" in out and "schedule: checked" in out
+    assert main(["plan", path, "-A", "2", "-F", "1", "--stages", "2", "--json", "-q"]) == 0
+    staged = json.loads(capsys.readouterr().out)["stages"]  # stdout is JSON alone
+    assert staged["stages"] == 2 and staged["schedule_checked"] and staged["static_batch"] is None
+    assert staged["schedule"][0] == "ping-pong schedule 2A1F, 2 layers x 2 stages"
+    assert sum(staged["example"]["tokens_per_stage"]) == staged["example"]["sequences"] * staged["example"][
+        "tokens_per_sequence"]
     assert main(["verify", path, "--tp", "2", "--stages", "2"]) == 2
     assert "--stages" in capsys.readouterr().err
 
