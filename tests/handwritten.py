@@ -193,6 +193,67 @@ def loop_moe() -> GQADecoder:
 
 #: the hand-written decoders the tests run, by name (each a factory of no arguments:
 #: ``examples/compile_backend.py --model tests/handwritten.py:<factory>``)
+class CachedAttention(nn.Module):
+    """GQA attention over a static KV cache kept as buffers ``[batch, kv_heads, max_len, d]``,
+    written in place at ``cache_position`` with ``index_copy_``; the causal mask built from the
+    positions (``arange(max_len) <= position``) and broadcast over batch and heads, not expanded."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, batch: int, max_len: int) -> None:
+        super().__init__()
+        self.attn = GQAAttention(hidden, heads, kv_heads)
+        shape = (batch, kv_heads, max_len, hidden // heads)
+        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        a = self.attn
+        b, s, _ = x.shape
+        q = a.q(x).view(b, s, a.heads, a.head_dim).transpose(1, 2)
+        k = a.k(x).view(b, s, a.kv_heads, a.head_dim).transpose(1, 2)
+        v = a.v(x).view(b, s, a.kv_heads, a.head_dim).transpose(1, 2)
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        rep = a.heads // a.kv_heads
+        keys = self.k_cache.repeat_interleave(rep, dim=1)
+        values = self.v_cache.repeat_interleave(rep, dim=1)
+        mask = torch.arange(self.k_cache.shape[2], device=x.device)[None, :] <= pos[:, None]  # [s, max_len]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return a.o(out.transpose(1, 2).reshape(b, s, a.heads * a.head_dim))
+
+
+class CachedDecoder(nn.Module):
+    """A hand-written decoder with its own static KV cache: ``forward(ids, cache_position)``, a
+    prefill of the positions given, then decode steps of one token each (the batch is the
+    cache's)."""
+
+    def __init__(self, batch: int = 3, max_len: int = 16, vocab: int = 128, hidden: int = 64, heads: int = 4,
+                 kv_heads: int = 2, layers: int = 2, inter: int = 128, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, hidden)
+        self.norms = nn.ModuleList(nn.ModuleList([RMSNorm(hidden), RMSNorm(hidden)]) for _ in range(layers))
+        self.attns = nn.ModuleList(CachedAttention(hidden, heads, kv_heads, batch, max_len) for _ in range(layers))
+        self.mlps = nn.ModuleList(SwiGLU(hidden, inter) for _ in range(layers))
+        self.norm, self.head = RMSNorm(hidden), nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for (n1, n2), attn, mlp in zip(self.norms, self.attns, self.mlps, strict=True):
+            x = x + attn(n1(x), cache_position)
+            x = x + mlp(n2(x))
+        return self.head(self.norm(x))
+
+
+def export_cached(model: CachedDecoder, seq: int = 4, max_seq: int = 8, vocab: int = 128) -> torch.export.ExportedProgram:
+    """The cached decoder exported with its batch static (the cache's) and the sequence dynamic."""
+    batch = model.attns[0].k_cache.shape[0]
+    ids = torch.randint(1, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    dim = torch.export.Dim("seq", min=1, max=max_seq)
+    with torch.no_grad():
+        return torch.export.export(model.eval(), (ids, torch.arange(seq)),
+                                   dynamic_shapes={"ids": {1: dim}, "cache_position": {0: dim}})
+
+
 MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "nanogpt": NanoGPT, "flat": Flat}
 
 

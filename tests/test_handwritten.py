@@ -1,6 +1,6 @@
 """Decoders written by hand, not by transformers (issue 14): GQA by ``repeat_interleave`` and an
-in-place scaled query, an MoE with ``bmm`` experts, through TP (standard and DP attention) and AFD
-on real gloo processes."""
+in-place scaled query, an MoE with ``bmm`` experts, a static KV cache of its own, through TP
+(standard and DP attention) and AFD (with micro-batch stages) on real gloo processes."""
 
 from __future__ import annotations
 
@@ -165,3 +165,22 @@ def test_more_hand_written_decoders_shard_and_split_and_match(more_paths):
     for case, res in zip(afd, run_cases(afd), strict=True):
         errs = [r["max_rel_err"] for r in res.values() if r["role"] == "attention"]
         assert len(errs) == 2 and max(errs) <= 1e-5, (case, res)
+
+
+def test_a_hand_written_static_cache_decodes_in_micro_batches(tmp_path, capsys):
+    # a decoder with its own static KV cache (buffers written by index_copy_, a causal mask
+    # broadcast over the batch, not expanded to it), batch 3 over 2 micro-batches of 2 and 1
+    # sequences: each micro-batch writes its own cache rows, decode steps read them back
+    from handwritten import CachedDecoder, export_cached
+
+    from afd_compile.cli import main
+
+    path = str(tmp_path / "cached.pt2")
+    torch.export.save(export_cached(CachedDecoder(batch=3)), path)
+    assert main(["verify", path, "-A", "1", "-F", "1", "--stages", "2", "--decode-steps", "3", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "fixed micro-batches of [2, 1] sequences" in out and "transfers per stage {0: " in out
+    assert out.strip().splitlines()[-1].startswith("verify: OK"), out[-2000:]
+    # and TP: each rank its KV heads' slice of the cache buffers
+    assert main(["verify", path, "--tp", "2", "--decode-steps", "3", "-q"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("verify: OK")
