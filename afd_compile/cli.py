@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "transformers' TorchExportableModuleForDecoderOnlyLM exports): run its saved example as a "
                    "prefill, then N decode steps, comparing the logits at every step (replaces --steps)")
     _add_stages(p, "run each step as S micro-batches (whole sequences) interleaved layer by layer, the "
-                "ping-pong schedule (default 1: one batch)")
+                "ping-pong schedule (default 1: one batch); with a KV cache each micro-batch its own cache rows")
     p.add_argument("--tol", type=float, help="max relative error (default 1e-5 for fp32, 1e-2 otherwise; finite, >= 0)")
     p.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long a rank waits for a peer before the run fails (default 300); a rank that dies "
