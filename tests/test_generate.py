@@ -313,13 +313,15 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 DECODE = [("llama", ("-A", "3", "-F", "2", "--stages", "2")),  # each micro-batch its own cache rows
           ("llama", ("--tp", "2")),
-          ("llama", ("--tp", "4", "--attn-dp", "2")),  # each DP group its own sequences and cache
           ("qwen3_moe", ("--tp", "2")),
           # composed: two attention DP groups of TP 2 (each its own sequences and cache, sharded by
           # heads) and an FFN TP group of 2
           ("llama", ("-A", "4", "--attn-tp", "2", "-F", "2", "--ffn-tp", "2"))]
 SLOW_DECODE = [("qwen3_moe", ("-A", "2", "-F", "2", "--ffn-ep", "2")), ("llama", ("-A", "1", "-F", "1")),
-               ("llama", ("-A", "3", "-F", "2")), ("qwen3_moe", ("-A", "2", "-F", "1", "--stages", "3")), ("llama", ("-A", "2", "-F", "1")), ("llama", ("--tp", "4")),
+               ("llama", ("-A", "3", "-F", "2")), ("qwen3_moe", ("-A", "2", "-F", "1", "--stages", "3")),
+               # each DP group its own sequences and cache (in the default run: generate() with an idle DP
+               # group, and DP groups of attention TP inside AFD above)
+               ("llama", ("--tp", "4", "--attn-dp", "2")), ("llama", ("-A", "2", "-F", "1")), ("llama", ("--tp", "4")),
                ("qwen3_moe", ("-A", "1", "-F", "1")), ("qwen3_moe", ("-A", "2", "-F", "1")),
                ("qwen3_moe", ("-A", "3", "-F", "2")), ("qwen3_moe", ("--tp", "4", "--attn-dp", "2"))]
 
