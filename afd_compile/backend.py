@@ -44,6 +44,11 @@ Options (all optional)::
                        micro-batches run interleaved layer by layer, the attention rank computing
                        micro-batch s + 1 while the FFN rank computes s (passes/stages.py); every
                        rank the same S; a graph with a dynamic batch (dynamic=True) and no KV cache
+    symm_mem           on CUDA, all-reduce small messages (TP junctions, AFD's TP groups) in one one-shot
+                       kernel over symmetric memory where the group's GPUs reach each other, NCCL
+                       above AFD_SYMM_MEM_MAX_BYTES (default 2 MiB) (afd_compile/symm_mem.py); where
+                       it is unavailable NCCL, logged once per group with the reason (default True;
+                       False: NCCL for every all-reduce)
     check_wire         AFD: a check header ahead of every transfer (default: AFD_CHECK_WIRE; see
                        afd_compile.comm.AFDCommunicator); every rank must agree; not with CUDA graphs
                        (the comparison runs on the host): needs cudagraphs=False on CUDA
@@ -129,8 +134,11 @@ def release() -> None:
     """
     import gc
 
+    from . import symm_mem
+
     for per_layout in list(_LIVE):
         per_layout.compiled.clear()
+    symm_mem.release()
     torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -164,6 +172,7 @@ _OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ffn_tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "ffn_ep": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "attn_tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "symm_mem": (lambda v: isinstance(v, bool), "a bool"),
 }
 
 
@@ -189,6 +198,7 @@ class BackendOptions:
     ffn_tp: int = 1
     ffn_ep: int = 1
     attn_tp: int = 1
+    symm_mem: bool = True
 
     @staticmethod
     def parse(options: dict[str, Any] | None) -> BackendOptions:
@@ -523,9 +533,11 @@ class PerLayout:
     def _compile(self, inputs: Sequence[Any]) -> Callable[..., Any]:
         if not self.inductor:
             return self.program
+        from .passes.fuse_norm import lower_for_inductor
         from .passes.tp_rewrite import drop_export_guards
 
         drop_export_guards(self.program)
+        lower_for_inductor(self.program)  # Inductor fuses each junction's add + RMSNorm into one kernel
         for n in list(self.program.graph.nodes):  # bound to symbols of the shape env that traced it, not the
             n.meta.pop("unbacked_bindings", None)  # compile's: data-dependent sizes are bound afresh
             if n.target == torch.ops.aten._assert_tensor_metadata.default and not n.users:
@@ -760,12 +772,15 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     from .runtime import dp_step_counts, tp_groups
     from .scatter import TPLayout
     from .state_store import bind_inputs, bind_outputs
+    from .symm_mem import prepare_groups
 
     layout = TPLayout(opts.tp, opts.attn_dp, moe_a2a=opts.moe_a2a, dense_dp=opts.dense_dp,
                       vocab_parallel=opts.vocab_parallel)
     groups = tp_groups(world, [layout], timeout_s=opts.timeout_s)
     register_group(GROUP_TP, groups[("tp", layout.tp)])
     register_group(GROUP_ATTN_TP, groups[("attn", layout.attn_tp_group(rank))])
+    prepare_groups({GROUP_TP: groups[("tp", layout.tp)], GROUP_ATTN_TP: groups[("attn", layout.attn_tp_group(rank))]},
+                   device, opts.symm_mem)
     gm = ep.module()
     annotate_roles(gm, POLICIES[opts.policy], graph_name="dynamo")
     t0 = time.perf_counter()
@@ -816,7 +831,7 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
 
         group = process_group(range(world), opts.timeout_s)
     worker = make_worker(ep.module(), layout, rank, config, device=device, group=group, check_wire=check,
-                         stages=opts.stages)
+                         stages=opts.stages, symm_mem=opts.symm_mem)
     if isinstance(worker, AttentionWorker):
         _decode_attention(worker.program, opts, f"rank {rank} attention", device)
         worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called

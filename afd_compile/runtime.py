@@ -436,11 +436,13 @@ class ControlError(AFDCompileError):
 
 def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig | None = None,
                 device: torch.device | None = None, group: dist.ProcessGroup | None = None,
-                check_wire: bool | None = None, stages: int = 1) -> AttentionWorker | FFNWorker:
+                check_wire: bool | None = None, stages: int = 1, symm_mem: bool = True) -> AttentionWorker | FFNWorker:
     """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id
     (an attention rank reuses the one registered there when it matches: :func:`communicator_for`).
     ``check_wire``: header checks on every transfer (None: ``AFD_CHECK_WIRE``; see AFDCommunicator).
-    ``stages``: micro-batches per step (passes/stages.py); every rank of the layout the same."""
+    ``stages``: micro-batches per step (passes/stages.py); every rank of the layout the same.
+    ``symm_mem``: an FFN or attention TP group on CUDA all-reduces small messages over symmetric
+    memory where it can (symm_mem.py); False: NCCL."""
     from .passes.pingpong import check_schedule, schedule_of_programs
     from .passes.schedule import verify_schedule
 
@@ -471,16 +473,24 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
         check_schedule(schedule_of_programs(layout, *staged))  # paired in order, no deadlock
     device = device or torch.device("cpu")
     check = wire_checks_from_env() if check_wire is None else check_wire
+    if role == "attention" and layout.attn_tp > 1:
+        from .comm import GROUP_ATTN_TP, GROUP_TP
+        from .symm_mem import prepare_groups
+
+        own = attn_groups[idx // layout.attn_tp]
+        prepare_groups({GROUP_TP: own, GROUP_ATTN_TP: own}, device, symm_mem)
     if role == "ffn":
         comm = communicator_for("ffn", rank, layout.peers_of_ffn(idx), group, check, config.comm_id)
         worker = FFNWorker(ffn, comm, device, stages=stages, static_batch=batch)
         if size > 1:
             from .comm import GROUP_FFN_TP, register_group
             from .passes.ffn_tp import ffn_group_program
+            from .symm_mem import prepare_groups
 
             ffn_group_program(ffn, layout.ffn_tp, layout.ffn_ep, idx % size)
             worker.ffn_group = groups[idx // size]
             register_group(GROUP_FFN_TP, worker.ffn_group)
+            prepare_groups({GROUP_FFN_TP: worker.ffn_group}, device, symm_mem)
             worker.group_rank, worker.group_size, worker.group_input = idx % size, size, layout.ffn_tp > 1
         worker.program = ffn.to(device)
         if stages_built != 1:

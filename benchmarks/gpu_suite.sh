@@ -13,7 +13,10 @@
 #           The jobs run side by side, each under `timeout`.
 #           With "all", the CPU section runs alongside them.
 # exchange: benchmarks/gpu_exchange.py (AFD layer exchange in CUDA graphs vs the bare NCCL floor)
-# step:     benchmarks/compile_step.py for tp and afd (compiled+graphed vs eager, vs one GPU), and
+# junction: benchmarks/junction.py (all-reduce + add + RMSNorm alone, by message size: NCCL vs the
+#           one-shot all-reduce over symmetric memory, in CUDA graphs); also run by "step"
+# step:     benchmarks/compile_step.py for tp and afd (compiled+graphed vs eager, vs one GPU; TP also
+#           with every junction over NCCL), and
 #           benchmarks/pingpong_step.py (AFD 1A1F with 1, 2, 3 micro-batch stages vs each role alone
 #           and one GPU; a profiler trace of S=2 steps)
 # cpu:      the CPU test suite under this host's torch (checks the torch>=2.11 claim), GPUs hidden
@@ -135,6 +138,8 @@ if [[ $SECTIONS == *" one "* ]]; then
   TAIL=2 run one_generate_flex_qwen3moe $T1 examples/generate.py --dtype bfloat16 --decode-attention flex --family qwen3_moe
   TAIL=8 run one_decode_step $T1 benchmarks/decode_step.py --shapes 8x1024,64x1024,64x4096 --iters 15 --out "$OUT/one_decode_step.json"
   TAIL=8 run one_decode_attention_kernel python3 benchmarks/decode_attention_kernel.py --out "$OUT/one_decode_attention_kernel.json"
+  # one rank: symmetric-memory setup, capture and dispatch of the junction (the sum of one partial)
+  TAIL=14 run one_junction $T1 benchmarks/junction.py --tokens 8,64 --out "$OUT/one_junction.json"
 fi
 if want decode; then
   export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}
@@ -149,6 +154,9 @@ if want decode; then
 fi
 if want exchange; then
   TAIL=9 run exchange $TR benchmarks/gpu_exchange.py --out "$OUT/exchange.json"
+fi
+if want step || want junction; then  # issue 15: the TP junction alone, NCCL vs one-shot over symmetric memory
+  TAIL=14 run junction $TR benchmarks/junction.py --out "$OUT/junction.json"
 fi
 if want step; then
   TAIL=6 run step_tp $TR benchmarks/compile_step.py --mode tp --out "$OUT/step_tp.json"

@@ -459,6 +459,16 @@ def test_the_allreduce_add_rmsnorm_unit_fuses_in_bf16_and_computes_the_same():
                                      fuse_norm=fuse).program
     fused = [n for n in progs[True].graph.nodes if n.target == torch.ops.afd.all_reduce_add_rms_norm.default]
     assert len(fused) == 4 and all(n.args[5] == torch.bfloat16 for n in fused)
+    # what Inductor gets: each unit lowered back to the all-reduce and the ops Inductor fuses
+    import copy
+
+    from afd_compile.passes.fuse_norm import lower_for_inductor
+
+    progs["lowered"] = copy.deepcopy(progs[True])
+    assert lower_for_inductor(progs["lowered"]) == 4
+    targets = [n.target for n in progs["lowered"].graph.nodes]
+    assert torch.ops.afd.all_reduce_add_rms_norm.default not in targets
+    assert targets.count(torch.ops.afd.all_reduce.default) == 4 and targets.count(torch.ops.aten.rsqrt.default) == 5
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
@@ -469,8 +479,8 @@ def test_the_allreduce_add_rmsnorm_unit_fuses_in_bf16_and_computes_the_same():
             out = {fuse: p(ids) for fuse, p in progs.items()}
     finally:
         dist.destroy_process_group()
-    a, b = (o[0] if isinstance(o, (tuple, list)) else o for o in (out[True], out[False]))
-    assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    a, b, c = (o[0] if isinstance(o, (tuple, list)) else o for o in (out[True], out[False], out["lowered"]))
+    assert a.dtype == torch.bfloat16 and torch.equal(a, b) and torch.equal(a, c)
 
 
 def _head(prog):

@@ -140,3 +140,39 @@ def fuse_allreduce_add_rmsnorm(gm: fx.GraphModule) -> int:
     g.lint()
     gm.recompile()
     return fused_count
+
+
+def lower_for_inductor(gm: fx.GraphModule) -> int:
+    """Before Inductor: each ``afd::all_reduce_add_rms_norm`` back into ``afd::all_reduce`` and the
+    composite's ATen ops, so Inductor fuses the residual add, the norm and both casts into one
+    kernel beside the all-reduce (a custom op is opaque to Inductor: kept whole, its composite
+    would run as separate kernels). The all-reduce picks its transport per message (symm_mem.py:
+    one-shot over symmetric memory for small messages, NCCL above). Returns how many were lowered::
+
+        h, n = afd.all_reduce_add_rms_norm(o, x, w, eps, group, dt)
+                                          ->  ar = afd.all_reduce(o, group); h = add(x, ar)
+                                              h32 = to(h, float32); var = mean(pow(h32, 2), [-1], keepdim)
+                                              n = mul(w, to(mul(h32, rsqrt(add(var, eps))), dt))
+    """
+    g = gm.graph
+    lowered = 0
+    for fused in [n for n in g.nodes if n.target == torch.ops.afd.all_reduce_add_rms_norm.default]:
+        partial, residual, weight, eps, group, norm_dtype = fused.args
+        with g.inserting_before(fused):
+            ar = g.call_function(torch.ops.afd.all_reduce.default, (partial, group))
+            h = g.call_function(aten.add.Tensor, (residual, ar))
+            h32 = g.call_function(aten.to.dtype, (h, torch.float32))
+            var = g.call_function(aten.mean.dim, (g.call_function(aten.pow.Tensor_Scalar, (h32, 2)), [-1], True))
+            rs = g.call_function(aten.rsqrt.default, (g.call_function(aten.add.Tensor, (var, eps)),))
+            back = g.call_function(aten.to.dtype, (g.call_function(aten.mul.Tensor, (h32, rs)), norm_dtype))
+            normed = g.call_function(aten.mul.Tensor, (weight, back))
+        for u in list(fused.users):
+            if u.target is operator.getitem:
+                u.replace_all_uses_with((h, normed)[u.args[1]])
+                g.erase_node(u)
+        g.erase_node(fused)
+        lowered += 1
+    if lowered:
+        g.lint()
+        gm.recompile()
+    return lowered
