@@ -379,7 +379,13 @@ def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout 
     record (``plan --json`` prints it; :func:`_stage_text` renders it)."""
     from .passes.pingpong import check_schedule, micro_batches, schedule_of_programs
     from .passes.schedule import verify_schedule
-    from .passes.stages import stage_attention_program, stage_ffn_program, static_batch, static_rows
+    from .passes.stages import (
+        check_stage_layout,
+        stage_attention_program,
+        stage_ffn_program,
+        static_batch,
+        static_rows,
+    )
     from .programs import flat_inputs, load_program
     from .runtime import TokenCount
 
@@ -387,6 +393,7 @@ def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout 
         raise UsageError(f"--stages must be >= 1, got {args.stages}")
     layout = layout or AFDLayout(1, 1)
     fixed = static_batch(result.attention)
+    check_stage_layout(layout, args.stages, fixed)
     staged = (stage_attention_program(result.attention, args.stages),
               stage_ffn_program(result.ffn, args.stages, batch=fixed))
     verify_schedule(*staged)

@@ -244,11 +244,13 @@ class TPStep:
 _TP_STEP: list[TPStep] = []
 
 
-def set_tp_step(step: TPStep) -> None:
-    _TP_STEP[:] = [step]
+def set_tp_step(step: TPStep | Sequence[TPStep]) -> None:
+    """This step's counts; a sequence: one per micro-batch stage (an FFN group's staged program)."""
+    _TP_STEP[:] = [step] if isinstance(step, TPStep) else list(step)
 
 
-def get_tp_step(where: str) -> TPStep:
-    if not _TP_STEP or not _TP_STEP[0].counts:
-        raise RuntimeError(f"{where}: no per-step DP token counts; the runtime must call set_tp_step() first")
-    return _TP_STEP[0]
+def get_tp_step(where: str, stage: int = 0) -> TPStep:
+    if stage >= len(_TP_STEP) or not _TP_STEP[stage].counts:
+        raise RuntimeError(f"{where}: no per-step DP token counts for stage {stage} (set for {len(_TP_STEP)} "
+                           "stage(s)); the runtime must call set_tp_step() first")
+    return _TP_STEP[stage]

@@ -386,10 +386,10 @@ def _(x, group_id, size):
 COLLECTIVE_OPS = (torch.ops.afd.all_reduce.default, torch.ops.afd.all_gather_last.default)
 
 
-def _dp_check(x: torch.Tensor, total: int, where: str, rows: str) -> object:
+def _dp_check(x: torch.Tensor, total: int, where: str, rows: str, stage: int = 0) -> object:
     from .comm import get_tp_step
 
-    step = get_tp_step(where)
+    step = get_tp_step(where, stage)
     n = step.own if rows == "own" else step.total
     if x.shape[0] != n or step.total != total:
         raise ValueError(f"{where}: shape mismatch: input has {x.shape[0]} rows, expected {n} "
@@ -398,15 +398,16 @@ def _dp_check(x: torch.Tensor, total: int, where: str, rows: str) -> object:
 
 
 @torch.library.custom_op("afd::all_gather_tokens", mutates_args=())
-def all_gather_tokens(x: torch.Tensor, group_id: int, total: int) -> torch.Tensor:
+def all_gather_tokens(x: torch.Tensor, group_id: int, total: int, stage: int = 0) -> torch.Tensor:
     """Every DP group's tokens, in group order: ``(own, H) -> (total, H)``. Each rank is its own
     DP group (attn_tp == 1). Padding rule: every rank pads to the largest count, gathers, and
-    drops the padding (so groups with zero tokens take part too)."""
+    drops the padding (so groups with zero tokens take part too). ``stage``: whose per-step
+    counts (``comm.set_tp_step``) to use: a micro-batch's, in an FFN group's staged program."""
     import torch.distributed as dist
 
     from .comm import get_group
 
-    step = _dp_check(x, total, "afd.all_gather_tokens", "own")
+    step = _dp_check(x, total, "afd.all_gather_tokens", "own", stage)
     group = get_group(group_id)
     pad = max(step.counts)
     buf = torch.zeros((pad, *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -417,7 +418,7 @@ def all_gather_tokens(x: torch.Tensor, group_id: int, total: int) -> torch.Tenso
 
 
 @all_gather_tokens.register_fake
-def _(x, group_id, total):
+def _(x, group_id, total, stage=0):
     return x.new_empty((total, *x.shape[1:]))
 
 
@@ -443,8 +444,9 @@ def _(x, group_id, total):
 
 
 @torch.library.custom_op("afd::reduce_scatter_tokens", mutates_args=())
-def reduce_scatter_tokens(x: torch.Tensor, group_id: int, total: int, own: int) -> torch.Tensor:
-    """Sum a FULL partial tensor over the TP group and keep this rank's DP group's rows.
+def reduce_scatter_tokens(x: torch.Tensor, group_id: int, total: int, own: int, stage: int = 0) -> torch.Tensor:
+    """Sum a FULL partial tensor over the TP group and keep this rank's DP group's rows (``stage``:
+    as in :func:`all_gather_tokens`).
     Implemented as an all-reduce of all rows then the local slice: DP groups of unequal sizes
     need no padding this way (a padded reduce_scatter + attention-group all_gather moves fewer
     bytes; not done yet)."""
@@ -452,14 +454,14 @@ def reduce_scatter_tokens(x: torch.Tensor, group_id: int, total: int, own: int) 
 
     from .comm import get_group
 
-    step = _dp_check(x, total, "afd.reduce_scatter_tokens", "total")
+    step = _dp_check(x, total, "afd.reduce_scatter_tokens", "total", stage)
     buf = x.contiguous().clone()
     dist.all_reduce(buf, group=get_group(group_id))
     return buf[step.offset : step.offset + step.own].clone()
 
 
 @reduce_scatter_tokens.register_fake
-def _(x, group_id, total, own):
+def _(x, group_id, total, own, stage=0):
     return x.new_empty((own, *x.shape[1:]))
 
 

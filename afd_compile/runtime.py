@@ -37,7 +37,13 @@ from .comm import AFDCommunicator, communicator_for, register_communicator, wire
 from .errors import AFDCompileError
 from .layout import AFDLayout
 from .passes.graph_utils import batch_symbol_dims
-from .passes.stages import stage_attention_program, stage_ffn_program, static_batch, static_rows
+from .passes.stages import (
+    check_stage_layout,
+    stage_attention_program,
+    stage_ffn_program,
+    static_batch,
+    static_rows,
+)
 from .passes.symbolic import sym_expr
 from .scatter import TPLayout
 from .split_api import SplitConfig, split_graph_module
@@ -312,6 +318,8 @@ class FFNWorker:
     group_input: bool = False
     #: the token counts of the group's ranks this step
     group_counts: tuple[int, ...] = ()
+    #: with stages: per stage the group runs, each group rank's tokens in it
+    group_stage_counts: tuple[tuple[int, ...], ...] = ()
     #: the static batch of the attention peers (a static KV cache), whose micro-batches are fixed
     #: (passes/stages.static_rows); None: a dynamic batch
     static_batch: int | None = None
@@ -343,28 +351,26 @@ class FFNWorker:
             dist.recv(b, p, group=self.comm.group)
         got = dict(zip(live, ([int(v) for v in b.tolist()] for b in bufs), strict=True))
         counts = self._check_control(got)
+        per_stage = self._stage_counts(counts, dev) if self.stages > 1 and counts is not None else None
         if self.group_size > 1:
-            counts = self._group_step(counts)
+            counts = self._group_step(counts, per_stage)
         if counts is None:
             return None
         if self.stages == 1:
             per_stage = [counts]
-        else:  # each peer's tokens per stage, checked against its total
-            by_peer = {}
-            for p, n in zip(self.comm.peers, counts, strict=True):
-                if p in self.left:
-                    by_peer[p] = [0] * self.stages
-                    continue
-                b = torch.empty(self.stages, dtype=torch.int64, device=dev)
-                dist.recv(b, p, group=self.comm.group)
-                by_peer[p] = [int(v) for v in b.tolist()]
-                if sum(by_peer[p]) != n or min(by_peer[p]) < 0:
-                    raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {p} announced {n} tokens but "
-                                       f"stage counts {by_peer[p]}")
-            per_stage = [tuple(by_peer[p][s] for p in self.comm.peers) for s in range(self.stages)]
+        elif per_stage is None:  # this rank's peers have all left; its group still runs
+            per_stage = [counts] * self.stages
         self.comm.set_step({s: c for s, c in enumerate(per_stage)} if self.stages > 1 else {self.stage: counts})
         if on_step:
             on_step(counts)
+        if self.stages > 1 and self.group_size > 1:  # the group's stages, in lockstep (some maybe empty here)
+            k = len(self.group_stage_counts)
+            if k:
+                self.step_counts = (tuple(per_stage[:k]), self.group_stage_counts)
+                own = [torch.empty(sum(per_stage[s]), 0, device=self.device) for s in range(k)]
+                group = [torch.empty(sum(c), 0, device=self.device) for c in self.group_stage_counts]
+                self.program_for(k)(*own, *(group if self.group_input else ()))
+            return counts
         if sum(counts):
             if self.stages > 1:
                 live = [sum(c) for c in per_stage if sum(c)]
@@ -387,22 +393,49 @@ class FFNWorker:
         else:
             self.program(*slots)
 
-    def _group_step(self, counts: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        """Exchange this rank's token count with its FFN TP group (-1: every peer has left) and
-        record the group's counts for the program's collectives (``comm.set_tp_step``). Returns
-        the per-peer counts (zeros once this rank's peers have left while others of the group
-        run), or None once every rank of the group is done."""
+    def _stage_counts(self, counts: tuple[int, ...], dev: str) -> list[tuple[int, ...]]:
+        """Each live peer's tokens per stage (sent after its control message), checked against its
+        total; per stage, one count per peer (0 for a peer that left)."""
+        by_peer = {}
+        for p, n in zip(self.comm.peers, counts, strict=True):
+            if p in self.left:
+                by_peer[p] = [0] * self.stages
+                continue
+            b = torch.empty(self.stages, dtype=torch.int64, device=dev)
+            dist.recv(b, p, group=self.comm.group)
+            by_peer[p] = [int(v) for v in b.tolist()]
+            if sum(by_peer[p]) != n or min(by_peer[p]) < 0:
+                raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {p} announced {n} tokens but "
+                                   f"stage counts {by_peer[p]}")
+        return [tuple(by_peer[p][s] for p in self.comm.peers) for s in range(self.stages)]
+
+    def _group_step(self, counts: tuple[int, ...] | None,
+                    per_stage: list[tuple[int, ...]] | None = None) -> tuple[int, ...] | None:
+        """Exchange this rank's token count (and, with stages, its tokens per stage) with its FFN
+        group (-1: every peer has left) and record the group's counts for the program's
+        collectives (``comm.set_tp_step``: with stages one entry per stage the group runs, up to
+        its last stage with a token anywhere in the group: ``group_stage_counts``). Returns the
+        per-peer counts (zeros once this rank's peers have left while others of the group run),
+        or None once every rank of the group is done."""
         from .comm import TPStep, set_tp_step
 
         dev = "cuda" if self.comm.device_transport else "cpu"
-        mine = torch.tensor([-1 if counts is None else sum(counts)], dtype=torch.int64, device=dev)
+        stages = ([sum(c) for c in per_stage] if per_stage is not None
+                  else [0] * self.stages if self.stages > 1 else [])
+        mine = torch.tensor([-1 if counts is None else sum(counts), *stages], dtype=torch.int64, device=dev)
         parts = [torch.empty_like(mine) for _ in range(self.group_size)]
         dist.all_gather(parts, mine, group=self.ffn_group)
-        got = [int(p.item()) for p in parts]
-        if all(g < 0 for g in got):
+        got = [[int(v) for v in p.tolist()] for p in parts]
+        if all(g[0] < 0 for g in got):
             return None
-        self.group_counts = tuple(max(g, 0) for g in got)
-        set_tp_step(TPStep(self.group_rank, self.group_counts))
+        self.group_counts = tuple(max(g[0], 0) for g in got)
+        if self.stages > 1:
+            live = [s for s in range(self.stages) if any(g[1 + s] for g in got)]
+            k = live[-1] + 1 if live else 0
+            self.group_stage_counts = tuple(tuple(g[1 + s] for g in got) for s in range(k))
+            set_tp_step([TPStep(self.group_rank, c) for c in self.group_stage_counts])
+        else:
+            set_tp_step(TPStep(self.group_rank, self.group_counts))
         return counts if counts is not None else tuple(0 for _ in self.comm.peers)
 
     def _check_control(self, messages: dict[int, list[int]]) -> tuple[int, ...] | None:
@@ -455,14 +488,10 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     size = layout.ffn_group_size
     groups = [process_group(g) for g in layout.ffn_groups()]  # every rank creates every group, in one order
     attn_groups = [process_group(g) for g in layout.attention_groups()]
-    if stages != 1 and (size > 1 or layout.attn_tp > 1):
-        from .passes.stages import StageError
-
-        raise StageError(f"layout {layout}: micro-batch stages with FFN or attention groups are not supported yet; "
-                         "use stages=1 or one rank per group")
+    batch = static_batch(result.attention) if stages != 1 else None
+    check_stage_layout(layout, stages, batch)
     if role == "attention" and layout.attn_tp > 1:
         attention, counter = attention_tp_program(gm, result, layout, idx, config, attn_groups[idx // layout.attn_tp])
-    batch = static_batch(result.attention) if stages != 1 else None
     if batch is not None:  # a static batch (a static KV cache): min(stages, batch) micro-batches
         stages_built = len(static_rows(batch, stages))
     else:
@@ -493,8 +522,8 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
             prepare_groups({GROUP_FFN_TP: worker.ffn_group}, device, symm_mem)
             worker.group_rank, worker.group_size, worker.group_input = idx % size, size, layout.ffn_tp > 1
         worker.program = ffn.to(device)
-        if stages_built != 1:
-            worker.staged[stages_built] = staged[1].to(device)
+        if stages_built != 1:  # (a group's program: staged again, with its group inputs and collectives)
+            worker.staged[stages_built] = (staged[1] if size == 1 else stage_ffn_program(ffn, stages)).to(device)
         return worker
     # one communicator per comm id, shared by every graph of this rank (prefill, decode)
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id)

@@ -55,7 +55,7 @@ def collect() -> dict[str, dict[str, dict[str, bool]]]:
 
     for name, *_ in test_numerics.CASES + test_numerics.ZERO:
         mark(by_model[name], "AFD", "verify", False)
-    for name, layout, _, _ in test_ffn_tp.GROUP_CASES:
+    for name, layout, *_ in test_ffn_tp.GROUP_CASES:
         mark(by_model[name], "AFD + TP/EP groups", "verify", False)
         if layout.ffn_ep > 1:
             mark(by_model[name], "expert parallel", "verify", False)

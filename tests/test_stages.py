@@ -133,6 +133,35 @@ def test_refusals_name_the_reason():
         stage_attention_program(fx.GraphModule(torch.nn.Module(), g), 2)
 
 
+@pytest.mark.parametrize(("layout", "batch", "message"), [
+    (AFDLayout(4, 2, attn_tp=2), None, "stages with attention TP groups are not supported yet"),
+    (AFDLayout(2, 2, 2), 3, "stages of FFN groups over a static batch .* batch 3"),
+    (AFDLayout(2, 2, ffn_ep=2), 3, "stages of FFN groups over a static batch"),
+])
+def test_layouts_stages_do_not_compose_with_yet_are_refused(layout, batch, message):
+    from afd_compile.passes.stages import check_stage_layout
+
+    with pytest.raises(StageError, match=message):
+        check_stage_layout(layout, 2, batch)
+    check_stage_layout(layout, 1, batch)  # one stage: today's program
+
+
+def test_an_ffn_tp_group_program_is_staged_with_each_stage_s_group_counts(exported):
+    from afd_compile.comm import GROUP_FFN_TP
+    from afd_compile.passes.ffn_tp import tensor_parallel_ffn
+    from afd_compile.split_api import split
+
+    ffn = tensor_parallel_ffn(split(exported("llama2")[0]).ffn, 2, 0).program
+    staged = stage_ffn_program(ffn, 3)
+    inputs = [n.name for n in staged.graph.nodes if n.op == "placeholder"]
+    assert inputs == [f"token_slots_{s}" for s in range(3)] + [f"ffn_group_slots_{s}" for s in range(3)]
+    gather, settle = torch.ops.afd.all_gather_tokens.default, torch.ops.afd.reduce_scatter_tokens.default
+    colls = [(n.target, n.args[1], n.args[-1]) for n in staged.graph.nodes if n.target in (gather, settle)]
+    # layer-major, stage-minor: per stage the gather after its receive, the reduce-scatter before its send,
+    # each reading its stage's counts
+    assert colls == [(t, GROUP_FFN_TP, s) for _ in range(2) for s in range(3) for t in (gather, settle)]
+
+
 def test_an_ffn_rank_refuses_a_peer_with_other_stages():
     from afd_compile.comm import AFDCommunicator
     from afd_compile.runtime import ControlError, FFNWorker

@@ -66,6 +66,7 @@ import torch.fx as fx
 
 from .. import ops as afd_ops  # noqa: F401  (registers the afd ops)
 from ..errors import AFDCompileError
+from ..layout import AFDLayout
 from .batch_dims import META_KEY as BATCH_KEY
 from .batch_dims import BatchError, plan_batch
 from .graph_utils import aliases_first_arg, batch_symbol_dims, writes_first_arg
@@ -79,6 +80,20 @@ META_KEY = "afd.stage"
 
 class StageError(AFDCompileError):
     """A program that cannot run as micro-batch stages, and why."""
+
+
+def check_stage_layout(layout: AFDLayout, stages: int, batch: int | None) -> None:
+    """Refuse what micro-batch stages do not compose with yet, before anything runs (every rank
+    and the CLI call it): attention TP groups, and FFN groups over a static batch (a static KV
+    cache). FFN TP / EP groups over a dynamic batch are staged (:func:`stage_ffn_program`)."""
+    if stages == 1:
+        return
+    if layout.attn_tp > 1:
+        raise StageError(f"layout {layout}: micro-batch stages with attention TP groups are not supported yet; "
+                         "use stages=1 or attn_tp=1")
+    if batch is not None and layout.ffn_group_size > 1:
+        raise StageError(f"layout {layout}: micro-batch stages of FFN groups over a static batch (a static KV cache, "
+                         f"batch {batch}) are not supported yet; use stages=1 or one FFN rank per group")
 
 
 def _check_stages(stages: int) -> None:
@@ -407,7 +422,14 @@ def stage_ffn_program(gm: fx.GraphModule, stages: int, name: str = "FFN program"
     (each stage's tokens over all peers, as ``[T_s, 0]``), every layer's FFN once per stage,
     layer-major; ``stages = 1`` returns ``gm`` itself. ``batch``: the static batch of its
     attention peers (None: dynamic): ``min(stages, batch)`` stages (:func:`static_rows`), each
-    padding its tokens to a multiple of the batch (:func:`_padded_tokens`)."""
+    padding its tokens to a multiple of the batch (:func:`_padded_tokens`).
+
+    The program of an FFN TP group (passes/ffn_tp.py: a second input, the group's tokens) takes
+    ``ffn_group_slots_0 .. S-1`` after the token slots, and each stage's collectives read that
+    stage's per-rank counts (the ``stage`` argument of ``afd.all_gather_tokens`` /
+    ``reduce_scatter_tokens``); an expert-parallel group's all-to-alls need nothing more. Every
+    rank of a group runs the same stages (a stage with no token of its own still joins the
+    group's collectives)."""
     _check_stages(stages)
     if batch is not None:
         stages = len(static_rows(batch, stages))
@@ -415,12 +437,20 @@ def stage_ffn_program(gm: fx.GraphModule, stages: int, name: str = "FFN program"
         return gm
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != 1:
-        raise StageError(f"{name}: expected one input (the token slots), got {[n.name for n in placeholders]}")
+    group = len(placeholders) == 2 and placeholders[1].name == "ffn_group_slots"
+    if len(placeholders) != 1 and not group:
+        raise StageError(f"{name}: expected one input (the token slots), or two in an FFN TP group (and the "
+                         f"group's), got {[n.name for n in placeholders]}")
+    if group and batch is not None:
+        raise StageError(f"{name}: micro-batch stages of an FFN TP group over attention peers with a static batch "
+                         f"(a static KV cache, batch {batch}) are not supported yet; use stages=1 or ffn_tp=1")
     g = fx.Graph()
-    on_copy = _padded_tokens(gm, g, batch) if batch is not None else (lambda old, new, s: None)
+    on_copy = _padded_tokens(gm, g, batch) if batch is not None else _group_stage
     slots = [g.placeholder(f"token_slots_{s}") for s in range(stages)]
     envs: list[dict[fx.Node, object]] = [{placeholders[0]: slots[s]} for s in range(stages)]
+    if group:  # then each stage's group tokens: ffn_group_slots_0 .. S-1
+        for s in range(stages):
+            envs[s][placeholders[1]] = g.placeholder(f"ffn_group_slots_{s}")
 
     def on_transfer(old: fx.Node, new: fx.Node, s: int, last: fx.Node | None) -> fx.Node | None:
         if old.target == afd.p2p_recv_group.default and last is not None:
@@ -432,6 +462,18 @@ def stage_ffn_program(gm: fx.GraphModule, stages: int, name: str = "FFN program"
     staged = fx.GraphModule(gm, g)
     staged.meta.update(gm.meta)
     return staged
+
+
+#: an FFN TP group's collectives, which read the step's per-rank counts of their stage
+_GROUP_COLLECTIVES = {afd.all_gather_tokens.default: 3, afd.reduce_scatter_tokens.default: 4}
+
+
+def _group_stage(old: fx.Node, new: fx.Node, s: int) -> None:
+    """The ``on_copy`` of an FFN TP group's program: each copied group collective reads stage
+    ``s``'s counts (``comm.set_tp_step`` with one entry per stage)."""
+    at = _GROUP_COLLECTIVES.get(new.target) if new.op == "call_function" else None
+    if at is not None:
+        new.args = (*new.args[:at], s)
 
 
 def _padded_tokens(gm: fx.GraphModule, graph: fx.Graph, batch: int) -> Callable[[fx.Node, fx.Node, int], object]:
