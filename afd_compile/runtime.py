@@ -420,7 +420,9 @@ class FFNWorker:
         from .comm import TPStep, set_tp_step
 
         dev = "cuda" if self.comm.device_transport else "cpu"
-        stages = ([sum(c) for c in per_stage] if per_stage is not None
+        # (over a static batch B each stage's tokens are padded to a multiple of B: stages._padded_tokens)
+        pad = (lambda t: -(-t // self.static_batch) * self.static_batch) if self.static_batch else (lambda t: t)
+        stages = ([pad(sum(c)) for c in per_stage] if per_stage is not None
                   else [0] * self.stages if self.stages > 1 else [])
         mine = torch.tensor([-1 if counts is None else sum(counts), *stages], dtype=torch.int64, device=dev)
         parts = [torch.empty_like(mine) for _ in range(self.group_size)]
@@ -523,7 +525,8 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
             worker.group_rank, worker.group_size, worker.group_input = idx % size, size, layout.ffn_tp > 1
         worker.program = ffn.to(device)
         if stages_built != 1:  # (a group's program: staged again, with its group inputs and collectives)
-            worker.staged[stages_built] = (staged[1] if size == 1 else stage_ffn_program(ffn, stages)).to(device)
+            worker.staged[stages_built] = (staged[1] if size == 1 else stage_ffn_program(ffn, stages, batch=batch)
+                                           ).to(device)
         return worker
     # one communicator per comm id, shared by every graph of this rank (prefill, decode)
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id)

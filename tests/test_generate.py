@@ -289,9 +289,15 @@ def test_a_program_returning_the_cache_it_allocates_is_not_graph_captured(llama_
 # --- the CLI on programs exported with their cache ----------------------------------------------
 
 
+#: the static batch each family's cache program is exported with: Qwen3-MoE with 3, which neither
+#: 2 micro-batches (rows 2 + 1) nor the tokens an expert-parallel rank receives need divide
+CACHE_BATCH = {"qwen3_moe": 3}
+
+
 @pytest.fixture(scope="module")
 def cached_pt2(tmp_path_factory):
-    """family -> a .pt2 exported with transformers' own exporter for caches (batch 2, 32 positions)."""
+    """family -> a .pt2 exported with transformers' own exporter for caches (batch CACHE_BATCH or 2,
+    32 positions)."""
     from afd_compile.models import build_hf, export_cached_lm
 
     out = tmp_path_factory.mktemp("cached")
@@ -300,7 +306,8 @@ def cached_pt2(tmp_path_factory):
     def get(family: str) -> str:
         if family not in paths:
             path = str(out / f"{family}_cache.pt2")
-            torch.export.save(export_cached_lm(build_hf(family, num_layers=2)), path)
+            model = build_hf(family, num_layers=2)
+            torch.export.save(export_cached_lm(model, batch=CACHE_BATCH.get(family, 2)), path)
             paths[family] = path
         return paths[family]
 
@@ -311,14 +318,17 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "afd_compile.cli", *args], capture_output=True, text=True, timeout=600)
 
 
-DECODE = [("llama", ("-A", "3", "-F", "2", "--stages", "2")),  # each micro-batch its own cache rows
-          ("llama", ("--tp", "2")),
+DECODE = [("llama", ("--tp", "2")),
           ("qwen3_moe", ("--tp", "2")),
+          # each micro-batch its own cache rows (batch 3: rows 2 + 1, each padded to 3 tokens on the FFN
+          # side), fan-in, and an expert-parallel FFN group running the same stages over a static batch
+          ("qwen3_moe", ("-A", "3", "-F", "2", "--ffn-ep", "2", "--stages", "2")),
           # composed: two attention DP groups of TP 2 (each its own sequences and cache, sharded by
           # heads) and an FFN TP group of 2
           ("llama", ("-A", "4", "--attn-tp", "2", "-F", "2", "--ffn-tp", "2"))]
 SLOW_DECODE = [("qwen3_moe", ("-A", "2", "-F", "2", "--ffn-ep", "2")), ("llama", ("-A", "1", "-F", "1")),
                ("llama", ("-A", "3", "-F", "2")), ("qwen3_moe", ("-A", "2", "-F", "1", "--stages", "3")),
+               ("llama", ("-A", "3", "-F", "2", "--stages", "2")), ("qwen3_moe", ("-A", "3", "-F", "2", "--ffn-tp", "2")),
                # each DP group its own sequences and cache (in the default run: generate() with an idle DP
                # group, and DP groups of attention TP inside AFD above)
                ("llama", ("--tp", "4", "--attn-dp", "2")), ("llama", ("-A", "2", "-F", "1")), ("llama", ("--tp", "4")),
@@ -326,23 +336,32 @@ SLOW_DECODE = [("qwen3_moe", ("-A", "2", "-F", "2", "--ffn-ep", "2")), ("llama",
                ("qwen3_moe", ("-A", "3", "-F", "2")), ("qwen3_moe", ("--tp", "4", "--attn-dp", "2"))]
 
 
-def _check_decode(proc: subprocess.CompletedProcess) -> None:
+def _check_decode(proc: subprocess.CompletedProcess, batch: int) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "a prefill of 4 positions and 6 decode steps of 1" in proc.stdout
     assert re.search(r"^verify: OK max_rel_err=\S+$", proc.stdout.strip().splitlines()[-1]), proc.stdout[-1000:]
     for batches in re.findall(r"batches (\[[^\]]*\])", proc.stdout):
-        assert batches == "[2, 2, 2, 2, 2, 2, 2]"  # every rank compared 7 steps of its 2 sequences
+        assert batches == str([batch] * 7)  # every rank compared 7 steps of its sequences
 
 
 @pytest.mark.parametrize(("family", "layout"), DECODE, ids=[f"{f}-{' '.join(a)}" for f, a in DECODE])
 def test_verify_decode_steps_on_exported_cache_programs(cached_pt2, family, layout):
-    _check_decode(_cli("verify", cached_pt2(family), *layout, "--decode-steps", "6"))
+    _check_decode(_cli("verify", cached_pt2(family), *layout, "--decode-steps", "6"), CACHE_BATCH.get(family, 2))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "layout"), SLOW_DECODE, ids=[f"{f}-{' '.join(a)}" for f, a in SLOW_DECODE])
 def test_verify_decode_steps_more_layouts(cached_pt2, family, layout):
-    _check_decode(_cli("verify", cached_pt2(family), *layout, "--decode-steps", "6"))
+    _check_decode(_cli("verify", cached_pt2(family), *layout, "--decode-steps", "6"), CACHE_BATCH.get(family, 2))
+
+
+def test_an_ffn_tp_group_over_a_static_batch_of_3_is_planned(cached_pt2, capsys):
+    # the group's token count is a multiple of the batch, as its own is (the program views its
+    # tokens as [3, T // 3, H]): planning it traced a group count of 8 once
+    from afd_compile.cli import main
+
+    assert main(["plan", cached_pt2("qwen3_moe"), "-A", "3", "-F", "2", "--ffn-tp", "2", "-q"]) == 0
+    assert "ffn tp: groups [[0, 1]]; FFN TP rank 0 of 2" in capsys.readouterr().out
 
 
 def test_decode_steps_read_the_cache(cached_pt2):

@@ -97,6 +97,7 @@ def copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node,
     graph.output(out)
     graph._codegen = _copy_codegen(gm.graph._codegen)
     new = fx.GraphModule(gm, graph)
+    new.meta.update(gm.meta)  # (what passes recorded about the program, e.g. its token multiple)
     for k in ("_in_spec", "_out_spec"):
         if hasattr(gm, k):
             setattr(new, k, getattr(gm, k))

@@ -26,6 +26,7 @@ per-token combine) runs on the tokens an ``afd.ep_dispatch`` all-to-all brings, 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -270,7 +271,7 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
     per-token rows (token-major); expert-count constants (``histc`` bins, ``one_hot`` classes)
     become the local count, any other use of the count is an error naming the node.
     """
-    from .symbolic import TokenBinding, emit_with, sym_expr
+    from .symbolic import TokenBinding, sym_expr
 
     where = f"layer {layer}"
     graph = new.graph
@@ -378,8 +379,7 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
             if not binding.known(expr):
                 raise ScatteredRewriteError(f"{where}: the experts read {s.name} ({s.meta['val']}), which is not a "
                                             "function of the token count")
-            env[s] = emit_with(lambda tgt, a: call(tgt, a), expr, {binding.sigma: call(
-                operator.floordiv, (m_rows, binding.coeff)) if binding.coeff != 1 else m_rows})
+            env[s] = _emit_rows_size(lambda tgt, a: call(tgt, a), expr, binding, m_rows)
         last = made[-1]
         for n in region_list:
             with graph.inserting_after(last):
@@ -416,6 +416,25 @@ def _weights_only(n: fx.Node) -> bool:
         seen.add(x)
         todo.extend(x.all_input_nodes)
     return True
+
+
+def _emit_rows_size(call: Callable[[object, tuple], fx.Node], expr: object, binding: object, m_rows: fx.Node) -> object:
+    """A size the experts read, for the ``m_rows`` rows dispatched to this rank. ``expr`` is in the
+    program's token symbol ``sigma`` (tokens ``T = coeff * sigma``: a static batch ``B`` makes
+    ``coeff = B``, and sizes like ``B * k * (T // B)``). Written in ``T`` when that has integer
+    coefficients (``k * T``: right for any row count), else with ``sigma = m_rows // coeff``
+    (right only for a multiple of ``coeff``: an expression that needs it)."""
+    import sympy
+
+    from .symbolic import emit_with
+
+    if binding.sigma is not None and binding.coeff != 1:
+        rows = sympy.Symbol("ep_rows", integer=True, positive=True)
+        in_rows = sympy.expand(expr.subs(binding.sigma, rows / binding.coeff))
+        if in_rows.is_polynomial(rows) and all(c.is_Integer for c in sympy.Poly(in_rows, rows).coeffs()):
+            return emit_with(call, in_rows, {rows: m_rows})
+    sigma = call(operator.floordiv, (m_rows, binding.coeff)) if binding.coeff != 1 else m_rows
+    return emit_with(call, expr, {binding.sigma: sigma})
 
 
 def _row_width(t: fx.Node, n_tok: object) -> int:

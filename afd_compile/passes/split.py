@@ -365,14 +365,22 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
     for cut in plan.cuts:
         c = TokenBinding.for_token_dims(list(src[cut.hidden].meta["val"].shape[:-1]), plan.graph_name).coeff
         multiple = multiple * c // math.gcd(multiple, c)
+    ffn.meta[TOKEN_MULTIPLE] = multiple
     propagate_ffn_meta(ffn, plan.static_tokens, multiple)
     return ffn
 
 
-def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None, multiple: int = 1) -> None:
+#: ffn.meta key: what every token count of the FFN program is a multiple of (a static batch B: the
+#: program views its tokens as [B, T // B, H])
+TOKEN_MULTIPLE = "afd.token_multiple"
+
+
+def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None, multiple: int | None = None) -> None:
     """``meta['val']`` on every FFN program node, with a symbolic token count (or the fixed
     count of a graph exported with static shapes) per ``(T, 0)`` input (an FFN TP group's
-    program has two: its own tokens and the group's)."""
+    program has two: its own tokens and the group's), each a ``multiple`` of the program's token
+    factor (default: the one :func:`build_ffn_program` recorded, ``ffn.meta[TOKEN_MULTIPLE]``)."""
+    multiple = ffn.meta.get(TOKEN_MULTIPLE, 1) if multiple is None else multiple
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv

@@ -84,16 +84,13 @@ class StageError(AFDCompileError):
 
 def check_stage_layout(layout: AFDLayout, stages: int, batch: int | None) -> None:
     """Refuse what micro-batch stages do not compose with yet, before anything runs (every rank
-    and the CLI call it): attention TP groups, and FFN groups over a static batch (a static KV
-    cache). FFN TP / EP groups over a dynamic batch are staged (:func:`stage_ffn_program`)."""
+    and the CLI call it): attention TP groups. FFN TP / EP groups are staged
+    (:func:`stage_ffn_program`). ``batch``: the static batch, if any (kept for the checks to come)."""
     if stages == 1:
         return
     if layout.attn_tp > 1:
         raise StageError(f"layout {layout}: micro-batch stages with attention TP groups are not supported yet; "
                          "use stages=1 or attn_tp=1")
-    if batch is not None and layout.ffn_group_size > 1:
-        raise StageError(f"layout {layout}: micro-batch stages of FFN groups over a static batch (a static KV cache, "
-                         f"batch {batch}) are not supported yet; use stages=1 or one FFN rank per group")
 
 
 def _check_stages(stages: int) -> None:
@@ -441,11 +438,13 @@ def stage_ffn_program(gm: fx.GraphModule, stages: int, name: str = "FFN program"
     if len(placeholders) != 1 and not group:
         raise StageError(f"{name}: expected one input (the token slots), or two in an FFN TP group (and the "
                          f"group's), got {[n.name for n in placeholders]}")
-    if group and batch is not None:
-        raise StageError(f"{name}: micro-batch stages of an FFN TP group over attention peers with a static batch "
-                         f"(a static KV cache, batch {batch}) are not supported yet; use stages=1 or ffn_tp=1")
     g = fx.Graph()
-    on_copy = _padded_tokens(gm, g, batch) if batch is not None else _group_stage
+    padded = _padded_tokens(gm, g, batch) if batch is not None else (lambda old, new, s: None)
+
+    def on_copy(old: fx.Node, new: fx.Node, s: int) -> object:
+        _group_stage(old, new, s)
+        return padded(old, new, s)
+
     slots = [g.placeholder(f"token_slots_{s}") for s in range(stages)]
     envs: list[dict[fx.Node, object]] = [{placeholders[0]: slots[s]} for s in range(stages)]
     if group:  # then each stage's group tokens: ffn_group_slots_0 .. S-1
@@ -488,8 +487,9 @@ def _padded_tokens(gm: fx.GraphModule, graph: fx.Graph, batch: int) -> Callable[
     ``total_tokens = sym_size(token_slots, 0)`` stays the count received and sent; every other
     use reads ``padded = (total_tokens + B - 1) // B * B``; ``p2p_recv_group``'s tensors get
     ``constant_pad_nd``, ``p2p_send_group``'s a ``slice`` to ``total_tokens``."""
-    totals = {n for n in gm.graph.nodes if n.op == "call_function" and n.target == aten.sym_size.int
-              and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"}
+    slots = next(n for n in gm.graph.nodes if n.op == "placeholder")  # (an FFN TP group's second input, its
+    # group's tokens, comes padded: the runtime sums the group's padded counts)
+    totals = {n for n in slots.users if n.op == "call_function" and n.target == aten.sym_size.int}
     raw: dict[int, fx.Node] = {}  # stage -> its total_tokens
     padded: dict[int, fx.Node] = {}  # stage -> the multiple of B it is padded to
 
