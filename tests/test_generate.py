@@ -355,13 +355,16 @@ def test_verify_decode_steps_more_layouts(cached_pt2, family, layout):
     _check_decode(_cli("verify", cached_pt2(family), *layout, "--decode-steps", "6"), CACHE_BATCH.get(family, 2))
 
 
-def test_an_ffn_tp_group_over_a_static_batch_of_3_is_planned(cached_pt2, capsys):
+def test_groups_over_a_static_batch_of_3_are_planned_or_refused(cached_pt2, capsys):
     # the group's token count is a multiple of the batch, as its own is (the program views its
     # tokens as [3, T // 3, H]): planning it traced a group count of 8 once
     from afd_compile.cli import main
 
     assert main(["plan", cached_pt2("qwen3_moe"), "-A", "3", "-F", "2", "--ffn-tp", "2", "-q"]) == 0
     assert "ffn tp: groups [[0, 1]]; FFN TP rank 0 of 2" in capsys.readouterr().out
+    # TP with the experts over all-to-all cannot take a static batch yet: refused, not a shape error on a rank
+    assert main(["plan", cached_pt2("qwen3_moe"), "--tp", "2", "--moe-a2a", "-q"]) == 2
+    assert "moe_a2a (--moe-a2a) over a static batch (input_ids has 3 rows" in capsys.readouterr().err
 
 
 def test_decode_steps_read_the_cache(cached_pt2):

@@ -49,11 +49,19 @@ class TPProgram:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per pass (PassTimings)
 
 
-def _check_supported(plan: TPPlan, layout: TPLayout) -> None:
+def _check_supported(plan: TPPlan, layout: TPLayout, gm: fx.GraphModule) -> None:
     kinds = {modes.kind for modes, _ in plan.layers}
     if layout.moe_a2a and "moe" not in kinds:
         raise TPRewriteError(f"moe_a2a (--moe-a2a) is set, but the graph has no MoE layer (layer kinds: "
                              f"{sorted(kinds)}); it would change nothing")
+    first = next((n for n in gm.graph.nodes if n.op == "placeholder"), None)
+    val = first.meta.get("val") if first is not None else None
+    if layout.moe_a2a and isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[0], int) \
+            and val.shape[0] > 1:
+        raise TPRewriteError(f"moe_a2a (--moe-a2a) over a static batch ({first.name} has {val.shape[0]} rows: a "
+                             "static KV cache fixes it) is not supported yet: the MoE blocks view their tokens as "
+                             "[batch, tokens // batch, hidden], which a rank's share of the tokens need not fill; "
+                             "run this layout without moe_a2a")
     if layout.dense_dp and "dense" not in kinds:
         raise TPRewriteError(f"dense_dp (--dense-dp) is set, but the graph has no dense MLP layer (layer kinds: "
                              f"{sorted(kinds)}); it would change nothing")
@@ -69,7 +77,7 @@ def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: 
         plan = plan_tp(gm, layout, graph_name)
     with timings("annotate_dist_states"):
         annotate_dist_states(gm, plan)
-    _check_supported(plan, layout)
+    _check_supported(plan, layout, gm)
     scattered = frozenset(m.index for m, _ in plan.layers if m.mlp is ScatterMode.SCATTERED)
     with timings("plan_shards"):
         shards = plan_shards(gm, attn_parts=layout.attn_tp, mlp_parts=layout.tp, replicated_mlp=scattered)
