@@ -44,7 +44,7 @@ Options (all optional)::
                        micro-batches run interleaved layer by layer, the attention rank computing
                        micro-batch s + 1 while the FFN rank computes s (passes/stages.py); every
                        rank the same S; with a KV cache each micro-batch its own cache rows;
-                       composes with ffn_tp / ffn_ep, not yet with attn_tp
+                       composes with ffn_tp / ffn_ep and attn_tp
     symm_mem           on CUDA, all-reduce small messages (TP junctions, AFD's TP groups) in one one-shot
                        kernel over symmetric memory where the group's GPUs reach each other, NCCL
                        above AFD_SYMM_MEM_MAX_BYTES (default 2 MiB) (afd_compile/symm_mem.py); where

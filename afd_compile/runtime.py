@@ -213,20 +213,25 @@ class AttentionWorker:
 
     def step(self, *inputs: torch.Tensor) -> Any:
         n = self.count_tokens(inputs)
+        slice_of = self.count_tokens if isinstance(self.count_tokens, GroupSlice) else None
+        # an attention TP rank whose slice is empty still runs: its group's collectives need it
+        total = slice_of.total(inputs) if slice_of is not None else n
         if self.stages == 1:
             send_control(self.comm, n)
             self.comm.set_step({self.stage: (n,)})
-            return self.program_for(1)(*inputs) if n else None
+            return self.program_for(1)(*inputs) if total else None
         from .passes.pingpong import micro_batches
 
         assert self.batch_dim is not None
         batch = int(inputs[self.batch_dim[0]].shape[self.batch_dim[1]])
-        per_seq = n // batch if batch else 0
+        per_seq = total // batch if batch else 0
         rows = [end - start for start, end in micro_batches([per_seq] * batch, self.stages)]
-        counts = tuple(r * per_seq for r in rows)
+        # this rank's tokens per stage: with attention TP its slice of each micro-batch's tokens
+        counts = tuple(r * per_seq if slice_of is None else slice_of.of(r * per_seq) for r in rows)
+        n = sum(counts)  # (with attention TP: the sum of its slices, each micro-batch split over the group apart)
         send_control(self.comm, n, counts)
         self.comm.set_step({s: (c,) for s, c in enumerate(counts)})
-        if n == 0:
+        if total == 0:
             return None
         rows = [r for r in rows if r]
         if len(rows) == 1:
@@ -558,9 +563,13 @@ class GroupSlice:
     rank: int
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> int:
+        return self.of(self.total(inputs))
+
+    def of(self, total: int) -> int:
+        """This rank's slice of ``total`` group tokens (a step's, or a micro-batch's)."""
         from .ops import group_token_sizes
 
-        return group_token_sizes(self.total(inputs), self.parts)[self.rank]
+        return group_token_sizes(total, self.parts)[self.rank]
 
 
 def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, idx: int, config: SplitConfig,
@@ -573,7 +582,7 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
     inside the group) are refused for now."""
     from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
     from .layout import LayoutError
-    from .passes.graph_utils import propagate_meta
+    from .passes.graph_utils import propagate_meta_fresh
     from .passes.roles import annotate_roles
     from .passes.split import build_attention_program, plan_split
     from .passes.tp_rewrite import shard_for_rank
@@ -590,7 +599,7 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
                         fuse_norm=False)
     for gid in (GROUP_TP, GROUP_ATTN_TP):
         register_group(gid, group)
-    propagate_meta(tp.program)  # the MLPs now run on this rank's slice: their shapes change
+    propagate_meta_fresh(tp.program)  # the MLPs now run on this rank's slice: their shapes change
     annotate_roles(tp.program, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
                    graph_name=config.graph_name)
     plan = plan_split(tp.program, comm_id=config.comm_id, stage=config.stage, graph_name=config.graph_name,

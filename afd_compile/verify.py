@@ -299,17 +299,17 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
     tally, sizes = Tally(), []
     steps = 1 + case.decode_steps if case.decode_steps else case.steps
     report("programs built")
-    try:
-        for step in range(steps):
-            x = _step_inputs(inputs, spec, case.decode_steps, case.batches, dims, a, step)
-            sizes.append(int(x[0].shape[0]) if x[0].dim() else 0)
-            with torch.no_grad():
-                out = worker.step(*x)
-                if out is not None:  # (zero tokens this step: nothing to compare)
-                    tally.add(step, compare(out, original(*x)))
-            report(f"step {step + 1}/{steps} done")
-    finally:
-        worker.stop()
+    # (a step that raises is reported as it is, at once: no STOP after it, which the FFN rank, mid-step,
+    # would not hear: this rank would wait on it until the timeout and report that instead)
+    for step in range(steps):
+        x = _step_inputs(inputs, spec, case.decode_steps, case.batches, dims, a, step)
+        sizes.append(int(x[0].shape[0]) if x[0].dim() else 0)
+        with torch.no_grad():
+            out = worker.step(*x)
+            if out is not None:  # (zero tokens this step: nothing to compare)
+                tally.add(step, compare(out, original(*x)))
+        report(f"step {step + 1}/{steps} done")
+    worker.stop()
     stages = dict(sorted(worker.comm.stage_transfers.items()))
     return {"role": "attention", "batches": sizes, "stage_transfers": stages, "bytes_sent": worker.comm.bytes_sent,
             **tally.to_json()}

@@ -31,6 +31,8 @@ MODELS = {
     "falcon": ("falcon", 2, {}),
     "deepseek_v3": ("deepseek_v3", 2, {}),
     "llama2_v127": ("llama", 2, {"vocab_size": 127}),  # a vocabulary no TP group size divides
+    # decode-shaped: one token per sequence (the sequence static), traced with 3 sequences
+    "llama2_seq1": ("llama", 2, {"export_seq": 1, "export_batch": 3}),
 }
 
 
@@ -75,7 +77,10 @@ def exported(model_dir: str):
     def get(name: str) -> tuple[torch.export.ExportedProgram, str]:
         if name not in cache:
             family, layers, overrides = MODELS[name]
-            ep = export_lm(build_hf(family, num_layers=layers, **overrides), vocab_size=overrides.get("vocab_size", 128))
+            config = {k: v for k, v in overrides.items() if not k.startswith("export_")}
+            shape = {k[len("export_"):]: v for k, v in overrides.items() if k.startswith("export_")}
+            ep = export_lm(build_hf(family, num_layers=layers, **config), vocab_size=overrides.get("vocab_size", 128),
+                           **shape)
             path = os.path.join(model_dir, f"{name}.pt2")
             torch.export.save(ep, path)
             cache[name] = (ep, path)

@@ -139,11 +139,16 @@ def test_backend_option_ffn_tp_is_checked():
 def test_attention_tp_groups_send_each_token_once_and_reproduce_the_model(exported):
     # attention 2 x TP 2 + FFN TP 2 (6 ranks: the layout); attention 2 x TP 2 into one FFN
     # rank with a zero-token group; each attention rank sends only its slice of its group's tokens
-    llama = exported("llama2")[1]
+    # (and, decode-shaped, with 2 micro-batch stages: a group of one sequence of one token, and a
+    # micro-batch of one token, leave a rank of the group no token, which still joins the group's
+    # collectives; the program was traced with 3 sequences, where a rank's share s // 2 is 1)
+    llama, decode = exported("llama2")[1], exported("llama2_seq1")[1]
     cases = [Case(llama, AFDLayout(4, 2, ffn_tp=2, attn_tp=2), (2, 3)),
-             Case(llama, AFDLayout(4, 1, attn_tp=2), (0, 3), steps=1)]
-    hidden_bytes, layers, seq = 64 * 4, 2, 5
+             Case(llama, AFDLayout(4, 1, attn_tp=2), (0, 3), steps=1),
+             Case(decode, AFDLayout(4, 2, attn_tp=2), (3, 1), stages=2)]
+    hidden_bytes, layers = 64 * 4, 2
     for case, res in zip(cases, run_cases(cases), strict=True):
+        seq = 1 if case.path == decode else 5
         att = {r: v for r, v in res.items() if v["role"] == "attention"}
         assert len(att) == 4 and max(v["max_rel_err"] for v in att.values()) <= 1e-5, (case, res)
         # bytes per token on the wire: one hidden state per token and layer, summed over a group's ranks

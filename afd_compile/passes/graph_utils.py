@@ -289,3 +289,43 @@ def propagate_meta(gm: fx.GraphModule) -> None:
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
     finally:
         mode.allow_non_fake_inputs = allow
+
+
+def propagate_meta_fresh(gm: fx.GraphModule, hint: int = 16) -> None:
+    """:func:`propagate_meta` with each symbolic input size a fresh symbol of a fresh shape env,
+    hinted ``hint``. A rank's share of a group's tokens, ``s // 2``, traced at the export's
+    example (``s = 3``) is 1, and a size of 1 broadcasts: the trace would specialise the share to
+    the constant 1 and the program would hold it for every batch. Dims that are expressions of
+    symbols keep the expression, in the new symbols."""
+    import sympy
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    fresh: dict[sympy.Symbol, sympy.Symbol] = {}
+
+    def size(d: object) -> object:
+        if not isinstance(d, torch.SymInt):
+            return int(d)
+        expr = d.node.expr
+        for sym in sorted(expr.free_symbols, key=str):
+            if sym not in fresh:
+                fresh[sym] = shape_env.create_symbol(hint, source=ConstantSource(f"afd_{sym}"),
+                                                     dynamic_dim=DimDynamic.DYNAMIC)
+        new = expr.xreplace(fresh)
+        return shape_env.create_symintnode(new, hint=int(new.xreplace({v: hint for v in fresh.values()})))
+
+    inputs = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        val = n.meta["val"]
+        if isinstance(val, torch.Tensor):
+            with mode:
+                inputs.append(torch.empty([size(d) for d in val.shape], dtype=val.dtype, device=val.device))
+        else:
+            inputs.append(size(val) if isinstance(val, torch.SymInt) else val)
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)

@@ -84,13 +84,14 @@ class StageError(AFDCompileError):
 
 def check_stage_layout(layout: AFDLayout, stages: int, batch: int | None) -> None:
     """Refuse what micro-batch stages do not compose with yet, before anything runs (every rank
-    and the CLI call it): attention TP groups. FFN TP / EP groups are staged
-    (:func:`stage_ffn_program`). ``batch``: the static batch, if any (kept for the checks to come)."""
+    and the CLI call it): attention TP groups over a static ``batch`` (a static KV cache). FFN TP /
+    EP groups are staged (:func:`stage_ffn_program`), and attention TP groups over a dynamic
+    batch (each micro-batch's tokens split over the group apart: ``runtime.AttentionWorker``)."""
     if stages == 1:
         return
-    if layout.attn_tp > 1:
-        raise StageError(f"layout {layout}: micro-batch stages with attention TP groups are not supported yet; "
-                         "use stages=1 or attn_tp=1")
+    if layout.attn_tp > 1 and batch is not None:
+        raise StageError(f"layout {layout}: micro-batch stages of attention TP groups over a static batch (a static "
+                         f"KV cache, batch {batch}) are not supported yet; use stages=1 or attn_tp=1")
 
 
 def _check_stages(stages: int) -> None:
