@@ -78,10 +78,12 @@ def shutdown(sync: bool = True) -> None:
     ``destroy_process_group``. ``sync`` (the normal end, every rank calling it): a barrier first,
     so no rank closes its connections while a peer is still communicating (gloo aborted a rank at
     exit now and then under load: "terminate called without an active exception"); pass False
-    on an error path, where the peers may never arrive."""
+    on an error path, where the peers may never arrive: then no STOP is sent to, or heard from,
+    an AFD peer either (a peer mid-step would not take it, and this rank would wait on it until
+    the timeout)."""
     import sys
 
-    if dist.is_initialized():
+    if dist.is_initialized() and sync:
         try:  # the FFN peers of the backend's attention communicators stop serving this rank
             finish(at_shutdown=True)
         except Exception as e:  # a peer already gone: nothing left to tell it
