@@ -160,5 +160,8 @@ def try_all_reduce(x: torch.Tensor, group_id: int) -> torch.Tensor | None:
         return None
     assert state.buffer is not None
     window = state.buffer.view(x.dtype)[: x.numel()]
-    out = torch.ops.symm_mem.one_shot_all_reduce_copy(window, x.contiguous().view(-1), "sum", state.group_name)
+    local = x.contiguous()
+    if local.data_ptr() % 16:  # the kernel wants the buffer's alignment (16 B) on the local tensor too; a
+        local = local.clone()  # copy is aligned (where a slice may not be, on some rank: never a per-rank path)
+    out = torch.ops.symm_mem.one_shot_all_reduce_copy(window, local.view(-1), "sum", state.group_name)
     return out.view(x.shape)
