@@ -69,15 +69,23 @@ def test_readme_synopsis_and_parser_name_the_same_flags():
         assert not missing and not unknown, f"afd-compile {cmd}: in --help only {missing}; in README only {unknown}"
 
 
-def test_rewrite_tp_writes_rank_programs_that_reload_and_match(exported, tmp_path):
+#: (model, tp, attn_dp, batches, flags) rewritten and reloaded; plain --tp 2 is rewritten in
+#: tests/test_generate.py, with a KV cache
+REWRITE_TP = [("llama2", 4, 2, (2, 3), ())]
+REWRITE_TP_SLOW = [("qwen3moe2", 2, 1, None, ("--moe-a2a",))]
+
+
+@pytest.mark.parametrize("rows", [REWRITE_TP, pytest.param(REWRITE_TP_SLOW, marks=pytest.mark.slow)],
+                         ids=["default", "moe_a2a"])
+def test_rewrite_tp_writes_rank_programs_that_reload_and_match(exported, tmp_path, rows):
     # rewrite --tp: one re-exported program per rank (weight slices, collectives); loaded back
-    # from disk on real gloo processes they reproduce the original (also with DP attention)
+    # from disk on real gloo processes they reproduce the original (with DP attention; with the
+    # experts over all-to-all in the slow run)
     from afd_compile.scatter import TPLayout
     from afd_compile.verify import TPCase, run_tp_cases
 
     cases = []
-    # (plain --tp 2 is rewritten in tests/test_generate.py, with a KV cache)
-    for model, tp, dp, batches, flags in (("llama2", 4, 2, (2, 3), ()), ("qwen3moe2", 2, 1, None, ("--moe-a2a",))):
+    for model, tp, dp, batches, flags in rows:
         path = exported(model)[1]
         out = tmp_path / f"{model}tp{tp}dp{dp}"
         res = _run("rewrite", path, "-o", str(out), "--tp", str(tp), "--attn-dp", str(dp), *flags)
