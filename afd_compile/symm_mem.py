@@ -103,7 +103,8 @@ def prepare(group_id: int, group: dist.ProcessGroup, device: torch.device, enabl
     why = ("symm_mem=False" if not enabled else local_reason(group, device)
            or ("AFD_SYMM_MEM_MAX_BYTES < 16" if max_bytes == 0 else ""))
     buffer = None
-    if device.type == "cuda" and _agree(not why, group, device):
+    collective = device.type == "cuda" and dist.get_backend(group) == "nccl"  # (else off on every rank alike)
+    if collective and _agree(not why, group, device):
         try:
             import torch.distributed._symmetric_memory as symm
 
