@@ -214,10 +214,10 @@ class AttentionWorker:
         return self.runners[k]
 
     def step(self, *inputs: torch.Tensor) -> Any:
-        n = self.count_tokens(inputs)
         slice_of = self.count_tokens if isinstance(self.count_tokens, GroupSlice) else None
         # an attention TP rank whose slice is empty still runs: its group's collectives need it
-        total = slice_of.total(inputs) if slice_of is not None else n
+        total = slice_of.total(inputs) if slice_of is not None else self.count_tokens(inputs)
+        n = slice_of.of(total) if slice_of is not None else total
         if self.stages == 1:
             send_control(self.comm, n)
             self.comm.set_step({self.stage: (n,)})

@@ -244,10 +244,6 @@ def build_attention_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModu
     by_name = {n.name: n for n in new.graph.nodes}
     fake_mode = detect_fake_mode([n.meta.get("val") for n in new.graph.nodes if "val" in n.meta])
     sources = symbol_sources(new.graph)
-    # a program with a symbolic input size reads each receive's token count off what it sends, even
-    # where its fake value came out a constant (an attention TP rank's share s // 2 traced at s = 3)
-    dynamic = any(isinstance(d, torch.SymInt) for n in new.graph.nodes if n.op == "placeholder"
-                  for d in getattr(n.meta.get("val"), "shape", ()))
     for cut in plan.cuts:
         b = Builder(new.graph, fake_mode, cut.layer)
         h, out = by_name[cut.hidden], by_name[cut.output]
@@ -263,7 +259,7 @@ def build_attention_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModu
             send = b.call(torch.ops.afd.p2p_send.default,
                           (wire, plan.comm_id, cut.layer, plan.stage, str(cut.wire_in)), "afd_send")
             flat_tokens = wire[0].meta["val"].shape[0] if fake_mode is not None else None
-            n_tok = int(flat_tokens) if isinstance(flat_tokens, int) and not dynamic else b.call(
+            n_tok = int(flat_tokens) if isinstance(flat_tokens, int) else b.call(
                 aten.sym_size.int, (wire[0], 0), "afd_tokens")
             recv = b.call(torch.ops.afd.p2p_recv.default,
                           (send, plan.comm_id, cut.layer, plan.stage, n_tok, str(cut.wire_out)), "afd_recv")
