@@ -47,6 +47,19 @@ def test_op_counts_and_weight_ownership(exported, name):
                                     "build_ffn_program", "verify_schedule"}
 
 
+def test_ffn_program_sizes_stay_symbolic_in_every_layer(exported):
+    """Every projection of the FFN program (dense and MoE layers) holds the token count as a symbol
+    in its ``meta['val']``: passes that read sizes from meta (the FFN EP rewrite) must not see the
+    trace's hint as a constant. (torch 2.11's C++ ``aten.linear`` of a parameter specialised it
+    unless the fake propagation runs under the Python dispatcher: ``make test-torch211``.)"""
+    ffn = split(exported("qwen3moe3_mixed")[0]).ffn
+    linears = [n for n in ffn.graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert {n.meta["afd.role"].layer for n in linears} == {0, 1, 2}
+    for n in linears:
+        rows = n.meta["val"].shape[:-1]
+        assert any(isinstance(d, torch.SymInt) and not d.node.expr.is_number for d in rows), (n.name, rows)
+
+
 def test_gate_on_attention_sends_router_logits_in_wire_order(exported):
     result = split(exported("qwen3moe2")[0], SplitConfig(compute_gate_on_attention=True))
     sends = [t for t in transfers(result.attention) if t.direction == "to_ffn"]

@@ -7,7 +7,9 @@ Public within the package (no pass reaches into another pass's private names).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -277,16 +279,28 @@ def batch_symbol_dims(gm: fx.GraphModule) -> tuple[object | None, list[tuple[int
     return key, dims
 
 
+def fake_propagate(gm: fx.GraphModule, mode: Any, inputs: Sequence[Any]) -> None:
+    """``meta['val']`` of every node of ``gm``: a FakeTensorProp under ``mode`` from ``inputs``
+    (fake or symbolic, used as they are), with the Python dispatcher on, as ``torch.export``
+    traces. Without it a composite op runs its C++ kernel: torch 2.11's ``aten.linear`` of a
+    parameter then reads a symbolic token count as an int, and the count becomes the constant
+    of its hint (the program would hold one batch size)."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    with enable_python_dispatcher():
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+
+
 def propagate_meta(gm: fx.GraphModule) -> None:
     """``meta['val']`` of every node again, from the placeholders' (symbolic) values."""
     from torch._guards import detect_fake_mode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     mode = detect_fake_mode(inputs)
     allow, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
     try:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+        fake_propagate(gm, mode, inputs)
     finally:
         mode.allow_non_fake_inputs = allow
 
@@ -301,7 +315,6 @@ def propagate_meta_fresh(gm: fx.GraphModule, hint: int = 16) -> None:
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     shape_env = ShapeEnv()
     mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
@@ -328,4 +341,4 @@ def propagate_meta_fresh(gm: fx.GraphModule, hint: int = 16) -> None:
                 inputs.append(torch.empty([size(d) for d in val.shape], dtype=val.dtype, device=val.device))
         else:
             inputs.append(size(val) if isinstance(val, torch.SymInt) else val)
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    fake_propagate(gm, mode, inputs)

@@ -41,6 +41,7 @@ from .graph_utils import (
     Builder,
     copy_graph_module,
     del_attr_path,
+    fake_propagate,
     get_attr_path,
     layers_of,
     set_attr_path,
@@ -384,7 +385,6 @@ def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None, mu
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     shape_env = ShapeEnv()
     mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
@@ -399,4 +399,4 @@ def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None, mu
             tokens = shape_env.create_symintnode(sym, hint=8 * (i + 1), source=source) * multiple
         with mode:
             inputs.append(torch.empty((tokens, 0), device=device))
-    FakeTensorProp(ffn, mode).propagate_dont_convert_inputs(*inputs)
+    fake_propagate(ffn, mode, inputs)
