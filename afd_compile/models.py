@@ -57,6 +57,14 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, bos_token_id=0, eos_token_id=0)),
+    # ALiBi scores in one baddbmm (bias + q @ k^T) over batch * heads, an MLP module that adds the
+    # residual itself (mlp(x, residual)), fused query_key_value packed per head
+    "bloom": ("BloomForCausalLM", "BloomConfig", dict(
+        vocab_size=128, hidden_size=64, n_head=4, bos_token_id=0, eos_token_id=0, pad_token_id=0)),
+    # ALiBi bias over all heads added to explicit q @ k^T scores, fused Wqkv, an MLP module that
+    # adds the residual itself, LayerNorm without bias
+    "mpt": ("MptForCausalLM", "MptConfig", dict(
+        vocab_size=128, d_model=64, n_heads=4, max_seq_len=128, bos_token_id=0, eos_token_id=0, pad_token_id=0)),
     # multi-query attention: fused c_attn [q | one K head | one V head]
     "gpt_bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig", dict(
         vocab_size=128, n_embd=64, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),

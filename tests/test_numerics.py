@@ -18,6 +18,8 @@ LAYOUTS = [(1, 1), (2, 1), (3, 1), (4, 2), (3, 2)]
 CASES = [("llama3", a, f, False) for a, f in LAYOUTS]
 CASES += [("qwen3moe3_mixed", a, f, False) for a, f in LAYOUTS]
 CASES += [("qwen3moe3_mixed", a, f, True) for a, f in [(2, 1), (3, 2)]]
+# ALiBi attention through baddbmm; the MLP module adds the residual itself (its add stays attention's)
+CASES += [("bloom", 3, 2, False)]
 # zero-token attention ranks: the FFN rank fans in only the peers that have tokens
 ZERO = [("llama3", 2, 1, False, (3, 0)), ("qwen3moe3_mixed", 3, 2, True, (0, 2, 0))]
 

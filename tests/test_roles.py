@@ -37,6 +37,28 @@ def test_llama_mlp_nodes_are_ffn_and_residual_add_is_attention(exported):
     assert by_name["embedding"].meta[META_KEY] == NodeRole(None, Role.ATTENTION)
 
 
+def test_an_mlp_that_adds_the_residual_itself_leaves_the_add_to_attention(exported):
+    """BLOOM's ``mlp(x, residual)`` ends with ``residual + down(x)`` under the MLP's module path: that
+    add is the residual stream's, so the FFN region reads one hidden state. Its attention (ALiBi
+    scores by ``baddbmm``, softmax, ``bmm``) is found as attention. Both policies agree."""
+    by_path = exported("bloom")[0].module()
+    annotate_roles(by_path, module_path_policy)
+    by_structure = _strip_module_paths(exported("bloom")[0].module())
+    annotate_roles(by_structure, structural_policy)
+    for gm in (by_path, by_structure):
+        for layer in (0, 1):
+            region = [n for n in gm.graph.nodes if n.meta[META_KEY] == NodeRole(layer, Role.FFN)]
+            assert [str(n.target) for n in region if "linear" in str(n.target)] == ["aten.linear.default"] * 2
+            residual_add = region[-1]  # through the (eval-mode) dropout the structural policy leaves out
+            while residual_add.target != torch.ops.aten.add.Tensor:
+                (residual_add,) = residual_add.users
+            assert residual_add.meta[META_KEY] == NodeRole(layer, Role.ATTENTION)
+            reads = {a for n in region for a in n.all_input_nodes if a.op != "get_attr" and a not in region}
+            assert len(reads) == 1, reads
+    assert [n.name for n in by_path.graph.nodes if n.meta[META_KEY].role is Role.FFN and "linear" in n.name] == [
+        n.name for n in by_structure.graph.nodes if n.meta[META_KEY].role is Role.FFN and "linear" in n.name]
+
+
 def test_moe_router_is_on_the_ffn_side_by_default(exported):
     gm = exported("qwen3moe2")[0].module()
     summary = annotate_roles(gm)
@@ -97,6 +119,41 @@ def test_graph_without_attention_fails_naming_the_graph():
     gm = torch.export.export(_MLPOnly(), (torch.randn(2, 8),)).module()
     with pytest.raises(NoStructureError, match=r"mlp_only: no attention/FFN structure found.*no attention op"):
         annotate_roles(gm, graph_name="mlp_only")
+
+
+class _HybridLayer(torch.nn.Module):
+    """A decoder layer whose token mixer is attention or a causal depthwise convolution (as hybrid
+    models interleave them), then an MLP."""
+
+    def __init__(self, conv: bool, d: int = 16) -> None:
+        super().__init__()
+        self.mixer = torch.nn.Conv1d(d, d, 3, padding=2, groups=d) if conv else torch.nn.Linear(d, 3 * d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d))
+
+    def forward(self, x):
+        if isinstance(self.mixer, torch.nn.Conv1d):
+            h = x + self.mixer(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+        else:
+            q, k, v = self.mixer(x).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+            h = x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        return h + self.mlp(h)
+
+
+class _Hybrid(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_HybridLayer(conv=False), _HybridLayer(conv=True)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_layer_whose_mixer_is_not_attention_is_refused_naming_it():
+    gm = torch.export.export(_Hybrid(), (torch.randn(2, 5, 16),)).module()
+    with pytest.raises(NoStructureError, match=r"hybrid: layer 1 has an FFN region but no attention op.*not supported"):
+        annotate_roles(gm, graph_name="hybrid")
 
 
 class _ExplicitAttention(torch.nn.Module):

@@ -346,6 +346,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("deepseek_v3", 2, 1, (2,)),         # MLA; a dense layer, then MoE with group-limited routing
     ("gpt_bigcode", 4, 1, (2,)),         # multi-query: K/V replicated whole
     ("llama2_v127", 2, 1, (2,), VP),     # vocab-parallel head: vocab 127 over 2 ranks, slices zero-padded
+    ("mpt", 4, 2, (2, 3)),               # ALiBi bias over all heads: each attention-TP rank reads its slice
 ]
 
 
@@ -405,6 +406,20 @@ def test_multi_query_kv_is_replicated_whole_and_repeated_to_the_local_heads(expo
     assert split.args[1] == [32, 16, 16]
     heads = [(f.old, f.new) for f in prog.shards.arg_fixes if f.old == 4]
     assert heads == [(4, 2)] * 4  # K and V: an expand and a reshape each
+
+
+def test_alibi_bias_is_read_in_slices_and_heads_merged_into_the_batch_are_refused(exported):
+    # MPT: scores = q @ k^T * scale + alibi [heads, 1, keys], the bias computed once for all heads:
+    # every rank computes it whole and each layer's add reads this rank's heads of it
+    prog = _program(exported, "mpt", TPLayout(2), rank=1, fuse_norm=False)
+    assert [(o.dim, o.size, o.local(1)) for o in prog.shards.operands] == [(0, 4, (2, 2))] * 2
+    narrows = [n for n in prog.program.graph.nodes if n.target == torch.ops.aten.narrow.default]
+    assert [n.args[1:] for n in narrows] == [(0, 2, 2)] * 2
+    assert all(u.target == torch.ops.aten.add.Tensor for n in narrows for u in n.users)
+    # BLOOM folds the heads into the batch ([batch * heads, seq, head_dim]) for baddbmm: a rank's
+    # heads are not one block of that dim (nor of its ALiBi bias): refused, naming the layer
+    with pytest.raises(ShardError, match=r"layer 0 .*query_key_value.*cannot follow split dim 1"):
+        _program(exported, "bloom", TPLayout(2))
 
 
 def test_falcon_qkv_packed_per_kv_group_shards_whole_groups(exported):

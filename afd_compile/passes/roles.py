@@ -96,7 +96,8 @@ SDPA_OPS = frozenset(
     }
 )
 SOFTMAX_OPS = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_softmax.default})
-MATMUL_OPS = frozenset({aten.matmul.default, aten.bmm.default, aten.einsum.default})
+# (``baddbmm``: scores computed as ``bias + q @ k^T`` in one op, as BLOOM adds its ALiBi bias)
+MATMUL_OPS = frozenset({aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default})
 ADD_OPS = frozenset({aten.add.Tensor, aten.add_.Tensor, operator.add})
 
 FFN_MODULE_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe", "ff")
@@ -191,7 +192,26 @@ def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
             continue
         in_ffn = any(p == ffn_child[lp] or p.startswith(ffn_child[lp] + ".") for p in _module_paths(node))
         roles[node] = NodeRole(index[lp], Role.FFN if in_ffn else Role.ATTENTION)
+    _residual_adds_out(roles)
     return roles
+
+
+def _residual_adds_out(roles: dict[fx.Node, NodeRole]) -> None:
+    """An MLP module that adds the residual itself (BLOOM's ``mlp(x, residual)``): the add that
+    ends its region and reads a tensor of the attention side is the residual stream's, not the
+    FFN's (else the region would read two hidden states). Reassigned in place, repeatedly (an add
+    that ends the region once the last one left)."""
+    changed = True
+    while changed:
+        changed = False
+        for n, r in roles.items():
+            if r.role is not Role.FFN or n.op != "call_function" or n.target not in ADD_OPS:
+                continue
+            ins = n.all_input_nodes
+            outside = [a for a in ins if roles[a].role is Role.ATTENTION and a.op != "get_attr"]
+            if len(ins) == 2 and len(outside) == 1 and all(roles[u].role is not Role.FFN for u in n.users):
+                roles[n] = replace(r, role=Role.ATTENTION)
+                changed = True
 
 
 # --- structural policy -------------------------------------------------------------------------
@@ -419,7 +439,10 @@ def annotate_roles(
         nodes_l = by_layer.get(layer, [])
         if not any(is_attention_op(n) for n in nodes_l if roles[n].role is Role.ATTENTION):
             raise NoStructureError(
-                f"{graph_name}: layer {layer} has an FFN region but no attention op on the attention side"
+                f"{graph_name}: layer {layer} has an FFN region but no attention op on its attention side "
+                "(scaled_dot_product_attention, or a softmax between two matmuls): a layer whose token "
+                "mixer is not attention (a state-space, convolution or linear-attention mixer, as in "
+                "hybrid models) is not supported"
             )
     _share_size_arithmetic(gm, roles)
     for n in gm.graph.nodes:

@@ -42,12 +42,13 @@ from ..graph_utils import attention_output, get_attr_path, layers_of, reads_weig
 from ..roles import LINEAR_OPS, SDPA_OPS, Role, is_attention_op, role_of
 from ..symbolic import sym_expr
 from .rules import BLOCK_OPS, IGNORED, RULES, Replicate, ShardRule, ndim, shape_of
-from .types import ArgFix, ShardedState, ShardedWeight, ShardError, ShardPlan
+from .types import ArgFix, ShardedState, ShardedWeight, ShardError, ShardPlan, SlicedOperand
 
 aten = torch.ops.aten
 META_KEY = "afd.shard"
 
 __all__ = ["META_KEY", "RULES", "ArgFix", "ShardError", "ShardPlan", "ShardRule", "ShardedState", "ShardedWeight",
+           "SlicedOperand",
            "apply_shards",
            "Projection", "is_expert_mm", "is_grouped_mm", "plan_shards", "projection", "reads_weight", "shard_tensor"]
 
@@ -162,6 +163,8 @@ class _Track:
     means: list[fx.Node] = field(default_factory=list)  # means over the split dim (settled by an all-reduce)
     attrs: list[fx.Node] = field(default_factory=list)  # weights spanning the split dim (a norm's scale)
     states: list[tuple[fx.Node, int, int]] = field(default_factory=list)  # (cache, dim, slices) written split
+    # (user, operand, dim, slices, origin of the split input): unsplit tensors read in slices
+    operands: list[tuple[fx.Node, fx.Node, int, int, Block | None]] = field(default_factory=list)
 
 
 #: in-place writes into a state tensor (a KV cache update): op -> position of the value written
@@ -309,6 +312,25 @@ def _split_broadcasts(n: fx.Node, src: fx.Node, t: _Track, fixes: list[ArgFix], 
         t.dim[a], t.factor[a], t.origin[a] = ad, t.factor[src], None
 
 
+def _slice_operands(n: fx.Node, src: fx.Node, t: _Track) -> dict[fx.Node, int]:
+    """Unsplit tensors the graph computes (not weights) that the elementwise ``n`` applies along
+    the split dim at its full size (an ALiBi bias ``[.., heads, ..]`` added to each rank's heads
+    of the scores): ``n`` reads this rank's slice of each (:class:`SlicedOperand`). Returns
+    operand -> its split dim, for the op's rule to see them split."""
+    d = t.dim[src] + ndim(n) - ndim(src)
+    full = sym_expr(n.meta["val"].shape[d])  # (meta holds the unsharded shapes)
+    out: dict[fx.Node, int] = {}
+    for a in n.all_input_nodes:
+        if a in t.dim or a.op == "get_attr" or not isinstance(a.meta.get("val"), torch.Tensor):
+            continue
+        ad = d - (ndim(n) - ndim(a))
+        if ad < 0 or sym_expr(a.meta["val"].shape[ad]) != full or not full.is_Integer or int(full) % t.factor[src]:
+            continue  # size 1 broadcasts; anything else the elementwise rule names
+        t.operands.append((n, a, ad, t.factor[src], t.origin.get(src)))
+        out[a] = ad
+    return out
+
+
 class _WholeBlocks(Exception):
     """Blocks of a fused projection that are one head without a head dim (multi-query attention's
     K and V): they must be replicated whole, not cut along head_dim."""
@@ -400,9 +422,11 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
                 frontier.sort(key=order.__getitem__)
                 continue
         rule = RULES.get(target)
+        sliced: dict[fx.Node, int] = {}
         if rule is not None and rule.kind == "elementwise" and n.args and src0 in sdim:
             _split_attrs(gm, n, src0, t)
             _split_broadcasts(n, src0, t, fixes, where)
+            sliced = _slice_operands(n, src0, t)
         if target == aten.mean.dim and sdim[src0] in _reduced_dims(n, src0):
             # equal slices per rank, so (sum of slice means) / parts is the full mean; with
             # replicated KV heads too (each distinct slice counted parts / factor times)
@@ -447,7 +471,7 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
                         sdim[x], t.factor[x], t.origin[x] = ndim(x) - 3, t.factor[q], None
             if src0 in merged:
                 raise ShardError(f"{where}: {n.name} ({target}) reads repeated KV heads before they are merged")
-            sdim[n] = rule.fn(n, sdim, f, fixes)
+            sdim[n] = rule.fn(n, {**sdim, **sliced} if sliced else sdim, f, fixes)
         elif target in LINEAR_OPS or is_expert_mm(n):
             raise ShardError(f"{where}: {n.name} ({target}) reads a split tensor but is not the row-parallel projection")
         else:
@@ -552,6 +576,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
     rows_out: list[tuple[str, str, int]] = []
     split_means: list[tuple[str, str, int, int]] = []
     states: list[ShardedState] = []
+    operands: list[SlicedOperand] = []
     for layer, parts in layers_of(gm).items():
         members = list(parts.members)
         where = f"layer {layer}"
@@ -579,7 +604,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
                              "cannot divide (only KV heads may be replicated)")
         if attn_parts > 1:
             means: list[fx.Node] = []
-            shard_pair(gm, cols, rows[0], attn_parts, "attn", weights, fixes, where, means, states)
+            shard_pair(gm, cols, rows[0], attn_parts, "attn", weights, fixes, where, means, states, operands)
             rows_out.append((rows[0].name, "attn", layer))
             split_means.extend((m.name, "attn", layer, attn_parts) for m in means)
         ffn_set = set(ffn)
@@ -593,13 +618,14 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
                              f"(projections found: {[n.name for n in projs]})")
         if mlp_parts > 1 and layer not in replicated_mlp:
             for cols_, row in pairs:
-                shard_pair(gm, cols_, row, mlp_parts, "mlp", weights, fixes, where)
+                shard_pair(gm, cols_, row, mlp_parts, "mlp", weights, fixes, where, operands=operands)
             if len(pairs) == 1 and _producer_linear(out, ffn_set) is pairs[0][1]:
                 rows_out.append((pairs[0][1].name, "mlp", layer))  # settle right after the down projection
             else:  # several partial sums (experts + shared experts) or a combine step: settle at the block output
                 check_linear_path([row for _, row in pairs], out, ffn_set, where)
                 rows_out.append((out.name, "mlp", layer))
-    return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out), tuple(split_means), tuple(states))
+    return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out), tuple(split_means), tuple(states),
+                     tuple(operands))
 
 
 def _attention_heads(attn: fx.Node) -> int | None:
@@ -638,7 +664,8 @@ def _projection_weight(gm: fx.GraphModule, proj: fx.Node, column: bool) -> tuple
 
 def shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int, group: str,
                 weights: list[ShardedWeight], fixes: list[ArgFix], where: str,
-                means: list[fx.Node] | None = None, states: list[ShardedState] | None = None) -> None:
+                means: list[fx.Node] | None = None, states: list[ShardedState] | None = None,
+                operands: list[SlicedOperand] | None = None) -> None:
     names = ", ".join(_projection_weight(gm, c, True)[0] for c in cols)
     for c in cols:
         target, dim, size = _projection_weight(gm, c, True)
@@ -686,6 +713,15 @@ def shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int
         if states is None:
             raise ShardError(f"{where}: {node.name} is written in place with a value split over {group}")
         states.append(ShardedState(node.name, d, int(sym_expr(node.meta["val"].shape[d])), slices, parts, group))
+    for user, a, d, slices, origin in track.operands:
+        if operands is None:
+            raise ShardError(f"{where}: {user.name} applies {a.name}, a tensor not split over {group}, along the "
+                             "split dim")
+        if origin is not None and origin[1] is None and len(_block_fixes(origin[0], track, parts, [])[0]) > 1:
+            raise ShardError(f"{where}: {user.name} applies {a.name} along the split dim of the fused projection "
+                             f"{origin[0].name} before it is cut: a rank's slice of it is not one block of {a.name}")
+        operands.append(SlicedOperand(user.name, a.name, d, int(sym_expr(a.meta["val"].shape[d])), slices, parts,
+                                      group))
     if means is not None:
         means.extend(track.means)
     elif track.means:
@@ -738,6 +774,13 @@ def apply_shards(gm: fx.GraphModule, plan: ShardPlan, rank_of_group: dict[str, i
             args[f.arg] = sizes
         node.args = tuple(args)
     _narrow_states(gm, plan, rank_of_group, by_name)
+    for o in plan.operands:  # each reader of an unsplit tensor along the split dim: its slice
+        user, operand = by_name[o.user], by_name[o.operand]
+        start, n = o.local(rank_of_group[o.group])
+        with gm.graph.inserting_before(user):
+            view = gm.graph.call_function(aten.narrow.default, (operand, o.dim, start, n))
+        view.name = f"{operand.name}_local"
+        user.replace_input_with(operand, view)
     gm.recompile()
 
 

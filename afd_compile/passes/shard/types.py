@@ -51,6 +51,13 @@ class ArgFix:
     arg: int = 1
 
 
+def slice_of(rank: int, size: int, slices: int, parts: int) -> tuple[int, int]:
+    """(start, length) of ``rank``'s slice when ``size`` is cut into ``slices`` equal slices over
+    ``parts`` ranks (each slice on ``parts // slices`` consecutive ranks: replicated KV heads)."""
+    n = size // slices
+    return (rank // (parts // slices)) * n, n
+
+
 @dataclass(frozen=True)
 class ShardedState:
     """A state tensor a split tensor is written into in place (a KV cache: ``index_copy_`` of
@@ -69,12 +76,36 @@ class ShardedState:
 
     def local(self, rank: int) -> tuple[int, int]:
         """(start, length) of ``rank``'s slice along ``dim``."""
-        n = self.size // self.slices
-        return (rank // (self.parts // self.slices)) * n, n
+        return slice_of(rank, self.size, self.slices, self.parts)
 
     def __str__(self) -> str:
         rep = f", each slice on {self.parts // self.slices} ranks" if self.slices < self.parts else ""
         return f"state {self.node} dim {self.dim} ({self.size}) / {self.slices} over {self.group}{rep}"
+
+
+@dataclass(frozen=True)
+class SlicedOperand:
+    """An unsplit tensor the graph computes (not a weight) that an elementwise op ``user``
+    applies along the split dim: BLOOM's and MPT's ALiBi bias over all heads, added to each
+    rank's heads of the attention scores. Every rank computes it whole; ``user`` reads this
+    rank's slice of ``dim`` (``narrow(operand, dim, start, n)``), the other readers the whole."""
+
+    user: str
+    operand: str
+    dim: int
+    size: int
+    slices: int
+    parts: int
+    group: str
+
+    def local(self, rank: int) -> tuple[int, int]:
+        """(start, length) of ``rank``'s slice along ``dim``."""
+        return slice_of(rank, self.size, self.slices, self.parts)
+
+    def __str__(self) -> str:
+        rep = f", each slice on {self.parts // self.slices} ranks" if self.slices < self.parts else ""
+        return f"{self.user} reads its slice of {self.operand} dim {self.dim} ({self.size}) / {self.slices} " \
+               f"over {self.group}{rep}"
 
 
 @dataclass(frozen=True)
@@ -86,9 +117,11 @@ class ShardPlan:
     # each rank's mean of its slice; all-reduced over the group and divided by parts = the full mean
     split_means: tuple[tuple[str, str, int, int], ...] = ()
     states: tuple[ShardedState, ...] = ()  # KV caches written with split heads
+    operands: tuple[SlicedOperand, ...] = ()  # unsplit tensors read in slices (an ALiBi bias)
 
     def __str__(self) -> str:
         return "\n".join([*(str(w) for w in self.weights), *(str(s) for s in self.states),
+                          *(str(o) for o in self.operands),
                           *(f"{m}: mean over the split dim, all-reduced over {g} / {p}"
                             for m, g, _, p in self.split_means),
                           *(f"{f.node} arg {f.arg}{'' if f.index is None else f'[{f.index}]'}: {f.old} -> "
