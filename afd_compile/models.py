@@ -65,6 +65,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # adds the residual itself, LayerNorm without bias
     "mpt": ("MptForCausalLM", "MptConfig", dict(
         vocab_size=128, d_model=64, n_heads=4, max_seq_len=128, bos_token_id=0, eos_token_id=0, pad_token_id=0)),
+    # attention sinks (a learned logit per head joined to the scores by cat), sliding-window layers
+    # alternating with full ones, experts with biases and an interleaved gate_up ([..., ::2] / [..., 1::2])
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=131072, sliding_window=3,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0)),
     # multi-query attention: fused c_attn [q | one K head | one V head]
     "gpt_bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig", dict(
         vocab_size=128, n_embd=64, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),

@@ -191,6 +191,76 @@ def loop_moe() -> GQADecoder:
     return GQADecoder(moe="loop")
 
 
+class MetaAttention(nn.Module):
+    """Meta's reference Llama attention (llama's ``model.py``, gpt-fast, torchtitan): rotary as a
+    complex product (``view_as_complex`` of head_dim pairs times ``freqs_cis``, ``view_as_real``
+    back), K/V heads repeated by ``expand`` + ``reshape`` (``repeat_kv``), scores by ``matmul`` with
+    an additive causal mask, softmax in fp32."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.wq = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs_cis.view(1, x.shape[1], 1, -1)).flatten(3).type_as(x)
+
+    def _repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, kv, d = x.shape
+        rep = self.heads // kv
+        return x[:, :, :, None, :].expand(b, s, kv, rep, d).reshape(b, s, kv * rep, d)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self._rotate(self.wq(x).view(b, s, self.heads, self.head_dim), freqs_cis)
+        k = self._rotate(self.wk(x).view(b, s, self.kv_heads, self.head_dim), freqs_cis)
+        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
+        q, k, v = q.transpose(1, 2), self._repeat_kv(k).transpose(1, 2), self._repeat_kv(v).transpose(1, 2)
+        scores = torch.matmul(q, k.transpose(2, 3)) / self.head_dim ** 0.5 + mask
+        out = torch.matmul(F.softmax(scores.float(), dim=-1).type_as(q), v)
+        return self.wo(out.transpose(1, 2).contiguous().view(b, s, -1))
+
+
+class MetaBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, inter: int) -> None:
+        super().__init__()
+        self.attention, self.attention_norm = MetaAttention(hidden, heads, kv_heads), RMSNorm(hidden)
+        self.feed_forward, self.ffn_norm = SwiGLU(hidden, inter), RMSNorm(hidden)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class MetaLlama(nn.Module):
+    """Meta's reference Llama (blocks ``layers.N`` with ``attention`` / ``feed_forward``): a complex
+    ``freqs_cis`` buffer, the mask built in ``forward``."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 64, heads: int = 4, kv_heads: int = 2, layers: int = 2,
+                 inter: int = 128, seed: int = 0, max_seq: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.tok_embeddings = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(MetaBlock(hidden, heads, kv_heads, inter) for _ in range(layers))
+        self.norm, self.output = RMSNorm(hidden), nn.Linear(hidden, vocab, bias=False)
+        d = hidden // heads
+        freqs = torch.outer(torch.arange(max_seq).float(), 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        s = ids.shape[1]
+        h = self.tok_embeddings(ids)
+        mask = torch.full((s, s), float("-inf"), device=ids.device).triu(1)
+        for layer in self.layers:
+            h = layer(h, self.freqs_cis[:s], mask)
+        return self.output(self.norm(h))
+
+
 #: the hand-written decoders the tests run, by name (each a factory of no arguments:
 #: ``examples/compile_backend.py --model tests/handwritten.py:<factory>``)
 class CachedAttention(nn.Module):
@@ -254,7 +324,8 @@ def export_cached(model: CachedDecoder, seq: int = 4, max_seq: int = 8, vocab: i
                                    dynamic_shapes={"ids": {1: dim}, "cache_position": {0: dim}})
 
 
-MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "nanogpt": NanoGPT, "flat": Flat}
+MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "nanogpt": NanoGPT, "flat": Flat,
+          "meta_llama": MetaLlama}
 
 
 def export(model: nn.Module, batch: int = 2, seq: int = 5, vocab: int = 128) -> torch.export.ExportedProgram:

@@ -94,7 +94,8 @@ GROUP_CASES = [("llama2", AFDLayout(4, 2, 2), (1, 2, 3, 2), False),
                ("qwen3moe2", AFDLayout(2, 2, 2), (2, 3), True),
                ("qwen3moe2", AFDLayout(2, 2, ffn_ep=2), (2, 3), False),
                ("qwen3moe3_mixed", AFDLayout(3, 2, ffn_ep=2), (1, 0, 3), True),
-               ("llama2", AFDLayout(4, 2, 2), (1, 1, 3, 2), False, 2)]
+               ("llama2", AFDLayout(4, 2, 2), (1, 1, 3, 2), False, 2),
+               ("gpt_oss", AFDLayout(2, 2, 2), (2, 3), False)]  # expert biases added once over the group
 
 
 def test_ffn_groups_reproduce_the_model(exported):

@@ -120,12 +120,13 @@ def test_dp_attention_refuses_an_mlp_with_sizes_fixed_at_trace_time():
 @pytest.fixture(scope="module")
 def more_paths(tmp_path_factory) -> dict[str, str]:
     """nanoGPT (fused c_attn, LayerNorm, tied head, blocks in ``transformer.h``), an MoE looping
-    over experts with ``index_add_``, and a decoder with no layer container at all."""
+    over experts with ``index_add_``, a decoder with no layer container at all, and Meta's
+    reference Llama (complex rotary, ``repeat_kv`` by expand)."""
     from handwritten import MODELS
 
     folder = tmp_path_factory.mktemp("handwritten")
     paths = {}
-    for name in ("nanogpt", "loop_moe", "flat"):
+    for name in ("nanogpt", "loop_moe", "flat", "meta_llama"):
         paths[name] = str(folder / f"{name}.pt2")
         torch.export.save(export(MODELS[name]()), paths[name])
     return paths
@@ -149,8 +150,9 @@ def test_layers_without_a_numbered_container_are_found_by_structure(more_paths):
         assert not any(n.target == torch.ops.aten.rsqrt.default for n in ffn)
 
 
-MORE_TP = [("nanogpt", 2, 1, None), ("loop_moe", 2, 1, None), ("loop_moe", 4, 2, (3, 1)), ("flat", 4, 2, (1, 2))]
-MORE_AFD = ["nanogpt", "loop_moe", "flat"]
+MORE_TP = [("nanogpt", 2, 1, None), ("loop_moe", 2, 1, None), ("loop_moe", 4, 2, (3, 1)), ("flat", 4, 2, (1, 2)),
+           ("meta_llama", 4, 1, None)]  # complex rotary on split heads; 2 KV heads replicated by repeat_kv's expand
+MORE_AFD = ["nanogpt", "loop_moe", "flat", "meta_llama"]
 
 
 def test_more_hand_written_decoders_shard_and_split_and_match(more_paths):

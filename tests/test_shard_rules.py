@@ -69,6 +69,10 @@ CASES = [  # id, fn, input shapes, split dims, op, expected out dim, expected fi
     ("repeat_interleave_heads", lambda x: x.repeat_interleave(2, dim=1), [(2, 4, 5, 8)], {0: 1},
      aten.repeat_interleave.self_int, 1, []),
     ("mul_in_place", lambda x: x.contiguous().mul_(0.25), [(2, 4, 8)], {0: 1}, aten.mul_.Tensor, 1, []),
+    ("view_as_complex_heads", lambda x: torch.view_as_complex(x), [(2, 4, 3, 2)], {0: 1},
+     aten.view_as_complex.default, 1, []),
+    ("view_as_real_heads", lambda x: torch.view_as_real(torch.view_as_complex(x)), [(2, 4, 3, 2)], {0: 1},
+     aten.view_as_real.default, 1, []),
 ]
 
 
@@ -104,6 +108,8 @@ REFUSED = [  # id, fn, shapes, split, op, message
      "both operands split along the same batch (head) dim"),
     ("sdpa_split_head_dim", lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [(1, 4, 5, 8)] * 3,
      {0: 3, 1: 3, 2: 3}, aten.scaled_dot_product_attention.default, "must be split along the heads dim"),
+    ("view_as_complex_pairs_the_split_dim", lambda x: torch.view_as_complex(x), [(2, 4, 2)], {0: 2},
+     aten.view_as_complex.default, "pairs the last dim, which is the split dim"),
 ]
 
 

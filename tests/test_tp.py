@@ -347,6 +347,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("gpt_bigcode", 4, 1, (2,)),         # multi-query: K/V replicated whole
     ("llama2_v127", 2, 1, (2,), VP),     # vocab-parallel head: vocab 127 over 2 ranks, slices zero-padded
     ("mpt", 4, 2, (2, 3)),               # ALiBi bias over all heads: each attention-TP rank reads its slice
+    ("gpt_oss", 2, 1, (2,)),             # attention sinks, interleaved gate_up, expert biases added once
 ]
 
 
@@ -361,6 +362,7 @@ NUMERICS_SLOW = [
     ("falcon", 2, 1, (3,)),
     ("deepseek_v3", 4, 2, (1, 2)),
     ("gemma2", 4, 2, (1, 2), DDP),       # norm after o_proj on the SCATTERED rows
+    ("gpt_oss", 4, 2, (2, 3)),
 ]
 
 
@@ -420,6 +422,24 @@ def test_alibi_bias_is_read_in_slices_and_heads_merged_into_the_batch_are_refuse
     # heads are not one block of that dim (nor of its ALiBi bias): refused, naming the layer
     with pytest.raises(ShardError, match=r"layer 0 .*query_key_value.*cannot follow split dim 1"):
         _program(exported, "bloom", TPLayout(2))
+
+
+def test_gpt_oss_sinks_interleaved_gate_up_and_expert_biases(exported):
+    # GPT-OSS: sinks [heads] reshaped and expanded, then cat to the scores along the keys: each
+    # rank reads its heads' sinks; gate_up is interleaved ([..., ::2] gate, [..., 1::2] up): a
+    # rank's contiguous slice holds whole pairs, so no blocks; down_proj_bias is added after the
+    # row-parallel grouped mm, to partial sums: kept on rank 0, zeros on rank 1
+    prog = _program(exported, "gpt_oss", TPLayout(2), rank=1, fuse_norm=False)
+    sinks = [o for o in prog.shards.operands if o.dim == 1 and o.size == 4]
+    assert len(sinks) == 2 and all(o.local(1) == (2, 2) for o in sinks)
+    gate_up = next(w for w in prog.shards.weights if w.target.endswith("layers.0.mlp.experts.gate_up_proj"))
+    assert (gate_up.dim, gate_up.blocks) == (2, ())
+    assert len(prog.shards.once) == 2  # one bias add per layer
+    zeros = [n for n in prog.program.graph.nodes if n.target == torch.ops.aten.zeros_like.default]
+    assert len(zeros) == 2 and all(u.target in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+                                   for z in zeros for u in z.users)
+    rank0 = _program(exported, "gpt_oss", TPLayout(2), rank=0, fuse_norm=False)
+    assert not any(n.target == torch.ops.aten.zeros_like.default for n in rank0.program.graph.nodes)
 
 
 def test_falcon_qkv_packed_per_kv_group_shards_whole_groups(exported):

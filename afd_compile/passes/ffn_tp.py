@@ -52,7 +52,7 @@ from .shard import (
     is_expert_mm,
     shard_pair,
 )
-from .shard.types import ArgFix, ShardedWeight
+from .shard.types import ArgFix, OnceOperand, ShardedWeight, SlicedOperand
 
 aten = torch.ops.aten
 afd = torch.ops.afd
@@ -135,15 +135,17 @@ def tensor_parallel_ffn(ffn: fx.GraphModule, parts: int, rank: int) -> FFNTPProg
     propagate_ffn_meta(ffn)
     weights: list[ShardedWeight] = []
     fixes: list[ArgFix] = []
+    operands: list[SlicedOperand] = []
+    once: list[OnceOperand] = []
     for send in sends:
-        _plan_layer(ffn, send.args[0][0].args[0], send.args[2], parts, weights, fixes)
-    plan = ShardPlan(tuple(weights), tuple(fixes), (), (), ())
+        _plan_layer(ffn, send.args[0][0].args[0], send.args[2], parts, weights, fixes, operands, once)
+    plan = ShardPlan(tuple(weights), tuple(fixes), (), (), (), tuple(operands), tuple(once))
     apply_shards(ffn, plan, {"mlp": rank})
     return FFNTPProgram(ffn, plan, parts, rank)
 
 
 def _plan_layer(ffn: fx.GraphModule, y: fx.Node, layer: int, parts: int, weights: list[ShardedWeight],
-                fixes: list[ArgFix]) -> None:
+                fixes: list[ArgFix], operands: list[SlicedOperand], once: list[OnceOperand]) -> None:
     """The weight split of one layer's MLP: its column/row pairs, and a check that everything
     between the row-parallel outputs and ``y`` (settled by the reduce-scatter) is linear."""
     where = f"FFN program: layer {layer}"
@@ -157,8 +159,8 @@ def _plan_layer(ffn: fx.GraphModule, y: fx.Node, layer: int, parts: int, weights
             raise ShardError(f"{where}: the MLP has no down projection fed by up projections "
                              f"(projections found: {[n.name for n in projs]})")
         for cols, row in pairs:
-            shard_pair(ffn, cols, row, parts, "mlp", weights, fixes, where)
-        check_linear_path([row for _, row in pairs], y, region | {y}, where)
+            shard_pair(ffn, cols, row, parts, "mlp", weights, fixes, where, operands=operands)
+        check_linear_path([row for _, row in pairs], y, region | {y}, where, once)
     except ShardError as e:
         raise FFNTPError(f"ffn_tp={parts}: {e}") from None
 

@@ -42,13 +42,21 @@ from ..graph_utils import attention_output, get_attr_path, layers_of, reads_weig
 from ..roles import LINEAR_OPS, SDPA_OPS, Role, is_attention_op, role_of
 from ..symbolic import sym_expr
 from .rules import BLOCK_OPS, IGNORED, RULES, Replicate, ShardRule, ndim, shape_of
-from .types import ArgFix, ShardedState, ShardedWeight, ShardError, ShardPlan, SlicedOperand
+from .types import (
+    ArgFix,
+    OnceOperand,
+    ShardedState,
+    ShardedWeight,
+    ShardError,
+    ShardPlan,
+    SlicedOperand,
+)
 
 aten = torch.ops.aten
 META_KEY = "afd.shard"
 
 __all__ = ["META_KEY", "RULES", "ArgFix", "ShardError", "ShardPlan", "ShardRule", "ShardedState", "ShardedWeight",
-           "SlicedOperand",
+           "OnceOperand", "SlicedOperand",
            "apply_shards",
            "Projection", "is_expert_mm", "is_grouped_mm", "plan_shards", "projection", "reads_weight", "shard_tensor"]
 
@@ -227,7 +235,17 @@ def _cut_into_blocks(n: fx.Node, src: fx.Node, t: _Track) -> None:
     else:  # slice(src, dim, start, end, step)
         start, end = (list(n.args[2:4]) + [None, None])[:2]
         start, end = start or 0, full if end is None else min(end, full)
-        if len(n.args) > 4 and n.args[4] != 1 or start < 0 or end < 0:
+        step = n.args[4] if len(n.args) > 4 else 1
+        if isinstance(step, int) and step > 1 and 0 <= start < step and end == full:
+            # every step-th feature from start (GPT-OSS's interleaved gate_up: [..., ::2], [..., 1::2]):
+            # a rank's contiguous slice holds whole groups of step features when step divides it,
+            # and the same slice of it picks that rank's share of each interleaved piece
+            if full % (t.factor[src] * step):
+                raise ShardError(f"{n.name}: every {step}th feature of {full}, interleaved, over {t.factor[src]} "
+                                 f"ranks: a rank's slice must hold whole groups of {step}")
+            t.pieces[n] = (col, [start])
+            return
+        if step != 1 or start < 0 or end < 0:
             raise ShardError(f"{n.name}: only forward unit-step slices with non-negative bounds cut a fused projection")
         starts = [start]
         for i, v in ((2, start), (3, end)):
@@ -315,8 +333,9 @@ def _split_broadcasts(n: fx.Node, src: fx.Node, t: _Track, fixes: list[ArgFix], 
 def _slice_operands(n: fx.Node, src: fx.Node, t: _Track) -> dict[fx.Node, int]:
     """Unsplit tensors the graph computes (not weights) that the elementwise ``n`` applies along
     the split dim at its full size (an ALiBi bias ``[.., heads, ..]`` added to each rank's heads
-    of the scores): ``n`` reads this rank's slice of each (:class:`SlicedOperand`). Returns
-    operand -> its split dim, for the op's rule to see them split."""
+    of the scores), or that a ``cat`` along another dim joins to a split tensor (GPT-OSS's
+    per-head attention sinks): ``n`` reads this rank's slice of each (:class:`SlicedOperand`).
+    Returns operand -> its split dim, for the op's rule to see them split."""
     d = t.dim[src] + ndim(n) - ndim(src)
     full = sym_expr(n.meta["val"].shape[d])  # (meta holds the unsharded shapes)
     out: dict[fx.Node, int] = {}
@@ -427,6 +446,8 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
             _split_attrs(gm, n, src0, t)
             _split_broadcasts(n, src0, t, fixes, where)
             sliced = _slice_operands(n, src0, t)
+        elif target == aten.cat.default:  # (GPT-OSS's attention sinks, one per head, joined to the scores)
+            sliced = _slice_operands(n, src0, t)
         if target == aten.mean.dim and sdim[src0] in _reduced_dims(n, src0):
             # equal slices per rank, so (sum of slice means) / parts is the full mean; with
             # replicated KV heads too (each distinct slice counted parts / factor times)
@@ -534,10 +555,13 @@ def column_row_pairs(projs: list[fx.Node], region: set[fx.Node],
     return pairs
 
 
-def check_linear_path(rows: list[fx.Node], out: fx.Node, region: set[fx.Node], where: str) -> None:
+def check_linear_path(rows: list[fx.Node], out: fx.Node, region: set[fx.Node], where: str,
+                      once: list[OnceOperand] | None = None, group: str = "mlp") -> None:
     """Everything between the row-parallel outputs and the block output must be linear in them
     (partial sums may be scaled, indexed, reshaped, summed, added to each other), so settling
-    the sum once at the block output equals settling each at its row."""
+    the sum once at the block output equals settling each at its row. With ``once``: a tensor
+    not from the partial sums added to one (a bias) is affine, kept on group rank 0 only
+    (:class:`OnceOperand`, appended to ``once``)."""
     from ..roles import ancestors, descendants
 
     up = ancestors([out], within=region) | {out}
@@ -553,6 +577,11 @@ def check_linear_path(rows: list[fx.Node], out: fx.Node, region: set[fx.Node], w
         ok |= n.target == aten.masked_fill.Scalar and len(on) == 1 and n.args[0] in on and n.args[2] == 0
         ok |= n.target == aten.dropout.default and n.args[0] in on and (n.args[1] == 0 or not n.args[2])  # identity
         ok |= n.target in (aten.add.Tensor, aten.sub.Tensor) and len(n.all_input_nodes) == 2 and len(on) == 2
+        bias = n.target in (aten.add.Tensor, aten.add_.Tensor) and len(n.args) == 2 and len(on) == 1 and \
+            n.args[0] in on and isinstance(n.args[1], fx.Node) and not n.kwargs.get("alpha", 1) != 1
+        if not ok and bias and once is not None:
+            once.append(OnceOperand(n.name, 1, group))
+            ok = True
         # out.index_add_(0, tokens, partial): linear in the source and in out, which must be a
         # partial sum too or zeros (a zero counted once per rank is still zero): an expert loop
         ok |= (n.target in _INDEX_ADD and len(n.args) > 3 and n.args[3] in on and n.args[2] not in on
@@ -577,6 +606,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
     split_means: list[tuple[str, str, int, int]] = []
     states: list[ShardedState] = []
     operands: list[SlicedOperand] = []
+    once: list[OnceOperand] = []
     for layer, parts in layers_of(gm).items():
         members = list(parts.members)
         where = f"layer {layer}"
@@ -622,10 +652,10 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
             if len(pairs) == 1 and _producer_linear(out, ffn_set) is pairs[0][1]:
                 rows_out.append((pairs[0][1].name, "mlp", layer))  # settle right after the down projection
             else:  # several partial sums (experts + shared experts) or a combine step: settle at the block output
-                check_linear_path([row for _, row in pairs], out, ffn_set, where)
+                check_linear_path([row for _, row in pairs], out, ffn_set, where, once)
                 rows_out.append((out.name, "mlp", layer))
     return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out), tuple(split_means), tuple(states),
-                     tuple(operands))
+                     tuple(operands), tuple(once))
 
 
 def _attention_heads(attn: fx.Node) -> int | None:
@@ -780,8 +810,25 @@ def apply_shards(gm: fx.GraphModule, plan: ShardPlan, rank_of_group: dict[str, i
         with gm.graph.inserting_before(user):
             view = gm.graph.call_function(aten.narrow.default, (operand, o.dim, start, n))
         view.name = f"{operand.name}_local"
+        _meta_like(view, user, lambda v, o=o, start=start, n=n: v.narrow(o.dim, start, n), operand)
         user.replace_input_with(operand, view)
+    for o in plan.once:  # a bias added to partial sums: once over the group
+        if rank_of_group[o.group] != 0:
+            user = by_name[o.user]
+            with gm.graph.inserting_before(user):
+                zero = gm.graph.call_function(aten.zeros_like.default, (user.args[o.arg],))
+            _meta_like(zero, user, torch.zeros_like, user.args[o.arg])
+            user.args = (*user.args[:o.arg], zero, *user.args[o.arg + 1:])
     gm.recompile()
+
+
+def _meta_like(new: fx.Node, user: fx.Node, fn: object, src: object) -> None:
+    """``new`` (inserted for ``user``) gets ``user``'s metadata but its own value: ``fn`` of
+    ``src``'s (fake) value, when it has one; later passes read both."""
+    new.meta.update({k: v for k, v in user.meta.items() if k not in ("val", "tensor_meta")})
+    val = src.meta.get("val") if isinstance(src, fx.Node) else None
+    if isinstance(val, torch.Tensor):
+        new.meta["val"] = fn(val)
 
 
 def _narrow_states(gm: fx.GraphModule, plan: ShardPlan, rank_of_group: dict[str, int],

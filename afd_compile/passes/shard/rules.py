@@ -44,6 +44,30 @@ _ELEMENTWISE = {
 }
 
 
+def _ops(*names: str) -> set[object]:
+    """ATen overloads by ``"op.overload"`` name, those this torch has."""
+    out = set()
+    for name in names:
+        op, overload = name.split(".")
+        packet = getattr(aten, op, None)
+        if packet is not None and hasattr(packet, overload):
+            out.add(getattr(packet, overload))
+    return out
+
+
+# more pointwise ops: comparisons and masks (xIELU's ``where(x > 0, ..)``), activations (softplus)
+_ELEMENTWISE |= _ops(
+    "gt.Scalar", "gt.Tensor", "lt.Scalar", "lt.Tensor", "ge.Scalar", "ge.Tensor", "le.Scalar", "le.Tensor",
+    "eq.Scalar", "eq.Tensor", "ne.Scalar", "ne.Tensor", "logical_not.default", "logical_and.default",
+    "logical_or.default", "where.ScalarSelf", "where.ScalarOther", "where.Scalar", "masked_fill.Tensor",
+    "softplus.default", "expm1.default", "log1p.default", "exp2.default", "log2.default", "sign.default",
+    "sgn.default", "reciprocal.default", "clamp_min.default", "clamp_max.default", "clamp.Tensor",
+    "hardtanh.default", "leaky_relu.default", "elu.default", "mish.default", "hardswish.default",
+    "hardsigmoid.default", "rsub.Scalar", "rsub.Tensor", "pow.Scalar", "floor.default", "round.default",
+    "silu_.default", "relu_.default", "gelu_.default", "sigmoid_.default", "tanh_.default", "min.other",
+    "max.other")
+
+
 def ndim(n: object) -> int:
     v = n.meta.get("val") if isinstance(n, fx.Node) else None
     return v.dim() if isinstance(v, torch.Tensor) else 0
@@ -304,10 +328,22 @@ def _expand(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = 
     return d
 
 
+def _complex_view(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """``view_as_complex`` (``[.., n, 2]`` -> ``[.., n]``) and ``view_as_real`` (the reverse): the
+    leading dims are kept, so a split dim among them stays where it is (a complex rotary over
+    head_dim pairs, as Meta's Llama and gpt-fast apply it, on a tensor split along its heads)."""
+    src = node.args[0]
+    d = sdim[src]
+    if node.target == aten.view_as_complex.default and d == ndim(src) - 1:
+        raise ShardError(f"{node.name}: view_as_complex pairs the last dim, which is the split dim")
+    return d
+
+
 #: op -> its rule; every op a split tensor may reach is here, or the walk refuses it by name
 RULES: dict[object, ShardRule] = {op: ShardRule(_elementwise, "elementwise") for op in _ELEMENTWISE}
 RULES.update({op: ShardRule(fn) for op, fn in {
     aten.mean.dim: _reduce_over, aten.sum.dim_IntList: _reduce_over, aten.amax.default: _reduce_over,
+    aten.max.dim: _reduce_over, aten.min.dim: _reduce_over, aten.amin.default: _reduce_over,
     aten.softmax.int: _reduce_over, aten._softmax.default: _reduce_over, aten._safe_softmax.default: _reduce_over,
     aten.transpose.int: _transpose, aten.permute.default: _permute, aten.unsqueeze.default: _unsqueeze,
     aten.slice.Tensor: _along_other_dim, aten.cat.default: _along_other_dim, aten.chunk.default: _along_other_dim,
@@ -318,6 +354,7 @@ RULES.update({op: ShardRule(fn) for op, fn in {
     **({aten.rms_norm.default: _layer_norm} if hasattr(aten, "rms_norm") else {}),
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.matmul.default: _matmul, aten.bmm.default: _matmul,
+    aten.view_as_complex.default: _complex_view, aten.view_as_real.default: _complex_view,
 }.items()})
 RULES.update({op: ShardRule(fn, "reshape") for op, fn in {
     aten.view.default: _reshape, aten.reshape.default: _reshape, aten._unsafe_view.default: _reshape,

@@ -109,6 +109,21 @@ class SlicedOperand:
 
 
 @dataclass(frozen=True)
+class OnceOperand:
+    """A bias added to the partial sums of a row-parallel projection (GPT-OSS's expert
+    ``down_proj_bias``, added after the grouped mm): summed over the group it must count once, so
+    ``user``'s operand ``arg`` is kept on group rank 0 and zeros elsewhere (as a row-parallel
+    linear's own bias is)."""
+
+    user: str
+    arg: int
+    group: str
+
+    def __str__(self) -> str:
+        return f"{self.user} adds operand {self.arg} to partial sums: on {self.group} rank 0 only"
+
+
+@dataclass(frozen=True)
 class ShardPlan:
     weights: tuple[ShardedWeight, ...]
     arg_fixes: tuple[ArgFix, ...]
@@ -118,10 +133,11 @@ class ShardPlan:
     split_means: tuple[tuple[str, str, int, int], ...] = ()
     states: tuple[ShardedState, ...] = ()  # KV caches written with split heads
     operands: tuple[SlicedOperand, ...] = ()  # unsplit tensors read in slices (an ALiBi bias)
+    once: tuple[OnceOperand, ...] = ()  # biases added to partial sums: on group rank 0 only
 
     def __str__(self) -> str:
         return "\n".join([*(str(w) for w in self.weights), *(str(s) for s in self.states),
-                          *(str(o) for o in self.operands),
+                          *(str(o) for o in self.operands), *(str(o) for o in self.once),
                           *(f"{m}: mean over the split dim, all-reduced over {g} / {p}"
                             for m, g, _, p in self.split_means),
                           *(f"{f.node} arg {f.arg}{'' if f.index is None else f'[{f.index}]'}: {f.old} -> "
