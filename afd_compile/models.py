@@ -71,6 +71,16 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=131072, sliding_window=3,
         pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    # sparsemixer routing: the top expert picked by max over the router logits, no topk
+    "phimoe": ("PhimoeForCausalLM", "PhimoeConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=0,
+        eos_token_id=0)),
+    # RMSNorms inside the blocks: over all heads of the attention output before o_proj, and over
+    # the intermediate size before down_proj (each a mean over a TP-split dim)
+    "bitnet": ("BitNetForCausalLM", "BitNetConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, pad_token_id=0, bos_token_id=0, eos_token_id=0)),
     # multi-query attention: fused c_attn [q | one K head | one V head]
     "gpt_bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig", dict(
         vocab_size=128, n_embd=64, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),

@@ -33,6 +33,8 @@ MODELS = {
     "bloom": ("bloom", 2, {}),
     "mpt": ("mpt", 2, {}),
     "gpt_oss": ("gpt_oss", 2, {}),
+    "phimoe": ("phimoe", 2, {}),
+    "bitnet": ("bitnet", 2, {}),
     "llama2_v127": ("llama", 2, {"vocab_size": 127}),  # a vocabulary no TP group size divides
     # decode-shaped: one token per sequence (the sequence static), traced with 3 sequences
     "llama2_seq1": ("llama", 2, {"export_seq": 1, "export_batch": 3}),

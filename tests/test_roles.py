@@ -68,6 +68,18 @@ def test_moe_router_is_on_the_ffn_side_by_default(exported):
     assert any("topk" in t for t in _ffn_targets(gm, 0))
 
 
+def test_a_router_that_selects_by_max_is_found(exported):
+    """PhiMoE's sparsemixer reads the router logits with ``max`` first (no topk): the linear is the
+    router, not an up projection (TP would pair it with the experts and refuse the MLP)."""
+    gm = exported("phimoe")[0].module()
+    summary = annotate_roles(gm)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for layer, name in enumerate(summary.routers):
+        router = by_name[name]
+        assert router.target == torch.ops.aten.linear.default and router.meta[META_KEY] == NodeRole(layer, Role.FFN)
+        assert any(u.target == torch.ops.aten.max.dim for u in router.users)
+
+
 def test_gate_on_attention_moves_the_router_linear(exported):
     gm = exported("qwen3moe2")[0].module()
     default_ffn = annotate_roles(gm).ffn_nodes_per_layer

@@ -348,6 +348,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("llama2_v127", 2, 1, (2,), VP),     # vocab-parallel head: vocab 127 over 2 ranks, slices zero-padded
     ("mpt", 4, 2, (2, 3)),               # ALiBi bias over all heads: each attention-TP rank reads its slice
     ("gpt_oss", 2, 1, (2,)),             # attention sinks, interleaved gate_up, expert biases added once
+    ("bitnet", 4, 2, (2, 1)),            # norms over all heads before o_proj and over the intermediate size
 ]
 
 
@@ -363,6 +364,7 @@ NUMERICS_SLOW = [
     ("deepseek_v3", 4, 2, (1, 2)),
     ("gemma2", 4, 2, (1, 2), DDP),       # norm after o_proj on the SCATTERED rows
     ("gpt_oss", 4, 2, (2, 3)),
+    ("phimoe", 2, 1, (2,)),              # sparsemixer: the router selects by max (the roles test covers it)
 ]
 
 

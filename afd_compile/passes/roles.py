@@ -83,8 +83,10 @@ PASSTHROUGH_OPS = frozenset(
         aten.alias.default,
     }
 )
+# (max over the experts: PhiMoE's sparsemixer picks its top expert by value before any softmax)
 ROUTER_SELECT_OPS = frozenset(
-    {aten.softmax.int, aten._softmax.default, aten.sigmoid.default, aten.topk.default}
+    {aten.softmax.int, aten._softmax.default, aten.sigmoid.default, aten.topk.default, aten.max.dim,
+     aten.argmax.default, aten.sort.default}
 )
 SDPA_OPS = frozenset(
     {

@@ -648,7 +648,9 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
                              f"(projections found: {[n.name for n in projs]})")
         if mlp_parts > 1 and layer not in replicated_mlp:
             for cols_, row in pairs:
-                shard_pair(gm, cols_, row, mlp_parts, "mlp", weights, fixes, where, operands=operands)
+                mlp_means: list[fx.Node] = []  # (BitNet's norm over the intermediate size before down_proj)
+                shard_pair(gm, cols_, row, mlp_parts, "mlp", weights, fixes, where, mlp_means, operands=operands)
+                split_means.extend((m.name, "mlp", layer, mlp_parts) for m in mlp_means)
             if len(pairs) == 1 and _producer_linear(out, ffn_set) is pairs[0][1]:
                 rows_out.append((pairs[0][1].name, "mlp", layer))  # settle right after the down projection
             else:  # several partial sums (experts + shared experts) or a combine step: settle at the block output
@@ -737,8 +739,17 @@ def shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int
         for a in track.attrs:
             if track.origin.get(a) == (c, None):
                 weights.append(ShardedWeight(str(a.target), track.dim[a], parts, group, "column", blocks, rep))
-            elif track.origin.get(a) is None or track.origin[a][0] is c:
+            elif track.origin.get(a) is not None and track.origin[a][0] is c:
                 raise ShardError(f"{where}: {a.target} spans the split dim of {c.name} but not its whole output")
+    for a in track.attrs:
+        # on a tensor computed from several projections' slices (the attention output: BitNet's
+        # sub-norm over all heads before o_proj): a rank holds one contiguous block of its heads
+        if track.origin.get(a) is None:
+            size = int(get_attr_path(gm, a.target).shape[track.dim[a]])
+            if track.factor[a] != parts or size % parts:
+                raise ShardError(f"{where}: {a.target} (size {size} along the split dim) is applied to "
+                                 f"{parts // track.factor[a]}x replicated heads or does not divide by {parts}")
+            weights.append(ShardedWeight(str(a.target), track.dim[a], parts, group, "column"))
     for node, d, slices in track.states:
         if states is None:
             raise ShardError(f"{where}: {node.name} is written in place with a value split over {group}")
