@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import logging
 import math
 import os
 import queue as queue_mod
@@ -47,6 +48,8 @@ from .passes.stages import (
 from .passes.symbolic import sym_expr
 from .scatter import TPLayout
 from .split_api import SplitConfig, split_graph_module
+
+log = logging.getLogger("afd_compile.runtime")
 
 STOP = -1
 
@@ -83,14 +86,15 @@ def shutdown(sync: bool = True) -> None:
     the timeout)."""
     import sys
 
+    if sync and _FAILED_STEP is not None:
+        log.warning("afd: shutdown: a step failed on this rank (%s): leaving without the STOP exchange "
+                    "and the barrier", _FAILED_STEP)
+        sync = False
     if dist.is_initialized() and sync:
         try:  # the FFN peers of the backend's attention communicators stop serving this rank
             finish(at_shutdown=True)
         except Exception as e:  # a peer already gone: nothing left to tell it
-            import logging
-
-            logging.getLogger("afd_compile.runtime").warning("afd: shutdown: could not tell an FFN rank this rank "
-                                                            "stopped: %s", e)
+            log.warning("afd: shutdown: could not tell an FFN rank this rank stopped: %s", e)
         try:  # ... and the backend's FFN workers hear it (else the peers' STOP finds no receiver)
             by_comm: dict[int, list[FFNWorker]] = {}
             for w in SERVE_AT_SHUTDOWN:  # workers of several graphs share a communicator: serve it once
@@ -101,10 +105,7 @@ def shutdown(sync: bool = True) -> None:
                 if len(w.left) < len(w.comm.peers):
                     w.serve()
         except Exception as e:  # a peer already gone
-            import logging
-
-            logging.getLogger("afd_compile.runtime").warning("afd: shutdown: FFN rank could not hear every "
-                                                            "attention peer stop: %s", e)
+            log.warning("afd: shutdown: FFN rank could not hear every attention peer stop: %s", e)
         SERVE_AT_SHUTDOWN.clear()
     backend = sys.modules.get("afd_compile.backend")
     if backend is not None:
@@ -114,6 +115,17 @@ def shutdown(sync: bool = True) -> None:
         if sync:
             dist.barrier()
         dist.destroy_process_group()
+
+
+#: what failed in a worker step of this process (None: nothing): a later stop() / shutdown()
+#: exchanges nothing with the peers
+_FAILED_STEP: str | None = None
+
+
+def _step_failed(what: str) -> None:
+    global _FAILED_STEP
+    if _FAILED_STEP is None:
+        _FAILED_STEP = what
 
 
 #: FFN workers the compile backend runs one step per call: :func:`shutdown` serves them until
@@ -214,6 +226,16 @@ class AttentionWorker:
         return self.runners[k]
 
     def step(self, *inputs: torch.Tensor) -> Any:
+        """One step: the control message to the FFN rank, then the program. A step that raises is
+        remembered: :meth:`stop` and :func:`shutdown` then leave without exchanging anything with
+        the peers (an FFN rank mid-step would not take a STOP, and this rank would wait on it)."""
+        try:
+            return self._step(*inputs)
+        except BaseException as e:
+            _step_failed(f"attention step: {type(e).__name__}: {e}")
+            raise
+
+    def _step(self, *inputs: torch.Tensor) -> Any:
         slice_of = self.count_tokens if isinstance(self.count_tokens, GroupSlice) else None
         # an attention TP rank whose slice is empty still runs: its group's collectives need it
         total = slice_of.total(inputs) if slice_of is not None else self.count_tokens(inputs)
@@ -244,6 +266,9 @@ class AttentionWorker:
         return self.program_for(len(rows))(*inputs, *(torch.empty(r, 0, device=dev) for r in rows))
 
     def stop(self) -> None:
+        if _FAILED_STEP is not None:
+            log.warning("afd: stop: not sent, a step failed on this rank (%s)", _FAILED_STEP)
+            return
         send_control(self.comm, STOP)
 
 
@@ -347,6 +372,14 @@ class FFNWorker:
         return steps
 
     def serve_one(self, on_step: Callable[[tuple[int, ...]], None] | None = None) -> tuple[int, ...] | None:
+        """:meth:`_serve_one`; a step that raises is remembered (as :meth:`AttentionWorker.step`)."""
+        try:
+            return self._serve_one(on_step)
+        except BaseException as e:
+            _step_failed(f"FFN step: {type(e).__name__}: {e}")
+            raise
+
+    def _serve_one(self, on_step: Callable[[tuple[int, ...]], None] | None = None) -> tuple[int, ...] | None:
         """Receive one step's per-peer token counts (the control messages of the peers still
         running) and run the program once; returns the counts (0 for a peer that has left), or
         None once every peer has stopped. A peer that sends STOP leaves: later steps serve the

@@ -259,6 +259,39 @@ def test_a_rank_waiting_on_a_silent_peer_fails_after_the_timeout():
     assert e.value.rank == 1 and ("timed out" in str(e.value).lower() or "timeout" in str(e.value).lower())
 
 
+def _fails_mid_step(rank: int, world: int, path: str) -> None:
+    """A user's torchrun script: the attention rank's step raises after its control message went
+    out (token ids outside the vocabulary), and its ``finally`` calls ``stop()`` and ``shutdown()``
+    as a clean end would; the FFN rank serves."""
+    from afd_compile.layout import AFDLayout
+    from afd_compile.programs import load_program
+    from afd_compile.runtime import AttentionWorker, make_worker, shutdown
+
+    worker = make_worker(load_program(path).module(), AFDLayout(1, 1), rank)
+    try:
+        if isinstance(worker, AttentionWorker):
+            worker.step(torch.full((2, 5), 10_000))
+        else:
+            worker.serve()
+    finally:
+        if isinstance(worker, AttentionWorker):
+            worker.stop()
+        shutdown()
+
+
+def test_a_step_that_raises_is_reported_at_once_even_when_the_script_shuts_down_cleanly(exported, monkeypatch):
+    # the failed rank exchanges nothing more (no STOP its FFN peer, mid-step, would misread; no
+    # barrier it would wait on): its own error is the verdict, well before the peers' timeout.
+    # Wire checks off, as deployed (with them the FFN rank refuses the STOP's header at once)
+    monkeypatch.setenv("AFD_CHECK_WIRE", "0")
+    timeout = 40.0
+    t = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        run_local(_fails_mid_step, 2, exported("llama2")[1], timeout_s=timeout)
+    assert e.value.rank == 1 and "index out of range" in str(e.value), str(e.value)
+    assert time.monotonic() - t < timeout, "the run waited for the timeout"
+
+
 # --- rewrite writes whole or not at all ---------------------------------------------------------
 
 
