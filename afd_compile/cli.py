@@ -170,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "with --tp: one batch size per attention DP group (default 1,2,...; as saved when attn_dp=1)")
     p.add_argument("--steps", type=int, default=2, help="steps per rank (default 2, at least 1)")
     p.add_argument("--decode-steps", type=int, default=0, metavar="N",
-                   help="a program with a KV cache (buffers it updates in place and a cache_position input, as "
-                   "transformers' TorchExportableModuleForDecoderOnlyLM exports): run its saved example as a "
+                   help="a program with a KV cache (buffers it updates in place at the positions of a 1-D "
+                   "integer input: cache_position as transformers' TorchExportableModuleForDecoderOnlyLM "
+                   "exports, gpt-fast's input_pos): run its saved example as a "
                    "prefill, then N decode steps, comparing the logits at every step (replaces --steps)")
     _add_stages(p, "run each step as S micro-batches (whole sequences) interleaved layer by layer, the "
                 "ping-pong schedule (default 1: one batch); with a KV cache each micro-batch its own cache rows")

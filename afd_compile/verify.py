@@ -74,16 +74,50 @@ class ProgramFacts:
         return ProgramFacts(rng, tol)
 
 
+#: in-place cache writes and the argument that holds the positions they write at
+_POSITIONED_WRITES = {torch.ops.aten.index_copy_.default: 2, torch.ops.aten.index_put_.default: 1}
+
+
+def position_input(gm: fx.GraphModule, placeholders: Sequence[fx.Node]) -> int | None:
+    """Index (among ``placeholders``) of the input that positions the cache writes: the one 1-D
+    integer input the write positions are computed from (``index_copy_(2, pos, k)``, gpt-fast's
+    ``k_cache[:, :, input_pos] = k``), whatever its name; else the input named ``cache_position``
+    (transformers' exporter); None when neither is found."""
+    inputs = {n: i for i, n in enumerate(placeholders)}
+    found: set[int] = set()
+    for writers in written_attrs(gm).values():
+        for w in writers:
+            arg = _POSITIONED_WRITES.get(w.target)
+            if arg is None or len(w.args) <= arg:
+                continue
+            at = w.args[arg]
+            stack = [a for a in (at if isinstance(at, (list, tuple)) else [at]) if isinstance(a, fx.Node)]
+            seen: set[fx.Node] = set()
+            while stack:
+                n = stack.pop()
+                if n in seen:
+                    continue
+                seen.add(n)
+                val = n.meta.get("val")
+                if n in inputs and isinstance(val, torch.Tensor) and val.dim() == 1 and not val.is_floating_point():
+                    found.add(inputs[n])
+                stack.extend(n.all_input_nodes)
+    if len(found) == 1:
+        return found.pop()
+    return next((i for i, n in enumerate(placeholders) if n.name == "cache_position"), None)
+
+
 @dataclass(frozen=True)
 class DecodeSpec:
     """How verify steps a program that carries a KV cache (buffers it updates in place, as
     transformers' ``TorchExportableModuleForDecoderOnlyLM`` exports them, with a
-    ``cache_position`` input): step 0 is the saved example (a prefill of its positions); each
+    ``cache_position`` input, or any input that positions the writes: :func:`position_input`):
+    step 0 is the saved example (a prefill of its positions); each
     decode step then writes the next positions: one token when the position dim is dynamic
     (every input along it is cut to its first entry), else as many as the example."""
 
     state: tuple[str, ...]  # the buffers the program writes in place
-    position_input: int | None  # index of the ``cache_position`` input
+    position_input: int | None  # index of the input that positions the cache writes
     seq_dims: tuple[tuple[int, int], ...]  # (input, dim) carrying the position dim's symbol
     prefill: int  # positions of the saved example
     step_tokens: int
@@ -97,7 +131,7 @@ class DecodeSpec:
         if not state:
             return None
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        pos = next((i for i, n in enumerate(placeholders) if n.name == "cache_position"), None)
+        pos = position_input(gm, placeholders)
         seq_dims: tuple[tuple[int, int], ...] = ()
         prefill = step = 0
         if pos is not None:
@@ -141,8 +175,9 @@ def check_decode_steps(spec: DecodeSpec | None, decode_steps: int, batches: Sequ
             "with; export the model with its cache (transformers.integrations.executorch."
             "TorchExportableModuleForDecoderOnlyLM(model, batch_size=..., max_cache_len=...).export(...))")
     if spec.position_input is None:
-        raise VerifyInputError(f"--decode-steps: {path} writes buffers {list(spec.state)} in place but has no "
-                               "cache_position input to advance between steps")
+        raise VerifyInputError(f"--decode-steps: {path} writes buffers {list(spec.state)} in place but no 1-D "
+                               "integer input positions the writes (index_copy_ / index_put_ at the positions; "
+                               "nor is one named cache_position) to advance between steps")
     if batches is not None:
         raise VerifyInputError(f"--decode-steps: --tokens {list(batches)} cannot resize the batch of a program "
                                "whose KV cache fixes it")

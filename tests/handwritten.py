@@ -268,9 +268,10 @@ class CachedAttention(nn.Module):
     written in place at ``cache_position`` with ``index_copy_``; the causal mask built from the
     positions (``arange(max_len) <= position``) and broadcast over batch and heads, not expanded."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, batch: int, max_len: int) -> None:
+    def __init__(self, hidden: int, heads: int, kv_heads: int, batch: int, max_len: int,
+                 index_put: bool = False) -> None:
         super().__init__()
-        self.attn = GQAAttention(hidden, heads, kv_heads)
+        self.attn, self.index_put = GQAAttention(hidden, heads, kv_heads), index_put
         shape = (batch, kv_heads, max_len, hidden // heads)
         self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
@@ -281,8 +282,12 @@ class CachedAttention(nn.Module):
         q = a.q(x).view(b, s, a.heads, a.head_dim).transpose(1, 2)
         k = a.k(x).view(b, s, a.kv_heads, a.head_dim).transpose(1, 2)
         v = a.v(x).view(b, s, a.kv_heads, a.head_dim).transpose(1, 2)
-        self.k_cache.index_copy_(2, pos, k)
-        self.v_cache.index_copy_(2, pos, v)
+        if self.index_put:  # gpt-fast's KVCache.update: k_cache[:, :, input_pos] = k
+            self.k_cache[:, :, pos] = k
+            self.v_cache[:, :, pos] = v
+        else:
+            self.k_cache.index_copy_(2, pos, k)
+            self.v_cache.index_copy_(2, pos, v)
         rep = a.heads // a.kv_heads
         keys = self.k_cache.repeat_interleave(rep, dim=1)
         values = self.v_cache.repeat_interleave(rep, dim=1)
@@ -297,12 +302,13 @@ class CachedDecoder(nn.Module):
     cache's)."""
 
     def __init__(self, batch: int = 3, max_len: int = 16, vocab: int = 128, hidden: int = 64, heads: int = 4,
-                 kv_heads: int = 2, layers: int = 2, inter: int = 128, seed: int = 0) -> None:
+                 kv_heads: int = 2, layers: int = 2, inter: int = 128, seed: int = 0, index_put: bool = False) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.embed = nn.Embedding(vocab, hidden)
         self.norms = nn.ModuleList(nn.ModuleList([RMSNorm(hidden), RMSNorm(hidden)]) for _ in range(layers))
-        self.attns = nn.ModuleList(CachedAttention(hidden, heads, kv_heads, batch, max_len) for _ in range(layers))
+        self.attns = nn.ModuleList(CachedAttention(hidden, heads, kv_heads, batch, max_len, index_put)
+                                   for _ in range(layers))
         self.mlps = nn.ModuleList(SwiGLU(hidden, inter) for _ in range(layers))
         self.norm, self.head = RMSNorm(hidden), nn.Linear(hidden, vocab, bias=False)
 
@@ -314,14 +320,26 @@ class CachedDecoder(nn.Module):
         return self.head(self.norm(x))
 
 
+class GptFastDecoder(CachedDecoder):
+    """The cached decoder as gpt-fast writes it: ``forward(ids, input_pos)``, the cache updated by
+    ``index_put_`` (``k_cache[:, :, input_pos] = k``)."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw, index_put=True)
+
+    def forward(self, ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids, input_pos)
+
+
 def export_cached(model: CachedDecoder, seq: int = 4, max_seq: int = 8, vocab: int = 128) -> torch.export.ExportedProgram:
     """The cached decoder exported with its batch static (the cache's) and the sequence dynamic."""
     batch = model.attns[0].k_cache.shape[0]
     ids = torch.randint(1, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     dim = torch.export.Dim("seq", min=1, max=max_seq)
+    pos = "input_pos" if isinstance(model, GptFastDecoder) else "cache_position"
     with torch.no_grad():
         return torch.export.export(model.eval(), (ids, torch.arange(seq)),
-                                   dynamic_shapes={"ids": {1: dim}, "cache_position": {0: dim}})
+                                   dynamic_shapes={"ids": {1: dim}, pos: {0: dim}})
 
 
 MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "nanogpt": NanoGPT, "flat": Flat,

@@ -186,3 +186,17 @@ def test_a_hand_written_static_cache_decodes_in_micro_batches(tmp_path, capsys):
     # and TP: each rank its KV heads' slice of the cache buffers
     assert main(["verify", path, "--tp", "2", "--decode-steps", "3", "-q"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("verify: OK")
+
+
+def test_a_gpt_fast_style_cache_is_found_by_its_writes_not_its_input_name(tmp_path, capsys):
+    # gpt-fast: forward(ids, input_pos), k_cache[:, :, input_pos] = k (index_put_): the input that
+    # positions the cache writes is found from the graph; AFD and TP decode against the original
+    from handwritten import GptFastDecoder, export_cached
+
+    from afd_compile.cli import main
+
+    path = str(tmp_path / "gpt_fast.pt2")
+    torch.export.save(export_cached(GptFastDecoder(batch=2)), path)
+    for args in (["-A", "1", "-F", "1"], ["--tp", "2"]):
+        assert main(["verify", path, *args, "--decode-steps", "2", "-q"]) == 0, args
+        assert capsys.readouterr().out.strip().splitlines()[-1].startswith("verify: OK")
