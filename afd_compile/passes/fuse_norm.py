@@ -17,14 +17,16 @@ The pass warns when a program with all-reduces has none of these units (a norm o
 
 from __future__ import annotations
 
+import logging
 import operator
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from .. import ops as _ops  # noqa: F401
+
+log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
@@ -109,8 +111,9 @@ def fuse_allreduce_add_rmsnorm(gm: fx.GraphModule) -> int:
     """Rewrite every match in place; returns how many units were fused."""
     matches = find_allreduce_add_rmsnorm(gm)
     if not matches and any(n.target == torch.ops.afd.all_reduce.default for n in gm.graph.nodes):
-        warnings.warn("fuse_allreduce_add_rmsnorm: all-reduces present but no all-reduce + add + RMSNorm unit "
-                      "matched; the graph is left as it is", stacklevel=2)
+        # (a LayerNorm model, GPT-2 or MPT: nothing to fuse is expected, not worth a warning)
+        log.info("fuse_allreduce_add_rmsnorm: all-reduces present but no all-reduce + add + RMSNorm unit "
+                 "matched; the graph is left as it is")
     g = gm.graph
     fused_count = 0
     while matches:  # one unit at a time: a fused unit's residual output feeds the next unit
