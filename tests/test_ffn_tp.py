@@ -5,6 +5,7 @@ side), and the CLI / backend refusals."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -171,11 +172,18 @@ def test_attention_tp_refuses_moe_before_anything_runs(exported):
 
 @pytest.mark.parametrize("layout,tag", [(AFDLayout(4, 2, ffn_tp=2, attn_tp=2), "4A_attn_tp2_2F_ffn_tp2"),
                                         (AFDLayout(4, 2, ffn_tp=2), "4A2F_ffn_tp2")])
-def test_golden_plans_of_composed_layouts(exported, check_golden, layout, tag):
+def test_golden_plans_of_composed_layouts(exported, check_golden, update_goldens, layout, tag):
+    import transformers
+
     from afd_compile.cli import plan_table
     from afd_compile.programs import fresh_module
     from afd_compile.split_api import SplitConfig, split
 
     ep = exported("llama2")[0]
     text = plan_table(split(fresh_module(ep), SplitConfig(graph_name="llama2"), layout=layout), layout) + "\n"
-    check_golden(f"plan_afd_llama2_{tag}.txt", text)
+    # the node counts follow transformers' Llama code (5.17 traces one node fewer per layer than
+    # 5.24): one golden per transformers minor version
+    name = f"plan_afd_llama2_{tag}.transformers-{'.'.join(transformers.__version__.split('.')[:2])}.txt"
+    if not update_goldens and not os.path.exists(os.path.join(os.path.dirname(__file__), "golden", name)):
+        pytest.skip(f"no golden recorded for this transformers release ({name}); run --update-goldens to add one")
+    check_golden(name, text)
