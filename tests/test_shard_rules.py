@@ -132,3 +132,36 @@ def test_every_rule_has_one_signature_and_a_known_kind():
     for op, rule in RULES.items():
         assert rule.kind in ("elementwise", "reshape", "op"), op
         assert list(inspect.signature(rule.fn).parameters) == ["node", "sdim", "parts", "fixes"], op
+
+
+class _MLPPlus(torch.nn.Module):
+    """down(relu(up(x))) plus ``extra``: a bias (unsplit, counted once over the group) or the
+    column-parallel ``up(x)`` itself (split: never a bias)."""
+
+    def __init__(self, extra: str) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
+        self.bias, self.extra = torch.nn.Parameter(torch.randn(8)), extra
+
+    def forward(self, x):
+        h = self.up(x)
+        y = self.down(torch.relu(h))
+        return y + (self.bias * 2 if self.extra == "bias" else h)
+
+
+@pytest.mark.parametrize("extra", ["bias", "split"])
+def test_a_bias_on_partial_sums_is_added_once_and_a_split_tensor_is_no_bias(extra):
+    from afd_compile.passes.shard import OnceOperand, check_linear_path
+
+    gm = torch.export.export(_MLPPlus(extra), (torch.randn(3, 8),)).module()
+    nodes = {n.name: n for n in gm.graph.nodes}
+    region = {n for n in gm.graph.nodes if n.op == "call_function"}
+    up, down = (n for n in gm.graph.nodes if n.target == aten.linear.default)
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    once: list[OnceOperand] = []
+    if extra == "bias":
+        check_linear_path([down], out, region, "layer 0", once, cols=[up])
+        assert once == [OnceOperand(out.name, 1, "mlp")] and nodes[out.name].args[0] is down
+    else:
+        with pytest.raises(ShardError, match=f"{out.name} .* is not linear in their partial sums"):
+            check_linear_path([down], out, region, "layer 0", once, cols=[up])

@@ -160,7 +160,8 @@ def _plan_layer(ffn: fx.GraphModule, y: fx.Node, layer: int, parts: int, weights
                              f"(projections found: {[n.name for n in projs]})")
         for cols, row in pairs:
             shard_pair(ffn, cols, row, parts, "mlp", weights, fixes, where, operands=operands)
-        check_linear_path([row for _, row in pairs], y, region | {y}, where, once)
+        check_linear_path([row for _, row in pairs], y, region | {y}, where, once,
+                          cols=[c for cs, _ in pairs for c in cs])
     except ShardError as e:
         raise FFNTPError(f"ffn_tp={parts}: {e}") from None
 

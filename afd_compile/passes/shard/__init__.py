@@ -32,6 +32,7 @@ Anything the rules do not know that touches a split tensor is an error naming th
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import sympy
@@ -239,11 +240,12 @@ def _cut_into_blocks(n: fx.Node, src: fx.Node, t: _Track) -> None:
         if isinstance(step, int) and step > 1 and 0 <= start < step and end == full:
             # every step-th feature from start (GPT-OSS's interleaved gate_up: [..., ::2], [..., 1::2]):
             # a rank's contiguous slice holds whole groups of step features when step divides it,
-            # and the same slice of it picks that rank's share of each interleaved piece
+            # and the same slice of it picks that rank's share of each interleaved piece. Not a block
+            # of the column (no starts): the piece's origin is no block either
             if full % (t.factor[src] * step):
                 raise ShardError(f"{n.name}: every {step}th feature of {full}, interleaved, over {t.factor[src]} "
                                  f"ranks: a rank's slice must hold whole groups of {step}")
-            t.pieces[n] = (col, [start])
+            t.pieces[n] = (col, [])
             return
         if step != 1 or start < 0 or end < 0:
             raise ShardError(f"{n.name}: only forward unit-step slices with non-negative bounds cut a fused projection")
@@ -436,7 +438,7 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
                 _cut_into_blocks(n, src0, t)
                 col, starts = t.pieces[n]
                 sdim[n], t.factor[n] = sdim[src0], f
-                t.origin[n] = (col, starts[0]) if target == aten.slice.Tensor else None
+                t.origin[n] = (col, starts[0]) if target == aten.slice.Tensor and starts else None
                 frontier.extend(sorted(n.users, key=order.__getitem__))
                 frontier.sort(key=order.__getitem__)
                 continue
@@ -556,17 +558,19 @@ def column_row_pairs(projs: list[fx.Node], region: set[fx.Node],
 
 
 def check_linear_path(rows: list[fx.Node], out: fx.Node, region: set[fx.Node], where: str,
-                      once: list[OnceOperand] | None = None, group: str = "mlp") -> None:
+                      once: list[OnceOperand] | None = None, group: str = "mlp",
+                      cols: Sequence[fx.Node] = ()) -> None:
     """Everything between the row-parallel outputs and the block output must be linear in them
     (partial sums may be scaled, indexed, reshaped, summed, added to each other), so settling
     the sum once at the block output equals settling each at its row. With ``once``: a tensor
-    not from the partial sums added to one (a bias) is affine, kept on group rank 0 only
-    (:class:`OnceOperand`, appended to ``once``)."""
+    added to a partial sum that comes neither from the partial sums nor from the split columns
+    ``cols`` (a bias) is affine, kept on group rank 0 only (:class:`OnceOperand`, appended)."""
     from ..roles import ancestors, descendants
 
     up = ancestors([out], within=region) | {out}
     path = {n for r in rows for n in descendants(r, region) & up} - set(rows)
     partial = path | set(rows)
+    split = set().union(*(descendants(c, region) for c in cols)) if once is not None else set()
     for n in path:
         if n.target in IGNORED:
             continue
@@ -578,7 +582,8 @@ def check_linear_path(rows: list[fx.Node], out: fx.Node, region: set[fx.Node], w
         ok |= n.target == aten.dropout.default and n.args[0] in on and (n.args[1] == 0 or not n.args[2])  # identity
         ok |= n.target in (aten.add.Tensor, aten.sub.Tensor) and len(n.all_input_nodes) == 2 and len(on) == 2
         bias = n.target in (aten.add.Tensor, aten.add_.Tensor) and len(n.args) == 2 and len(on) == 1 and \
-            n.args[0] in on and isinstance(n.args[1], fx.Node) and not n.kwargs.get("alpha", 1) != 1
+            n.args[0] in on and isinstance(n.args[1], fx.Node) and n.args[1] not in split and \
+            n.kwargs.get("alpha", 1) == 1
         if not ok and bias and once is not None:
             once.append(OnceOperand(n.name, 1, group))
             ok = True
@@ -654,7 +659,8 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
             if len(pairs) == 1 and _producer_linear(out, ffn_set) is pairs[0][1]:
                 rows_out.append((pairs[0][1].name, "mlp", layer))  # settle right after the down projection
             else:  # several partial sums (experts + shared experts) or a combine step: settle at the block output
-                check_linear_path([row for _, row in pairs], out, ffn_set, where, once)
+                check_linear_path([row for _, row in pairs], out, ffn_set, where, once,
+                                  cols=[c for cs, _ in pairs for c in cs])
                 rows_out.append((out.name, "mlp", layer))
     return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out), tuple(split_means), tuple(states),
                      tuple(operands), tuple(once))

@@ -51,15 +51,26 @@ class ArgFix:
     arg: int = 1
 
 
-def slice_of(rank: int, size: int, slices: int, parts: int) -> tuple[int, int]:
-    """(start, length) of ``rank``'s slice when ``size`` is cut into ``slices`` equal slices over
-    ``parts`` ranks (each slice on ``parts // slices`` consecutive ranks: replicated KV heads)."""
-    n = size // slices
-    return (rank // (parts // slices)) * n, n
+class _RankSlices:
+    """A dim of ``size`` cut into ``slices`` equal slices over ``parts`` ranks, each slice on
+    ``parts // slices`` consecutive ranks (replicated KV heads). Mixed into the records below,
+    which hold those fields."""
+
+    size: int
+    slices: int
+    parts: int
+
+    def local(self, rank: int) -> tuple[int, int]:
+        """(start, length) of ``rank``'s slice along the dim."""
+        n = self.size // self.slices
+        return (rank // (self.parts // self.slices)) * n, n
+
+    def _replicated(self) -> str:
+        return f", each slice on {self.parts // self.slices} ranks" if self.slices < self.parts else ""
 
 
 @dataclass(frozen=True)
-class ShardedState:
+class ShardedState(_RankSlices):
     """A state tensor a split tensor is written into in place (a KV cache: ``index_copy_`` of
     this rank's K/V heads): each rank keeps only its slice of ``dim``. ``slices`` distinct slices
     over ``parts`` ranks of ``group`` (fewer when KV heads are replicated: rank r keeps slice
@@ -74,17 +85,12 @@ class ShardedState:
     parts: int
     group: str
 
-    def local(self, rank: int) -> tuple[int, int]:
-        """(start, length) of ``rank``'s slice along ``dim``."""
-        return slice_of(rank, self.size, self.slices, self.parts)
-
     def __str__(self) -> str:
-        rep = f", each slice on {self.parts // self.slices} ranks" if self.slices < self.parts else ""
-        return f"state {self.node} dim {self.dim} ({self.size}) / {self.slices} over {self.group}{rep}"
+        return f"state {self.node} dim {self.dim} ({self.size}) / {self.slices} over {self.group}{self._replicated()}"
 
 
 @dataclass(frozen=True)
-class SlicedOperand:
+class SlicedOperand(_RankSlices):
     """An unsplit tensor the graph computes (not a weight) that an elementwise op ``user``
     applies along the split dim: BLOOM's and MPT's ALiBi bias over all heads, added to each
     rank's heads of the attention scores. Every rank computes it whole; ``user`` reads this
@@ -98,14 +104,9 @@ class SlicedOperand:
     parts: int
     group: str
 
-    def local(self, rank: int) -> tuple[int, int]:
-        """(start, length) of ``rank``'s slice along ``dim``."""
-        return slice_of(rank, self.size, self.slices, self.parts)
-
     def __str__(self) -> str:
-        rep = f", each slice on {self.parts // self.slices} ranks" if self.slices < self.parts else ""
         return f"{self.user} reads its slice of {self.operand} dim {self.dim} ({self.size}) / {self.slices} " \
-               f"over {self.group}{rep}"
+               f"over {self.group}{self._replicated()}"
 
 
 @dataclass(frozen=True)
