@@ -98,7 +98,7 @@ def _add_stages(p: argparse.ArgumentParser, what: str) -> None:
 
 
 _TP_FLAGS = {"attn_dp": "--attn-dp", "moe_a2a": "--moe-a2a", "dense_dp": "--dense-dp",
-             "vocab_parallel": "--vocab-parallel"}
+             "vocab_parallel": "--vocab-parallel", "shards": "--shards"}
 _AFD_FLAGS = {"attention_ranks": "-A/--attention-ranks", "ffn_ranks": "-F/--ffn-ranks",
               "gate_on_attention": "--gate-on-attention"}
 _AFD_VALUED = {"stages": ("--stages", 1), "ffn_tp": ("--ffn-tp", 1), "ffn_ep": ("--ffn-ep", 1),
@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--mermaid", type=int, nargs="?", const=0, metavar="LAYER",
                    help="print one layer (default 0) as a Mermaid flowchart instead of the table: the AFD split "
                    "(both programs, what crosses the wire) or the TP junctions (states, collectives)")
+    p.add_argument("--shards", action="store_true", help="with --tp: list every sharding record of rank 0's "
+                   "program (each weight split column/row-parallel and its blocks, KV cache states, tensors "
+                   "read in slices, biases kept on one rank, means all-reduced, size arguments divided); "
+                   "without it one line counts them")
     _add_quiet(p)
     _add_stages(p, "also print the ping-pong schedule of S micro-batches per step (for the saved example's "
                 "batch on every attention rank) and check it (pairing, order, no deadlock)")
@@ -309,6 +313,23 @@ def _print_timings(args: argparse.Namespace, seconds: dict[str, float]) -> None:
         print(timings_table(seconds), file=sys.stderr if getattr(args, "json", False) else sys.stdout)
 
 
+def _shards_summary(shards) -> str:
+    """One line counting rank 0's sharding records (``plan --tp --shards`` lists them)."""
+    kinds: dict[str, int] = {}
+    for w in shards.weights:
+        kind = "row bias" if w.kind == "row_bias" else w.kind
+        kinds[kind] = kinds.get(kind, 0) + 1
+    fused = sum(1 for w in shards.weights if len(w.blocks) > 1)
+    parts = [f"{len(shards.weights)} weights split ({', '.join(f'{v} {k}' for k, v in kinds.items())}"
+             f"{f'; {fused} fused, in blocks' if fused else ''})"]
+    for items, what in ((shards.states, "cache states split"), (shards.operands, "tensors read in slices"),
+                        (shards.once, "biases kept on group rank 0"), (shards.split_means, "means all-reduced"),
+                        (shards.arg_fixes, "size arguments divided")):
+        if items:
+            parts.append(f"{len(items)} {what}")
+    return f"shards (rank 0): {', '.join(parts)}" + ("" if not shards.weights else "; --shards lists them")
+
+
 def cmd_plan_tp(args: argparse.Namespace) -> int:
     import json
 
@@ -329,10 +350,14 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
 
         print(tp_mermaid(prog.plan, args.mermaid))
     elif args.json:
-        print(json.dumps({**prog.plan.to_json(), **({"cache": cache} if cache else {})}, indent=2))
+        print(json.dumps({**prog.plan.to_json(), "shards": str(prog.shards).splitlines(),
+                          **({"cache": cache} if cache else {})}, indent=2))
     else:
         print(prog.plan.table())
         print(TP_LEGEND)
+        print(_shards_summary(prog.shards))
+        if args.shards:
+            print(prog.shards)
         if cache:
             print(f"KV cache: {len(cache['buffers'])} buffers updated in place, {cache['bytes_per_rank']} bytes per rank "
                   f"of {cache['bytes_unsharded']} ({len(cache['split_by_kv_heads'])} split by KV heads)")

@@ -183,6 +183,90 @@ class Flat(nn.Module):
         return self.head(self.norm(self.second(self.first(self.embed(ids)))))
 
 
+class TorchPostNorm(nn.Module):
+    """PyTorch's own ``nn.TransformerEncoderLayer`` (post-norm: ``x = norm(x + block(x))``, the
+    original Transformer's order) with a causal mask: ``nn.MultiheadAttention`` with a packed
+    ``in_proj`` unflattened into q/k/v, the MLP as ``linear1``/``linear2`` with no MLP module."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 64, layers: int = 2, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(hidden, 4, 2 * hidden, dropout=0.0, batch_first=True)
+                                    for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x, s = self.embed(ids), ids.shape[1]
+        mask = torch.full((s, s), float("-inf")).triu(1)
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, is_causal=True)
+        return self.head(x)
+
+
+class ParallelBlock(nn.Module):
+    """GPT-J's parallel block written with raw parameters: one norm, ``x + attn(h) + mlp(h)``, every
+    projection an ``x @ W`` matmul, the fused q/k/v cut by ``split``; no submodule to name the MLP."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln = nn.LayerNorm(hidden)
+        self.wqkv = nn.Parameter(torch.randn(hidden, 3 * hidden) * 0.05)
+        self.wo = nn.Parameter(torch.randn(hidden, hidden) * 0.05)
+        self.w1 = nn.Parameter(torch.randn(hidden, 4 * hidden) * 0.05)
+        self.w2 = nn.Parameter(torch.randn(4 * hidden, hidden) * 0.05)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, c = x.shape
+        h = self.ln(x)
+        q, k, v = ((h @ self.wqkv).split(c, -1))
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, c)
+        return x + y @ self.wo + F.gelu(h @ self.w1) @ self.w2
+
+
+class EinsumBlock(nn.Module):
+    """Attention in ``einsum`` with a ``tril`` mask buffer and ``masked_fill`` softmax, the fused
+    q/k/v viewed as ``[B, S, 3, H, D]`` and taken apart by ``unbind`` (timm's and many research
+    codebases' way), ``nn.RMSNorm``, the MLP an ``nn.Sequential``."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
+        self.qkv, self.o = nn.Linear(hidden, 3 * hidden, bias=False), nn.Linear(hidden, hidden, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+        self.register_buffer("tril", torch.tril(torch.ones(64, 64)).bool(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, c = x.shape
+        q, k, v = self.qkv(self.n1(x)).reshape(b, s, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        att = torch.einsum("bhid,bhjd->bhij", q, k) * (c // self.heads) ** -0.5
+        att = att.masked_fill(~self.tril[:s, :s], float("-inf")).softmax(-1)
+        y = torch.einsum("bhij,bhjd->bihd", att, v).reshape(b, s, c)
+        x = x + self.o(y)
+        return x + self.mlp(self.n2(x))
+
+
+class Stack(nn.Module):
+    """Embedding, a list of ``block(hidden, 4)``, a final norm and a head tied to the embedding."""
+
+    def __init__(self, block: type[nn.Module], vocab: int = 128, hidden: int = 64, layers: int = 2,
+                 seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(block(hidden, 4) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x) @ self.embed.weight.t()
+
+
 def bmm_moe() -> GQADecoder:
     return GQADecoder(moe="bmm")
 
@@ -343,7 +427,8 @@ def export_cached(model: CachedDecoder, seq: int = 4, max_seq: int = 8, vocab: i
 
 
 MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "nanogpt": NanoGPT, "flat": Flat,
-          "meta_llama": MetaLlama}
+          "meta_llama": MetaLlama, "torch_postnorm": TorchPostNorm, "parallel": lambda: Stack(ParallelBlock),
+          "einsum": lambda: Stack(EinsumBlock)}
 
 
 def export(model: nn.Module, batch: int = 2, seq: int = 5, vocab: int = 128) -> torch.export.ExportedProgram:

@@ -264,7 +264,10 @@ def test_torchrun_launch_uses_the_same_workers():
 def test_plan_tp_json_uses_the_relied_on_names(exported):
     res = _run("plan", exported("llama2")[1], "--tp", "4", "--attn-dp", "2", "--json")
     assert res.returncode == 0, res.stderr
-    layer = json.loads(res.stdout)["layers"][0]
+    data = json.loads(res.stdout)
+    layer = data["layers"][0]
+    assert "column-parallel model.model.layers.0.self_attn.q_proj.weight dim 0 / 2 over attn" in data["shards"]
+    assert "row-parallel model.model.layers.1.mlp.down_proj.weight dim 1 / 4 over mlp" in data["shards"]
     assert layer["layer"] == 0 and layer["kind"] == "dense"
     assert layer["modes"] == {"layer_input": "TP_ATTN_FULL", "attn": "TP_ATTN_FULL", "mlp": "FULL",
                               "middle_residual": "TP_ATTN_FULL", "layer_output": "TP_ATTN_FULL"}

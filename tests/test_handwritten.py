@@ -121,12 +121,14 @@ def test_dp_attention_refuses_an_mlp_with_sizes_fixed_at_trace_time():
 def more_paths(tmp_path_factory) -> dict[str, str]:
     """nanoGPT (fused c_attn, LayerNorm, tied head, blocks in ``transformer.h``), an MoE looping
     over experts with ``index_add_``, a decoder with no layer container at all, and Meta's
-    reference Llama (complex rotary, ``repeat_kv`` by expand)."""
+    reference Llama (complex rotary, ``repeat_kv`` by expand); PyTorch's post-norm
+    ``nn.TransformerEncoderLayer``, a GPT-J-style parallel block of raw parameters, and einsum
+    attention over a fused q/k/v viewed as ``[B, S, 3, H, D]``."""
     from handwritten import MODELS
 
     folder = tmp_path_factory.mktemp("handwritten")
     paths = {}
-    for name in ("nanogpt", "loop_moe", "flat", "meta_llama"):
+    for name in ("nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "parallel", "einsum"):
         paths[name] = str(folder / f"{name}.pt2")
         torch.export.save(export(MODELS[name]()), paths[name])
     return paths
@@ -151,8 +153,9 @@ def test_layers_without_a_numbered_container_are_found_by_structure(more_paths):
 
 
 MORE_TP = [("nanogpt", 2, 1, None), ("loop_moe", 2, 1, None), ("loop_moe", 4, 2, (3, 1)), ("flat", 4, 2, (1, 2)),
-           ("meta_llama", 4, 1, None)]  # complex rotary on split heads; 2 KV heads replicated by repeat_kv's expand
-MORE_AFD = ["nanogpt", "loop_moe", "flat", "meta_llama"]
+           ("meta_llama", 4, 1, None),  # complex rotary on split heads; 2 KV heads replicated by repeat_kv's expand
+           ("parallel", 2, 1, None), ("einsum", 4, 2, (1, 2))]
+MORE_AFD = ["nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "parallel", "einsum"]
 
 
 def test_more_hand_written_decoders_shard_and_split_and_match(more_paths):
@@ -167,6 +170,46 @@ def test_more_hand_written_decoders_shard_and_split_and_match(more_paths):
     for case, res in zip(afd, run_cases(afd), strict=True):
         errs = [r["max_rel_err"] for r in res.values() if r["role"] == "attention"]
         assert len(errs) == 2 and max(errs) <= 1e-5, (case, res)
+
+
+def test_post_norm_parallel_and_fused_view_layers_are_found_by_structure(more_paths):
+    """No MLP module in any of them: a post-norm layer's MLP reads ``norm1(x + attn)`` and adds into
+    it; a parallel block's MLP reads the layer input's norm and adds beside the attention; the
+    fused q/k/v view ``[B, S, 3, H, D]`` is cut into three column blocks under TP."""
+    from afd_compile.passes.graph_utils import layers_of
+    from afd_compile.passes.roles import annotate_roles
+    from afd_compile.programs import load_program
+
+    for name, linears in (("torch_postnorm", 2), ("parallel", 2), ("einsum", 2)):
+        gm = load_program(more_paths[name]).module()
+        annotate_roles(gm)
+        layers = layers_of(gm)
+        assert sorted(layers) == [0, 1], name
+        for parts in layers.values():
+            ffn = [n for n in parts.members if n.meta["afd.role"].role.name == "FFN"]
+            mms = [n for n in ffn if n.target in (torch.ops.aten.linear.default, torch.ops.aten.matmul.default)]
+            assert len(mms) == linears, (name, [n.name for n in ffn])
+            assert not any(n.target == torch.ops.aten.layer_norm.default or "attention" in str(n.target)
+                           for n in ffn), (name, [n.name for n in ffn])
+
+
+def test_plan_shards_lists_the_fused_view_cut_into_blocks(more_paths, capsys):
+    from afd_compile.cli import main
+
+    assert main(["plan", more_paths["einsum"], "--tp", "2", "--shards", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "shards (rank 0): 12 weights split (6 column, 4 row, 2 row bias; 2 fused, in blocks)" in out
+    assert "column-parallel blocks.0.qkv.weight dim 0 / 2 over attn in blocks [64, 64, 64]" in out
+    assert "reshape arg 1[3]: 4 -> 2" in out  # [B, S, 3, H, D]: the heads, not the blocks
+
+
+def test_heads_folded_into_the_batch_dim_are_refused_under_tp_by_name(more_paths, capsys):
+    # nn.MultiheadAttention views [S, B, H*D] as [S, B*H, D]: each rank's heads are not one dim
+    from afd_compile.cli import main
+
+    assert main(["plan", more_paths["torch_postnorm"], "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "in_proj_weight" in err and "heads folded into the batch dim" in err
 
 
 def test_a_hand_written_static_cache_decodes_in_micro_batches(tmp_path, capsys):

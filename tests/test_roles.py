@@ -110,6 +110,22 @@ def test_structural_policy_finds_the_same_llama_regions(exported):
         n.name for n in by_path.graph.nodes if n.meta[META_KEY].role is Role.FFN]
 
 
+@pytest.mark.parametrize("name", ["gptj", "falcon"])
+def test_structural_policy_finds_parallel_blocks_as_module_paths_do(exported, name):
+    """GPT-J ``attn + mlp + residual`` and Falcon ``(mlp += attn) + residual`` (through a dropout):
+    the MLP reads the layer input's norm and adds beside the attention, not after its residual add
+    (a search for that add alone would take the next layer's attention for this layer's MLP)."""
+    by_path = exported(name)[0].module()
+    annotate_roles(by_path, module_path_policy)
+    by_structure = _strip_module_paths(exported(name)[0].module())
+    annotate_roles(by_structure, structural_policy)
+    ffn = [[(n.name, n.meta[META_KEY]) for n in gm.graph.nodes if n.meta[META_KEY].role is Role.FFN
+            and n.target != torch.ops.aten.dropout.default]  # (a trailing eval dropout: either side)
+           for gm in (by_path, by_structure)]
+    assert ffn[0] == ffn[1]
+    assert {r.layer for _, r in ffn[1]} == {0, 1}
+
+
 def test_structural_policy_on_moe_keeps_router_and_experts_together(exported):
     gm = _strip_module_paths(exported("qwen3moe2")[0].module())
     summary = annotate_roles(gm, structural_policy)

@@ -73,6 +73,21 @@ CASES = [  # id, fn, input shapes, split dims, op, expected out dim, expected fi
      aten.view_as_complex.default, 1, []),
     ("view_as_real_heads", lambda x: torch.view_as_real(torch.view_as_complex(x)), [(2, 4, 3, 2)], {0: 1},
      aten.view_as_real.default, 1, []),
+    ("select_before_split_dim", lambda x: x[0], [(3, 4, 8)], {0: 1}, aten.select.int, 0, []),
+    ("unbind_before_split_dim", lambda x: x.unbind(0)[1], [(3, 4, 8)], {0: 1}, aten.unbind.int, 0, []),
+    ("squeeze_before_split_dim", lambda x: x.squeeze(0), [(1, 4, 8)], {0: 1}, aten.squeeze.dim, 0, []),
+    ("unflatten_heads_divided", lambda x: x.unflatten(-1, (4, 16)), [(2, 5, 64)], {0: 2}, aten.unflatten.int, 2,
+     [(0, 4, 2)]),
+    ("unflatten_before_split_dim", lambda x: x.unflatten(0, (2, 1)), [(2, 5, 64)], {0: 2}, aten.unflatten.int, 3,
+     []),
+    ("einsum_scores_keep_heads", lambda q, k: torch.einsum("bhid,bhjd->bhij", q, k), [(2, 4, 5, 8)] * 2,
+     {0: 1, 1: 1}, aten.einsum.default, 1, []),
+    ("einsum_moves_heads", lambda a, v: torch.einsum("bhij,bhjd->bihd", a, v), [(2, 4, 5, 5), (2, 4, 5, 8)],
+     {0: 1, 1: 1}, aten.einsum.default, 2, []),
+    ("einsum_ellipsis", lambda q, k: torch.einsum("...id,...jd->...ij", q, k), [(2, 4, 5, 8)] * 2, {0: 1, 1: 1},
+     aten.einsum.default, 1, []),
+    ("einsum_broadcast_operand", lambda a, m: torch.einsum("bhij,ij->bhij", a, m), [(2, 4, 5, 5), (5, 5)], {0: 1},
+     aten.einsum.default, 1, []),
 ]
 
 
@@ -82,7 +97,8 @@ def test_rule_follows_the_split_dim(fn, shapes, split, op, dim, fixes):
     got, got_fixes, kind = _apply(fn, shapes, split, op)
     assert got == dim
     assert got_fixes == fixes
-    assert kind == ("reshape" if op in (aten.view.default, aten.expand.default, aten.new_empty.default)
+    assert kind == ("reshape" if op in (aten.view.default, aten.expand.default, aten.new_empty.default,
+                                        aten.unflatten.int)
                     else "elementwise" if op in (aten.add.Tensor, aten.silu.default, aten.mul_.Tensor) else "op")
 
 
@@ -108,6 +124,16 @@ REFUSED = [  # id, fn, shapes, split, op, message
      "both operands split along the same batch (head) dim"),
     ("sdpa_split_head_dim", lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [(1, 4, 5, 8)] * 3,
      {0: 3, 1: 3, 2: 3}, aten.scaled_dot_product_attention.default, "must be split along the heads dim"),
+    ("einsum_sums_over_split_subscript", lambda x, w: torch.einsum("bsh,ho->bso", x, w), [(2, 5, 8), (8, 4)],
+     {0: 2, 1: 0}, aten.einsum.default, "sums over the split subscript 'h'"),
+    ("einsum_unsplit_operand_spans_it", lambda q, k: torch.einsum("bhid,bhjd->bhij", q, k), [(2, 4, 5, 8)] * 2,
+     {0: 1}, aten.einsum.default, "is not split but spans the split subscript 'h'"),
+    ("einsum_split_along_different_subscripts", lambda q, k: torch.einsum("bhid,bhjd->bhij", q, k),
+     [(2, 4, 5, 8)] * 2, {0: 1, 1: 2}, aten.einsum.default, "split along different subscripts"),
+    ("unflatten_heads_not_divisible", lambda x: x.unflatten(-1, (3, 16)), [(2, 5, 48)], {0: 2},
+     aten.unflatten.int, "2 ranks cannot divide its outer size 3"),
+    ("view_folds_split_heads_into_batch", lambda x: x.view(2, 20, 16), [(2, 5, 64)], {0: 2}, aten.view.default,
+     "heads folded into the batch dim"),
     ("view_as_complex_pairs_the_split_dim", lambda x: torch.view_as_complex(x), [(2, 4, 2)], {0: 2},
      aten.view_as_complex.default, "pairs the last dim, which is the split dim"),
 ]

@@ -30,7 +30,9 @@ the program. Compiled inside the whole program, Inductor (torch 2.11) failed on 
 (a Triton ``NameError: XBLOCK`` in the mask subgraph); compiled alone it is the kernel
 ``benchmarks/decode_attention_kernel.py`` measures. Where even that compile fails (Inductor's CPU
 template has no choice for some shapes) the op computes masked SDPA, the attention it replaced,
-with a warning, counted in ``STATS["compile_failures"]``.
+with a warning, counted in ``STATS["compile_failures"]``; so it does where the compiled kernel,
+checked once per shape against masked SDPA on random inputs, disagrees with it
+(``STATS["kernel_mismatches"]``: seen with Inductor's CPU template on an AVX2 host).
 
 The backend runs the pass on every rank's program with ``options={"decode_attention": "flex"}``,
 and by default (``"auto"``) on CUDA.
@@ -58,8 +60,14 @@ log = logging.getLogger("afd_compile.decode_attention")
 
 META_KEY = "afd.decode_attention"
 
-#: ``compiled``: shapes whose kernel compiled; ``compile_failures``: shapes that run masked SDPA
-STATS: dict[str, int] = {"compiled": 0, "compile_failures": 0}
+#: ``compiled``: shapes whose kernel compiled (and agreed with masked SDPA); ``compile_failures``:
+#: shapes that run masked SDPA because the compile failed; ``kernel_mismatches``: because the
+#: compiled kernel disagreed with masked SDPA on its first-call check
+STATS: dict[str, int] = {"compiled": 0, "compile_failures": 0, "kernel_mismatches": 0}
+
+#: the compiled kernel's first-call check: max |flex - SDPA| / max |SDPA| allowed, by dtype
+CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-8}
+CHECK_TOL_LOW = 3e-2  # bf16 / fp16
 
 #: ops of HF's ``repeat_kv`` between a cache and SDPA: unsqueeze a group dim, take it whole,
 #: expand it to the group size, merge it into the head dim
@@ -153,8 +161,17 @@ def _kernel(*args: Any) -> Callable[..., torch.Tensor]:
     try:
         with torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16):
             compiled(*args)  # compiles now (each shape its own entry, past dynamo's usual 8)
-        fn = compiled
-        STATS["compiled"] += 1
+        err = _check_kernel(compiled, args)
+        if err is None:
+            fn = compiled
+            STATS["compiled"] += 1
+        else:
+            log.warning("decode attention: the compiled FlexAttention kernel for q %s, k %s (%s, %s) disagrees with "
+                        "masked SDPA on random inputs (max rel err %s); this shape runs masked SDPA over the whole "
+                        "cache (the attention the pass replaced)", tuple(q.shape), tuple(k.shape), q.dtype,
+                        q.device.type, err)
+            STATS["kernel_mismatches"] += 1
+            fn = _sdpa_decode
     except (BackendCompilerFailed, InductorError) as e:
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         log.warning("decode attention: Inductor could not compile FlexAttention for q %s, k %s (%s); this shape "
@@ -164,6 +181,26 @@ def _kernel(*args: Any) -> Callable[..., torch.Tensor]:
         fn = _sdpa_decode
     _KERNELS[key] = fn
     return fn
+
+
+def _check_kernel(compiled: Callable[..., torch.Tensor], args: tuple) -> str | None:
+    """Run the freshly compiled kernel on random q/k/v of this shape (the real block mask) and
+    compare with masked SDPA: None when it agrees, else the error. Measured: Inductor's CPU
+    FlexAttention template (torch 2.13, an AVX2 host) returns wrong values or NaN for head_dim 16
+    with a 24-long cache; a wrong kernel must never run silently. Random inputs, not the call's
+    own: a cache's rows past the mask may hold anything."""
+    q, k, v, m = args[:4]
+    g = torch.Generator(device=q.device).manual_seed(0)
+    rq, rk, rv = (torch.randn(x.shape, generator=g, device=x.device, dtype=torch.float32).to(x.dtype) for x in (q, k, v))
+    rest = args[3:]
+    got = compiled(rq, rk, rv, *rest).float()
+    want = _sdpa_decode(rq, rk, rv, *rest).float()
+    rows = m.any(-1).reshape(m.shape[0], *([1] * (want.dim() - 1)))  # a sequence with no cache position: any value
+    got, want = got * rows, want.nan_to_num() * rows
+    if not torch.isfinite(got).all():
+        return "non-finite values"
+    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    return None if err <= CHECK_TOL.get(q.dtype, CHECK_TOL_LOW) else f"{err:.3g}"
 
 
 @functools.cache

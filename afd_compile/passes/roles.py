@@ -292,23 +292,13 @@ def structural_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
         )
         if h1 is None:
             raise NoStructureError(f"attention op {anchor.name} has no residual add after it")
-        chain = _cast_chain(h1)
-        below = descendants(h1)
-        h2 = mlp_out = None
-        for n in nodes[pos[h1] + 1 :]:
-            if n.op != "call_function" or n.target not in ADD_OPS or len(n.all_input_nodes) != 2:
-                continue
-            a, b = n.all_input_nodes
-            for res, other in ((a, b), (b, a)):
-                if res in chain and other in below and other not in chain:
-                    anc = ancestors([other]) & below
-                    if any(x.op == "call_function" and x.target in LINEAR_OPS for x in anc):
-                        h2, mlp_out = n, other
-                        break
-            if h2 is not None:
-                break
-        if h2 is None or mlp_out is None:
-            raise NoStructureError(f"layer {li} (attention {anchor.name}): no MLP residual add after {h1.name}")
+        found = _mlp_add(nodes, pos, h1, before, after)
+        if found is None:
+            raise NoStructureError(
+                f"layer {li} (attention {anchor.name}): no MLP residual add after {h1.name} (looked for "
+                f"{h1.name} + mlp(norm({h1.name})), norm({h1.name}) + mlp(norm({h1.name})) as a post-norm "
+                "layer has it, and an MLP beside the attention adding into the same residual add)")
+        h2, mlp_out, below = found
         region = sorted(ancestors([mlp_out]) & below, key=pos.__getitem__)
         first_linear = next(
             (i for i, n in enumerate(region) if n.op == "call_function" and n.target in LINEAR_OPS), None
@@ -342,10 +332,87 @@ def structural_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
                 if n not in ffn and n.users and all(u in ffn for u in n.users):
                     ffn.add(n)
                     changed = True
-        for n in nodes[prev_end + 1 : pos[h2] + 1]:
+        end_pos = max(pos[h1], pos[h2])
+        for n in nodes[prev_end + 1 : end_pos + 1]:
             roles[n] = NodeRole(li, Role.FFN if n in ffn else Role.ATTENTION)
-        prev_end = pos[h2]
+        prev_end = end_pos
     return roles
+
+
+def _has_linear(nodes: Iterable[fx.Node]) -> bool:
+    return any(x.op == "call_function" and x.target in LINEAR_OPS for x in nodes)
+
+
+def _source(n: fx.Node) -> fx.Node:
+    """The value ``n`` carries, back through casts, views and (eval-mode) dropout."""
+    while n.op == "call_function" and (n.target in PASSTHROUGH_OPS or n.target == aten.dropout.default) \
+            and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
+def _mlp_branch(nodes: set[fx.Node]) -> bool:
+    """A branch computed through a linear op and no attention op (not the next layer's attention)."""
+    return _has_linear(nodes) and not any(is_attention_op(x) for x in nodes)
+
+
+def _mlp_add(nodes: list[fx.Node], pos: dict[fx.Node, int], h1: fx.Node, before: set[fx.Node],
+             after: set[fx.Node]) -> tuple[fx.Node, fx.Node, set[fx.Node]] | None:
+    """The add that joins the MLP's output into the residual stream of the layer whose attention
+    residual add is ``h1``: ``(add, mlp_out, nodes the MLP branch may hold)``, or None. Three
+    shapes, tried in order::
+
+        pre-norm    h2 = h1 + mlp(norm(h1))             (Llama; a cast of h1 may stand for it)
+        post-norm   h2 = norm(h1) + mlp(norm(h1))       (the original Transformer, OPT-350m,
+                                                         torch's TransformerEncoderLayer(norm_first=False))
+        parallel    h1 = x + attn(norm(x)) + mlp(norm'(x)), the adds in any order
+                                                        (GPT-J, GPT-NeoX/Falcon parallel blocks)
+
+    In the parallel shape the MLP branch reads the layer's input, not ``h1``: it is an operand of
+    an add around ``h1`` (one of its add inputs, or an add reading it) that the attention does not
+    reach, computed through a linear op the attention does not read."""
+    chain = _cast_chain(h1)
+    below = descendants(h1)
+    adds = [n for n in nodes[pos[h1] + 1 :]
+            if n.op == "call_function" and n.target in ADD_OPS and len(n.all_input_nodes) == 2]
+    for n in adds:  # pre-norm
+        a, b = n.all_input_nodes
+        for res, other in ((a, b), (b, a)):
+            if res in chain and other in below and other not in chain and _mlp_branch(ancestors([other]) & below):
+                return n, other, below
+    # post-norm: the residual is a norm of h1: no linear op between them, and nothing of the layer
+    # reaches it but through h1 (an add of h1 and a parallel MLP's output is no norm of h1)
+    residual = [a for a in h1.all_input_nodes if a in before and a not in after]
+    layer_in = descendants(residual[0]) if residual else set()
+    through_h1 = below | ancestors([h1])
+    for n in adds:
+        a, b = n.all_input_nodes
+        for res, other in ((a, b), (b, a)):
+            if res not in below or res in chain or _has_linear(ancestors([res]) & below):
+                continue
+            if not ancestors([res]) & layer_in <= through_h1:
+                continue
+            from_res = descendants(res)
+            if other in from_res and other is not res and _mlp_branch(ancestors([other]) & from_res):
+                return n, other, from_res
+    # parallel: the adds around h1 (through its add inputs the attention computed, and adds reading it)
+    group, stack = {h1}, [h1]
+    while stack:
+        n = stack.pop()
+        near = [_source(a) for a in n.all_input_nodes if a in after] + [u for c in _cast_chain(n) for u in c.users]
+        for m in near:
+            if m not in group and m.op == "call_function" and m.target in ADD_OPS and len(m.all_input_nodes) == 2:
+                group.add(m)
+                stack.append(m)
+    if not residual:
+        return None
+    for n in sorted(group, key=pos.__getitem__):
+        for m in n.all_input_nodes:
+            if m in after or m in group or m in before or m not in layer_in:
+                continue
+            if _mlp_branch(ancestors([m]) - before):
+                return n, m, layer_in
+    return None
 
 
 def default_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:

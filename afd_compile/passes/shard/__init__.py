@@ -258,6 +258,99 @@ def _cut_into_blocks(n: fx.Node, src: fx.Node, t: _Track) -> None:
     t.pieces[n] = (col, starts)
 
 
+# ops a block dim passes unchanged in meaning, and those that take a fused projection's blocks apart
+_MOVES = {aten.permute.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
+          aten.contiguous.default, aten.clone.default, aten._to_copy.default, aten.alias.default}
+_TAKE_APART = {aten.select.int, aten.unbind.int, aten.chunk.default, aten.split.Tensor,
+               aten.split_with_sizes.default}
+
+
+def _taken_apart(n: fx.Node, dim: int) -> bool:
+    """Some later op selects / unbinds / chunks dim ``dim`` of ``n`` (followed through permutes,
+    transposes, (un)squeezes and copies): that dim enumerates the blocks of a fused projection."""
+    stack = [(n, dim)]
+    while stack:
+        x, d = stack.pop()
+        for u in x.users:
+            if u.op != "call_function" or u.args[0] is not x:
+                continue
+            nd = ndim(x)
+            if u.target in _TAKE_APART:
+                pos = 2 if u.target in (aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default) else 1
+                if (u.args[pos] if len(u.args) > pos else u.kwargs.get("dim", 0)) % nd == d:
+                    return True
+            elif u.target in _MOVES:
+                if u.target == aten.permute.default:
+                    e = [a % nd for a in u.args[1]].index(d)
+                elif u.target == aten.transpose.int:
+                    a, b = (a % nd for a in u.args[1:3])
+                    e = b if d == a else a if d == b else d
+                elif u.target == aten.unsqueeze.default:
+                    e = d + 1 if u.args[1] % (nd + 1) <= d else d
+                elif u.target == aten.squeeze.dim:
+                    sq = u.args[1] % nd
+                    if sq == d:
+                        continue
+                    e = d - 1 if sq < d else d
+                else:
+                    e = d
+                stack.append((u, e))
+    return False
+
+
+def _fused_reshape(n: fx.Node, src: fx.Node, t: _Track) -> int | None:
+    """``n`` views one column's whole output ``[.., F]`` as ``[.., k, H, ..]`` and a later op takes
+    the ``k`` pieces apart (``qkv.reshape(B, S, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`` as timm
+    and many hand-written models write it; PyTorch's MultiheadAttention ``unflatten(-1, (3, E))``):
+    the output dim of the blocks, else None."""
+    if t.origin.get(src) is None or t.origin[src][1] is not None:
+        return None
+    d, ishape, oshape = t.dim[src], shape_of(src), shape_of(n)
+    if n.target == aten.unflatten.int:
+        j = n.args[1] % ndim(src)
+        if j != d:
+            return None
+    else:
+        if len(oshape) < d + 2 or any(sympy.simplify(a - b) != 0 for a, b in zip(ishape[:d], oshape[:d], strict=False)):
+            return None
+        j = d
+    k, rest = oshape[j], sympy.Integer(1)
+    for x in oshape[j + 1 :]:
+        rest *= x
+        if sympy.simplify(k * rest - ishape[d]) == 0:
+            break
+    else:
+        return None
+    if not (k.is_Integer and int(k) > 1 and j + 1 < len(oshape)) or int(ishape[d]) != _out_features(t.origin[src][0]):
+        return None
+    return j if _taken_apart(n, j) else None
+
+
+def _cut_reshape_into_blocks(n: fx.Node, src: fx.Node, t: _Track, j: int, parts: int, fixes: list[ArgFix],
+                             where: str) -> int:
+    """The fused view :func:`_fused_reshape` found: the column is cut into ``k`` equal blocks (each
+    rank its slice of every block) and the dim after the blocks (the heads) is the split dim, its
+    constant size divided."""
+    col, full = t.origin[src][0], _out_features(t.origin[src][0])
+    k = int(shape_of(n)[j])
+    if full % k:
+        raise ShardError(f"{where}: {n.name} views {full} features as {k} blocks unevenly")
+    starts = list(range(0, full, full // k))
+    t.cuts.extend((col, n, -1, None, a, a + full // k) for a in starts)
+    t.blocks.setdefault(col, set()).update(starts)
+    arg, index = (2, 1) if n.target == aten.unflatten.int else (1, j + 1)
+    size = n.args[arg][index]
+    heads = shape_of(n)[j + 1]
+    if not heads.is_Integer or int(heads) % parts or int(heads) < parts:
+        raise ShardError(f"{where}: {n.name} views {col.name}'s output as {k} blocks of {heads} along dim {j + 1}, "
+                         f"which {parts} ranks cannot divide")
+    if isinstance(size, int) and size != -1:
+        fixes.append(ArgFix(n.name, index, size, size // parts, arg=arg))
+    elif not isinstance(size, int):
+        raise ShardError(f"{where}: {n.name}: the split dim {j + 1} has a symbolic size ({size})")
+    return j + 1
+
+
 def _block_fixes(col: fx.Node, t: _Track, parts: int, fixes: list[ArgFix]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per-block sizes and replication of a column, and the fixed sizes/bounds of its cuts."""
     full = _out_features(col)
@@ -455,7 +548,11 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
             # replicated KV heads too (each distinct slice counted parts / factor times)
             t.means.append(n)  # replicated once all-reduced: its users see an unsplit value
             continue
-        if rule is not None and rule.kind == "reshape":
+        blocks_at = _fused_reshape(n, src0, t) if rule is not None and rule.kind == "reshape" else None
+        if blocks_at is not None:
+            sdim[n] = _cut_reshape_into_blocks(n, src0, t, blocks_at, f, fixes, where)
+            origins = {None}  # each rank's slice of every block, no one block
+        elif rule is not None and rule.kind == "reshape":
             try:
                 sdim[n] = rule.fn(n, sdim, f, fixes)
             except Replicate as r:
@@ -580,7 +677,8 @@ def check_linear_path(rows: list[fx.Node], out: fx.Node, region: set[fx.Node], w
             n.target == aten.mul.Tensor or n.args[0] in on)
         ok |= n.target == aten.masked_fill.Scalar and len(on) == 1 and n.args[0] in on and n.args[2] == 0
         ok |= n.target == aten.dropout.default and n.args[0] in on and (n.args[1] == 0 or not n.args[2])  # identity
-        ok |= n.target in (aten.add.Tensor, aten.sub.Tensor) and len(n.all_input_nodes) == 2 and len(on) == 2
+        ok |= n.target in (aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor) and \
+            len(n.all_input_nodes) == 2 and len(on) == 2  # (Llama 4: the shared expert's sum added in place)
         bias = n.target in (aten.add.Tensor, aten.add_.Tensor) and len(n.args) == 2 and len(on) == 1 and \
             n.args[0] in on and isinstance(n.args[1], fx.Node) and n.args[1] not in split and \
             n.kwargs.get("alpha", 1) == 1

@@ -175,7 +175,96 @@ def _along_other_dim(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] 
     dim = (node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", 0)) % ndim(src)
     if dim == d:
         raise ShardError(f"{node.name} ({node.target}) works along the split dim {d}")
+    if node.target in (aten.select.int, aten.unbind.int) and dim < d:
+        return d - 1  # the dim selected (or unbound) before the split dim is gone
     return d
+
+
+def _squeeze(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """squeeze(x, dim(s)): dims of size 1 go; a split dim is never one of them (it has >= parts)."""
+    src = node.args[0]
+    d = sdim[src]
+    dims = node.args[1] if len(node.args) > 1 else [i for i, s in enumerate(shape_of(src)) if s == 1]
+    dims = [x % ndim(src) for x in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    dims = [x for x in dims if shape_of(src)[x] == 1]
+    if d in dims:
+        raise ShardError(f"{node.name}: squeeze removes the split dim {d}")
+    return d - sum(1 for x in dims if x < d)
+
+
+def _unflatten(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """unflatten(x, dim, sizes): ``dim`` becomes ``sizes``; a split ``dim`` splits the outermost of
+    them (``[.., H*D] -> [.., H, D]``: the heads), whose constant size is divided. A fused
+    projection unflattened into its blocks (``[.., 3*E] -> [.., 3, E]``) is cut into blocks by the
+    walk before this rule (``shard/__init__.py``)."""
+    src, dim, sizes = node.args[0], node.args[1] % ndim(node.args[0]), list(node.args[2])
+    d = sdim[src]
+    if d < dim:
+        return d
+    if d > dim:
+        return d + len(sizes) - 1
+    outer = sizes[0]
+    if not isinstance(outer, int) or outer == -1:
+        raise ShardError(f"{node.name}: unflatten of the split dim {d} into {sizes}: the outer size must be a constant")
+    if outer % parts or outer < parts:
+        raise ShardError(f"{node.name}: unflatten of the split dim {d} into {sizes}: {parts} ranks cannot divide "
+                         f"its outer size {outer}")
+    if fixes is not None:
+        fixes.append(ArgFix(node.name, 0, outer, outer // parts, arg=2))
+    return d
+
+
+def _einsum_terms(node: fx.Node) -> tuple[list[list[str]], list[str]]:
+    """An einsum's subscripts per operand and for the output, one token per dim (``...`` expanded
+    into per-dim tokens ``.0``, ``.1``, ..., aligned from the right as einsum broadcasts them)."""
+    eq = node.args[0].replace(" ", "")
+    ops = list(node.args[1])
+    lhs, _, rhs = eq.partition("->")
+    terms = lhs.split(",")
+
+    def tokens(term: str, n: int) -> list[str]:
+        if "..." not in term:
+            return list(term)
+        a, b = term.split("...")
+        k = n - len(a) - len(b)
+        return list(a) + [f".{i}" for i in range(k)] + list(b)
+
+    out_terms = [tokens(t, ndim(x)) for t, x in zip(terms, ops, strict=True)]
+    ell = max((sum(1 for c in t if c.startswith(".")) for t in out_terms), default=0)
+    for t in out_terms:  # right-align the broadcast dims: .0 is the outermost of the longest
+        k = sum(1 for c in t if c.startswith("."))
+        i = 0
+        for j, c in enumerate(t):
+            if c.startswith("."):
+                t[j] = f".{ell - k + i}"
+                i += 1
+    if "->" in eq:
+        out = tokens(rhs, ell + len(rhs.replace("...", "")))
+    else:  # implicit output: broadcast dims, then the letters used once, in alphabetical order
+        letters = [c for t in out_terms for c in t if not c.startswith(".")]
+        out = [f".{i}" for i in range(ell)] + sorted(c for c in set(letters) if letters.count(c) == 1)
+    return out_terms, out
+
+
+def _einsum(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """einsum: the split dim is a subscript; every operand holding that subscript must be split along
+    it (a head dim shared by q and k: ``bihd,bjhd->bhij``), and the output keeps it where its
+    subscript is. A subscript summed over (not in the output) would leave a partial sum: refused."""
+    terms, out = _einsum_terms(node)
+    ops = list(node.args[1])
+    letters = {terms[i][sdim[x]] for i, x in enumerate(ops) if x in sdim}
+    if len(letters) != 1:
+        raise ShardError(f"{node.name}: einsum {node.args[0]!r} with operands split along different subscripts "
+                         f"{sorted(letters)}")
+    (letter,) = letters
+    for i, x in enumerate(ops):
+        if x not in sdim and letter in terms[i] and shape_of(x)[terms[i].index(letter)] != 1:
+            raise ShardError(f"{node.name}: einsum {node.args[0]!r}: operand {x.name} is not split but spans the "
+                             f"split subscript {letter!r}")
+    if letter not in out:
+        raise ShardError(f"{node.name}: einsum {node.args[0]!r} sums over the split subscript {letter!r} (a "
+                         "projection written as an einsum is not understood)")
+    return out.index(letter)
 
 
 def _stack(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
@@ -314,7 +403,10 @@ def _reshape(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None =
                 raise ShardError(f"{node.name}: output dim {j} is split but its size is symbolic ({arg})")
             return j
         acc *= size
-    raise ShardError(f"{node.name}: cannot follow split dim {d} of {tuple(ishape)} into {tuple(oshape)}")
+    raise ShardError(f"{node.name}: cannot follow split dim {d} of {tuple(ishape)} into {tuple(oshape)}: no output "
+                     "dim starts where it does (a split dim merged with the dim before it, as heads folded into "
+                     "the batch dim by BLOOM's baddbmm or PyTorch's nn.MultiheadAttention, is not supported under "
+                     "tensor parallelism; AFD splits such models)")
 
 
 def _expand(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
@@ -348,7 +440,9 @@ RULES.update({op: ShardRule(fn) for op, fn in {
     aten.transpose.int: _transpose, aten.permute.default: _permute, aten.unsqueeze.default: _unsqueeze,
     aten.slice.Tensor: _along_other_dim, aten.cat.default: _along_other_dim, aten.chunk.default: _along_other_dim,
     aten.split.Tensor: _along_other_dim, aten.split_with_sizes.default: _along_other_dim,
-    aten.select.int: _along_other_dim, aten.stack.default: _stack, aten.flatten.using_ints: _flatten,
+    aten.select.int: _along_other_dim, aten.unbind.int: _along_other_dim, aten.stack.default: _stack,
+    aten.flatten.using_ints: _flatten, aten.squeeze.dim: _squeeze, aten.squeeze.dims: _squeeze,
+    aten.einsum.default: _einsum,
     operator.getitem: _getitem, aten.layer_norm.default: _layer_norm, aten.index.Tensor: _index,
     aten.repeat_interleave.self_int: _repeat_interleave,
     **({aten.rms_norm.default: _layer_norm} if hasattr(aten, "rms_norm") else {}),
@@ -359,6 +453,7 @@ RULES.update({op: ShardRule(fn) for op, fn in {
 RULES.update({op: ShardRule(fn, "reshape") for op, fn in {
     aten.view.default: _reshape, aten.reshape.default: _reshape, aten._unsafe_view.default: _reshape,
     aten.expand.default: _expand, aten.broadcast_to.default: _expand, aten.new_empty.default: _new_empty,
+    aten.unflatten.int: _unflatten,
 }.items()})
 IGNORED = {aten._assert_tensor_metadata.default}
 # ops that cut a tensor into pieces along a dim: along the split dim they mark a fused projection

@@ -31,6 +31,8 @@ class ShardedWeight:
     replicate: tuple[int, ...] = ()
 
     def __str__(self) -> str:
+        if self.kind == "row_bias":
+            return f"row-parallel bias {self.target}: whole on {self.group} rank 0, zeros elsewhere (added once)"
         extra = f" in blocks {list(self.blocks)}" if len(self.blocks) > 1 else ""
         if any(k > 1 for k in self.replicate):
             extra += f", replicated x{list(self.replicate)}" if len(self.replicate) > 1 else \
