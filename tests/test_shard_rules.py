@@ -133,7 +133,7 @@ REFUSED = [  # id, fn, shapes, split, op, message
     ("unflatten_heads_not_divisible", lambda x: x.unflatten(-1, (3, 16)), [(2, 5, 48)], {0: 2},
      aten.unflatten.int, "2 ranks cannot divide its outer size 3"),
     ("view_folds_split_heads_into_batch", lambda x: x.view(2, 20, 16), [(2, 5, 64)], {0: 2}, aten.view.default,
-     "heads folded into the batch dim"),
+     "no output dim starts where it does"),
     ("view_as_complex_pairs_the_split_dim", lambda x: torch.view_as_complex(x), [(2, 4, 2)], {0: 2},
      aten.view_as_complex.default, "pairs the last dim, which is the split dim"),
 ]
@@ -150,6 +150,37 @@ def test_a_reshape_into_fewer_heads_than_ranks_asks_for_replication():
     with pytest.raises(Replicate) as e:  # one KV head over 2 ranks: the walk replicates it
         _apply(lambda x: x.view(2, 5, 1, 16), [(2, 5, 16)], {0: 2}, aten.view.default)
     assert e.value.heads == 1
+
+
+def _view_node(fn, shape):
+    with torch.no_grad():
+        gm = torch.export.export(_Fn(fn), (torch.randn(shape),)).module()
+    return next(n for n in gm.graph.nodes if n.target in (aten.view.default, aten.reshape.default))
+
+
+@pytest.mark.parametrize(("fn", "shape", "d", "outer", "want", "fixes"), [
+    # XGLM / BLOOM: [B, H, S, D] -> [B*H, S, D]: the heads fold as the inner factor of dim 0 (outer B)
+    (lambda x: x.reshape(8, 5, 16), (2, 4, 5, 16), 1, None, (0, 2), [(0, 8, 4)]),
+    # nn.MultiheadAttention: [S, B, H*D] -> [S, B*H, D]: the heads part of the split dim folds into dim 1
+    (lambda x: x.view(5, 8, 16), (5, 2, 64), 2, None, (1, 2), [(1, 8, 4)]),
+    # and back: [B*H, S, S] (outer B) -> [B, H, S, S]: the heads are a dim again
+    (lambda x: x.view(2, 4, 5, 5), (8, 5, 5), 0, 2, (1, None), [(1, 4, 2)]),
+    # kept folded: [B*H, S, S] -> [B*H, S*S]
+    (lambda x: x.view(8, 25), (8, 5, 5), 0, 2, (0, 2), [(0, 8, 4)]),
+], ids=["fold_batch_heads", "fold_heads_of_hidden", "unfold", "stay_folded"])
+def test_heads_fold_into_the_dim_before_them_and_back(fn, shape, d, outer, want, fixes):
+    from afd_compile.passes.shard.rules import folded_view
+
+    got: list[ArgFix] = []
+    assert folded_view(_view_node(fn, shape), d, outer, 2, got) == want
+    assert [(f.index, f.old, f.new) for f in got] == fixes
+
+
+def test_heads_that_do_not_fold_whole_are_refused():
+    from afd_compile.passes.shard.rules import folded_view
+
+    with pytest.raises(ShardError, match="cannot follow split dim 1"):  # 3 heads over 2 ranks
+        folded_view(_view_node(lambda x: x.reshape(6, 5, 16), (2, 3, 5, 16)), 1, None, 2, [])
 
 
 def test_every_rule_has_one_signature_and_a_known_kind():

@@ -3,6 +3,8 @@ real gloo processes against the single-process model."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
@@ -346,9 +348,8 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("deepseek_v3", 2, 1, (2,)),         # MLA; a dense layer, then MoE with group-limited routing
     ("gpt_bigcode", 4, 1, (2,)),         # multi-query: K/V replicated whole
     ("llama2_v127", 2, 1, (2,), VP),     # vocab-parallel head: vocab 127 over 2 ranks, slices zero-padded
-    ("mpt", 4, 2, (2, 3)),               # ALiBi bias over all heads: each attention-TP rank reads its slice
+    ("bloom", 4, 2, (2, 3)),             # heads folded into the batch for baddbmm, its ALiBi bias read per rank
     ("gpt_oss", 2, 1, (2,)),             # attention sinks, interleaved gate_up, expert biases added once
-    ("bitnet", 4, 2, (2, 1)),            # norms over all heads before o_proj and over the intermediate size
 ]
 
 
@@ -365,6 +366,8 @@ NUMERICS_SLOW = [
     ("gemma2", 4, 2, (1, 2), DDP),       # norm after o_proj on the SCATTERED rows
     ("gpt_oss", 4, 2, (2, 3)),
     ("phimoe", 2, 1, (2,)),              # sparsemixer: the router selects by max (the roles test covers it)
+    ("mpt", 4, 2, (2, 3)),               # ALiBi bias over all heads: each attention-TP rank reads its slice
+    ("bitnet", 4, 2, (2, 1)),            # norms over all heads before o_proj and over the intermediate size
 ]
 
 
@@ -412,7 +415,7 @@ def test_multi_query_kv_is_replicated_whole_and_repeated_to_the_local_heads(expo
     assert heads == [(4, 2)] * 4  # K and V: an expand and a reshape each
 
 
-def test_alibi_bias_is_read_in_slices_and_heads_merged_into_the_batch_are_refused(exported):
+def test_alibi_bias_is_read_in_slices_also_over_heads_folded_into_the_batch(exported):
     # MPT: scores = q @ k^T * scale + alibi [heads, 1, keys], the bias computed once for all heads:
     # every rank computes it whole and each layer's add reads this rank's heads of it
     prog = _program(exported, "mpt", TPLayout(2), rank=1, fuse_norm=False)
@@ -420,10 +423,19 @@ def test_alibi_bias_is_read_in_slices_and_heads_merged_into_the_batch_are_refuse
     narrows = [n for n in prog.program.graph.nodes if n.target == torch.ops.aten.narrow.default]
     assert [n.args[1:] for n in narrows] == [(0, 2, 2)] * 2
     assert all(u.target == torch.ops.aten.add.Tensor for n in narrows for u in n.users)
-    # BLOOM folds the heads into the batch ([batch * heads, seq, head_dim]) for baddbmm: a rank's
-    # heads are not one block of that dim (nor of its ALiBi bias): refused, naming the layer
-    with pytest.raises(ShardError, match=r"layer 0 .*query_key_value.*cannot follow split dim 1"):
-        _program(exported, "bloom", TPLayout(2))
+    # BLOOM folds the heads into the batch ([batch * heads, seq, head_dim]) for baddbmm: each rank
+    # folds its own heads (the symbolic batch * 4 divided by a node inserted), and reads its heads
+    # of every batch entry of the ALiBi bias [batch * heads, 1, keys] (unflatten, narrow, flatten)
+    prog = _program(exported, "bloom", TPLayout(2), rank=1, fuse_norm=False)
+    assert [(o.dim, o.size, o.fold, o.local(1)) for o in prog.shards.operands] == [(0, 4, True, (2, 2))] * 2
+    nodes = list(prog.program.graph.nodes)
+    narrows = [n for n in nodes if n.target == torch.ops.aten.narrow.default]
+    assert [n.args[1:] for n in narrows] == [(1, 2, 2)] * 2
+    assert all(n.args[0].target == torch.ops.aten.unflatten.int and n.args[0].args[1:] == (0, [-1, 4]) and
+               [u.target for u in n.users] == [torch.ops.aten.flatten.using_ints] for n in narrows)
+    halved = [n for n in nodes if n.target == operator.floordiv and n.args[1] == 2]
+    assert halved and all(u.target in (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
+                          for n in halved for u in n.users)
 
 
 def test_gpt_oss_sinks_interleaved_gate_up_and_expert_biases(exported):
@@ -587,3 +599,13 @@ def test_a_head_the_sharding_cannot_read_is_refused_only_when_the_split_is_asked
     assert plan_tp(gm, TPLayout(2)).head is None
     with pytest.raises(ShardError, match=f"vocab_parallel: the LM head {head.name} cannot be split"):
         plan_tp(gm, TPLayout(2, vocab_parallel=True))
+
+
+def test_means_over_split_dims_are_all_reduced_in_attention_and_mlp(exported):
+    # BitNet: an RMSNorm over all heads before o_proj and one over the MLP's intermediate size
+    # before down_proj: each rank's mean of its slice, all-reduced over its group and divided by
+    # the group size (the numerics of this model run with pytest -m slow)
+    prog = _program(exported, "bitnet", TPLayout(2), fuse_norm=False)
+    groups = sorted({(g, p) for _, g, _, p in prog.shards.split_means})
+    assert groups == [("attn", 2), ("mlp", 2)]
+    assert {layer for _, _, layer, _ in prog.shards.split_means} == {0, 1}

@@ -42,7 +42,17 @@ import torch.fx as fx
 from ..graph_utils import attention_output, get_attr_path, layers_of, reads_weight
 from ..roles import LINEAR_OPS, SDPA_OPS, Role, is_attention_op, role_of
 from ..symbolic import sym_expr
-from .rules import BLOCK_OPS, IGNORED, RULES, Replicate, ShardRule, ndim, shape_of
+from .rules import (
+    BLOCK_OPS,
+    IGNORED,
+    RULES,
+    VIEW_OPS,
+    Replicate,
+    ShardRule,
+    folded_view,
+    ndim,
+    shape_of,
+)
 from .types import (
     ArgFix,
     OnceOperand,
@@ -172,8 +182,12 @@ class _Track:
     means: list[fx.Node] = field(default_factory=list)  # means over the split dim (settled by an all-reduce)
     attrs: list[fx.Node] = field(default_factory=list)  # weights spanning the split dim (a norm's scale)
     states: list[tuple[fx.Node, int, int]] = field(default_factory=list)  # (cache, dim, slices) written split
-    # (user, operand, dim, slices, origin of the split input): unsplit tensors read in slices
-    operands: list[tuple[fx.Node, fx.Node, int, int, Block | None]] = field(default_factory=list)
+    # (user, operand, dim, slices, origin of the split input, heads when the dim is batch x heads
+    # folded, else 0): unsplit tensors read in slices
+    operands: list[tuple[fx.Node, fx.Node, int, int, Block | None, int]] = field(default_factory=list)
+    # node -> the outer factor of its split dim, where the heads are folded into it as the inner
+    # factor ([B*H, S, D]: B); such a dim is cut per rank as B x (H / parts), not in contiguous slices
+    inner: dict[fx.Node, object] = field(default_factory=dict)
 
 
 #: in-place writes into a state tensor (a KV cache update): op -> position of the value written
@@ -326,6 +340,42 @@ def _fused_reshape(n: fx.Node, src: fx.Node, t: _Track) -> int | None:
     return j if _taken_apart(n, j) else None
 
 
+def _follow_folded(n: fx.Node, src: fx.Node, rule: ShardRule | None, t: _Track, f: int, parts: int,
+                   fixes: list[ArgFix]) -> int:
+    """The split dim of ``n``, which reads a tensor whose heads are folded into its split dim
+    (``t.inner``): a view folds or unfolds them (:func:`~.rules.folded_view`); any other op with a
+    rule keeps the folded dim as it is (a ``bmm`` over batch x heads, a softmax, a transpose), its
+    rule refusing an unsplit operand that spans it."""
+    if rule is None:
+        raise ShardError(f"no sharding rule for {n.name} ({n.target}) on a tensor split over its heads")
+    if f != parts:
+        raise ShardError(f"{n.name}: replicated KV heads folded into another dim")
+    if n.target in VIEW_OPS:
+        d, outer = folded_view(n, t.dim[src], t.inner[src], parts, fixes)
+        if outer is not None:
+            t.inner[n] = outer
+        return d
+    if rule.kind == "reshape" or n.target in (aten.mean.dim, *BLOCK_OPS):
+        raise ShardError(f"{n.name} ({n.target}) on heads folded into another dim is not understood")
+    sliced: dict[fx.Node, int] = {}
+    if rule.kind == "elementwise" or n.target == aten.baddbmm.default:
+        # an unsplit tensor over the whole folded dim (BLOOM's ALiBi bias [batch * heads, 1, keys]):
+        # read per rank as its heads of each batch entry
+        d = t.dim[src] + ndim(n) - ndim(src)
+        full = sym_expr(n.meta["val"].shape[d])
+        heads = sympy.simplify(full / t.inner[src])
+        for a in n.all_input_nodes:
+            if a in t.dim or a.op == "get_attr" or not isinstance(a.meta.get("val"), torch.Tensor):
+                continue
+            ad = d - (ndim(n) - ndim(a))
+            if ad >= 0 and sympy.simplify(sym_expr(a.meta["val"].shape[ad]) - full) == 0 and heads.is_Integer:
+                t.operands.append((n, a, ad, f, None, int(heads)))
+                sliced[a] = ad
+    d = rule.fn(n, {**t.dim, **sliced} if sliced else t.dim, f, fixes)
+    t.inner[n] = t.inner[src]
+    return d
+
+
 def _cut_reshape_into_blocks(n: fx.Node, src: fx.Node, t: _Track, j: int, parts: int, fixes: list[ArgFix],
                              where: str) -> int:
     """The fused view :func:`_fused_reshape` found: the column is cut into ``k`` equal blocks (each
@@ -440,7 +490,7 @@ def _slice_operands(n: fx.Node, src: fx.Node, t: _Track) -> dict[fx.Node, int]:
         ad = d - (ndim(n) - ndim(a))
         if ad < 0 or sym_expr(a.meta["val"].shape[ad]) != full or not full.is_Integer or int(full) % t.factor[src]:
             continue  # size 1 broadcasts; anything else the elementwise rule names
-        t.operands.append((n, a, ad, t.factor[src], t.origin.get(src)))
+        t.operands.append((n, a, ad, t.factor[src], t.origin.get(src), 0))
         out[a] = ad
     return out
 
@@ -492,7 +542,7 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
         split_in = [a for a in n.all_input_nodes if a in sdim]
         if n in rows:
             a = n.args[0] if is_expert_mm(n) else projection(n).x
-            if sdim.get(a) != ndim(a) - 1:
+            if sdim.get(a) != ndim(a) - 1 or a in t.inner:
                 raise ShardError(f"{where}: row-parallel {n.name} gets an input not split along its last dim")
             if t.factor[a] != parts:
                 raise ShardError(f"{where}: row-parallel {n.name} reads heads replicated over {parts // t.factor[a]} "
@@ -512,6 +562,10 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
                 raise ShardError(f"{where}: {n.name} reads the size of the split dim {sdim[n.args[0]]} of "
                                  f"{n.args[0].name}, which differs per rank")
             continue
+        folded = [a for a in split_in if a in t.inner]
+        if folded and (n.target in STATE_WRITES or n.op == "output"):
+            raise ShardError(f"{where}: {n.name} ({n.target}) reads {folded[0].name}, whose heads are folded into "
+                             "another dim")
         if _write_into_state(n, t, where):
             frontier.extend(sorted(set(n.args[0].users) | set(n.users), key=order.__getitem__))
             frontier.sort(key=order.__getitem__)
@@ -537,6 +591,17 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
                 continue
         rule = RULES.get(target)
         sliced: dict[fx.Node, int] = {}
+        if folded:  # no per-rank slice of an unsplit operand along folded heads: the rules refuse it
+            try:
+                sdim[n] = _follow_folded(n, src0, rule, t, f, parts, fixes)
+            except ShardError as e:
+                raise ShardError(f"{where}: {e} (the heads are folded into another dim here, as BLOOM's baddbmm "
+                                 "and XGLM's bmm over batch x heads do: a tensor applied along them, such as "
+                                 "an ALiBi bias, cannot be read in slices)") from None
+            t.factor[n], t.origin[n] = f, None
+            frontier.extend(sorted(n.users, key=order.__getitem__))
+            frontier.sort(key=order.__getitem__)
+            continue
         if rule is not None and rule.kind == "elementwise" and n.args and src0 in sdim:
             _split_attrs(gm, n, src0, t)
             _split_broadcasts(n, src0, t, fixes, where)
@@ -555,6 +620,13 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
         elif rule is not None and rule.kind == "reshape":
             try:
                 sdim[n] = rule.fn(n, sdim, f, fixes)
+            except ShardError as e:  # the heads folded into the dim before them: [B, H, S, D] -> [B*H, S, D]
+                if target not in VIEW_OPS or f != parts:
+                    raise
+                try:
+                    sdim[n], t.inner[n] = folded_view(n, sdim[src0], None, parts, fixes)
+                except ShardError:
+                    raise ShardError(f"{e} (nor do the heads fold into the dim before them)") from None
             except Replicate as r:
                 key = t.origin.get(src0)
                 if key is None:
@@ -858,15 +930,15 @@ def shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int
         if states is None:
             raise ShardError(f"{where}: {node.name} is written in place with a value split over {group}")
         states.append(ShardedState(node.name, d, int(sym_expr(node.meta["val"].shape[d])), slices, parts, group))
-    for user, a, d, slices, origin in track.operands:
+    for user, a, d, slices, origin, fold in track.operands:
         if operands is None:
             raise ShardError(f"{where}: {user.name} applies {a.name}, a tensor not split over {group}, along the "
                              "split dim")
         if origin is not None and origin[1] is None and len(_block_fixes(origin[0], track, parts, [])[0]) > 1:
             raise ShardError(f"{where}: {user.name} applies {a.name} along the split dim of the fused projection "
                              f"{origin[0].name} before it is cut: a rank's slice of it is not one block of {a.name}")
-        operands.append(SlicedOperand(user.name, a.name, d, int(sym_expr(a.meta["val"].shape[d])), slices, parts,
-                                      group))
+        size = fold or int(sym_expr(a.meta["val"].shape[d]))
+        operands.append(SlicedOperand(user.name, a.name, d, size, slices, parts, group, fold=bool(fold)))
     if means is not None:
         means.extend(track.means)
     elif track.means:
@@ -911,11 +983,18 @@ def apply_shards(gm: fx.GraphModule, plan: ShardPlan, rank_of_group: dict[str, i
     for f in plan.arg_fixes:
         node = by_name[f.node]
         args = list(node.args)
+        new: object = f.new
+        if f.div:  # a symbolic size: divided by a node inserted before its reader
+            size = args[f.arg][f.index]
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(operator.floordiv, (size, f.new))
+            if "val" in size.meta:
+                new.meta["val"] = size.meta["val"] // f.new
         if f.index is None:
-            args[f.arg] = f.new
+            args[f.arg] = new
         else:
             sizes = list(args[f.arg])
-            sizes[f.index] = f.new
+            sizes[f.index] = new
             args[f.arg] = sizes
         node.args = tuple(args)
     _narrow_states(gm, plan, rank_of_group, by_name)
@@ -923,9 +1002,20 @@ def apply_shards(gm: fx.GraphModule, plan: ShardPlan, rank_of_group: dict[str, i
         user, operand = by_name[o.user], by_name[o.operand]
         start, n = o.local(rank_of_group[o.group])
         with gm.graph.inserting_before(user):
-            view = gm.graph.call_function(aten.narrow.default, (operand, o.dim, start, n))
-        view.name = f"{operand.name}_local"
-        _meta_like(view, user, lambda v, o=o, start=start, n=n: v.narrow(o.dim, start, n), operand)
+            if o.fold:  # [batch * heads, ..] -> [batch, heads, ..] -> this rank's heads -> folded again
+                heads = gm.graph.call_function(aten.unflatten.int, (operand, o.dim, [-1, o.size]))
+                _meta_like(heads, user, lambda v, o=o: v.unflatten(o.dim, (-1, o.size)), operand)
+                mine = gm.graph.call_function(aten.narrow.default, (heads, o.dim + 1, start, n))
+                _meta_like(mine, user, lambda v, o=o, start=start, n=n: v.narrow(o.dim + 1, start, n), heads)
+                view = gm.graph.call_function(aten.flatten.using_ints, (mine, o.dim, o.dim + 1))
+                _meta_like(view, user, lambda v, o=o: v.flatten(o.dim, o.dim + 1), mine)
+            else:
+                view = gm.graph.call_function(aten.narrow.default, (operand, o.dim, start, n))
+                _meta_like(view, user, lambda v, o=o, start=start, n=n: v.narrow(o.dim, start, n), operand)
+        taken = {x.name for x in gm.graph.nodes}
+        name = f"{operand.name}_local"
+        view.name = next(f"{name}_{i}" if i else name for i in range(len(taken) + 1)
+                         if (f"{name}_{i}" if i else name) not in taken)
         user.replace_input_with(operand, view)
     for o in plan.once:  # a bias added to partial sums: once over the group
         if rank_of_group[o.group] != 0:

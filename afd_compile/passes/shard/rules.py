@@ -366,6 +366,23 @@ def _matmul(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = 
     return sdim[a] + out - ndim(a)
 
 
+def _baddbmm(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """``baddbmm(bias, a, b)`` = ``bias + a @ b`` over a batch dim (BLOOM's scores with their ALiBi
+    bias, over batch x heads): ``a`` and ``b`` split along the batch dim as for ``bmm``; the bias
+    split there too (read in slices) or broadcast along it."""
+    bias, a, b = node.args[:3]
+    if not (a in sdim and b in sdim and sdim[a] == sdim[b] < ndim(node) - 2):
+        raise ShardError(f"{node.name}: baddbmm must have both factors split along the same batch (head) dim")
+    d = sdim[a]
+    if isinstance(bias, fx.Node) and ndim(bias) > 0:
+        bd = d - (ndim(node) - ndim(bias))
+        if bias in sdim and sdim[bias] != bd:
+            raise ShardError(f"{node.name}: the bias {bias.name} is split along dim {sdim[bias]}, the product along {d}")
+        if bias not in sdim and bd >= 0 and shape_of(bias)[bd] != 1:
+            raise ShardError(f"{node.name}: operand {bias.name} is not split but spans the split dim {d}")
+    return d
+
+
 class Replicate(Exception):
     """A reshape into fewer heads than ranks: the projection's heads get replicated."""
 
@@ -404,9 +421,70 @@ def _reshape(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None =
             return j
         acc *= size
     raise ShardError(f"{node.name}: cannot follow split dim {d} of {tuple(ishape)} into {tuple(oshape)}: no output "
-                     "dim starts where it does (a split dim merged with the dim before it, as heads folded into "
-                     "the batch dim by BLOOM's baddbmm or PyTorch's nn.MultiheadAttention, is not supported under "
-                     "tensor parallelism; AFD splits such models)")
+                     "dim starts where it does")
+
+
+VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _prod(xs: Sequence) -> sympy.Expr:
+    out = sympy.Integer(1)
+    for x in xs:
+        out *= x
+    return out
+
+
+def folded_view(node: fx.Node, d: int, outer: sympy.Expr | None, parts: int,
+                fixes: list[ArgFix]) -> tuple[int, sympy.Expr | None]:
+    """A view of a tensor split along ``d`` whose heads fold into the dim before them or unfold
+    from it: ``(output dim, outer factor)``, the outer factor None once the heads are a dim again.
+
+    ``outer`` None: ``d`` holds the heads (or heads x head_dim) unfolded; the view folds them as the
+    inner factor of an output dim with the dims before them (``[B, H, S, D] -> [B*H, S, D]``, XGLM's
+    ``bmm``; ``[S, B, H*D] -> [S, B*H, D]``, PyTorch's ``nn.MultiheadAttention``). Each rank's dim is
+    ``outer x H / parts``: its size argument is divided (symbolic, ``B * 4`` computed in the graph:
+    by a node inserted, ``B * 4 // parts``). ``outer``: ``d`` is such a folded dim; the view unfolds it
+    (``[B*H, S, S] -> [B, H, S, S]``: the heads dim's size divided) or keeps it folded.
+    Raises ShardError when neither fits."""
+    src = node.args[0]
+    ishape, oshape = shape_of(src), shape_of(node)
+    args = list(node.args[1])
+
+    def fix_size(j: int) -> None:
+        arg = args[j]
+        if isinstance(arg, int) and arg != -1:
+            if arg % parts:
+                raise ShardError(f"{node.name}: size {arg} of the folded heads dim {j} does not divide by {parts}")
+            fixes.append(ArgFix(node.name, j, arg, arg // parts))
+        elif isinstance(arg, fx.Node):
+            fixes.append(ArgFix(node.name, j, arg.name, parts, div=True))
+
+    acc = sympy.Integer(1)
+    before = _prod(ishape[:d])
+    for j, size in enumerate(oshape):
+        if outer is not None:
+            if sympy.simplify(acc - before * outer) == 0:  # the heads are a dim again
+                if not (size.is_Integer and int(size) % parts == 0 and int(size) >= parts):
+                    raise ShardError(f"{node.name}: the heads folded into dim {d} of {src.name} unfold into a dim "
+                                     f"of size {size}, which {parts} ranks cannot divide")
+                if isinstance(args[j], int) and args[j] != -1:
+                    fixes.append(ArgFix(node.name, j, args[j], args[j] // parts))
+                return j, None
+            if sympy.simplify(acc - before) == 0 and sympy.simplify(size - ishape[d]) == 0:  # still folded
+                fix_size(j)
+                return j, outer
+        else:
+            for k in range(d):  # output dim j = input dims k..d-1 times the heads (the leading part of d)
+                if sympy.simplify(acc - _prod(ishape[:k])) != 0:
+                    continue
+                lead = _prod(ishape[k:d])
+                heads = sympy.simplify(size / lead)
+                if heads.is_Integer and int(heads) % parts == 0 and int(heads) >= parts and \
+                        sympy.simplify(ishape[d] / heads).is_Integer:
+                    fix_size(j)
+                    return j, lead
+        acc *= size
+    raise ShardError(f"{node.name}: cannot follow split dim {d} of {tuple(ishape)} into {tuple(oshape)}")
 
 
 def _expand(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
@@ -447,7 +525,7 @@ RULES.update({op: ShardRule(fn) for op, fn in {
     aten.repeat_interleave.self_int: _repeat_interleave,
     **({aten.rms_norm.default: _layer_norm} if hasattr(aten, "rms_norm") else {}),
     aten.scaled_dot_product_attention.default: _sdpa,
-    aten.matmul.default: _matmul, aten.bmm.default: _matmul,
+    aten.matmul.default: _matmul, aten.bmm.default: _matmul, aten.baddbmm.default: _baddbmm,
     aten.view_as_complex.default: _complex_view, aten.view_as_real.default: _complex_view,
 }.items()})
 RULES.update({op: ShardRule(fn, "reshape") for op, fn in {

@@ -44,13 +44,15 @@ class ShardedWeight:
 class ArgFix:
     """Set an int argument of ``node`` from ``old`` to ``new`` (a head count in a reshape, a
     slice bound of a fused projection): ``node.args[arg][index]``, or ``node.args[arg]`` when
-    index is None."""
+    index is None. With ``div``, the argument is a symbolic size computed by node ``old`` and
+    becomes ``old // new`` (batch x heads folded into one dim: ``B * 4`` -> ``B * 4 // 2``)."""
 
     node: str
     index: int | None
-    old: int
+    old: int | str  # (str: the node computing a symbolic size)
     new: int
     arg: int = 1
+    div: bool = False  # the size becomes ``old // new`` (a node inserted: a symbolic size divided)
 
 
 class _RankSlices:
@@ -96,7 +98,10 @@ class SlicedOperand(_RankSlices):
     """An unsplit tensor the graph computes (not a weight) that an elementwise op ``user``
     applies along the split dim: BLOOM's and MPT's ALiBi bias over all heads, added to each
     rank's heads of the attention scores. Every rank computes it whole; ``user`` reads this
-    rank's slice of ``dim`` (``narrow(operand, dim, start, n)``), the other readers the whole."""
+    rank's slice of ``dim`` (``narrow(operand, dim, start, n)``), the other readers the whole.
+    ``fold``: ``dim`` holds batch x ``size`` heads folded into one (BLOOM's bias for ``baddbmm``
+    over batch x heads): the rank reads its heads of every batch entry (unflatten, narrow,
+    flatten)."""
 
     user: str
     operand: str
@@ -105,9 +110,11 @@ class SlicedOperand(_RankSlices):
     slices: int
     parts: int
     group: str
+    fold: bool = False  # dim is batch x ``size`` heads folded (BLOOM's [batch * heads, 1, keys]): sliced per batch
 
     def __str__(self) -> str:
-        return f"{self.user} reads its slice of {self.operand} dim {self.dim} ({self.size}) / {self.slices} " \
+        what = f"dim {self.dim} (batch x {self.size} heads)" if self.fold else f"dim {self.dim} ({self.size})"
+        return f"{self.user} reads its slice of {self.operand} {what} / {self.slices} " \
                f"over {self.group}{self._replicated()}"
 
 
@@ -144,4 +151,4 @@ class ShardPlan:
                           *(f"{m}: mean over the split dim, all-reduced over {g} / {p}"
                             for m, g, _, p in self.split_means),
                           *(f"{f.node} arg {f.arg}{'' if f.index is None else f'[{f.index}]'}: {f.old} -> "
-                            f"{f.new}" for f in self.arg_fixes)])
+                            f"{f'{f.old} // {f.new}' if f.div else f.new}" for f in self.arg_fixes)])
