@@ -292,7 +292,9 @@ def structural_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
         )
         if h1 is None:
             raise NoStructureError(f"attention op {anchor.name} has no residual add after it")
-        found = _mlp_add(nodes, pos, h1, before, after)
+        # (the MLP's add precedes the next layer's attention, which reads it)
+        end = pos[anchors[li + 1]] if li + 1 < len(anchors) else len(nodes)
+        found = _mlp_add(nodes[pos[h1] + 1 : end], h1, before, after)
         if found is None:
             raise NoStructureError(
                 f"layer {li} (attention {anchor.name}): no MLP residual add after {h1.name} (looked for "
@@ -356,10 +358,11 @@ def _mlp_branch(nodes: set[fx.Node]) -> bool:
     return _has_linear(nodes) and not any(is_attention_op(x) for x in nodes)
 
 
-def _mlp_add(nodes: list[fx.Node], pos: dict[fx.Node, int], h1: fx.Node, before: set[fx.Node],
+def _mlp_add(span: list[fx.Node], h1: fx.Node, before: set[fx.Node],
              after: set[fx.Node]) -> tuple[fx.Node, fx.Node, set[fx.Node]] | None:
     """The add that joins the MLP's output into the residual stream of the layer whose attention
-    residual add is ``h1``: ``(add, mlp_out, nodes the MLP branch may hold)``, or None. Three
+    residual add is ``h1``: ``(add, mlp_out, nodes the MLP branch may hold)``, or None. ``span``:
+    the nodes after ``h1`` up to the next layer's attention op. Three
     shapes, tried in order::
 
         pre-norm    h2 = h1 + mlp(norm(h1))             (Llama; a cast of h1 may stand for it)
@@ -373,8 +376,9 @@ def _mlp_add(nodes: list[fx.Node], pos: dict[fx.Node, int], h1: fx.Node, before:
     reach, computed through a linear op the attention does not read."""
     chain = _cast_chain(h1)
     below = descendants(h1)
-    adds = [n for n in nodes[pos[h1] + 1 :]
-            if n.op == "call_function" and n.target in ADD_OPS and len(n.all_input_nodes) == 2]
+    adds = [n for n in span if n.op == "call_function" and n.target in ADD_OPS and len(n.all_input_nodes) == 2]
+    pos = {n: i for i, n in enumerate(span)}
+    pos[h1] = -1
     for n in adds:  # pre-norm
         a, b = n.all_input_nodes
         for res, other in ((a, b), (b, a)):
@@ -399,14 +403,15 @@ def _mlp_add(nodes: list[fx.Node], pos: dict[fx.Node, int], h1: fx.Node, before:
     group, stack = {h1}, [h1]
     while stack:
         n = stack.pop()
-        near = [_source(a) for a in n.all_input_nodes if a in after] + [u for c in _cast_chain(n) for u in c.users]
+        near = [_source(a) for a in n.all_input_nodes if a in after] + [
+            u for c in _cast_chain(n) for u in c.users if u in pos]  # (not past the next attention)
         for m in near:
             if m not in group and m.op == "call_function" and m.target in ADD_OPS and len(m.all_input_nodes) == 2:
                 group.add(m)
                 stack.append(m)
     if not residual:
         return None
-    for n in sorted(group, key=pos.__getitem__):
+    for n in sorted(group, key=lambda x: pos.get(x, -2)):  # (adds before h1 first)
         for m in n.all_input_nodes:
             if m in after or m in group or m in before or m not in layer_in:
                 continue
