@@ -313,7 +313,7 @@ def _print_timings(args: argparse.Namespace, seconds: dict[str, float]) -> None:
         print(timings_table(seconds), file=sys.stderr if getattr(args, "json", False) else sys.stdout)
 
 
-def _shards_summary(shards) -> str:
+def _shards_summary(shards, listed: bool = False) -> str:
     """One line counting rank 0's sharding records (``plan --tp --shards`` lists them)."""
     kinds: dict[str, int] = {}
     for w in shards.weights:
@@ -327,7 +327,7 @@ def _shards_summary(shards) -> str:
                         (shards.arg_fixes, "size arguments divided")):
         if items:
             parts.append(f"{len(items)} {what}")
-    return f"shards (rank 0): {', '.join(parts)}" + ("" if not shards.weights else "; --shards lists them")
+    return f"shards (rank 0): {', '.join(parts)}" + ("" if listed or not shards.weights else "; --shards lists them")
 
 
 def cmd_plan_tp(args: argparse.Namespace) -> int:
@@ -355,7 +355,7 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
     else:
         print(prog.plan.table())
         print(TP_LEGEND)
-        print(_shards_summary(prog.shards))
+        print(_shards_summary(prog.shards, listed=args.shards))
         if args.shards:
             print(prog.shards)
         if cache:

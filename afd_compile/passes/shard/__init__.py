@@ -281,34 +281,23 @@ _TAKE_APART = {aten.select.int, aten.unbind.int, aten.chunk.default, aten.split.
 
 def _taken_apart(n: fx.Node, dim: int) -> bool:
     """Some later op selects / unbinds / chunks dim ``dim`` of ``n`` (followed through permutes,
-    transposes, (un)squeezes and copies): that dim enumerates the blocks of a fused projection."""
+    transposes, (un)squeezes and copies, by their own shard rules): that dim enumerates the blocks
+    of a fused projection."""
     stack = [(n, dim)]
     while stack:
         x, d = stack.pop()
         for u in x.users:
             if u.op != "call_function" or u.args[0] is not x:
                 continue
-            nd = ndim(x)
             if u.target in _TAKE_APART:
                 pos = 2 if u.target in (aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default) else 1
-                if (u.args[pos] if len(u.args) > pos else u.kwargs.get("dim", 0)) % nd == d:
+                if (u.args[pos] if len(u.args) > pos else u.kwargs.get("dim", 0)) % ndim(x) == d:
                     return True
             elif u.target in _MOVES:
-                if u.target == aten.permute.default:
-                    e = [a % nd for a in u.args[1]].index(d)
-                elif u.target == aten.transpose.int:
-                    a, b = (a % nd for a in u.args[1:3])
-                    e = b if d == a else a if d == b else d
-                elif u.target == aten.unsqueeze.default:
-                    e = d + 1 if u.args[1] % (nd + 1) <= d else d
-                elif u.target == aten.squeeze.dim:
-                    sq = u.args[1] % nd
-                    if sq == d:
-                        continue
-                    e = d - 1 if sq < d else d
-                else:
-                    e = d
-                stack.append((u, e))
+                try:
+                    stack.append((u, RULES[u.target].fn(u, {x: d}, 1, None)))
+                except ShardError:
+                    continue  # (a squeeze of that very dim: not taken apart)
     return False
 
 
@@ -563,7 +552,7 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
                                  f"{n.args[0].name}, which differs per rank")
             continue
         folded = [a for a in split_in if a in t.inner]
-        if folded and (n.target in STATE_WRITES or n.op == "output"):
+        if folded and n.target in STATE_WRITES:
             raise ShardError(f"{where}: {n.name} ({n.target}) reads {folded[0].name}, whose heads are folded into "
                              "another dim")
         if _write_into_state(n, t, where):
@@ -595,9 +584,8 @@ def _follow(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], part
             try:
                 sdim[n] = _follow_folded(n, src0, rule, t, f, parts, fixes)
             except ShardError as e:
-                raise ShardError(f"{where}: {e} (the heads are folded into another dim here, as BLOOM's baddbmm "
-                                 "and XGLM's bmm over batch x heads do: a tensor applied along them, such as "
-                                 "an ALiBi bias, cannot be read in slices)") from None
+                raise ShardError(f"{where}: {e} (on heads folded into another dim, as BLOOM's baddbmm and "
+                                 "XGLM's bmm over batch x heads have them)") from None
             t.factor[n], t.origin[n] = f, None
             frontier.extend(sorted(n.users, key=order.__getitem__))
             frontier.sort(key=order.__getitem__)
@@ -1012,10 +1000,11 @@ def apply_shards(gm: fx.GraphModule, plan: ShardPlan, rank_of_group: dict[str, i
             else:
                 view = gm.graph.call_function(aten.narrow.default, (operand, o.dim, start, n))
                 _meta_like(view, user, lambda v, o=o, start=start, n=n: v.narrow(o.dim, start, n), operand)
-        taken = {x.name for x in gm.graph.nodes}
-        name = f"{operand.name}_local"
-        view.name = next(f"{name}_{i}" if i else name for i in range(len(taken) + 1)
-                         if (f"{name}_{i}" if i else name) not in taken)
+        taken, name, i = {x.name for x in gm.graph.nodes}, f"{operand.name}_local", 0
+        while name in taken:  # (one operand read by several layers)
+            i += 1
+            name = f"{operand.name}_local_{i}"
+        view.name = name
         user.replace_input_with(operand, view)
     for o in plan.once:  # a bias added to partial sums: once over the group
         if rank_of_group[o.group] != 0:
