@@ -9,8 +9,8 @@ Every rank compiles for itself (SPMD-style: the same source, the same passes, it
   step's transfer metadata, and runs the FFN program on a ``(T, 0)`` token carrier. A count of -1
   from every peer ends the loop.
 
-``run_local`` spawns ``world_size`` processes with gloo (the path tests and ``afd-compile verify``
-take); under ``torchrun`` the same :func:`rank_main` reads ``RANK`` / ``WORLD_SIZE`` from the
+``run_local`` starts ``world_size`` processes with gloo (the path tests and ``afd-compile verify``
+take), forked from a forkserver that imported torch's export loader once; under ``torchrun`` the same :func:`rank_main` reads ``RANK`` / ``WORLD_SIZE`` from the
 environment.
 """
 
@@ -807,9 +807,32 @@ def progress(text: str) -> None:
         _PROGRESS.put((int(os.environ.get("RANK", -1)), "progress", text))
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, timeout_s: float) -> None:
+#: what every local worker imports (``torch.export.load`` pulls in dynamo and the serializer: about
+#: 4 s of CPU per process): the forkserver imports it once and each rank is forked from it
+WORKER_PRELOAD = ["afd_compile.verify", "torch._dynamo", "torch._export.serde.serialize",
+                  "torch.export.pt2_archive._package"]
+
+
+def _start_context() -> Any:
+    """The multiprocessing context local ranks start from: a forkserver preloaded with
+    :data:`WORKER_PRELOAD` (one per parent process, kept for its later runs), where the platform
+    has one; spawn elsewhere. A rank behaves as spawned: it gets the parent's environment and
+    working directory of the moment it starts, not the forkserver's."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return torch.multiprocessing.get_context("spawn")
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(WORKER_PRELOAD)
+    return ctx
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, timeout_s: float,
+           env: dict[str, str]) -> None:
     global _PROGRESS
     _PROGRESS = queue
+    os.environ.clear()  # the parent's environment now, not the forkserver's from its start
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -871,18 +894,26 @@ def _casualty(procs: Sequence[Any], reported: set[int]) -> RankFailure | None:
     return None
 
 
-def _drain_results(queue: Any, results: dict[int, Any], on_progress: Callable[[int, str], None] | None) -> None:
-    """Take what is already queued without waiting: results and progress (a second error is
-    dropped: the first one is the failure)."""
+#: what a rank raises when a peer went away first: the peer's own error is the cause
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _drain_results(queue: Any, results: dict[int, Any], on_progress: Callable[[int, str], None] | None
+                   ) -> list[tuple[int, str]]:
+    """Take what is already queued without waiting: results and progress; returns the errors."""
+    errors = []
     while True:
         try:
             rank, status, payload = queue.get_nowait()
         except queue_mod.Empty:
-            return
+            return errors
         if status == "ok":
             results[rank] = payload
-        elif status == "progress" and on_progress is not None:
-            on_progress(rank, payload)
+        elif status == "progress":
+            if on_progress is not None:
+                on_progress(rank, payload)
+        else:
+            errors.append((rank, payload))
 
 
 def _end_all(procs: Sequence[Any], grace_s: float) -> None:
@@ -901,7 +932,7 @@ def _end_all(procs: Sequence[Any], grace_s: float) -> None:
 def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0,
               deadline_s: float | None = None,
               on_progress: Callable[[int, str], None] | None = None) -> dict[int, Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; returns
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo processes; returns
     {rank: result}. ``on_progress(rank, text)`` gets what the workers report with :func:`progress`.
 
     Never waits unbounded: ``timeout_s`` is the process group's timeout (a rank blocked on a peer
@@ -913,10 +944,11 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
         raise ValueError(f"run_local: {world_size} processes exceed the local limit {max_local_processes()} "
                          f"({LOCAL_PROCESS_LIMIT_RULE})")
     deadline_s = 2 * timeout_s + 60 if deadline_s is None else deadline_s
-    ctx = torch.multiprocessing.get_context("spawn")
+    ctx = _start_context()
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, timeout_s), daemon=True)
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, timeout_s, env), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -940,12 +972,17 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
             if status == "ok":
                 results[rank] = payload
                 continue
-            # a survivor often reports first ("connection reset" from the rank that died): look
-            # for a rank that died or stopped before blaming the one that reported
-            failure = RankFailure(rank, payload)
+            # a survivor often reports first ("connection closed" from the rank that died or
+            # raised; queued messages arrive in no fixed order): look for a rank that died or
+            # stopped, or that raised an error of its own, before blaming the one that reported
+            failure, raised = RankFailure(rank, payload), {rank}
             for _ in range(10):
-                _drain_results(queue, results, on_progress)  # a peer's "ok" still queued is no casualty
-                cause = _casualty(procs, set(results) | {rank})
+                for r, text in _drain_results(queue, results, on_progress):  # a queued "ok" is no casualty
+                    raised.add(r)
+                    if any(s in failure.short for s in PEER_GONE) and not any(s in text for s in PEER_GONE):
+                        head, _, tail = text.partition("\n")
+                        failure = RankFailure(r, f"{head} (rank {rank} then raised: {failure.short})\n{tail}")
+                cause = _casualty(procs, set(results) | raised)
                 if cause is not None:
                     failure = RankFailure(cause.rank, f"{cause.short} (rank {rank} then raised: {failure.short})")
                     break

@@ -10,12 +10,17 @@ import textwrap
 
 import pytest
 import torch
+from clirun import run_cli as _run
 
 CLI = [sys.executable, "-m", "afd_compile.cli"]
 
 
-def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+def test_the_console_command_exits_with_mains_status(tmp_path):
+    # the tests below call main() in this process; the command itself, once: exit 2, one line
+    res = subprocess.run([*CLI, "verify", str(tmp_path / "missing.pt2"), "-A", "1", "-F", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        f"afd-compile verify: error: {tmp_path / 'missing.pt2'}: no such file"], res.stderr
 
 
 def test_help_and_argument_errors_do_not_import_torch():

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from clirun import Ran, run_cli
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "generate.py")
 
@@ -315,8 +316,8 @@ def cached_pt2(tmp_path_factory):
     return get
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "afd_compile.cli", *args], capture_output=True, text=True, timeout=600)
+def _cli(*args: str) -> Ran:
+    return run_cli(*args)
 
 
 DECODE = [("llama", ("--tp", "2")),
@@ -337,7 +338,7 @@ SLOW_DECODE = [("qwen3_moe", ("-A", "2", "-F", "2", "--ffn-ep", "2")), ("llama",
                ("qwen3_moe", ("-A", "3", "-F", "2")), ("qwen3_moe", ("--tp", "4", "--attn-dp", "2"))]
 
 
-def _check_decode(proc: subprocess.CompletedProcess, batch: int) -> None:
+def _check_decode(proc: Ran, batch: int) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "a prefill of 4 positions and 6 decode steps of 1" in proc.stdout
     assert re.search(r"^verify: OK max_rel_err=\S+$", proc.stdout.strip().splitlines()[-1]), proc.stdout[-1000:]
