@@ -112,17 +112,16 @@ RUNS = [  # (processes, example arguments)
     # by Inductor's FX graph cache (--check-cache)
     (2, ("--tp", "2", "--seq", "1", "--check-cache")),
     (2, ("--tp", "2", "--attn-dp", "2", "--family", "qwen3_moe")),
-    # micro-batch stages, compiled: the sent tensors must outlive their asynchronous sends (Inductor
-    # reused their memory before the wait kept them: max_rel_err 0.04 here)
-    (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "2")),
     # (the families other than Llama and Qwen3-MoE, each for a construct the backend's graph once
     # lost: module paths through the re-export and a norm after the down projection (Gemma-2 TP), a
     # Python float global (GPT-2's math.pi, TP), MoE routing outputs inside the FFN region
     # (DeepSeek-V3 AFD): in the slow matrix below, for CI time)
-    # AFD with an FFN TP group: the FFN ranks' programs are compiled per the group's token counts
-    (4, ("--attention", "2", "--ffn", "2", "--ffn-tp", "2", "--family", "qwen3_moe")),
+    # AFD with an FFN TP group: the FFN ranks' programs are compiled per the group's token counts;
+    # micro-batch stages, compiled: the sent tensors must outlive their asynchronous sends (Inductor
+    # reused their memory before the wait kept them: max_rel_err 0.04 here)
+    (4, ("--attention", "2", "--ffn", "2", "--ffn-tp", "2", "--family", "qwen3_moe", "--stages", "2")),
     # a hand-written MoE looping over its experts (data-dependent token counts per expert)
-    (3, ("--attention", "2", "--ffn", "1", "--dynamic-output-shapes",
+    (2, ("--attention", "1", "--ffn", "1", "--dynamic-output-shapes",
          "--model", os.path.join(os.path.dirname(__file__), "handwritten.py:loop_moe"))),
 ]
 #: the backend matrix mirroring the CLI's: every family x AFD 2A1F (prefill and a decode step),
@@ -136,6 +135,8 @@ _LAYOUTS = [(3, ("--attention", "2", "--ffn", "1")), (3, ("--attention", "2", "-
 SLOW_RUNS = [(n, (*lay, "--family", fam)) for fam in _FAMILIES for n, lay in _LAYOUTS
              if not (fam == "falcon" and n == 4) and (n, (*lay, "--family", fam)) not in RUNS]
 SLOW_RUNS += [(3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "3")),
+              (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "2")),
+              (4, ("--attention", "2", "--ffn", "2", "--ffn-tp", "2", "--family", "qwen3_moe")),
               (4, ("--attention", "2", "--ffn", "2", "--ffn-ep", "2", "--family", "qwen3_moe")),
               (4, ("--attention", "2", "--ffn", "2", "--ffn-tp", "2", "--family", "llama")),
               (6, ("--attention", "4", "--attn-tp", "2", "--ffn", "2", "--ffn-tp", "2", "--family", "llama"))]

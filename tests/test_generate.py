@@ -17,9 +17,10 @@ from clirun import Ran, run_cli
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "generate.py")
 
 RUNS = [  # (processes, example arguments)
-    (3, ("--attention", "2", "--ffn", "1", "--stagger", "2", "--no-inductor")),  # ranks finishing apart
-    # micro-batch stages: each its own rows of the static cache (2 sequences | 3 over 2 stages)
-    (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "2", "--no-inductor")),
+    # micro-batch stages: each its own rows of the static cache (2 sequences | 3 over 2 stages);
+    # ranks finishing apart (the FFN rank serves until the last one stops)
+    (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "2", "--stagger", "2",
+         "--no-inductor")),
     (4, ("--tp", "4", "--attn-dp", "2", "--idle-dp-group", "--no-inductor")),  # 2 sequences | none
 ]
 SLOW_RUNS = [  # (CI time: FlexAttention through the backend is also compiled and checked in test_decode_attention.py;
@@ -34,6 +35,8 @@ SLOW_RUNS = [  # (CI time: FlexAttention through the backend is also compiled an
     (2, ("--tp", "2")),
     (4, ("--tp", "4", "--attn-dp", "2", "--no-inductor")),  # 2 sequences | 3
     (5, ("--attention", "3", "--ffn", "2", "--stagger", "2", "--no-inductor")),
+    (3, ("--attention", "2", "--ffn", "1", "--stagger", "2", "--no-inductor")),
+    (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "2", "--no-inductor")),
 ]
 
 
@@ -320,15 +323,14 @@ def _cli(*args: str) -> Ran:
     return run_cli(*args)
 
 
-DECODE = [("llama", ("--tp", "2")),
-          ("qwen3_moe", ("--tp", "2")),
+DECODE = [("qwen3_moe", ("--tp", "2")),
           # each micro-batch its own cache rows (batch 3: rows 2 + 1, each padded to 3 tokens on the FFN
           # side), fan-in, and an expert-parallel FFN group running the same stages over a static batch
           ("qwen3_moe", ("-A", "3", "-F", "2", "--ffn-ep", "2", "--stages", "2")),
           # composed: two attention DP groups of TP 2 (each its own sequences and cache, sharded by
           # heads) and an FFN TP group of 2
           ("llama", ("-A", "4", "--attn-tp", "2", "-F", "2", "--ffn-tp", "2"))]
-SLOW_DECODE = [("qwen3_moe", ("-A", "2", "-F", "2", "--ffn-ep", "2")), ("llama", ("-A", "1", "-F", "1")),
+SLOW_DECODE = [("llama", ("--tp", "2")), ("qwen3_moe", ("-A", "2", "-F", "2", "--ffn-ep", "2")), ("llama", ("-A", "1", "-F", "1")),
                ("llama", ("-A", "3", "-F", "2")), ("qwen3_moe", ("-A", "2", "-F", "1", "--stages", "3")),
                ("llama", ("-A", "3", "-F", "2", "--stages", "2")), ("qwen3_moe", ("-A", "3", "-F", "2", "--ffn-tp", "2")),
                # each DP group its own sequences and cache (in the default run: generate() with an idle DP

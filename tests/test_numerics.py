@@ -16,7 +16,7 @@ LAYOUTS = [(1, 1), (2, 1), (3, 1), (4, 2), (3, 2)]
 
 # (model, layout, gate on attention, batch per attention rank)
 CASES = [("llama3", a, f, False) for a, f in LAYOUTS]
-CASES += [("qwen3moe3_mixed", a, f, False) for a, f in LAYOUTS]
+CASES += [("qwen3moe3_mixed", a, f, False) for a, f in LAYOUTS if a >= 2]  # (1A1F, 3A1F: llama3's)
 CASES += [("qwen3moe3_mixed", a, f, True) for a, f in [(2, 1), (3, 2)]]
 # ALiBi attention through baddbmm; the MLP module adds the residual itself (its add stays attention's)
 CASES += [("bloom", 3, 2, False)]

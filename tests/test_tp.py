@@ -326,20 +326,15 @@ A2A, DDP, VP = {"moe_a2a": True}, {"dense_dp": True}, {"vocab_parallel": True}
 
 NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("llama3", 2, 1, (3,)),
-    ("llama2_mha", 4, 1, (2,)),
     ("qwen3moe2", 2, 1, (3,)),           # experts sharded (fused gate_up blocks)
-    ("qwen3moe3_mixed", 4, 1, (2,)),     # MoE, dense, MoE layers; KV replicated
     ("phi3", 4, 2, (3, 1)),              # fused qkv (KV replicated) and gate_up, DP attention
-    ("llama3", 2, 2, (3, 1)),            # attn_tp == 1: norm before all-gather
     ("llama2_mha", 4, 2, (2, 5), VP),    # attn_tp == 2: partial gather, uneven groups; head split over 2
-    ("llama2_mha", 4, 4, (2, 0, 3, 1)),  # one group with zero tokens
     ("qwen3moe3_mixed", 4, 2, (2, 5)),   # MoE under DP attention: expert buffers sized from all groups' tokens
     ("gemma2", 4, 1, (2,), VP),          # explicit softmax attention (soft-capped), KV replicated; tied head split
     ("gemma2", 4, 2, (3, 0)),            # norm after o_proj under DP attention; a group with zero tokens
     ("gptj", 4, 2, (3, 0)),              # parallel residual under DP attention with attn_tp == 2
     ("gpt2", 4, 2, (2, 3)),              # Conv1D (addmm, weight [in, out]), fused c_attn split; DP attention
     ("olmo2", 4, 1, (2,)),               # q/k norm over all heads: all-reduced mean; k norm over replicated KV
-    ("qwen3moe2", 2, 1, (3,), A2A),      # experts over 2 ranks, all-to-all; reduce-scatter into the MoE
     ("qwen3moe3_mixed", 4, 2, (2, 5), A2A),  # MoE a2a + a dense FULL layer between, uneven groups
     ("qwen3moe2", 4, 4, (2, 0, 3, 1), A2A),  # attn_tp == 1: a2a only; a group with zero tokens
     ("llama3", 4, 2, (3, 0), DDP),       # SCATTERED residual in attention-TP groups; zero-token group
@@ -355,6 +350,11 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
 
 # more layouts of families the default list already covers (pytest -m slow)
 NUMERICS_SLOW = [
+    ("llama2_mha", 4, 1, (2,)),
+    ("qwen3moe3_mixed", 4, 1, (2,)),     # MoE, dense, MoE layers; KV replicated
+    ("llama3", 2, 2, (3, 1)),            # attn_tp == 1: norm before all-gather
+    ("llama2_mha", 4, 4, (2, 0, 3, 1)),  # one group with zero tokens
+    ("qwen3moe2", 2, 1, (3,), A2A),      # experts over 2 ranks, all-to-all; reduce-scatter into the MoE
     ("llama2", 4, 1, (2,)),              # KV heads (2) replicated over 4 ranks
     ("gptj", 2, 2, (3, 1)),              # parallel residual, stack/flatten rotary; attn_tp == 1
     ("qwen3moe2", 2, 2, (3, 0)),         # attn_tp == 1, a group with zero tokens
