@@ -10,8 +10,8 @@ Every rank compiles for itself (SPMD-style: the same source, the same passes, it
   from every peer ends the loop.
 
 ``run_local`` starts ``world_size`` processes with gloo (the path tests and ``afd-compile verify``
-take), forked from a forkserver that imported torch's export loader once; under ``torchrun`` the same :func:`rank_main` reads ``RANK`` / ``WORLD_SIZE`` from the
-environment.
+take), forked from a forkserver that imported torch's export loader once; under ``torchrun`` the
+same :func:`rank_main` reads ``RANK`` / ``WORLD_SIZE`` from the environment.
 """
 
 from __future__ import annotations

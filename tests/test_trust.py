@@ -292,6 +292,20 @@ def test_a_step_that_raises_is_reported_at_once_even_when_the_script_shuts_down_
     assert time.monotonic() - t < timeout, "the run waited for the timeout"
 
 
+def _peer_reports_first(rank: int, world: int) -> None:
+    # rank 0 reports a peer-gone symptom at once; rank 1's own error reaches the queue later
+    if rank == 0:
+        raise RuntimeError("[pair.cc:547] Connection closed by peer [127.0.0.1]:1234")
+    time.sleep(0.3)
+    raise ValueError("the real cause")
+
+
+def test_the_rank_with_its_own_error_is_blamed_over_a_peer_that_saw_it_go():
+    with pytest.raises(RankFailure) as e:
+        run_local(_peer_reports_first, 2, timeout_s=20)
+    assert e.value.rank == 1 and e.value.short.startswith("ValueError: the real cause (rank 0 then raised: "), str(e.value)
+
+
 # --- rewrite writes whole or not at all ---------------------------------------------------------
 
 
