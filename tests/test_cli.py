@@ -176,6 +176,127 @@ def test_rewrite_stages_then_load_runs_staged(exported, tmp_path):
     assert max(ran[1][0], ran[2][0]) <= 1e-5 and ran[1][1] == [2] and ran[2][1] == [2], ran
 
 
+def test_verify_ok_exit_0(exported):
+    res = _run("verify", exported("llama2")[1], "-A", "2", "-F", "1", "--tokens", "2,3")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.strip().splitlines()[-1].startswith("verify: OK max_rel_err=")
+    assert "batches [2, 3]" in res.stdout and "batches [3, 2]" in res.stdout
+    # progress on stderr, one line per phase as it ends (the first attention rank's, rank 1)
+    lines = [line.split("] ", 1)[1] for line in res.stderr.splitlines() if line.startswith("afd-compile verify: [")]
+    assert lines[0].startswith("loaded and split ") and lines[1:] == [
+        "3 processes up (torch imported, process group formed) (rank 1)", "programs built (rank 1)",
+        "step 1/2 done (rank 1)", "step 2/2 done (rank 1)"], res.stderr
+
+
+def test_verify_fail_exit_1(exported):
+    # the MoE split differs from the original by float rounding (~1e-7): a tolerance below that fails
+    res = _run("verify", exported("qwen3moe2")[1], "-A", "2", "-F", "1", "--tol", "1e-12")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.stdout.strip().splitlines()[-1].startswith("verify: FAIL max_rel_err=")
+
+
+class _NoAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.lin(x)
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "message"),
+    [
+        ("missing", ["-A", "1", "-F", "1"], "no such file"),
+        ("garbage", ["-A", "1", "-F", "1"], "not a .pt2 archive"),
+        ("no_attention", ["-A", "1", "-F", "1"], "no attention/FFN structure found"),
+        ("llama", ["-A", "1", "-F", "2"], "every FFN rank needs at least one attention peer"),
+        ("llama", ["-A", "0", "-F", "1"], "at least 1 attention and 1 FFN rank"),
+        ("llama", ["-A", "2", "-F", "1", "--tokens", "1,2,3"], "--tokens has 3 entries"),
+        ("static", ["-A", "2", "-F", "1"], "static token dims"),
+    ],
+)
+def test_verify_bad_input_exit_2_one_line(exported, tmp_path, kind, extra, message):
+    path = tmp_path / "model.pt2"
+    if kind == "garbage":
+        path.write_text("not a model")
+    elif kind == "no_attention":
+        torch.export.save(torch.export.export(_NoAttention(), (torch.randn(2, 8),)), path)
+    elif kind == "llama":
+        path = exported("llama2")[1]
+    elif kind == "static":
+        from afd_compile.models import build_hf, export_lm
+
+        torch.export.save(export_lm(build_hf("llama", num_layers=1), dynamic=False), path)
+    res = _run("verify", str(path), *extra)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr
+    # one line (besides the progress lines of the phases that finished before the check)
+    assert len([line for line in res.stderr.strip().splitlines() if not line.startswith("afd-compile verify: [")]) == 1
+
+
+def test_plan_json_lists_nodes_and_wire_bytes(exported):
+    res = _run("plan", exported("llama2")[1], "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert [layer["layer"] for layer in data["layers"]] == [0, 1] and "index" not in data["layers"][0]
+    assert data["tokens_per_step"] == "input_ids.shape[0] * input_ids.shape[1]"
+    wire = data["layers"][0]["wire"]
+    assert wire["to_ffn"] == [{"kind": "hidden", "dtype": "float32", "shape": ["tokens", 64], "bytes_per_token": 256}]
+    assert len(data["layers"][0]["ffn_nodes"]) == 5
+    text = _run("plan", exported("llama2")[1], "-A", "3", "-F", "2").stdout
+    assert "layout 3A2F (ffn 0 <- attention [2, 3], ffn 1 <- attention [4])" in text
+    assert os.linesep.join(text.splitlines()[1:2]).startswith("layer")
+
+
+def test_torchrun_launch_uses_the_same_workers():
+    import shutil
+
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "afd_torchrun.py")
+    proc = subprocess.run([torchrun, "--nproc-per-node", "3", example, "--attention-ranks", "2", "--ffn-ranks", "1"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "AFD_BACKEND": "gloo"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].startswith("OK max_rel_err=")
+
+
+def test_plan_tp_json_uses_the_relied_on_names(exported):
+    res = _run("plan", exported("llama2")[1], "--tp", "4", "--attn-dp", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    layer = data["layers"][0]
+    assert "column-parallel model.model.layers.0.self_attn.q_proj.weight dim 0 / 2 over attn" in data["shards"]
+    assert "row-parallel model.model.layers.1.mlp.down_proj.weight dim 1 / 4 over mlp" in data["shards"]
+    assert layer["layer"] == 0 and layer["kind"] == "dense"
+    assert layer["modes"] == {"layer_input": "TP_ATTN_FULL", "attn": "TP_ATTN_FULL", "mlp": "FULL",
+                              "middle_residual": "TP_ATTN_FULL", "layer_output": "TP_ATTN_FULL"}
+    assert layer["junctions"] == {"prepare_attn": [], "prepare_mlp": ["all_gather"],
+                                  "postprocess_layer": ["reduce_scatter"]}
+
+
+def test_verify_tp_ok_with_uneven_dp_groups(exported):
+    res = _run("verify", exported("llama2")[1], "--tp", "2", "--attn-dp", "2", "--tokens", "3,0", "-q")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.strip().splitlines()[-1].startswith("verify: OK max_rel_err=")
+    assert "afd-compile verify: [" not in res.stderr  # -q: no progress lines
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--tp", "3"], "has 4 attention heads, which 3 attention-TP ranks cannot divide"),
+        (["--tp", "4", "--attn-dp", "3"], "attn_dp=3 does not divide tp=4"),
+        (["--tp", "2", "-A", "1", "-F", "1"], "not both"),
+        (["--tp", "2", "--attn-dp", "2", "--tokens", "1"], "one per attention DP group"),
+    ],
+)
+def test_verify_tp_bad_layout_exit_2(exported, extra, message):
+    res = _run("verify", exported("llama2")[1], *extra)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert message in res.stderr and "Traceback" not in res.stderr
+
+
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 
 
