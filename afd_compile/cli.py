@@ -294,16 +294,17 @@ def _cache_line(result) -> str | None:
 
 
 def _tp_graph(args: argparse.Namespace):
-    """The TP layout from the flags and the model's graph with roles annotated."""
+    """The TP layout from the flags, the model's graph with roles annotated, and the program."""
     from .passes.roles import POLICIES, annotate_roles
     from .programs import load_program, positional_module
     from .scatter import TPLayout
 
     layout = TPLayout(args.tp, 1 if args.attn_dp is None else args.attn_dp, moe_a2a=args.moe_a2a,
                       dense_dp=args.dense_dp, vocab_parallel=args.vocab_parallel)
-    gm = positional_module(load_program(args.model))
+    ep = load_program(args.model)
+    gm = positional_module(ep)
     annotate_roles(gm, POLICIES[args.policy], graph_name=args.model)
-    return layout, gm
+    return layout, gm, ep
 
 
 def _print_timings(args: argparse.Namespace, seconds: dict[str, float]) -> None:
@@ -336,7 +337,7 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
     from .passes.tp_rewrite import shard_for_rank
 
     with _progress(args).phase(f"loaded and sharded {args.model} (rank 0)"):
-        layout, gm = _tp_graph(args)
+        layout, gm, _ = _tp_graph(args)
         # shard rank 0 as verify and rewrite do: a layout the model cannot take is refused here too
         prog = shard_for_rank(gm, layout, 0, graph_name=args.model)
     from .passes.graph_utils import state_bytes, written_attrs
@@ -526,7 +527,7 @@ def cmd_rewrite_tp(args: argparse.Namespace) -> int:
     out = _AtomicFolder(args.output, args.force)
     progress = _progress(args)
     with progress.phase(f"loaded {args.model}"):
-        layout, gm = _tp_graph(args)
+        layout, gm, _ = _tp_graph(args)
         inputs = flat_inputs(load_program(args.model))
     programs = []
     for rank in range(layout.tp):  # every rank planned and exported before anything is written
@@ -639,14 +640,14 @@ def cmd_verify_tp(args: argparse.Namespace) -> int:
     batches = _tokens(args)
     progress = _progress(args)
     with progress.phase(f"loaded and sharded {args.model} (rank 0)"):
-        layout, gm = _tp_graph(args)
+        layout, gm, ep = _tp_graph(args)
         prog = shard_for_rank(gm, layout, 0, graph_name=args.model)  # fail fast, before spawning
     print(prog.plan.table())
     _print_timings(args, prog.timings)
     print(f"verify: {len(prog.shards.weights)} weights sharded, {len(prog.shards.arg_fixes)} head counts divided")
     return _verdict(lambda: verify_tp(args.model, layout, batches=batches, steps=args.steps, tol=args.tol,
                                       policy=args.policy, timeout_s=args.timeout, decode_steps=args.decode_steps,
-                                      log=print, on_progress=progress.rank))
+                                      log=print, on_progress=progress.rank, program=ep))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -657,7 +658,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .verify import verify_afd  # (after the argument checks: they need no torch)
     progress = _progress(args)
     with progress.phase(f"loaded and split {args.model}"):
-        _, result = _plan(args.model, layout, args.gate_on_attention, args.policy)  # fail fast, before spawning
+        ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy)  # fail fast, before spawning
     print(plan_table(result, layout))
     _print_timings(args, result.timings)
     if args.stages != 1:
@@ -665,7 +666,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return _verdict(lambda: verify_afd(args.model, layout, batches=batches, gate=args.gate_on_attention,
                                        steps=args.steps, tol=args.tol, policy=args.policy, timeout_s=args.timeout,
                                        decode_steps=args.decode_steps, stages=args.stages, log=print,
-                                       on_progress=progress.rank))
+                                       on_progress=progress.rank, program=ep))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -684,9 +685,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "llama.pt2")
         torch.export.save(ep, path)
-        _, result = _plan(path, layout, False)
+        loaded, result = _plan(path, layout, False)
         print(plan_table(result, layout).replace(path, "llama (demo)", 1))
-        report = verify_afd(path, layout, batches=[2, 3], log=print, on_progress=progress.rank)
+        report = verify_afd(path, layout, batches=[2, 3], log=print, on_progress=progress.rank, program=loaded)
     print(report.line())
     return EXIT_OK if report.ok else EXIT_FAIL
 

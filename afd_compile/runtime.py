@@ -10,7 +10,8 @@ Every rank compiles for itself (SPMD-style: the same source, the same passes, it
   from every peer ends the loop.
 
 ``run_local`` starts ``world_size`` processes with gloo (the path tests and ``afd-compile verify``
-take), forked from a forkserver that imported torch's export loader once; under ``torchrun`` the
+take), forked from a launcher (itself from a forkserver that imported torch's export loader once)
+that can load what every rank needs first (verify: the programs); under ``torchrun`` the
 same :func:`rank_main` reads ``RANK`` / ``WORLD_SIZE`` from the environment.
 """
 
@@ -811,27 +812,59 @@ def progress(text: str) -> None:
 #: 4 s of CPU per process): the forkserver imports it once and each rank is forked from it
 WORKER_PRELOAD = ["afd_compile.verify", "torch._dynamo", "torch._export.serde.serialize",
                   "torch.export.pt2_archive._package"]
+#: imported by the forkserver as well when the calling process has imported the package: loading
+#: a program of transformers' MoE ops imports them (seconds of CPU per run otherwise)
+WORKER_PRELOAD_IF_IMPORTED = {"transformers": ["transformers.integrations.moe"]}
 
 
 def _start_context() -> Any:
-    """The multiprocessing context local ranks start from: a forkserver preloaded with
-    :data:`WORKER_PRELOAD` (one per parent process, kept for its later runs), where the platform
-    has one; spawn elsewhere. A rank behaves as spawned: it gets the parent's environment and
-    working directory of the moment it starts, not the forkserver's."""
+    """The multiprocessing context a local run's launcher starts from: a forkserver preloaded
+    with :data:`WORKER_PRELOAD` (and :data:`WORKER_PRELOAD_IF_IMPORTED`; one server per parent
+    process, kept for its later runs), where the platform has one; spawn elsewhere."""
     import multiprocessing
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return torch.multiprocessing.get_context("spawn")
+    import sys
+
     ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(WORKER_PRELOAD)
+    extra = [m for package, mods in WORKER_PRELOAD_IF_IMPORTED.items() if package in sys.modules for m in mods]
+    ctx.set_forkserver_preload(WORKER_PRELOAD + extra)  # (read when the server starts: the first run)
     return ctx
+
+
+def _rank_context() -> Any:
+    """The context the launcher starts ranks from: fork (a rank finds what the launcher loaded
+    in memory); spawn where the platform cannot fork."""
+    import multiprocessing
+
+    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the process that started it dies (a launcher killed
+    by its caller takes its ranks with it); nothing elsewhere."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # (it died before the call)
+        os._exit(1)
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, timeout_s: float,
            env: dict[str, str]) -> None:
     global _PROGRESS
+    _die_with_parent()
     _PROGRESS = queue
-    os.environ.clear()  # the parent's environment now, not the forkserver's from its start
+    os.environ.clear()  # the caller's environment (a forkserver child would have the server's)
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -864,6 +897,7 @@ class RankFailure(RuntimeError):
     def __init__(self, rank: int, message: str):
         super().__init__(f"rank {rank} failed: {message}")
         self.rank = rank
+        self.message = message
         self.short = message.splitlines()[0] if message else ""
 
 
@@ -929,29 +963,11 @@ def _end_all(procs: Sequence[Any], grace_s: float) -> None:
         p.join(timeout=5)
 
 
-def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0,
-              deadline_s: float | None = None,
-              on_progress: Callable[[int, str], None] | None = None) -> dict[int, Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo processes; returns
-    {rank: result}. ``on_progress(rank, text)`` gets what the workers report with :func:`progress`.
-
-    Never waits unbounded: ``timeout_s`` is the process group's timeout (a rank blocked on a peer
-    raises after it); ``deadline_s`` (default ``2 * timeout_s + 60``) bounds the whole run. A rank
-    that raises, dies (SIGKILL, a crash) or is stopped (SIGSTOP) fails the run at once, as
-    RankFailure naming the rank that failed first; every process is gone when it is raised.
-    """
-    if world_size > max_local_processes():
-        raise ValueError(f"run_local: {world_size} processes exceed the local limit {max_local_processes()} "
-                         f"({LOCAL_PROCESS_LIMIT_RULE})")
-    deadline_s = 2 * timeout_s + 60 if deadline_s is None else deadline_s
-    ctx = _start_context()
-    queue = ctx.Queue()
-    port = _free_port()
-    env = dict(os.environ)
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, timeout_s, env), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
+def _supervise(procs: Sequence[Any], queue: Any, deadline_s: float,
+               on_progress: Callable[[int, str], None] | None) -> dict[int, Any]:
+    """Wait for every rank's result; raise RankFailure at the first failure (see :func:`run_local`).
+    Every process is gone when this returns or raises."""
+    world_size = len(procs)
     results: dict[int, Any] = {}
     failure: RankFailure | None = None
     deadline = time.monotonic() + deadline_s
@@ -993,3 +1009,84 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
         raise failure
     return results
 
+
+def _launch(fn: Callable, world_size: int, args: tuple, preload: Callable[[], object] | None, out: Any,
+            timeout_s: float, deadline_s: float, env: dict[str, str]) -> None:
+    """The launcher of a local run (a process of its own): runs ``preload()``, forks the ranks
+    from itself, supervises them, and puts on ``out`` their progress and then one verdict:
+    ``(-1, "ok", results)`` or ``(rank, "failure", message)``."""
+    _die_with_parent()
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(1)  # (no intra-op thread pool in a process that forks)
+    if preload is not None:
+        preload()
+    ctx = _rank_context()
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, timeout_s, env), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        results = _supervise(procs, queue, deadline_s, lambda r, text: out.put((r, "progress", text)))
+    except RankFailure as e:
+        out.put((e.rank, "failure", e.message))
+    else:
+        out.put((-1, "ok", results))
+    out.close()
+    out.join_thread()
+
+
+def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0,
+              deadline_s: float | None = None,
+              on_progress: Callable[[int, str], None] | None = None,
+              preload: Callable[[], object] | None = None) -> dict[int, Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo processes; returns
+    {rank: result}. ``on_progress(rank, text)`` gets what the workers report with :func:`progress`.
+
+    The ranks are forked from one launcher process (itself forked from a forkserver that imported
+    torch's export loader once). ``preload()``, when given (picklable: a module-level function or
+    a ``functools.partial`` of one), runs once in the launcher before the ranks are forked: what
+    it loads into module state (verify's programs) every rank finds in memory instead of loading
+    it again.
+
+    Never waits unbounded: ``timeout_s`` is the process group's timeout (a rank blocked on a peer
+    raises after it); ``deadline_s`` (default ``2 * timeout_s + 60``) bounds the whole run. A rank
+    that raises, dies (SIGKILL, a crash) or is stopped (SIGSTOP) fails the run at once, as
+    RankFailure naming the rank that failed first; every process is gone when it is raised.
+    """
+    if world_size > max_local_processes():
+        raise ValueError(f"run_local: {world_size} processes exceed the local limit {max_local_processes()} "
+                         f"({LOCAL_PROCESS_LIMIT_RULE})")
+    deadline_s = 2 * timeout_s + 60 if deadline_s is None else deadline_s
+    ctx = _start_context()
+    out = ctx.Queue()
+    launcher = ctx.Process(target=_launch, args=(fn, world_size, args, preload, out, timeout_s, deadline_s,
+                                                 dict(os.environ)))
+    launcher.start()
+    hard_deadline = time.monotonic() + deadline_s + 60  # (the launcher enforces deadline_s itself)
+    try:
+        while True:
+            try:
+                rank, status, payload = out.get(timeout=0.2)
+            except queue_mod.Empty:
+                if launcher.exitcode is not None and out.empty():
+                    raise RuntimeError(f"run_local: the launcher process (pid {launcher.pid}) exited with code "
+                                       f"{launcher.exitcode} before reporting: its ranks are gone") from None
+                if time.monotonic() > hard_deadline:
+                    raise RuntimeError(f"run_local: the launcher process (pid {launcher.pid}) gave no verdict "
+                                       f"within {deadline_s + 60:.0f}s") from None
+                continue
+            if status == "progress":
+                if on_progress is not None:
+                    on_progress(rank, payload)
+            elif status == "ok":
+                return payload
+            else:
+                raise RankFailure(rank, payload)
+    finally:
+        launcher.join(timeout=10)
+        if launcher.is_alive():
+            launcher.kill()  # (its ranks die with it: _die_with_parent)
+            launcher.join(timeout=5)

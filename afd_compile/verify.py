@@ -14,6 +14,8 @@ naming the rank, step and output, and a run that compared nothing is an error, n
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import os
 import time
@@ -42,6 +44,8 @@ from .runtime import (
 )
 from .scatter import TPLayout
 from .split_api import SplitConfig
+
+log = logging.getLogger("afd_compile.verify")
 
 #: the communication timeout of a verify run (seconds a rank waits for a peer before failing)
 DEFAULT_TIMEOUT_S = 300.0
@@ -300,12 +304,34 @@ class Case:
     stages: int = 1  # micro-batches per step (passes/stages.py)
 
 
+#: programs :func:`preload_programs` loaded in the launcher of a local run, before the ranks
+#: were forked from it (path -> what :func:`_load` returns)
+_PRELOADED: dict[str, tuple] = {}
+
+
+def _load(path: str) -> tuple:
+    ep = load_program(path)
+    return ep, positional_module(ep), flat_inputs(ep), DecodeSpec.of(ep)
+
+
+def preload_programs(paths: Sequence[str]) -> None:
+    """Load each program once in the launcher of a local run (``run_local(preload=...)``): the
+    ranks forked from it find them in memory (loading is seconds of CPU per program and process).
+    A program that fails to load is left out: the ranks load it themselves and report the error
+    as they would without the preload."""
+    for path in dict.fromkeys(paths):
+        try:
+            _PRELOADED[path] = _load(path)
+        except Exception as e:
+            log.debug("preload of %s failed (%s): the ranks load it themselves", path, e)
+
+
 def _loaded(path: str, cache: dict) -> tuple:
-    """(program, a reference module, example inputs), loaded once per process and path; the
-    reference of a program with a KV cache is fresh per call (its own cache)."""
+    """(program, a reference module, example inputs), loaded once per process and path (or
+    preloaded: :func:`preload_programs`); the reference of a program with a KV cache is fresh
+    per call (its own cache)."""
     if path not in cache:
-        ep = load_program(path)
-        cache[path] = (ep, positional_module(ep), flat_inputs(ep), DecodeSpec.of(ep))
+        cache[path] = _PRELOADED[path] if path in _PRELOADED else _load(path)
     ep, original, inputs, spec = cache[path]
     return ep, (fresh_module(ep) if spec is not None else original), inputs, spec
 
@@ -380,7 +406,7 @@ def run_cases(cases: Sequence[Case], timeout_s: float = DEFAULT_TIMEOUT_S,
     the first attention rank's lines (programs built, each step)."""
     world = max(c.layout.world_size for c in cases)
     results = run_local(_verify_cases, world, list(cases), timeout_s=timeout_s, deadline_s=deadline_s,
-                        on_progress=on_progress)
+                        on_progress=on_progress, preload=functools.partial(preload_programs, [c.path for c in cases]))
     return [{r: results[r][i] for r in results if results[r][i] is not None} for i in range(len(cases))]
 
 
@@ -434,12 +460,14 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = 
                steps: int = 2, tol: float | None = None, policy: str = "default",
                timeout_s: float = DEFAULT_TIMEOUT_S, decode_steps: int = 0, stages: int = 1,
                log: Callable[[str], None] = lambda s: None,
-               on_progress: Callable[[int, str], None] | None = None) -> VerifyReport:
+               on_progress: Callable[[int, str], None] | None = None,
+               program: torch.export.ExportedProgram | None = None) -> VerifyReport:
     """Verify the AFD split of the ``.pt2`` at ``path``; ``batches`` per attention rank (None:
     default sizes 1, 2, 3, ... when the batch dim is dynamic, the saved example otherwise);
     ``stages`` micro-batches per step (passes/stages.py).
+    ``program``: the program at ``path`` when the caller already loaded it (not loaded again here).
     Raises VerifyInputError (before any process starts) on inputs :func:`check_verify_inputs` refuses."""
-    ep = load_program(path)
+    ep = load_program(path) if program is None else program
     facts = ProgramFacts.of(ep)
     spec = DecodeSpec.of(ep)
     check_decode_steps(spec, decode_steps, batches, path)
@@ -557,18 +585,19 @@ def run_tp_cases(cases: Sequence[TPCase], timeout_s: float = DEFAULT_TIMEOUT_S,
                  on_progress: Callable[[int, str], None] | None = None) -> list[dict[int, dict]]:
     world = max(c.layout.tp for c in cases)
     results = run_local(_verify_tp_cases, world, list(cases), timeout_s=timeout_s, deadline_s=deadline_s,
-                        on_progress=on_progress)
+                        on_progress=on_progress, preload=functools.partial(preload_programs, [c.path for c in cases]))
     return [{r: results[r][i] for r in results if results[r][i] is not None} for i in range(len(cases))]
 
 
 def verify_tp(path: str, layout: TPLayout, *, batches: Sequence[int] | None = None, steps: int = 2,
               tol: float | None = None, policy: str = "default", timeout_s: float = DEFAULT_TIMEOUT_S,
               decode_steps: int = 0, log: Callable[[str], None] = lambda s: None,
-              on_progress: Callable[[int, str], None] | None = None) -> VerifyReport:
+              on_progress: Callable[[int, str], None] | None = None,
+              program: torch.export.ExportedProgram | None = None) -> VerifyReport:
     """Verify the TP sharding of the ``.pt2`` at ``path`` on ``layout.tp`` local processes;
     ``batches`` per attention DP group (None: 1, 2, ... with DP attention, else as saved). The
-    same input checks as :func:`verify_afd`."""
-    ep = load_program(path)
+    same input checks and ``program`` as :func:`verify_afd`."""
+    ep = load_program(path) if program is None else program
     facts = ProgramFacts.of(ep)
     spec = DecodeSpec.of(ep)
     check_decode_steps(spec, decode_steps, batches, path)

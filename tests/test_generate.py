@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 from clirun import Ran, run_cli
+from scriptrun import run_script, run_torchrun
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "generate.py")
 
@@ -40,13 +40,16 @@ SLOW_RUNS = [  # (CI time: FlexAttention through the backend is also compiled an
 ]
 
 
-def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
-    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(n), EXAMPLE, *args],
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "AFD_BACKEND": "gloo"})
+def _run(n: int, *args: str):
+    """The example on ``n`` ranks: the first of RUNS under real torchrun, the others on ranks
+    forked from a preloaded launcher (scriptrun: the same script and gloo processes, without each
+    rank importing transformers and Inductor again)."""
+    if (n, args) == RUNS[0]:
+        return run_torchrun(n, EXAMPLE, *args, timeout_s=900)
+    return run_script(n, EXAMPLE, *args)
 
 
-def _check(proc: subprocess.CompletedProcess, args: tuple[str, ...]) -> None:
+def _check(proc, args: tuple[str, ...]) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     last = proc.stdout.strip().splitlines()[-1]
     m = re.fullmatch(r"OK tokens_match=(\d+)/(\d+)", last)
@@ -70,13 +73,13 @@ def _check(proc: subprocess.CompletedProcess, args: tuple[str, ...]) -> None:
 
 @pytest.mark.parametrize("n,args", RUNS, ids=[" ".join(a) for _, a in RUNS])
 def test_generate_matches_single_process_tokens(n, args):
-    _check(_torchrun(n, *args), args)
+    _check(_run(n, *args), args)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n,args", SLOW_RUNS, ids=[" ".join(a) for _, a in SLOW_RUNS])
 def test_generate_matches_single_process_tokens_more_layouts(n, args):
-    _check(_torchrun(n, *args), args)
+    _check(_run(n, *args), args)
 
 
 # --- the cache in the programs: attention only; TP ranks their KV heads --------------------------
