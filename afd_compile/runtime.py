@@ -1014,13 +1014,20 @@ def _launch(fn: Callable, world_size: int, args: tuple, preload: Callable[[], ob
             timeout_s: float, deadline_s: float, env: dict[str, str]) -> None:
     """The launcher of a local run (a process of its own): runs ``preload()``, forks the ranks
     from itself, supervises them, and puts on ``out`` their progress and then one verdict:
-    ``(-1, "ok", results)`` or ``(rank, "failure", message)``."""
+    ``(-1, "ok", results)``, ``(rank, "failure", message)``, or ``(-1, "launcher", traceback)``
+    when ``preload()`` raised (no rank was started)."""
     _die_with_parent()
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(1)  # (no intra-op thread pool in a process that forks)
     if preload is not None:
-        preload()
+        try:
+            preload()
+        except BaseException as e:
+            out.put((-1, "launcher", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            out.close()
+            out.join_thread()
+            return
     ctx = _rank_context()
     queue = ctx.Queue()
     port = _free_port()
@@ -1083,6 +1090,8 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
                     on_progress(rank, payload)
             elif status == "ok":
                 return payload
+            elif status == "launcher":
+                raise RuntimeError(f"run_local: preload() raised in the launcher, no rank was started: {payload}")
             else:
                 raise RankFailure(rank, payload)
     finally:

@@ -499,3 +499,35 @@ def _groups_twice(rank: int, world: int) -> bool:
 
 def test_a_timeout_group_is_created_once_per_process():
     assert run_local(_groups_twice, 2, timeout_s=30) == {0: True, 1: True}
+
+
+# --- the launcher: preload once, ranks forked from it ------------------------------------------
+
+_PRELOADED_IN: int | None = None  # the pid of the process that ran _preload_here
+
+
+def _preload_here() -> None:
+    global _PRELOADED_IN
+    _PRELOADED_IN = os.getpid()
+
+
+def _preload_fails() -> None:
+    raise OSError("no such program: /nowhere.pt2")
+
+
+def _what_the_rank_finds(rank: int, world: int) -> tuple[int | None, int, int]:
+    return _PRELOADED_IN, os.getppid(), os.getpid()
+
+
+def test_preload_runs_once_in_the_launcher_and_every_rank_finds_it():
+    found = run_local(_what_the_rank_finds, 3, timeout_s=30, preload=_preload_here)
+    launchers = {ppid for _, ppid, _ in found.values()}
+    assert len(launchers) == 1 and len({pid for *_, pid in found.values()}) == 3
+    assert {pre for pre, _, _ in found.values()} == launchers  # ran in the ranks' parent, before the fork
+    assert run_local(_what_the_rank_finds, 2, timeout_s=30)[0][0] is None  # (no preload: nothing there)
+
+
+def test_a_preload_that_raises_fails_the_run_before_any_rank_starts():
+    with pytest.raises(RuntimeError, match=r"preload\(\) raised in the launcher, no rank was started: "
+                                           r"OSError: no such program: /nowhere.pt2"):
+        run_local(_what_the_rank_finds, 2, timeout_s=30, preload=_preload_fails)
