@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from clirun import Ran, run_cli
-from scriptrun import run_script, run_torchrun
+from scriptrun import run_script
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "generate.py")
 
@@ -41,11 +41,9 @@ SLOW_RUNS = [  # (CI time: FlexAttention through the backend is also compiled an
 
 
 def _run(n: int, *args: str):
-    """The example on ``n`` ranks: the first of RUNS under real torchrun, the others on ranks
-    forked from a preloaded launcher (scriptrun: the same script and gloo processes, without each
-    rank importing transformers and Inductor again)."""
-    if (n, args) == RUNS[0]:
-        return run_torchrun(n, EXAMPLE, *args, timeout_s=900)
+    """The example on ``n`` ranks forked from a preloaded launcher (scriptrun: the same script and
+    gloo processes as under torchrun, without each rank importing transformers again; the torchrun
+    launch itself is tested with examples/compile_backend.py and the CLI's workers)."""
     return run_script(n, EXAMPLE, *args)
 
 
