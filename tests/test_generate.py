@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -484,14 +482,35 @@ def test_plan_shows_the_cache_bytes_per_rank(cached_pt2):
     assert f"KV cache: 6 buffers updated in place, {(full - 16) // 2 + 16} bytes per rank of {full}" in tp.stdout
 
 
+def _rewritten_cache_rank(r: int, world: int, folder: str, original: str) -> tuple:
+    from afd_compile.programs import flat_inputs, fresh_module, load_program
+    from afd_compile.runtime import AttentionWorker, load_rewritten_worker, max_rel_err
+    from afd_compile.verify import DecodeSpec
+
+    w = load_rewritten_worker(folder, r)
+    if not isinstance(w, AttentionWorker):
+        return w.serve(), w.comm.stage_transfers
+    ep = load_program(original)
+    spec, inputs, ref = DecodeSpec.of(ep), flat_inputs(ep), fresh_module(ep)
+    errs = []
+    try:
+        with torch.no_grad():
+            for step in range(5):  # a prefill and 4 decode steps
+                x = spec.inputs(inputs, step, salt=7 * r)
+                errs.append(max_rel_err(w.step(*x), ref(*x)))
+    finally:
+        w.stop()
+    return max(errs), sorted(w.staged)
+
+
 def test_rewrite_writes_programs_that_carry_their_cache(cached_pt2, tmp_path):
     # rewrite on a cached program: the attention program holds the cache buffers (a TP rank only
     # its KV heads), the FFN program none; the rewritten AFD programs, re-loaded and run as 2
     # micro-batches (each its own cache row of the static batch of 2), decode as the original does
     import json
-    import textwrap
 
     from afd_compile.programs import load_program
+    from afd_compile.runtime import run_local
 
     path = cached_pt2("llama")
     afd, tp = tmp_path / "afd", tmp_path / "tp"
@@ -503,36 +522,8 @@ def test_rewrite_writes_programs_that_carry_their_cache(cached_pt2, tmp_path):
     shapes = {k: tuple(v.shape) for k, v in load_program(str(tp / "rank1.pt2")).state_dict.items() if "cache" in k}
     assert shapes and set(shapes.values()) == {(2, 1, 32, 16)}  # 1 of 2 KV heads
     assert not [k for k in load_program(str(afd / "ffn.pt2")).state_dict if "cache" in k]
-    script = textwrap.dedent(f"""
-        import torch
-        from afd_compile.runtime import run_local, load_rewritten_worker, AttentionWorker, max_rel_err
-        from afd_compile.programs import flat_inputs, fresh_module, load_program
-        from afd_compile.verify import DecodeSpec
-
-        def rank(r, world):
-            w = load_rewritten_worker({str(afd)!r}, r)
-            if not isinstance(w, AttentionWorker):
-                return w.serve(), w.comm.stage_transfers
-            ep = load_program({path!r})
-            spec, inputs, ref = DecodeSpec.of(ep), flat_inputs(ep), fresh_module(ep)
-            errs = []
-            try:
-                with torch.no_grad():
-                    for step in range(5):  # a prefill and 4 decode steps
-                        x = spec.inputs(inputs, step, salt=7 * r)
-                        errs.append(max_rel_err(w.step(*x), ref(*x)))
-            finally:
-                w.stop()
-            return max(errs), sorted(w.staged)
-
-        if __name__ == "__main__":
-            res = run_local(rank, 3)
-            print("served", res[0], "errs", res[1], res[2])
-            (served, transfers), (err1, staged1), (err2, staged2) = res[0], res[1], res[2]
-            assert served == 5 and max(err1, err2) <= 1e-5 and staged1 == staged2 == [2]
-            assert transfers.get(0, 0) > 0 and transfers.get(1, 0) == transfers[0]  # both micro-batches ran
-    """)
-    script_path = tmp_path / "run_rewritten_cache.py"
-    script_path.write_text(script)
-    proc = subprocess.run([sys.executable, str(script_path)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # (the ranks are processes of their own, forked from a launcher that never saw the rewrite)
+    res = run_local(_rewritten_cache_rank, 3, str(afd), path, timeout_s=120)
+    (served, transfers), (err1, staged1), (err2, staged2) = res[0], res[1], res[2]
+    assert served == 5 and max(err1, err2) <= 1e-5 and staged1 == staged2 == [2]
+    assert transfers.get(0, 0) > 0 and transfers.get(1, 0) == transfers[0]  # both micro-batches ran
