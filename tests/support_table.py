@@ -79,7 +79,7 @@ def collect() -> dict[str, dict[str, dict[str, bool]]]:
             for column in _columns(args, _flag(args, "--seq") == "1"):
                 mark(family, column, "backend", slow)
     for rows, slow in ((test_generate.RUNS, False), (test_generate.SLOW_RUNS, True)):
-        for _, args in rows:
+        for args in map(test_generate._args, rows):
             for column in _columns(args, True):
                 mark(_flag(args, "--family", "llama"), column, "backend", slow)
     for rows, slow in ((test_generate.DECODE, False), (test_generate.SLOW_DECODE, True)):

@@ -19,7 +19,11 @@ RUNS = [  # (processes, example arguments)
     # (ranks finishing apart: test_an_ffn_rank_serves_until_the_last_attention_rank_stops; through
     # generate() in the slow runs; with --stages too, torch 2.11's graph of the shorter rank slices
     # the batch and the stage pass refuses it: StageError)
-    (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "2", "--no-inductor")),
+    # (torch 2.11: its graph of this run slices the batch and the stage pass refuses it, a clear
+    # StageError; passes on torch >= 2.13: marked xfail there, strict)
+    pytest.param(3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "2", "--no-inductor"),
+                 marks=pytest.mark.xfail(torch.__version__.startswith("2.11."), strict=True,
+                                         reason="torch 2.11's graph slices the batch: StageError (clear refusal)")),
     (4, ("--tp", "4", "--attn-dp", "2", "--idle-dp-group", "--no-inductor")),  # 2 sequences | none
 ]
 SLOW_RUNS = [  # (CI time: FlexAttention through the backend is also compiled and checked in test_decode_attention.py;
@@ -67,7 +71,12 @@ def _check(proc, args: tuple[str, ...]) -> None:
             assert 2 * held == full, g
 
 
-@pytest.mark.parametrize("n,args", RUNS, ids=[" ".join(a) for _, a in RUNS])
+def _args(run) -> tuple[str, ...]:
+    """The example arguments of a RUNS row (a plain tuple or a pytest.param)."""
+    return run.values[1] if hasattr(run, "values") else run[1]
+
+
+@pytest.mark.parametrize("n,args", RUNS, ids=[" ".join(_args(r)) for r in RUNS])
 def test_generate_matches_single_process_tokens(n, args):
     _check(_run(n, *args), args)
 
