@@ -864,7 +864,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     global _PROGRESS
     _die_with_parent()
     _PROGRESS = queue
-    os.environ.clear()  # the caller's environment (a forkserver child would have the server's)
+    os.environ.clear()  # the caller's environment of this run (the launcher's may have been changed by preload())
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
