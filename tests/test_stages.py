@@ -123,6 +123,43 @@ def test_static_batch_refusals_name_the_node(build, message):
         stage_attention_program(_static_graph(build), 2)
 
 
+@pytest.mark.parametrize("end", [2, 5, 9223372036854775807, None, "batch"])
+def test_a_slice_keeping_every_row_of_the_batch_runs_per_micro_batch(end):
+    # x[0:end] along the batch dim keeping every row (graphs of some torch versions keep it, e.g.
+    # torch 2.11's of Qwen3-MoE with a static cache): each micro-batch keeps its own rows
+    def build(g, x, c):
+        stop = g.call_function(aten.sym_size.int, (x, 0)) if end == "batch" else end
+        return g.call_function(aten.mul.Tensor, (g.call_function(aten.slice.Tensor, (x, 0, 0, stop)), 2.0))
+
+    gm = _static_graph(build)
+    staged = stage_attention_program(gm, 2)
+    assert sum(n.target == aten.slice.Tensor for n in staged.graph.nodes) > 2  # each stage's rows, then its slice
+    x = torch.randn(2, 3)
+    assert torch.equal(staged(x, torch.zeros(())), gm(x, torch.zeros(())))
+
+
+def test_a_tensor_expanded_to_a_size_read_off_the_batch_carries_it():
+    # inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1) (torch 2.11's graph of HF
+    # rotary embeddings): each micro-batch's copy expands to its own rows
+    def build(g, x, c):
+        rows = g.call_function(aten.sym_size.int, (x, 0))
+        wide = g.call_function(aten.expand.default, (g.call_function(aten.view.default, (c, [1, 1])), [rows, 3]))
+        return g.call_function(aten.mul.Tensor, (x, g.call_function(aten.add.Tensor, (wide, 1.0))))
+
+    gm = _static_graph(build)
+    staged = stage_attention_program(gm, 2)
+    expands = [n for n in staged.graph.nodes if n.target == aten.expand.default]
+    assert len(expands) == 2 and len({e.args[1][0] for e in expands}) == 2  # each stage's own size read
+    x, c = torch.randn(2, 3), torch.tensor(0.5)
+    assert torch.equal(staged(x, c), gm(x, c))
+
+
+def test_a_slice_dropping_rows_of_the_batch_is_refused():
+    with pytest.raises(StageError, match=r"node slice_tensor \(aten.slice.Tensor\): a slice \[1:2:1\] of the batch "
+                                         r"dim 0 \(size 2\) that drops rows"):
+        stage_attention_program(_static_graph(lambda g, x, c: g.call_function(aten.slice.Tensor, (x, 0, 1, 2))), 2)
+
+
 def test_refusals_name_the_reason():
     with pytest.raises(StageError, match="stages must be an integer >= 1, got 0"):
         stage_ffn_program(_static_graph(lambda g, x, c: x), 0)

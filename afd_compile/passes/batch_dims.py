@@ -27,6 +27,7 @@ has no rule for that the batch reaches.
 from __future__ import annotations
 
 import operator
+import sys
 from dataclasses import dataclass
 
 import sympy
@@ -141,6 +142,9 @@ class _Walk:
                 sites.append(BatchSite(n.name, pos, d, int(n.args[pos][d])))
                 bd[n] = d
                 continue
+            if n.target in _CREATORS and (d := self._sized_by_batch(n, bd)) is not None:
+                bd[n] = d  # its size there is read off the batch: each micro-batch's copy reads its own
+                continue
             if n.target in afd_ops.RECV_OPS:
                 bd[n] = 0  # the tokens received: dim 0 of every tensor (its input is the send's token)
                 continue
@@ -189,6 +193,26 @@ class _Walk:
                 return found
         return None
 
+    def _sized_by_batch(self, n: fx.Node, bd: dict[fx.Node, int]) -> int | None:
+        """The dim of a factory or an expand (of a tensor without the batch) whose size is read
+        off the batch (``inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1)``): it
+        makes the batch there, as a micro-batch's own rows. ``None``: no such dim."""
+        pos = _CREATORS[n.target]
+        sizes = n.args[pos] if len(n.args) > pos else None
+        inner = n.args[0] if pos == 1 else None
+        if not isinstance(sizes, (list, tuple)) or (isinstance(inner, fx.Node) and inner in bd):
+            return None
+        dims = [j for j, a in enumerate(sizes) if self._batch_size_of(a, bd)]
+        if not dims:
+            return None
+        if len(dims) > 1:
+            return self._refuse(n, f"its sizes at dims {dims} are all read off the batch")
+        d = dims[0]
+        if isinstance(inner, fx.Node) and _aligned(n, inner, d) >= 0 and _size(inner, _aligned(n, inner, d)) != 1:
+            return self._refuse(n, f"it expands dim {d} of {inner.name} (size {_size(inner, _aligned(n, inner, d))}) "
+                                   "to the batch")
+        return d
+
     def _seed_state(self, n: fx.Node, state: fx.Node, d: int) -> None:
         base = state
         while base.op == "call_function" and aliases_first_arg(base):
@@ -221,6 +245,8 @@ class _Walk:
             if src in bd and dst not in bd:
                 self._seed_state(n, dst, bd[src] + ndim(dst) - ndim(src))
             return bd.get(dst)
+        if t == aten.slice.Tensor and n.args[0] in bd and (d := self._batch_slice(n, bd)) is not None:
+            return d
         if t == aten.linear.default:
             x = n.args[0]
             if x not in bd or bd[x] >= ndim(x) - 1 or any(a in bd for a in n.args[1:] if isinstance(a, fx.Node)):
@@ -250,6 +276,27 @@ class _Walk:
             return self._elementwise(n, bd)
         raise BatchError(f"{self.where(n)}: the batch reaches an op micro-batch stages have no rule for; "
                          "run this program with stages=1")
+
+    def _batch_slice(self, n: fx.Node, bd: dict[fx.Node, int]) -> int | None:
+        """``x[start:end:step]`` along the batch dim: followed when it keeps every row (``end``
+        past the size, or read off the batch), an identity here and in each micro-batch's copy
+        (its rows are fewer, so the same ``end`` keeps them all: a slice clamps; some torch
+        versions' graphs keep such no-op slices where others drop them); refused when it drops
+        rows. ``None``: not along the batch dim (the shard rule follows it)."""
+        src = n.args[0]
+        dim, start, end, step = (list(n.args[1:]) + [0, None, None, 1][len(n.args) - 1:])[:4]
+        d = bd[src]
+        if dim % ndim(src) != d:
+            return None
+        size = _size(src, d)
+        if isinstance(end, int):
+            whole_end = end >= sys.maxsize // 2 or bool(sympy.simplify(sympy.Integer(end) - size).is_nonnegative)
+        else:
+            whole_end = end is None or self._batch_size_of(end, bd)
+        if start in (None, 0) and step == 1 and whole_end:
+            return d
+        end_text = getattr(end, "name", end)
+        return self._refuse(n, f"a slice [{start}:{end_text}:{step}] of the batch dim {d} (size {size}) that drops rows")
 
     def _refuse(self, n: fx.Node, what: str) -> int | None:
         raise BatchError(f"{self.where(n)}: {what}: micro-batches of whole sequences cannot cut it")
