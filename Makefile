@@ -18,9 +18,13 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/afd-compile demo
 
+# two pytest workers (pytest-xdist), each test file kept whole on one worker (its module fixtures
+# built once): on 2 cores the suite spends a third of its time in one process's single-threaded
+# work (export, tracing, imports), which the other worker fills; PYTEST_WORKERS=0 runs it serially
+PYTEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check afd_compile tests benchmarks examples
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 
 # the oldest supported torch (the GPU host's: torch 2.11, transformers 5.17) in a second venv,
 # CPU only (the torch 2.11 wheel pulls its CUDA libraries: a few GB)
