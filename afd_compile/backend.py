@@ -747,13 +747,15 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
         one = PerLayout(prog, key, opts.inductor, cudagraphs, "one process", static)
         run = lambda *x: one(tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)), *x)  # noqa: E731
     else:
-        from .passes.roles import NoStructureError
+        from .passes.roles import FusedLayerError, NoStructureError
 
         try:
             if opts.mode == "tp":
                 run = _tp_runner(ep, opts, rank, world, key, cudagraphs, device, static, user)
             else:
                 run = _afd_runner(ep, opts, rank, world, key, cudagraphs, device, gm, static)
+        except FusedLayerError:
+            raise
         except NoStructureError as e:
             raise NoStructureError(
                 f"{e}. Each graph dynamo hands the backend must hold whole decoder layers: a graph break "

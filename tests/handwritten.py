@@ -426,9 +426,26 @@ def export_cached(model: CachedDecoder, seq: int = 4, max_seq: int = 8, vocab: i
                                    dynamic_shapes={"ids": {1: dim}, pos: {0: dim}})
 
 
+def parallel() -> Stack:
+    return Stack(ParallelBlock)
+
+
+def einsum() -> Stack:
+    return Stack(EinsumBlock)
+
+
+def torch_postnorm_fastpath_off() -> TorchPostNorm:
+    """TorchPostNorm for torch.compile (examples/compile_backend.py's process): PyTorch's eval fast
+    path, one fused kernel per layer that dynamo would trace and the backend refuses, turned off as
+    that refusal says (torch.export traces the layer's body either way)."""
+    torch.backends.mha.set_fastpath_enabled(False)
+    return TorchPostNorm()
+
+
 MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "nanogpt": NanoGPT, "flat": Flat,
-          "meta_llama": MetaLlama, "torch_postnorm": TorchPostNorm, "parallel": lambda: Stack(ParallelBlock),
-          "einsum": lambda: Stack(EinsumBlock)}
+          "meta_llama": MetaLlama, "torch_postnorm": TorchPostNorm, "parallel": parallel, "einsum": einsum}
+#: factories for the backend's runs that differ from MODELS' (same model, set up for torch.compile)
+COMPILE_FACTORIES = {"torch_postnorm": torch_postnorm_fastpath_off}
 
 
 def export(model: nn.Module, batch: int = 2, seq: int = 5, vocab: int = 128) -> torch.export.ExportedProgram:

@@ -28,7 +28,8 @@ def _families() -> tuple[dict[str, str], dict[str, str]]:
     from conftest import MODELS
 
     by_model = {name: family for name, (family, _, _) in MODELS.items()}
-    by_factory = {f.__name__: f"hand-written {key}" for key, f in handwritten.MODELS.items()}
+    by_factory = {f.__name__: f"hand-written {key}"
+                  for key, f in [*handwritten.MODELS.items(), *handwritten.COMPILE_FACTORIES.items()]}
     return by_model, by_factory
 
 

@@ -138,6 +138,10 @@ RUNS = [  # (processes, example arguments)
     # (Llama: compiled MoE FFN ranks are the hand-written loop below and Qwen3-MoE TP above; Qwen3-MoE
     # here is in the slow matrix, for CI time)
     (4, ("--attention", "2", "--ffn", "2", "--ffn-tp", "2", "--family", "llama", "--stages", "2")),
+    # PyTorch's nn.TransformerEncoderLayer (post-norm, heads folded into the batch) with its eval
+    # fast path off (on, the backend refuses it: test_pytorchs_fused_encoder_layer_is_refused...)
+    (2, ("--tp", "2", "--no-inductor", "--model", os.path.join(os.path.dirname(__file__),
+                                                                "handwritten.py:torch_postnorm_fastpath_off"))),
     # a hand-written MoE looping over its experts (data-dependent token counts per expert); under
     # real torchrun (no transformers import: the cheapest launch)
     (2, ("--attention", "1", "--ffn", "1", "--dynamic-output-shapes",
@@ -148,7 +152,8 @@ RUNS = [  # (processes, example arguments)
 _FAMILIES = ["llama", "qwen3_moe", "phi3", "gemma2", "gpt2", "olmo2", "granite", "gptj", "nemotron", "falcon",
              "deepseek_v3", "gpt_bigcode"]
 _HANDWRITTEN = [os.path.join(os.path.dirname(__file__), f"handwritten.py:{f}")
-                for f in ("GQADecoder", "bmm_moe", "loop_moe", "NanoGPT", "Flat")]
+                for f in ("GQADecoder", "bmm_moe", "loop_moe", "NanoGPT", "Flat", "MetaLlama",
+                          "torch_postnorm_fastpath_off", "parallel", "einsum")]
 _LAYOUTS = [(3, ("--attention", "2", "--ffn", "1")), (3, ("--attention", "2", "--ffn", "1", "--seq", "1")),
             (2, ("--tp", "2")), (4, ("--tp", "4", "--attn-dp", "2"))]
 SLOW_RUNS = [(n, (*lay, "--family", fam)) for fam in _FAMILIES for n, lay in _LAYOUTS
@@ -254,3 +259,45 @@ def test_a_program_inductor_cannot_compile_is_dumped_with_its_inputs(tmp_path, m
     text = (tmp_path / "rank_1_attention.py").read_text()
     assert "# rank 1 attention: 1 placeholders, 1 inputs" in text
     assert "input torch.float16 (2, 4)" in text and "def forward(self, input" in text
+
+
+def _dynamo_program(model: torch.nn.Module, ids: torch.Tensor) -> torch.fx.GraphModule:
+    """The program the backend makes of the graph dynamo hands it (one process, no layout)."""
+    from afd_compile.backend import _export, _Lifted
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model.eval(), backend=capture)(ids)
+    gm, examples = graphs[0]
+    lifted = _Lifted(gm, examples)
+    return _export(lifted, [examples[i] for i in lifted.user_positions]).module()
+
+
+def test_pytorchs_fused_encoder_layer_is_refused_with_the_remedy():
+    # nn.TransformerEncoderLayer in eval mode without autograd runs one fused kernel per layer,
+    # and dynamo traces that (torch.export traces the layer's Python body: the CLI splits it)
+    from handwritten import TorchPostNorm
+
+    from afd_compile.passes.graph_utils import layers_of
+    from afd_compile.passes.roles import FusedLayerError, NoStructureError, annotate_roles
+
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(FusedLayerError, match=r"dynamo: node .* \(aten._transformer_encoder_layer_fwd.default\) is "
+                                              r"nn.TransformerEncoderLayer's fast path.* \(2 such node\(s\)\).*"
+                                              r"torch.backends.mha.set_fastpath_enabled\(False\)") as e:
+        annotate_roles(_dynamo_program(TorchPostNorm(), ids), graph_name="dynamo")
+    assert isinstance(e.value, NoStructureError)
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:  # the remedy the error names: the layers' own ops, found and cut
+        gm = _dynamo_program(TorchPostNorm(), ids)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+        torch._dynamo.reset()
+    annotate_roles(gm, graph_name="dynamo")
+    assert sorted(layers_of(gm)) == [0, 1]

@@ -63,6 +63,31 @@ class NoStructureError(AFDCompileError):
     """No attention/FFN structure could be found in a graph."""
 
 
+class FusedLayerError(NoStructureError):
+    """A whole layer (or attention block) is one fused op: nothing in it can be cut or sharded."""
+
+
+#: fused ops that hold a whole layer or attention block: PyTorch's fast path of
+#: ``nn.TransformerEncoderLayer`` / ``nn.MultiheadAttention`` in eval mode without autograd, which
+#: dynamo traces as it runs (torch.export traces the layer's Python body instead)
+FUSED_LAYER_OPS = {
+    aten._transformer_encoder_layer_fwd.default: "nn.TransformerEncoderLayer",
+    aten._native_multi_head_attention.default: "nn.MultiheadAttention",
+}
+
+
+def refuse_fused_layers(gm: fx.GraphModule, graph_name: str = "graph") -> None:
+    """Raise :class:`FusedLayerError` naming the first fused-layer op of ``gm`` and the remedy."""
+    fused = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in FUSED_LAYER_OPS]
+    if fused:
+        n = fused[0]
+        raise FusedLayerError(
+            f"{graph_name}: node {n.name} ({n.target}) is {FUSED_LAYER_OPS[n.target]}'s fast path, one fused "
+            f"kernel for the whole block ({len(fused)} such node(s)): it cannot be cut into attention and FFN or "
+            "sharded. PyTorch takes it in eval mode without autograd; call "
+            "torch.backends.mha.set_fastpath_enabled(False) before the model's first compiled call")
+
+
 RolePolicy = Callable[[fx.GraphModule], dict[fx.Node, NodeRole]]
 
 # Ops that compute a linear projection, in any IR level we see (torch IR from export, ATen).
@@ -496,6 +521,7 @@ def annotate_roles(
     With ``compute_gate_on_attention`` the router linear of each MoE layer (and the views feeding
     it) move to the attention side; its output, the router logits, then crosses the wire.
     """
+    refuse_fused_layers(gm, graph_name)
     try:
         roles = policy(gm)
     except NoStructureError as e:
