@@ -275,6 +275,33 @@ _SEGMENT = re.compile(r"(?:^|_)(?:modules|parameters|buffers)_")
 _CONSTANT_SOURCE = re.compile(r"(?:^|_)l_(?:self|args_0)_|^g_", flags=re.IGNORECASE)
 
 
+#: dynamo's source of a lifted parameter or buffer (``node.meta["grapharg"].source``): a root
+#: (the compiled module under whatever name its ``forward`` gives ``self``, an argument, a global),
+#: then the module tree: ``L['s']._modules['layers']._modules['0']._parameters['weight']``
+_SOURCE_PATH = re.compile(r"((?:L|G)\['[^']+'\](?:\[\d+\])?)((?:\._modules\['[^']+'\])*)"
+                          r"\._(?:parameters|buffers)\['([^']+)'\]")
+_SOURCE_KEY = re.compile(r"\._modules\['([^']+)'\]")
+
+
+def _source_of(p: fx.Node) -> str | None:
+    """Dynamo's source of graph input ``p`` (``L['ids']``, ``L['self']._modules['head']...``)."""
+    src = getattr(p.meta.get("grapharg"), "source", None)
+    if src is None:
+        return None
+    name = src.name
+    return name() if callable(name) else name  # (a method in older torch releases)
+
+
+def _source_path(source: str | None) -> tuple[str, str] | None:
+    """``(root, path)`` of a parameter or buffer's source:
+    ``L['s']._modules['layers']._modules['0']._parameters['weight']`` -> ``("L['s']", "layers.0.weight")``."""
+    m = _SOURCE_PATH.fullmatch(source) if source else None
+    if m is None:
+        return None
+    parts = [*_SOURCE_KEY.findall(m.group(2)), m.group(3)]
+    return (m.group(1), ".".join(parts)) if all(x.isidentifier() or x.isdigit() for x in parts) else None
+
+
 def _module_path(placeholder: str) -> str | None:
     """``l_self_modules_model_modules_layers_modules_0_modules_q_proj_parameters_weight_`` ->
     ``model.layers.0.q_proj.weight`` (dynamo's names for lifted parameters and buffers; also
@@ -307,14 +334,21 @@ class _Lifted(torch.nn.Module):
         #: refuse their in-place updates); another shape compiles again (``const_key``)
         self.static_positions: list[int] = []
         used: set[str] = set()
+        # the module's parameters and buffers by dynamo's sources (whatever the module's forward
+        # names its self), else by dynamo's placeholder names (l_self_modules_...); a 0-d input read
+        # off the module (the roots its parameters hang from) or a global is a constant below
+        sources = [_source_of(p) for p in placeholders]
+        roots = {found[0] for found in map(_source_path, sources) if found is not None}
         for i, (p, x) in enumerate(zip(placeholders, example_inputs, strict=True)):
-            path = _module_path(p.name)
+            found = _source_path(sources[i])
+            path = found[1] if found is not None else _module_path(p.name)
+            of_model = bool(_CONSTANT_SOURCE.search(p.name)) or (sources[i] is not None and (
+                sources[i].startswith("G[") or any(sources[i].startswith(r) for r in roots)))
             if isinstance(x, torch.Tensor) and path is not None and path not in used:
                 used.add(path)
                 set_attr_path(self, path, x)
                 self.slots.append(("attr", path))
-            elif (isinstance(x, torch.Tensor) and x.dim() == 0 and _CONSTANT_SOURCE.search(p.name)
-                  and (_only_item(p) or not p.users)):
+            elif isinstance(x, torch.Tensor) and x.dim() == 0 and of_model and (_only_item(p) or not p.users):
                 # a float module attribute (an RMSNorm eps) or global (math.pi) dynamo passes as a
                 # 0-d tensor under dynamic=True: a constant of this graph, never a symbolic float
                 # that export would make unbacked (or that would cross an AFD cut as a scalar)

@@ -100,6 +100,36 @@ def test_module_paths_of_lifted_parameters():
     assert _module_path("l_self_modules_layers_modules_1_modules_norm_variance_epsilon") is None
 
 
+class _ThisNamed(torch.nn.Module):
+    """A module whose forward calls itself ``this`` (dynamo names its inputs after it:
+    ``l_this_modules_emb_parameters_weight_``), with a float attribute read in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.blocks, self.eps = torch.nn.Embedding(16, 8), torch.nn.ModuleList([torch.nn.Linear(8, 8)]), 1e-6
+
+    def forward(this, ids: torch.Tensor) -> torch.Tensor:  # noqa: N805
+        x = this.emb(ids)
+        return this.blocks[0](x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + this.eps))
+
+
+def test_parameters_are_found_by_dynamos_source_whatever_forward_calls_self():
+    from afd_compile.backend import _Lifted
+
+    slots = []
+
+    def capture(gm, example_inputs):
+        slots.extend(_Lifted(gm, list(example_inputs)).slots)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(_ThisNamed(), backend=capture, dynamic=True)(torch.randint(0, 16, (2, 5)))
+    torch._dynamo.reset()
+    assert [v for k, v in slots if k == "attr"] == ["emb.weight", "blocks.0.weight", "blocks.0.bias"], slots
+    assert [k for k, _ in slots].count("user") == 1, slots  # ids; eps (and the embedding's norm_type): constants
+    assert [k for k, _ in slots].count("drop") == 2, slots
+
+
 @pytest.mark.parametrize("name,constant", [
     ("l_self_modules_model_modules_layers_modules_0_modules_input_layernorm_eps", True),  # a module float
     ("l_args_0_modules_norm_eps", True),  # torch.compile(model.forward)
