@@ -129,6 +129,23 @@ class GQADecoder(nn.Module):
         return self.head(self.norm(x))
 
 
+class SharedBlock(nn.Module):
+    """ALBERT-style weight sharing: one block applied as every layer (each weight read by every
+    layer: sliced once under TP)."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 64, layers: int = 3, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed, self.block, self.layers = nn.Embedding(vocab, hidden), Block(hidden, 4, 2, 128), layers
+        self.norm, self.head = RMSNorm(hidden), nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for _ in range(self.layers):
+            x = self.block(x)
+        return self.head(self.norm(x))
+
+
 class GPTBlock(nn.Module):
     """nanoGPT's block: LayerNorm with bias, fused ``c_attn`` split into q/k/v, GELU MLP."""
 
@@ -443,7 +460,8 @@ def torch_postnorm_fastpath_off() -> TorchPostNorm:
 
 
 MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "nanogpt": NanoGPT, "flat": Flat,
-          "meta_llama": MetaLlama, "torch_postnorm": TorchPostNorm, "parallel": parallel, "einsum": einsum}
+          "meta_llama": MetaLlama, "torch_postnorm": TorchPostNorm, "parallel": parallel, "einsum": einsum,
+          "shared": SharedBlock}
 #: factories for the backend's runs that differ from MODELS' (same model, set up for torch.compile)
 COMPILE_FACTORIES = {"torch_postnorm": torch_postnorm_fastpath_off}
 

@@ -122,13 +122,14 @@ def more_paths(tmp_path_factory) -> dict[str, str]:
     """nanoGPT (fused c_attn, LayerNorm, tied head, blocks in ``transformer.h``), an MoE looping
     over experts with ``index_add_``, a decoder with no layer container at all, and Meta's
     reference Llama (complex rotary, ``repeat_kv`` by expand); PyTorch's post-norm
-    ``nn.TransformerEncoderLayer``, a GPT-J-style parallel block of raw parameters, and einsum
-    attention over a fused q/k/v viewed as ``[B, S, 3, H, D]``."""
+    ``nn.TransformerEncoderLayer``, a GPT-J-style parallel block of raw parameters, einsum
+    attention over a fused q/k/v viewed as ``[B, S, 3, H, D]``, and one block applied as every
+    layer (ALBERT-style sharing)."""
     from handwritten import MODELS
 
     folder = tmp_path_factory.mktemp("handwritten")
     paths = {}
-    for name in ("nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "parallel", "einsum"):
+    for name in ("nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "parallel", "einsum", "shared"):
         paths[name] = str(folder / f"{name}.pt2")
         torch.export.save(export(MODELS[name]()), paths[name])
     return paths
@@ -155,8 +156,9 @@ def test_layers_without_a_numbered_container_are_found_by_structure(more_paths):
 MORE_TP = [("nanogpt", 2, 1, None), ("loop_moe", 2, 1, None), ("flat", 2, 1, None),
            ("meta_llama", 4, 1, None),  # complex rotary on split heads; 2 KV heads replicated by repeat_kv's expand
            ("parallel", 2, 1, None), ("einsum", 4, 2, (1, 2)),
-           ("torch_postnorm", 4, 2, (1, 2))]  # nn.MultiheadAttention: heads folded into the batch for SDPA
-MORE_AFD = ["nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "einsum"]  # (parallel: as GPT-J's)
+           ("torch_postnorm", 4, 2, (1, 2)),  # nn.MultiheadAttention: heads folded into the batch for SDPA
+           ("shared", 2, 1, None)]  # one block as every layer: its weights sliced once
+MORE_AFD = ["nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "einsum", "shared"]  # (parallel: as GPT-J's)
 
 
 def test_more_hand_written_decoders_shard_and_split_and_match(more_paths):

@@ -222,3 +222,15 @@ def test_a_bias_on_partial_sums_is_added_once_and_a_split_tensor_is_no_bias(extr
     else:
         with pytest.raises(ShardError, match=f"{out.name} .* is not linear in their partial sums"):
             check_linear_path([down], out, region, "layer 0", once, cols=[up])
+
+
+def test_a_weight_read_by_several_layers_is_sliced_once_or_refused():
+    from afd_compile.passes.shard import one_slice_per_weight
+    from afd_compile.passes.shard.types import ShardedWeight
+
+    q = ShardedWeight("block.attn.q.weight", 0, 2, "attn", "column")
+    o = ShardedWeight("block.attn.o.weight", 1, 2, "attn", "row")
+    assert one_slice_per_weight([q, o, q, o, q]) == (q, o)  # one block as 3 layers: each weight once
+    with pytest.raises(ShardError, match=r"weight block.attn.q.weight is read by layers that split it differently: "
+                                         r"column-parallel .* dim 0 / 2 over attn / row-parallel .* dim 1 / 2"):
+        one_slice_per_weight([q, ShardedWeight("block.attn.q.weight", 1, 2, "attn", "row")])

@@ -50,6 +50,7 @@ from .shard import (
     check_linear_path,
     column_row_pairs,
     is_expert_mm,
+    one_slice_per_weight,
     shard_pair,
 )
 from .shard.types import ArgFix, OnceOperand, ShardedWeight, SlicedOperand
@@ -139,7 +140,7 @@ def tensor_parallel_ffn(ffn: fx.GraphModule, parts: int, rank: int) -> FFNTPProg
     once: list[OnceOperand] = []
     for send in sends:
         _plan_layer(ffn, send.args[0][0].args[0], send.args[2], parts, weights, fixes, operands, once)
-    plan = ShardPlan(tuple(weights), tuple(fixes), (), (), (), tuple(operands), tuple(once))
+    plan = ShardPlan(one_slice_per_weight(weights), tuple(fixes), (), (), (), tuple(operands), tuple(once))
     apply_shards(ffn, plan, {"mlp": rank})
     return FFNTPProgram(ffn, plan, parts, rank)
 

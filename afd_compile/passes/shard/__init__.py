@@ -32,7 +32,7 @@ Anything the rules do not know that touches a split tensor is an error naming th
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import sympy
@@ -68,7 +68,7 @@ META_KEY = "afd.shard"
 
 __all__ = ["META_KEY", "RULES", "ArgFix", "ShardError", "ShardPlan", "ShardRule", "ShardedState", "ShardedWeight",
            "OnceOperand", "SlicedOperand",
-           "apply_shards",
+           "apply_shards", "one_slice_per_weight",
            "Projection", "is_expert_mm", "is_grouped_mm", "plan_shards", "projection", "reads_weight", "shard_tensor"]
 
 
@@ -820,7 +820,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
                 check_linear_path([row for _, row in pairs], out, ffn_set, where, once,
                                   cols=[c for cs, _ in pairs for c in cs])
                 rows_out.append((out.name, "mlp", layer))
-    return ShardPlan(tuple(weights), tuple(fixes), tuple(rows_out), tuple(split_means), tuple(states),
+    return ShardPlan(one_slice_per_weight(weights), tuple(fixes), tuple(rows_out), tuple(split_means), tuple(states),
                      tuple(operands), tuple(once))
 
 
@@ -952,11 +952,24 @@ def shard_tensor(t: torch.Tensor, w: ShardedWeight, rank: int) -> torch.Tensor:
     return torch.cat(pieces, dim=w.dim).clone() if len(pieces) > 1 else pieces[0].clone()
 
 
+def one_slice_per_weight(weights: Iterable[ShardedWeight]) -> tuple[ShardedWeight, ...]:
+    """Each weight once, in first-read order: a weight several layers read (one block applied as
+    every layer, ALBERT-style sharing) is sliced once; readers that would split it differently
+    are refused, naming the weight and both splits."""
+    seen: dict[str, ShardedWeight] = {}
+    for w in weights:
+        first = seen.setdefault(w.target, w)
+        if first != w:
+            raise ShardError(f"weight {w.target} is read by layers that split it differently: {first} / {w}; "
+                             "a weight shared by several layers must be split the same way in each")
+    return tuple(seen.values())
+
+
 def apply_shards(gm: fx.GraphModule, plan: ShardPlan, rank_of_group: dict[str, int]) -> None:
     """Slice weights in place for this rank (``rank_of_group``: group name -> rank within it) and
     divide the head counts and fused-projection bounds the plan found. A row-parallel bias stays
-    on group rank 0 only."""
-    for w in plan.weights:
+    on group rank 0 only. A weight the plan lists for several readers is sliced once."""
+    for w in one_slice_per_weight(plan.weights):
         t = get_attr_path(gm, w.target)
         new = shard_tensor(t, w, rank_of_group[w.group])
         *path, leaf = w.target.split(".")
