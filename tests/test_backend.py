@@ -180,7 +180,7 @@ RUNS = [  # (processes, example arguments)
 #: the backend matrix mirroring the CLI's: every family x AFD 2A1F (prefill and a decode step),
 #: TP 2 and TP 4 with attn_dp 2 (Falcon: 2 KV groups, TP 2 only), and the hand-written decoders
 _FAMILIES = ["llama", "qwen3_moe", "phi3", "gemma2", "gpt2", "olmo2", "granite", "gptj", "nemotron", "falcon",
-             "deepseek_v3", "gpt_bigcode"]
+             "deepseek_v3", "gpt_bigcode", "bloom", "mpt", "gpt_oss", "bitnet", "phimoe"]
 _HANDWRITTEN = [os.path.join(os.path.dirname(__file__), f"handwritten.py:{f}")
                 for f in ("GQADecoder", "bmm_moe", "loop_moe", "NanoGPT", "Flat", "MetaLlama",
                           "torch_postnorm_fastpath_off", "parallel", "einsum", "SharedBlock")]
