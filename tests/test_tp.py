@@ -609,3 +609,21 @@ def test_means_over_split_dims_are_all_reduced_in_attention_and_mlp(exported):
     groups = sorted({(g, p) for _, g, _, p in prog.shards.split_means})
     assert groups == [("attn", 2), ("mlp", 2)]
     assert {layer for _, _, layer, _ in prog.shards.split_means} == {0, 1}
+
+
+def test_expert_parallelism_of_one_moe_block_shared_by_two_layers_is_refused():
+    # ALBERT-style sharing of an MoE block: TP of the whole MoE slices each weight once (one
+    # slice per weight); expert parallelism would slice the experts again for the second layer
+    from afd_compile.models import build_hf, export_lm
+
+    model = build_hf("qwen3_moe", 2)
+    layers = model.model.model.layers
+    layers[1] = layers[0]
+    layers[1].self_attn.layer_idx = 0
+    gm = export_lm(model).module()
+    annotate_roles(gm)
+    assert shard_for_rank(gm, TPLayout(2), 1).shards.weights  # the whole MoE over TP: sliced once
+    with pytest.raises(TPRewriteError, match=r"layer 1: its experts' weights .* are layer 0's too \(one MoE block "
+                                             r"applied as several layers\): expert parallelism of a shared MoE block "
+                                             r"is not supported"):
+        shard_for_rank(gm, TPLayout(2, moe_a2a=True), 0)
