@@ -613,17 +613,24 @@ def test_means_over_split_dims_are_all_reduced_in_attention_and_mlp(exported):
 
 def test_expert_parallelism_of_one_moe_block_shared_by_two_layers_is_refused():
     # ALBERT-style sharing of an MoE block: TP of the whole MoE slices each weight once (one
-    # slice per weight); expert parallelism would slice the experts again for the second layer
+    # slice per weight); expert parallelism would slice the experts again for the second layer:
+    # refused at the first, in the TP rewrite and in AFD FFN expert-parallel groups
+    from afd_compile.layout import AFDLayout
     from afd_compile.models import build_hf, export_lm
+    from afd_compile.passes.ffn_tp import FFNTPError, expert_parallel_ffn
+    from afd_compile.split_api import split
 
     model = build_hf("qwen3_moe", 2)
     layers = model.model.model.layers
     layers[1] = layers[0]
     layers[1].self_attn.layer_idx = 0
-    gm = export_lm(model).module()
+    ep = export_lm(model)
+    gm = ep.module()
     annotate_roles(gm)
     assert shard_for_rank(gm, TPLayout(2), 1).shards.weights  # the whole MoE over TP: sliced once
-    with pytest.raises(TPRewriteError, match=r"layer 1: its experts' weights .* are layer 0's too \(one MoE block "
-                                             r"applied as several layers\): expert parallelism of a shared MoE block "
-                                             r"is not supported"):
+    message = (r"layer 0: its experts' weights .* are read by layer\(s\) \[1\] too \(one MoE block applied as several "
+               r"layers\): expert parallelism of a shared MoE block is not supported")
+    with pytest.raises(TPRewriteError, match=message):
         shard_for_rank(gm, TPLayout(2, moe_a2a=True), 0)
+    with pytest.raises(FFNTPError, match=message):
+        expert_parallel_ffn(split(ep.module(), layout=AFDLayout(2, 2)).ffn, 2, 0)

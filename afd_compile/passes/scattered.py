@@ -26,7 +26,6 @@ per-token combine) runs on the tokens an ``afd.ep_dispatch`` all-to-all brings, 
 from __future__ import annotations
 
 import operator
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -249,11 +248,6 @@ _TOKEN_MAJOR = {aten.view.default, aten.reshape.default, aten._unsafe_view.defau
                 aten.flatten.using_ints}
 
 
-#: per program being rewritten: expert weights already sliced -> the layer that sliced them (a
-#: program object of its own per rank: ``shard_for_rank`` rewrites a copy)
-_EXPERTS_SLICED: weakref.WeakKeyDictionary[fx.GraphModule, dict[str, int]] = weakref.WeakKeyDictionary()
-
-
 def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake_mode: object,
                     group: int = GROUP_TP) -> list[ShardedWeight]:
     """Split one MoE layer's experts over ``parts`` ranks (process group ``group``: the TP group,
@@ -323,13 +317,17 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
         region |= extra
     region_list = sorted(region, key=order.__getitem__)
     params = [a for a in inputs if a.op == "get_attr"]
-    sliced = _EXPERTS_SLICED.setdefault(new, {})  # weight -> the layer whose rewrite sliced it
-    shared = sorted({str(p.target) for p in params if str(p.target) in sliced})
-    if shared:
+    # experts whose weights other layers read too (one MoE block applied as several layers; by
+    # target: a program may read one weight through several get_attr nodes): each layer's rewrite
+    # would slice them again
+    targets = {str(p.target) for p in params}
+    others = sorted({r.layer for a in graph.nodes if a.op == "get_attr" and str(a.target) in targets
+                     for u in a.users if (r := u.meta.get(ROLE_KEY)) is not None and r.layer not in (None, layer)})
+    if others:
         raise ScatteredRewriteError(
-            f"{where}: its experts' weights {shared[:3]} are layer {sliced[shared[0]]}'s too (one MoE block applied "
-            "as several layers): expert parallelism of a shared MoE block is not supported (TP of the whole MoE, "
-            "or AFD FFN TP groups, split it)")
+            f"{where}: its experts' weights {sorted(targets)[:3]} are read by layer(s) {others} too (one MoE block "
+            "applied as several layers): expert parallelism of a shared MoE block is not supported (TP of the "
+            "whole MoE, or AFD FFN TP groups, split it)")
     sizes = [a for a in inputs if isinstance(a.meta.get("val"), (int, torch.SymInt))]
     odd = [a for a in inputs if a.op != "get_attr" and a not in sizes and not isinstance(a.meta.get("val"), torch.Tensor)]
     if odd:
@@ -357,7 +355,6 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
         if shape and shape[0] == num_experts:
             weights.append(ShardedWeight(str(p.target), 0, parts, "mlp", "expert"))
     apply_shards(new, ShardPlan(tuple(weights), (), ()), {"mlp": rank})
-    sliced.update({str(p.target): layer for p in params})
     for p in params:  # the copies below are shape-propagated with the sliced weights
         if fake_mode is not None and "val" in p.meta:
             p.meta["val"] = fake_mode.from_tensor(get_attr_path(new, p.target), static_shapes=True)
