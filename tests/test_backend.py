@@ -113,18 +113,28 @@ class _ThisNamed(torch.nn.Module):
         return this.blocks[0](x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + this.eps))
 
 
-def test_parameters_are_found_by_dynamos_source_whatever_forward_calls_self():
-    from afd_compile.backend import _Lifted
-
-    slots = []
+def _in_backend(model: torch.nn.Module, ids: torch.Tensor, fn, **compile_options: object) -> object:
+    """What ``fn(graph, example inputs)`` returns when called as the backend of ``model(ids)`` (no
+    autograd): inside the call, where dynamo's input sources are on the placeholders (gone after)."""
+    out = []
 
     def capture(gm, example_inputs):
-        slots.extend(_Lifted(gm, list(example_inputs)).slots)
+        out.append(fn(gm, list(example_inputs)))
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(_ThisNamed(), backend=capture, dynamic=True)(torch.randint(0, 16, (2, 5)))
-    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(model.eval(), backend=capture, **compile_options)(ids)
+    finally:
+        torch._dynamo.reset()
+    return out[0]
+
+
+def test_parameters_are_found_by_dynamos_source_whatever_forward_calls_self():
+    from afd_compile.backend import _Lifted
+
+    slots = _in_backend(_ThisNamed(), torch.randint(0, 16, (2, 5)), lambda gm, x: _Lifted(gm, x).slots, dynamic=True)
     assert [v for k, v in slots if k == "attr"] == ["emb.weight", "blocks.0.weight", "blocks.0.bias"], slots
     assert [k for k, _ in slots].count("user") == 1, slots  # ids; eps (and the embedding's norm_type): constants
     assert [k for k, _ in slots].count("drop") == 2, slots
@@ -295,18 +305,11 @@ def _dynamo_program(model: torch.nn.Module, ids: torch.Tensor) -> torch.fx.Graph
     """The program the backend makes of the graph dynamo hands it (one process, no layout)."""
     from afd_compile.backend import _export, _Lifted
 
-    graphs = []
+    def program(gm, examples):
+        lifted = _Lifted(gm, examples)
+        return _export(lifted, [examples[i] for i in lifted.user_positions]).module()
 
-    def capture(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model.eval(), backend=capture)(ids)
-    gm, examples = graphs[0]
-    lifted = _Lifted(gm, examples)
-    return _export(lifted, [examples[i] for i in lifted.user_positions]).module()
+    return _in_backend(model, ids, program)
 
 
 def test_pytorchs_fused_encoder_layer_is_refused_with_the_remedy():
@@ -323,11 +326,11 @@ def test_pytorchs_fused_encoder_layer_is_refused_with_the_remedy():
                                               r"torch.backends.mha.set_fastpath_enabled\(False\)") as e:
         annotate_roles(_dynamo_program(TorchPostNorm(), ids), graph_name="dynamo")
     assert isinstance(e.value, NoStructureError)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:  # the remedy the error names: the layers' own ops, found and cut
         gm = _dynamo_program(TorchPostNorm(), ids)
     finally:
-        torch.backends.mha.set_fastpath_enabled(True)
-        torch._dynamo.reset()
+        torch.backends.mha.set_fastpath_enabled(fastpath)
     annotate_roles(gm, graph_name="dynamo")
     assert sorted(layers_of(gm)) == [0, 1]

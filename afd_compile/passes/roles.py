@@ -68,8 +68,9 @@ class FusedLayerError(NoStructureError):
 
 
 #: fused ops that hold a whole layer or attention block: PyTorch's fast path of
-#: ``nn.TransformerEncoderLayer`` / ``nn.MultiheadAttention`` in eval mode without autograd, which
-#: dynamo traces as it runs (torch.export traces the layer's Python body instead)
+#: ``nn.TransformerEncoderLayer`` in eval mode without autograd, which dynamo traces as it runs
+#: (torch.export traces the layer's Python body instead), and the fused multi-head attention
+#: kernel a graph may hold the same way
 FUSED_LAYER_OPS = {
     aten._transformer_encoder_layer_fwd.default: "nn.TransformerEncoderLayer",
     aten._native_multi_head_attention.default: "nn.MultiheadAttention",
