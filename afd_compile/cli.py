@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -17,16 +16,14 @@ from collections.abc import Callable, Sequence
 
 from .errors import AFDCompileError
 from .layout import AFDLayout
+from .limits import MAX_TIMEOUT_S, local_process_override
+from .outdir import MARKER, OutputFolder, exit_on_sigterm, save_program
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
 
 class UsageError(AFDCompileError):
     pass
-
-
-class OutputError(UsageError):
-    """The output folder cannot be written (the path and the reason)."""
 
 
 def _layout(args: argparse.Namespace, required: bool) -> AFDLayout | None:
@@ -47,6 +44,8 @@ def _positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
     if not math.isfinite(v) or v <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    if v > MAX_TIMEOUT_S:  # torch's timedelta and gloo's milliseconds overflow far above
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT_S:.0f} seconds (a week), got {text!r}")
     return v
 
 
@@ -180,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "prefill, then N decode steps, comparing the logits at every step (replaces --steps)")
     _add_stages(p, "run each step as S micro-batches (whole sequences) interleaved layer by layer, the "
                 "ping-pong schedule (default 1: one batch); with a KV cache each micro-batch its own cache rows")
-    p.add_argument("--tol", type=float, help="max relative error (default 1e-5 for fp32, 1e-2 otherwise; finite, >= 0)")
+    p.add_argument("--tol", type=float, help="max relative error (default 1e-5 when every output compared is fp32/fp64, 1e-2 otherwise; printed on the verdict line; finite, >= 0)")
     p.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long a rank waits for a peer before the run fails (default 300); a rank that dies "
                    "or is stopped fails the run at once")
@@ -189,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="build a small HF Llama, split it 2 attention : 1 FFN, run and verify it",
                        description="Build a 2-layer HF Llama (random weights, offline), export it, split it "
                        "2 attention : 1 FFN, run the split on 3 local gloo processes and compare with the "
-                       "original. Last line: verify: OK max_rel_err=<x> (exit 0) or FAIL (exit 1).")
+                       "original. Last line: verify: OK max_rel_err=<x> tol=<t> (exit 0) or FAIL (exit 1).")
     _add_quiet(p)
     return parser
 
@@ -450,57 +449,6 @@ def _stage_text(stages: dict) -> str:
             f"{stages['static_rows']} sequences, each reading and writing its own cache rows"])])
 
 
-class _AtomicFolder:
-    """Write a folder whole or not at all: into a temporary sibling, renamed over the target on
-    success, removed on any failure. A non-empty target is refused unless ``force`` (then it is
-    replaced whole: no stale file of an earlier rewrite survives)."""
-
-    def __init__(self, path: str, force: bool) -> None:
-        self.target = os.path.abspath(path)
-        if os.path.lexists(self.target):
-            if not os.path.isdir(self.target):
-                raise UsageError(f"-o {path}: exists and is not a folder")
-            try:
-                entries = os.listdir(self.target)
-            except OSError as e:
-                raise OutputError(f"-o {path}: cannot read the folder: {e.strerror or e}") from None
-            if entries and not force:
-                raise UsageError(f"-o {path}: the folder exists and is not empty; pass --force to replace it whole")
-        self.tmp: str | None = None
-
-    def __enter__(self) -> str:
-        import tempfile
-
-        parent = os.path.dirname(self.target)
-        try:
-            self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.target)}.tmp-", dir=parent)
-        except OSError as e:
-            raise OutputError(f"-o {self.target}: cannot write in {parent}: {e.strerror or e}") from None
-        return self.tmp
-
-    def __exit__(self, kind, value, tb) -> None:
-        assert self.tmp is not None
-        if kind is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            if isinstance(value, OSError):
-                raise OutputError(f"-o {self.target}: writing {value.filename or 'a file'} failed: "
-                                  f"{value.strerror or value}; nothing was written") from None
-            return
-        old = None
-        try:
-            if os.path.lexists(self.target):
-                old = f"{self.tmp}.old"
-                os.rename(self.target, old)
-            os.rename(self.tmp, self.target)
-        except OSError as e:
-            if old is not None and not os.path.lexists(self.target):
-                os.rename(old, self.target)
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise OutputError(f"-o {self.target}: cannot move the result into place: {e.strerror or e}") from None
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
-
 def _export_tp_rank(gm, layout, rank: int, model: str, inputs: list):
     """(rank's TPProgram, its re-exported program)."""
     import torch
@@ -519,12 +467,11 @@ def _export_tp_rank(gm, layout, rank: int, model: str, inputs: list):
 def cmd_rewrite_tp(args: argparse.Namespace) -> int:
     """One sharded program per TP rank, re-exported: ``rank<r>.pt2`` (its weight slices, its
     collectives with group ids) and ``plan.json`` (layout, groups, the scatter-mode plan)."""
-    import torch
 
     from .programs import flat_inputs, load_program, write_json
 
     t = time.perf_counter()
-    out = _AtomicFolder(args.output, args.force)
+    out = OutputFolder(args.output, args.force, inputs=[args.model])
     progress = _progress(args)
     with progress.phase(f"loaded {args.model}"):
         layout, gm, _ = _tp_graph(args)
@@ -550,9 +497,8 @@ def cmd_rewrite_tp(args: argparse.Namespace) -> int:
                 ", then dp_token_slots: an empty (total tokens of all DP groups, 0) tensor; before each step the "
                 "runtime sets the per-group counts (afd_compile.runtime.dp_step_counts)" if layout.attn_dp > 1 else "")}
     with out as d:
-        for name, ep in programs:
-            torch.export.save(ep, os.path.join(d, name))
-        write_json(os.path.join(d, "plan.json"), plan)
+        plan["sha256"] = {name: save_program(ep, os.path.join(d, name)) for name, ep in programs}
+        write_json(os.path.join(d, "plan.json"), {MARKER[0]: MARKER[1], **plan})
     print(prog.plan.table())
     print(f"rewrite: wrote {', '.join(files)}, plan.json to {args.output} ({time.perf_counter() - t:.1f}s)")
     return EXIT_OK
@@ -561,7 +507,6 @@ def cmd_rewrite_tp(args: argparse.Namespace) -> int:
 def cmd_rewrite(args: argparse.Namespace) -> int:
     if args.tp is not None:
         return cmd_rewrite_tp(args)
-    import torch
 
     from .programs import export_split, flat_inputs, positional_module, write_json
     from .runtime import TokenCount
@@ -573,7 +518,7 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
         raise UsageError("rewrite --ffn-tp/--ffn-ep/--attn-tp: not supported yet (a group's programs are split per "
                          "rank: plan and verify take them, and the backend takes ffn_tp / ffn_ep / attn_tp)")
     t = time.perf_counter()
-    out = _AtomicFolder(args.output, args.force)
+    out = OutputFolder(args.output, args.force, inputs=[args.model])
     progress = _progress(args)
     with progress.phase(f"loaded and split {args.model}"):
         ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy)
@@ -598,9 +543,9 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
         if staged["static_batch"] is not None:
             plan["static_batch"] = staged["static_batch"]
     with out as d:
-        torch.export.save(att, os.path.join(d, "attention.pt2"))
-        torch.export.save(ffn, os.path.join(d, "ffn.pt2"))
-        write_json(os.path.join(d, "plan.json"), plan)
+        plan["sha256"] = {"attention.pt2": save_program(att, os.path.join(d, "attention.pt2")),
+                          "ffn.pt2": save_program(ffn, os.path.join(d, "ffn.pt2"))}
+        write_json(os.path.join(d, "plan.json"), {MARKER[0]: MARKER[1], **plan})
     print(plan_table(result, layout))
     if schedule is not None:
         print(schedule)
@@ -611,8 +556,10 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
 
 
 def _tokens(args: argparse.Namespace) -> list[int] | None:
-    if not args.tokens:
+    if args.tokens is None:
         return None
+    if not args.tokens.strip():
+        raise UsageError("--tokens is empty: give one batch size per attention rank (or DP group), e.g. --tokens 2,3")
     try:
         return [int(t) for t in args.tokens.split(",")]
     except ValueError:
@@ -620,14 +567,15 @@ def _tokens(args: argparse.Namespace) -> list[int] | None:
 
 
 def _verdict(run: Callable[[], object]) -> int:
-    """Run a verify, print its verdict; a failed rank is FAIL naming the rank that failed first."""
-    from .runtime import RankFailure
+    """Run a verify, print its verdict: OK / FAIL with the error and the tolerance; a run that
+    ended without a result (a rank, the launcher or its forkserver failed) is FAIL naming what
+    failed first, with no error figure."""
+    from .runtime import RunFault
 
     try:
         report = run()
-    except RankFailure as e:
-        print(f"verify: rank {e.rank} failed: {e.short}", file=sys.stderr)
-        print(f"verify: FAIL max_rel_err=nan (rank {e.rank} failed: {e.short})")
+    except RunFault as e:  # a rank, the launcher or its forkserver failed: no figure, nothing was judged
+        print(f"verify: FAIL ({e.line()})")
         return EXIT_FAIL
     print(report.line())  # type: ignore[attr-defined]
     return EXIT_OK if report.ok else EXIT_FAIL  # type: ignore[attr-defined]
@@ -687,9 +635,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         torch.export.save(ep, path)
         loaded, result = _plan(path, layout, False)
         print(plan_table(result, layout).replace(path, "llama (demo)", 1))
-        report = verify_afd(path, layout, batches=[2, 3], log=print, on_progress=progress.rank, program=loaded)
-    print(report.line())
-    return EXIT_OK if report.ok else EXIT_FAIL
+        return _verdict(lambda: verify_afd(path, layout, batches=[2, 3], log=print, on_progress=progress.rank,
+                                           program=loaded))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -697,8 +644,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"plan": cmd_plan, "rewrite": cmd_rewrite, "verify": cmd_verify, "demo": cmd_demo}
     try:
-        _check_mode_flags(args)
-        return handlers[args.command](args)
+        with exit_on_sigterm():  # SIGTERM unwinds: temporary folders and the run's processes are removed
+            _check_mode_flags(args)
+            if args.command in ("verify", "demo"):
+                local_process_override()  # (a bad setting is refused before anything is loaded)
+            return handlers[args.command](args)
     except AFDCompileError as e:
         print(f"afd-compile {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -45,26 +45,84 @@ def _register_op_libraries(namespaces: set[str]) -> None:
             raise ProgramLoadError(f"the program uses transformers:: ops but transformers cannot be imported: {e}") from None
 
 
+class _FirstRecords(logging.Handler):
+    """Keeps what torch logs while loading (it logs the real cause, then raises a generic error)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and record.exc_info[1] is not None:  # "error when deserializing" + the real one
+            self.messages.append(_first_line(record.exc_info[1]))
+            return
+        try:
+            text = record.getMessage().strip()
+        except Exception:  # noqa: BLE001  (a record that cannot format is no cause)
+            return
+        if text:
+            self.messages.append(text.splitlines()[0])
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e).strip() else ''}".rstrip(": ")
+
+
 def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
-    """``torch.export.load`` with afd:: (and, when needed, transformers::) ops registered."""
+    """``torch.export.load`` with afd:: (and, when needed, transformers::) ops registered. A
+    failure is one :class:`ProgramLoadError` line carrying torch's cause: the exception, its
+    chained cause, and the first warning torch logged (it logs the reason, then raises a
+    generic error). A ``.pt2`` is code (torch unpickles its constants): load only files you trust."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if os.path.isdir(path):
+        raise ProgramLoadError(f"{path}: is a folder, not a .pt2 file (a rewrite folder: "
+                               "afd_compile.runtime.load_rewritten_worker)")
+    if not os.path.exists(path):
         raise ProgramLoadError(f"{path}: no such file")
+    if not os.path.isfile(path):
+        raise ProgramLoadError(f"{path}: not a regular file (a .pt2 is a zip archive torch.export.save wrote)")
     if not zipfile.is_zipfile(path):
         raise ProgramLoadError(f"{path}: not a .pt2 archive (torch.export.save writes a zip file)")
     _register_op_libraries(_op_namespaces(path))
     export_log = logging.getLogger("torch.export")
-    level = export_log.level
-    export_log.setLevel(logging.ERROR)  # torch logs the whole traceback as a warning; we raise one line
+    records = _FirstRecords()
+    handlers, propagate = list(export_log.handlers), export_log.propagate
+    for h in handlers:  # torch logs the whole traceback as a warning; we raise one line with its cause
+        export_log.removeHandler(h)
+    export_log.addHandler(records)
+    export_log.propagate = False
     try:
         with warnings.catch_warnings():  # torch warns about buffer copies on load; not the user's concern
             warnings.simplefilter("ignore")
             return torch.export.load(path)
     except Exception as e:  # noqa: BLE001  (torch raises many types here)
-        raise ProgramLoadError(f"{path}: cannot load as a torch.export program: {type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ProgramLoadError(f"{path}: cannot load as a torch.export program: {_load_cause(e, records.messages)}") \
+            from None
     finally:
-        export_log.setLevel(level)
+        export_log.removeHandler(records)
+        for h in handlers:
+            export_log.addHandler(h)
+        export_log.propagate = propagate
+
+
+#: a custom op torch could not resolve while loading ("target='torch.ops.mylib.scatter_add.default'")
+_UNRESOLVED_OP = re.compile(r"torch\.ops\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)")
+
+
+def _load_cause(e: BaseException, logged: list[str]) -> str:
+    """One line for a failed ``torch.export.load``: the cause torch logged (it raises a generic
+    "check the warnings above" after), the exception, its chained cause; an op nothing registered
+    is named as ``namespace::name``."""
+    generic = "check the warnings above" in str(e)
+    causes = logged[:1] + ([] if generic and logged else [_first_line(e)])
+    if e.__cause__ is not None and _first_line(e.__cause__) not in causes:
+        causes.append(f"caused by {_first_line(e.__cause__)}")
+    text = " ".join(causes)
+    op = _UNRESOLVED_OP.search(text)
+    if op and op.group(1) not in ("aten", "prim", "afd") and ("resolve" in text or "Failed deserializing node" in text):
+        return (f"the program uses the custom op {op.group(1)}::{op.group(2)}, which nothing imported in this process "
+                "registers: import the library that registers it before loading")
+    return "; ".join(c if len(c) <= 400 else c[:400] + "..." for c in causes)
 
 
 def flat_inputs(ep: torch.export.ExportedProgram) -> tuple[Any, ...]:

@@ -38,6 +38,7 @@ import torch.fx as fx
 from .comm import AFDCommunicator, communicator_for, register_communicator, wire_checks_from_env
 from .errors import AFDCompileError
 from .layout import AFDLayout
+from .limits import MAX_TIMEOUT_S, local_process_override
 from .passes.graph_utils import batch_symbol_dims
 from .passes.stages import (
     check_stage_layout,
@@ -648,18 +649,17 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
 
 
 def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = None) -> AttentionWorker | FFNWorker:
-    """This rank's worker from the files ``afd-compile rewrite`` wrote (plan.json + role .pt2)."""
-    import json
+    """This rank's worker from the files ``afd-compile rewrite`` wrote (plan.json + role .pt2).
 
+    plan.json is checked field by field and each program against the sha256 it records
+    (:func:`afd_compile.saved.read_saved_plan`): a folder runs only the programs rewrite wrote
+    into it. A ``.pt2`` is code (torch unpickles it): load only folders you trust."""
     from .programs import ProgramLoadError, load_program
+    from .saved import read_saved_plan
 
-    try:
-        with open(os.path.join(outdir, "plan.json")) as f:
-            plan = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ProgramLoadError(f"{outdir}: cannot read plan.json: {e}") from None
-    if plan.get("kind", "afd") != "afd" or "attention_ranks" not in plan.get("layout", {}):
-        raise ProgramLoadError(f"{outdir}: plan.json was written by rewrite --tp (layout {plan.get('layout')}); "
+    plan = read_saved_plan(outdir)
+    if plan.kind != "afd":
+        raise ProgramLoadError(f"{outdir}: plan.json was written by rewrite --tp (layout {plan['layout']}); "
                                "load its rank<r>.pt2 with afd_compile.programs.load_program, not as an AFD deployment")
     layout = AFDLayout(plan["layout"]["attention_ranks"], plan["layout"]["ffn_ranks"])
     role, idx = layout.role_of(rank)
@@ -670,11 +670,11 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     if role == "ffn":
         comm = AFDCommunicator("ffn", rank, layout.peers_of_ffn(idx))
         register_communicator(comm, comm_id)
-        program = load_program(os.path.join(outdir, plan["programs"]["ffn"])).module().to(device)
+        program = load_program(plan.path("ffn")).module().to(device)
         return FFNWorker(program, comm, device, stages=stages, static_batch=plan.get("static_batch"))
     comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),))
     register_communicator(comm, comm_id)
-    program = load_program(os.path.join(outdir, plan["programs"]["attention"])).module().to(device)
+    program = load_program(plan.path("attention")).module().to(device)
     return AttentionWorker(program, comm, TokenCount.from_json(plan["token_count"]), stages=stages,
                            batch_dim=_stage_batch_dim(program, stages), static=static_batch(program) is not None)
 
@@ -783,12 +783,9 @@ LOCAL_PROCESS_LIMIT_RULE = "available memory / 512 MiB per process, or AFD_MAX_L
 def max_local_processes() -> int:
     """How many processes :func:`run_local` may start: ``AFD_MAX_LOCAL_PROCESSES`` when set,
     else the available memory (``/proc/meminfo``) over :data:`LOCAL_PROCESS_BYTES`, at least 2."""
-    env = os.environ.get("AFD_MAX_LOCAL_PROCESSES")
-    if env:
-        try:
-            return max(1, int(env))
-        except ValueError:
-            raise ValueError(f"AFD_MAX_LOCAL_PROCESSES must be an integer, got {env!r}") from None
+    n = local_process_override()
+    if n is not None:
+        return n
     try:
         with open("/proc/meminfo") as f:
             avail = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
@@ -810,8 +807,8 @@ def progress(text: str) -> None:
 
 #: what every local worker imports (``torch.export.load`` pulls in dynamo and the serializer: about
 #: 4 s of CPU per process): the forkserver imports it once and each rank is forked from it
-WORKER_PRELOAD = ["afd_compile.verify", "torch._dynamo", "torch._export.serde.serialize",
-                  "torch.export.pt2_archive._package"]
+WORKER_PRELOAD = ["afd_compile.forkserver_guard", "afd_compile.verify", "torch._dynamo",
+                  "torch._export.serde.serialize", "torch.export.pt2_archive._package"]
 #: imported by the forkserver as well when the calling process has imported the package: loading
 #: a program of transformers' MoE ops imports them (seconds of CPU per run otherwise)
 WORKER_PRELOAD_IF_IMPORTED = {"transformers": ["transformers.integrations.moe"]}
@@ -889,16 +886,39 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         # that peer reports its own failure: exiting nonzero here would blame this rank for it
 
 
-class RankFailure(RuntimeError):
+class RunFault(RuntimeError):
+    """A local run ended without a result: a rank failed (:class:`RankFailure`) or a process
+    that runs them did (:class:`LauncherFailure`). ``short``: one line naming who and why."""
+
+    def __init__(self, text: str, message: str) -> None:
+        super().__init__(text)
+        self.message = message
+        self.short = message.splitlines()[0] if message else ""
+
+    def line(self) -> str:
+        """``rank 2 failed: ...`` / ``the launcher process (pid N) ...``: one line."""
+        return self.short
+
+
+class RankFailure(RunFault):
     """A rank of a local run failed: it raised, died, stopped, or gave no result in time.
     ``rank`` is the rank that failed first (one that died or stopped is named before a
     survivor that only saw its peer go away)."""
 
     def __init__(self, rank: int, message: str):
-        super().__init__(f"rank {rank} failed: {message}")
+        super().__init__(f"rank {rank} failed: {message}", message)
         self.rank = rank
-        self.message = message
-        self.short = message.splitlines()[0] if message else ""
+
+    def line(self) -> str:
+        return f"rank {self.rank} failed: {self.short}"
+
+
+class LauncherFailure(RunFault):
+    """The launcher of a local run or its forkserver died, stopped, or gave no verdict; every
+    rank is gone when it is raised."""
+
+    def __init__(self, message: str):
+        super().__init__(message, message)
 
 
 def _proc_state(pid: int | None) -> str | None:
@@ -971,16 +991,21 @@ def _supervise(procs: Sequence[Any], queue: Any, deadline_s: float,
     results: dict[int, Any] = {}
     failure: RankFailure | None = None
     deadline = time.monotonic() + deadline_s
+    checked = time.monotonic()
     try:
         while len(results) < world_size and failure is None:
             try:
                 rank, status, payload = queue.get(timeout=0.2)
             except queue_mod.Empty:
+                status = None
+            if status is None or time.monotonic() - checked > 0.2:  # (progress lines may never stop coming)
+                checked = time.monotonic()
                 failure = _casualty(procs, set(results))
                 if failure is None and time.monotonic() > deadline:
                     missing = [r for r in range(world_size) if r not in results]
                     failure = RankFailure(missing[0], f"no result within {deadline_s:.0f}s from ranks {missing}")
-                continue
+                if failure is not None or status is None:
+                    continue
             if status == "progress":
                 if on_progress is not None:
                     on_progress(rank, payload)
@@ -1066,36 +1091,78 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
     if world_size > max_local_processes():
         raise ValueError(f"run_local: {world_size} processes exceed the local limit {max_local_processes()} "
                          f"({LOCAL_PROCESS_LIMIT_RULE})")
+    for name, v in (("timeout_s", timeout_s), ("deadline_s", deadline_s)):
+        if v is not None and not (isinstance(v, (int, float)) and 0 < v <= MAX_TIMEOUT_S):
+            raise ValueError(f"run_local: {name} must be seconds in (0, {MAX_TIMEOUT_S:.0f}], got {v!r}")
     deadline_s = 2 * timeout_s + 60 if deadline_s is None else deadline_s
     ctx = _start_context()
+    server = _forkserver_pid()
+    if server is not None and _proc_state(server) in ("T", "t"):
+        raise LauncherFailure(f"the forkserver of local runs (pid {server}) is stopped (SIGSTOP or a debugger): "
+                              "no run can start; continue or kill it")
     out = ctx.Queue()
     launcher = ctx.Process(target=_launch, args=(fn, world_size, args, preload, out, timeout_s, deadline_s,
                                                  dict(os.environ)))
     launcher.start()
-    hard_deadline = time.monotonic() + deadline_s + 60  # (the launcher enforces deadline_s itself)
+    server = _forkserver_pid()
+    verdict = False
     try:
-        while True:
-            try:
-                rank, status, payload = out.get(timeout=0.2)
-            except queue_mod.Empty:
-                if launcher.exitcode is not None and out.empty():
-                    raise RuntimeError(f"run_local: the launcher process (pid {launcher.pid}) exited with code "
-                                       f"{launcher.exitcode} before reporting: its ranks are gone") from None
-                if time.monotonic() > hard_deadline:
-                    raise RuntimeError(f"run_local: the launcher process (pid {launcher.pid}) gave no verdict "
-                                       f"within {deadline_s + 60:.0f}s") from None
-                continue
-            if status == "progress":
-                if on_progress is not None:
-                    on_progress(rank, payload)
-            elif status == "ok":
-                return payload
-            elif status == "launcher":
-                raise RuntimeError(f"run_local: preload() raised in the launcher, no rank was started: {payload}")
-            else:
-                raise RankFailure(rank, payload)
+        result = _await_verdict(launcher, server, out, deadline_s + 60, on_progress)
+        verdict = True
+        return result
     finally:
-        launcher.join(timeout=10)
+        launcher.join(timeout=10 if verdict else 0)  # (no verdict: an error, SIGTERM, ^C: end the run now)
         if launcher.is_alive():
             launcher.kill()  # (its ranks die with it: _die_with_parent)
             launcher.join(timeout=5)
+
+
+def _forkserver_pid() -> int | None:
+    """The pid of this process's forkserver, where it runs one (multiprocessing keeps it)."""
+    import multiprocessing.forkserver as fs
+
+    server = getattr(fs, "_forkserver", None)
+    return getattr(server, "_forkserver_pid", None)
+
+
+def _await_verdict(launcher: Any, server: int | None, out: Any, limit_s: float,
+                   on_progress: Callable[[int, str], None] | None) -> dict[int, Any]:
+    """The launcher's verdict, its ranks' progress passed on; :class:`LauncherFailure` when the
+    launcher or its forkserver dies or stops, or no verdict comes within ``limit_s`` (the
+    launcher enforces the run's deadline itself)."""
+    hard_deadline = time.monotonic() + limit_s
+    checked = time.monotonic()
+    while True:
+        try:
+            rank, status, payload = out.get(timeout=0.2)
+        except queue_mod.Empty:
+            status = None
+        if status is None or time.monotonic() - checked > 0.2:  # (a stream of progress lines never times out)
+            checked = time.monotonic()
+            if status is None and launcher.exitcode is not None and out.empty():
+                code = launcher.exitcode
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                if server is not None and _proc_state(server) in (None, "Z", "X"):
+                    how += f" (its parent, the forkserver of local runs, pid {server}, died first)"
+                raise LauncherFailure(f"the launcher process (pid {launcher.pid}) {how} before reporting; its "
+                                      "ranks are gone")
+            for pid, name in ((launcher.pid, "launcher process"), (server, "forkserver of local runs")):
+                if pid is not None and _proc_state(pid) in ("T", "t"):
+                    if pid == server:  # (a stopped forkserver outlives its caller: nothing else can end it)
+                        os.kill(pid, 9)
+                    raise LauncherFailure(f"the {name} (pid {pid}) is stopped (SIGSTOP or a debugger); the run "
+                                          "is ended")
+            if time.monotonic() > hard_deadline:
+                raise LauncherFailure(f"the launcher process (pid {launcher.pid}) gave no verdict within "
+                                      f"{limit_s:.0f}s; the run is ended")
+        if status is None:
+            continue
+        if status == "progress":
+            if on_progress is not None:
+                on_progress(rank, payload)
+        elif status == "ok":
+            return payload
+        elif status == "launcher":
+            raise RuntimeError(f"run_local: preload() raised in the launcher, no rank was started: {payload}")
+        else:
+            raise RankFailure(rank, payload)

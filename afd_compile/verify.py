@@ -60,11 +60,11 @@ class ProgramFacts:
     """What the input checks need to know of a saved program, read once."""
 
     batch_range: tuple[int, int | float] | None  # the export's [min, max] for the batch; None when static
-    default_tol: float  # 1e-5 when every float is fp32/fp64, else 1e-2
+    default_tol: float  # see default_tolerance
 
     @staticmethod
     def of(ep: torch.export.ExportedProgram) -> ProgramFacts:
-        inputs = flat_inputs(ep)  # keyword inputs in the program's order; ProgramLoadError before any process
+        flat_inputs(ep)  # checks the saved inputs (keyword ones in the program's order): ProgramLoadError before any process
         sym, _ = batch_symbol_dims(positional_module(ep))
         rng = None
         if sym is not None:
@@ -72,10 +72,28 @@ class ProgramFacts:
             for s, vr in ep.range_constraints.items():
                 if str(s) == sym:
                     rng = (int(vr.lower), int(vr.upper) if vr.upper.is_finite else math.inf)
-        dtypes = {t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()} | {
-            p.dtype for p in ep.state_dict.values() if p.is_floating_point()}
-        tol = 1e-5 if dtypes <= {torch.float32, torch.float64} else 1e-2
-        return ProgramFacts(rng, tol)
+        return ProgramFacts(rng, default_tolerance(ep))
+
+
+#: the default ``--tol``: 1e-5 when every floating output compared is fp32 / fp64, else this
+LOW_PRECISION_TOL = 1e-2
+
+
+def output_dtypes(ep: torch.export.ExportedProgram) -> set[torch.dtype]:
+    """The dtypes of the program's user outputs (what verify compares; buffer writes excluded)."""
+    user = set(ep.graph_signature.user_outputs)
+    out = next(n for n in reversed(ep.graph.nodes) if n.op == "output")
+    leaves = torch.utils._pytree.tree_leaves(out.args[0])
+    return {n.meta["val"].dtype for n in leaves if isinstance(n, fx.Node) and n.name in user
+            and isinstance(n.meta.get("val"), torch.Tensor)}
+
+
+def default_tolerance(ep: torch.export.ExportedProgram) -> float:
+    """1e-5 when every floating-point output is fp32 or fp64, else :data:`LOW_PRECISION_TOL`:
+    chosen from the outputs compared, never from other tensors the program holds (an unused
+    fp16 buffer must not loosen the verdict of an fp32 model)."""
+    floats = {d for d in output_dtypes(ep) if d.is_floating_point}
+    return 1e-5 if floats <= {torch.float32, torch.float64} else LOW_PRECISION_TOL
 
 
 #: in-place cache writes and the argument that holds the positions they write at
@@ -441,7 +459,7 @@ class VerifyReport:
 
     def line(self) -> str:
         why = f" ({self.problem})" if self.problem else ""
-        return f"verify: {'OK' if self.ok else 'FAIL'} max_rel_err={self.max_rel_err:.3g}{why}"
+        return f"verify: {'OK' if self.ok else 'FAIL'} max_rel_err={self.max_rel_err:.3g} tol={self.tol:.3g}{why}"
 
 
 def _report(layout: AFDLayout | TPLayout, results: dict[int, dict], tol: float, seconds: float) -> VerifyReport:

@@ -75,22 +75,25 @@ def test_no_private_name_crosses_a_module_boundary():
 
 def test_every_bad_input_error_derives_from_one_base():
     from afd_compile.backend import BackendOptionError
-    from afd_compile.cli import OutputError, UsageError
+    from afd_compile.cli import UsageError
     from afd_compile.comm import WireMismatch
     from afd_compile.errors import AFDCompileError, SplitError, TPRewriteError
     from afd_compile.layout import LayoutError
+    from afd_compile.limits import LaunchConfigError
+    from afd_compile.outdir import OutputError
     from afd_compile.passes.roles import NoStructureError
     from afd_compile.passes.scattered import ScatteredRewriteError
     from afd_compile.passes.schedule import ScheduleError
     from afd_compile.passes.shard import ShardError
     from afd_compile.programs import ProgramLoadError
     from afd_compile.runtime import ControlError
+    from afd_compile.saved import SavedFolderError
     from afd_compile.scatter import TransitionError
     from afd_compile.verify import VerifyInputError
 
     for e in (BackendOptionError, OutputError, UsageError, WireMismatch, SplitError, TPRewriteError, LayoutError,
               NoStructureError, ScatteredRewriteError, ScheduleError, ShardError, ProgramLoadError, ControlError,
-              TransitionError, VerifyInputError):
+              TransitionError, VerifyInputError, SavedFolderError, LaunchConfigError):
         assert issubclass(e, AFDCompileError) and issubclass(e, ValueError), e
 
 

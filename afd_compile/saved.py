@@ -1,0 +1,134 @@
+"""A folder ``afd-compile rewrite`` wrote, read back with every field checked.
+
+A ``.pt2`` file is code: ``torch.export.load`` unpickles its constants and example inputs, as
+``torch.load(weights_only=False)`` does, so load only folders you trust. What this module adds is
+that a folder runs only the programs rewrite wrote into it: plan.json names each program by a
+plain file name inside the folder (no path, no link out of it) and records its sha256, which is
+checked before the program is loaded (a program copied from another rewrite, or the two roles
+swapped, is refused); every other field is checked for its type and range, and a wrong one is a
+:class:`SavedFolderError` naming the field.
+
+    plan = read_saved_plan("out")          # plan.json checked, hashes compared
+    plan.path("ffn")                        # "out/ffn.pt2"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .outdir import MARKER, sha256_of
+from .programs import ProgramLoadError
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class SavedFolderError(ProgramLoadError):
+    """A rewrite folder that cannot be run as written (the folder, the field, what was expected)."""
+
+
+def _is_int(v: Any, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+@dataclass(frozen=True)
+class SavedPlan:
+    """plan.json of a rewrite folder, checked. ``programs``: role (``attention`` / ``ffn``) or
+    ``rank<r>`` -> file name inside ``folder``."""
+
+    folder: str
+    kind: str
+    plan: dict
+    programs: dict[str, str]
+
+    def path(self, role: str) -> str:
+        return os.path.join(self.folder, self.programs[role])
+
+    def __getitem__(self, key: str) -> Any:
+        return self.plan[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.plan.get(key, default)
+
+
+class _Checker:
+    def __init__(self, folder: str, plan: dict) -> None:
+        self.folder, self.plan = folder, plan
+
+    def fail(self, field: str, expected: str, got: Any) -> SavedFolderError:
+        return SavedFolderError(f"{self.folder}: plan.json field {field!r} must be {expected}, got {got!r}; "
+                                "the folder was not written by this version of rewrite or was edited: rewrite again")
+
+    def field(self, obj: dict, key: str, name: str, ok, expected: str, optional: bool = False) -> Any:
+        if key not in obj:
+            if optional:
+                return None
+            raise SavedFolderError(f"{self.folder}: plan.json has no field {name!r} ({expected})")
+        v = obj[key]
+        if not ok(v):
+            raise self.fail(name, expected, v)
+        return v
+
+    def program_name(self, field: str, name: Any) -> str:
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", "..") \
+                or not name.endswith(".pt2"):
+            raise self.fail(field, "a file name inside the folder ending in .pt2 (no path)", name)
+        full = os.path.join(self.folder, name)
+        if os.path.islink(full) or not os.path.isfile(full):
+            what = "a symbolic link" if os.path.islink(full) else "missing"
+            raise SavedFolderError(f"{self.folder}: {field} names {name}, which is {what}: a rewrite folder holds "
+                                   "its programs as plain files")
+        return name
+
+
+def read_saved_plan(folder: str) -> SavedPlan:
+    """plan.json of ``folder``, checked (see the module docstring); :class:`SavedFolderError`."""
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise SavedFolderError(f"{folder}: not a folder (give the folder rewrite wrote)")
+    try:
+        with open(os.path.join(folder, "plan.json")) as f:
+            plan = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SavedFolderError(f"{folder}: cannot read plan.json: {e}") from None
+    c = _Checker(folder, plan)
+    if not isinstance(plan, dict):
+        raise c.fail("(the whole file)", "a JSON object", type(plan).__name__)
+    c.field(plan, MARKER[0], MARKER[0], lambda v: v == MARKER[1], repr(MARKER[1]))
+    kind = c.field(plan, "kind", "kind", lambda v: v in ("afd", "tp"), '"afd" or "tp"')
+    layout = c.field(plan, "layout", "layout", lambda v: isinstance(v, dict), "an object")
+    if kind == "afd":
+        for k in ("attention_ranks", "ffn_ranks"):
+            c.field(layout, k, f"layout.{k}", lambda v: _is_int(v, 1), "an integer >= 1")
+        raw = c.field(plan, "programs", "programs", lambda v: isinstance(v, dict) and set(v) == {"attention", "ffn"},
+                      'an object {"attention": FILE, "ffn": FILE}')
+        programs = {role: c.program_name(f"programs.{role}", raw[role]) for role in ("attention", "ffn")}
+        c.field(plan, "comm_id", "comm_id", lambda v: _is_int(v, 0), "an integer >= 0")
+        c.field(plan, "stages", "stages", lambda v: _is_int(v, 1), "an integer >= 1", optional=True)
+        c.field(plan, "static_batch", "static_batch", lambda v: v is None or _is_int(v, 1),
+                "null or an integer >= 1", optional=True)
+        tc = c.field(plan, "token_count", "token_count", lambda v: isinstance(v, dict), "an object")
+        c.field(tc, "factor", "token_count.factor", lambda v: _is_int(v, 1), "an integer >= 1")
+        c.field(tc, "dims", "token_count.dims", lambda v: isinstance(v, list) and all(
+            isinstance(p, list) and len(p) == 2 and all(_is_int(x, 0) for x in p) for p in v),
+            "a list of [input, dim] pairs of integers >= 0")
+    else:
+        c.field(layout, "tp", "layout.tp", lambda v: _is_int(v, 1), "an integer >= 1")
+        raw = c.field(plan, "programs", "programs", lambda v: isinstance(v, list) and len(v) == layout["tp"],
+                      f"a list of {layout['tp']} file names (one per rank)")
+        programs = {f"rank{r}": c.program_name(f"programs[{r}]", name) for r, name in enumerate(raw)}
+    if len(set(programs.values())) != len(programs):
+        raise c.fail("programs", "distinct file names", raw)
+    sha = c.field(plan, "sha256", "sha256", lambda v: isinstance(v, dict) and set(v) == set(programs.values())
+                  and all(isinstance(h, str) and _HEX64.match(h) for h in v.values()),
+                  "an object naming each program's file with its sha256 (64 hex digits)")
+    for role, name in programs.items():
+        got = sha256_of(os.path.join(folder, name))
+        if got != sha[name]:
+            raise SavedFolderError(f"{folder}: {name} ({role}) is not the program rewrite wrote there: its sha256 is "
+                                   f"{got[:12]}..., plan.json records {sha[name][:12]}... (copied from another "
+                                   "rewrite, swapped or edited): rewrite again")
+    return SavedPlan(folder, kind, plan, programs)
