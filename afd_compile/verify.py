@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -544,10 +543,15 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
     report(f"{lay.tp} processes up (torch imported, process group formed)")
     register_group(GROUP_TP, groups[("tp", lay.tp)])
     register_group(GROUP_ATTN_TP, groups[("attn", lay.attn_tp_group(rank))])
-    if case.saved is not None:  # the saved rank program, re-loaded: what `rewrite --tp` wrote
+    if case.saved is not None:  # the saved rank program, re-loaded: what `rewrite --tp` wrote (checked)
         from .programs import load_program
+        from .saved import read_saved_plan
 
-        program, sharded = load_program(os.path.join(case.saved, f"rank{rank}.pt2")).module(), None
+        saved = read_saved_plan(case.saved)
+        if saved.kind != "tp" or f"rank{rank}" not in saved.programs:
+            raise VerifyInputError(f"{case.saved}: plan.json holds no TP program for rank {rank} "
+                                   f"(kind {saved.kind}, programs {sorted(saved.programs)})")
+        program, sharded = load_program(saved.path(f"rank{rank}")).module(), None
     else:
         gm = fresh_module(ep)
         annotate_roles(gm, POLICIES[case.policy], graph_name=case.path)
