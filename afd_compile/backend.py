@@ -848,9 +848,10 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
 def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
                 cudagraphs: bool | None, device: torch.device, gm: fx.GraphModule | None,
                 static: Sequence[int] = ()) -> Callable[..., Any]:
+    from .deploy import make_worker
     from .layout import AFDLayout
     from .passes.roles import POLICIES
-    from .runtime import AttentionWorker, make_worker
+    from .runtime import AttentionWorker
     from .split_api import SplitConfig
 
     layout = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp, opts.ffn_ep, opts.attn_tp)  # (check_options: valid)

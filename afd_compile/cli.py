@@ -202,7 +202,7 @@ def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "defau
     config = SplitConfig(compute_gate_on_attention=gate, policy=POLICIES[policy], graph_name=model)
     result = split(fresh_module(ep), config, layout=layout)  # inputs flat, in the program's order
     if layout is not None and layout.attn_tp > 1:  # the first attention rank's program: refused here, not on a rank
-        from .runtime import attention_tp_program
+        from .deploy import attention_tp_program
 
         attention_tp_program(fresh_module(ep), result, layout, 0, config, None)
     return ep, result
@@ -378,12 +378,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     elif args.json:
         import json
 
-        from .runtime import TokenCount
+        from .deploy import token_count_for_graph
 
         data = result.plan.to_json()
         data["layout"] = str(layout) if layout else None
         names = [n.name for n in result.attention.graph.nodes if n.op == "placeholder"]
-        data["tokens_per_step"] = TokenCount.for_graph(result.attention, result.plan.cuts[0].token_dims).describe(names)
+        data["tokens_per_step"] = token_count_for_graph(result.attention, result.plan.cuts[0].token_dims).describe(names)
         cache = _cache_json(result)
         if cache:
             data["cache"] = cache
@@ -403,7 +403,9 @@ def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout 
     """The staged programs (built: a program that cannot be staged is refused here), the
     schedule they hold for the layout, checked, and the micro-batches of the saved example, as a
     record (``plan --json`` prints it; :func:`_stage_text` renders it)."""
-    from .passes.pingpong import check_schedule, micro_batches, schedule_of_programs
+    from .deploy import token_count_for_graph
+    from .layout import micro_batches
+    from .passes.pingpong import check_schedule, schedule_of_programs
     from .passes.schedule import verify_schedule
     from .passes.stages import (
         check_stage_layout,
@@ -413,7 +415,6 @@ def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout 
         static_rows,
     )
     from .programs import flat_inputs, load_program
-    from .runtime import TokenCount
 
     if args.stages < 1:
         raise UsageError(f"--stages must be >= 1, got {args.stages}")
@@ -426,7 +427,7 @@ def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout 
     sched = schedule_of_programs(layout, *staged)
     check_schedule(sched)
     inputs = flat_inputs(load_program(args.model))
-    tokens = TokenCount.for_graph(result.attention, result.plan.cuts[0].token_dims)(inputs)
+    tokens = token_count_for_graph(result.attention, result.plan.cuts[0].token_dims)(inputs)
     batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
     per_seq = tokens // batch if batch else 0
     return {"stages": args.stages, "schedule": str(sched).splitlines(), "schedule_checked": True,
@@ -508,8 +509,8 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
     if args.tp is not None:
         return cmd_rewrite_tp(args)
 
+    from .deploy import token_count_for_graph
     from .programs import export_split, flat_inputs, positional_module, write_json
-    from .runtime import TokenCount
 
     if args.attention_ranks is None and args.ffn_ranks is None:
         raise UsageError("give an AFD layout (--attention-ranks/--ffn-ranks) or a TP layout (--tp)")
@@ -531,7 +532,7 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
                       "ffn_peers": {str(f): list(layout.peers_of_ffn(f)) for f in range(layout.ffn_ranks)}}
     plan["programs"] = {"attention": "attention.pt2", "ffn": "ffn.pt2"}
     plan["compute_gate_on_attention"] = args.gate_on_attention
-    plan["token_count"] = TokenCount.for_graph(original, result.plan.cuts[0].token_dims).to_json()
+    plan["token_count"] = token_count_for_graph(original, result.plan.cuts[0].token_dims).to_json()
     cache = _cache_json(result)
     if cache:
         plan["cache"] = cache

@@ -20,6 +20,7 @@ crosses the wire once), then gathers the group's tokens back for the next attent
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import AFDCompileError
@@ -120,3 +121,25 @@ class AFDLayout:
         if rank < self.ffn_ranks:
             return ("ffn", rank)
         return ("attention", rank - self.ffn_ranks)
+
+
+def micro_batches(seq_tokens: Sequence[int], stages: int) -> list[tuple[int, int]]:
+    """Split sequences (their token counts, in batch order) into ``stages`` contiguous
+    micro-batches of whole sequences, balanced by tokens: ``[(first, end), ...]`` sequence index
+    ranges, one per stage; with fewer sequences than stages the last ones are empty."""
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages}")
+    if any(n < 0 for n in seq_tokens):
+        raise ValueError(f"sequence token counts must be >= 0, got {list(seq_tokens)}")
+    total, bounds, acc, i = sum(seq_tokens), [0], 0, 0
+    for s in range(1, stages):
+        # the stage ends at the first sequence boundary reaching its share of the tokens, and
+        # takes at least one sequence while there are some left
+        target = total * s / stages
+        start = i
+        while i < len(seq_tokens) and (acc < target or i == start):
+            acc += seq_tokens[i]
+            i += 1
+        bounds.append(i)
+    bounds.append(len(seq_tokens))
+    return [(bounds[s], max(bounds[s], bounds[s + 1])) for s in range(stages)]

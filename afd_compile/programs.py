@@ -76,7 +76,7 @@ def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
     path = os.fspath(path)
     if os.path.isdir(path):
         raise ProgramLoadError(f"{path}: is a folder, not a .pt2 file (a rewrite folder: "
-                               "afd_compile.runtime.load_rewritten_worker)")
+                               "afd_compile.deploy.load_rewritten_worker)")
     if not os.path.exists(path):
         raise ProgramLoadError(f"{path}: no such file")
     if not os.path.isfile(path):

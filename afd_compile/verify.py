@@ -5,7 +5,7 @@ or attention DP group (TP) gets its own batch size (the saved example input resi
 batch dimension), runs ``steps`` steps (the sizes rotate between steps so every FFN rank sees
 several token layouts), and compares its output with the original program run on the same input
 in the same process. Error measure: ``max |split - original| / max |original|`` per output, max
-over steps (:func:`afd_compile.runtime.compare`).
+over steps (:func:`afd_compile.compare.compare`).
 
 A verdict is only given on something compared: the inputs are checked before any process starts
 (:func:`check_verify_inputs`, one path for AFD and TP), a NaN or Inf in any output fails the run
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .compare import Comparison, compare
+from .deploy import make_worker
 from .errors import AFDCompileError
 from .layout import AFDLayout
 from .passes.graph_utils import batch_symbol_dims, cache_length, written_attrs
@@ -32,10 +34,7 @@ from .programs import flat_inputs, fresh_module, load_program, positional_module
 from .runtime import (
     LOCAL_PROCESS_LIMIT_RULE,
     AttentionWorker,
-    Comparison,
-    compare,
     dp_step_counts,
-    make_worker,
     max_local_processes,
     progress,
     run_local,

@@ -18,16 +18,12 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from afd_compile.compare import max_rel_err
+from afd_compile.deploy import make_worker
 from afd_compile.layout import AFDLayout
 from afd_compile.models import build_hf, export_lm
 from afd_compile.progress import Progress
-from afd_compile.runtime import (
-    AttentionWorker,
-    init_distributed,
-    make_worker,
-    max_rel_err,
-    shutdown,
-)
+from afd_compile.runtime import AttentionWorker, init_distributed, shutdown
 
 
 def main() -> int:

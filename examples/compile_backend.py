@@ -32,8 +32,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from afd_compile.compare import max_rel_err
 from afd_compile.models import FAMILIES, build_hf
-from afd_compile.runtime import init_distributed, max_rel_err, shutdown
+from afd_compile.runtime import init_distributed, shutdown
 
 
 def _graphs_recorded(device: torch.device) -> int | None:

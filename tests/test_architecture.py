@@ -175,3 +175,60 @@ def test_every_planned_transition_has_an_emitter_and_a_missing_one_is_named(expo
     with pytest.raises(TPRewriteError, match=r"layer 0 prepare_mlp: all_gather \(settling a partial sum\) with a "
                                              r"FULL MLP: planned, but no emitter is registered"):
         shard_for_rank(gm, TPLayout(4, 2), 0)
+
+
+# --- size and layering (issue 33) ----------------------------------------------------------------
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 600, 80
+#: modules over the limit, each with the most lines it may have until it is split (a ratchet:
+#: growing past it fails, and so does an entry no longer needed). Not justified exceptions: the
+#: splits issue 33 lists and this session did not reach.
+PENDING_MODULES = {
+    "backend.py": (982, "split by job: options, lifting / re-export, the per-layout compile cache, serve"),
+    "passes/shard/__init__.py": (1066, "split by job: propagation, pairing, planning, applying"),
+    "cli.py": (662, "the rank composition moved to deploy.py; printing and plan records left"),
+    "ops.py": (662, "the afd:: ops: p2p and collectives could be two modules"),
+    "verify.py": (637, "AFD and TP cases share one module"),
+    "passes/roles.py": (604, "layers and roles"),
+}
+PENDING_FUNCTIONS = {
+    "passes/scattered.py:expert_parallel": (164, "one function per dispatch / combine / expert step"),
+    "passes/shard/__init__.py:_follow": (156, "its op special cases as rules of shard/rules.py"),
+    "passes/split.py:plan_split": (97, "the per-layer cut as a function of its own"),
+}
+
+
+def _sources():
+    for path in sorted(PKG.rglob("*.py")):
+        yield path.relative_to(PKG).as_posix(), path.read_text()
+
+
+def test_no_module_over_600_lines_but_the_pending_ones():
+    over = {name: len(text.splitlines()) for name, text in _sources() if len(text.splitlines()) > MAX_MODULE_LINES}
+    grown = {n: (lines, PENDING_MODULES[n][0]) for n, lines in over.items() if n in PENDING_MODULES
+             and lines > PENDING_MODULES[n][0]}
+    new = {n: lines for n, lines in over.items() if n not in PENDING_MODULES}
+    assert not new and not grown, f"modules over {MAX_MODULE_LINES} lines: new {new}, grown past their mark {grown}"
+    done = sorted(set(PENDING_MODULES) - set(over))
+    assert not done, f"no longer over the limit: remove {done} from PENDING_MODULES"
+
+
+def test_no_function_over_80_lines_but_the_pending_ones():
+    over = {}
+    for name, text in _sources():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    over[f"{name}:{node.name}"] = lines
+    bad = {k: v for k, v in over.items() if k not in PENDING_FUNCTIONS or v > PENDING_FUNCTIONS[k][0]}
+    assert not bad, f"functions over {MAX_FUNCTION_LINES} lines (or grown past their mark): {bad}"
+    done = sorted(set(PENDING_FUNCTIONS) - set(over))
+    assert not done, f"no longer over the limit: remove {done} from PENDING_FUNCTIONS"
+
+
+def test_the_runtime_imports_no_pass_and_composes_nothing():
+    # the runtime only runs programs: what a rank runs is built by afd_compile.deploy
+    bad = [(m, t) for m, deps in _imports_cache.items() if m.startswith("afd_compile.runtime")
+           for t, _ in deps if t.startswith(("afd_compile.passes", "afd_compile.deploy", "afd_compile.split_api"))]
+    assert not bad, bad

@@ -117,7 +117,9 @@ def test_rewrite_then_load_in_a_fresh_process_and_run(exported, tmp_path):
     assert [w["kind"] for w in plan["layers"][0]["wire"]["to_ffn"]] == ["hidden", "router_logits"]
     script = textwrap.dedent(f"""
         import torch
-        from afd_compile.runtime import run_local, load_rewritten_worker, AttentionWorker, max_rel_err
+        from afd_compile.runtime import AttentionWorker, run_local
+        from afd_compile.deploy import load_rewritten_worker
+        from afd_compile.compare import max_rel_err
         from afd_compile.programs import load_program
 
         def rank(r, world):
@@ -143,8 +145,10 @@ def test_rewrite_then_load_in_a_fresh_process_and_run(exported, tmp_path):
 
 
 def _staged_rank(r: int, world: int, out: str, path: str) -> tuple:
+    from afd_compile.compare import max_rel_err
+    from afd_compile.deploy import load_rewritten_worker
     from afd_compile.programs import load_program
-    from afd_compile.runtime import AttentionWorker, load_rewritten_worker, max_rel_err
+    from afd_compile.runtime import AttentionWorker
 
     w = load_rewritten_worker(out, r)
     if not isinstance(w, AttentionWorker):

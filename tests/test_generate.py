@@ -488,8 +488,10 @@ def test_plan_shows_the_cache_bytes_per_rank(cached_pt2):
 
 
 def _rewritten_cache_rank(r: int, world: int, folder: str, original: str) -> tuple:
+    from afd_compile.compare import max_rel_err
+    from afd_compile.deploy import load_rewritten_worker
     from afd_compile.programs import flat_inputs, fresh_module, load_program
-    from afd_compile.runtime import AttentionWorker, load_rewritten_worker, max_rel_err
+    from afd_compile.runtime import AttentionWorker
     from afd_compile.verify import DecodeSpec
 
     w = load_rewritten_worker(folder, r)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afd_compile.layout import AFDLayout
+from afd_compile.layout import AFDLayout, micro_batches
 from afd_compile.passes.pingpong import (
     COMPUTE,
     RECV,
@@ -19,7 +19,6 @@ from afd_compile.passes.pingpong import (
     Schedule,
     Step,
     check_schedule,
-    micro_batches,
     pingpong_schedule,
 )
 from afd_compile.passes.schedule import ScheduleError

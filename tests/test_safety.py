@@ -257,7 +257,7 @@ def _set(path, value):
     ],
 )
 def test_a_tampered_folder_is_refused_naming_the_field(two_rewrites, tmp_path, edit, plan_edit, message):
-    from afd_compile.runtime import load_rewritten_worker
+    from afd_compile.deploy import load_rewritten_worker
     from afd_compile.saved import SavedFolderError
 
     out = _tampered(two_rewrites, tmp_path, edit, plan_edit)
@@ -268,7 +268,8 @@ def test_a_tampered_folder_is_refused_naming_the_field(two_rewrites, tmp_path, e
 
 
 def test_an_untouched_folder_loads(two_rewrites):
-    from afd_compile.runtime import AttentionWorker, FFNWorker, load_rewritten_worker
+    from afd_compile.deploy import load_rewritten_worker
+    from afd_compile.runtime import AttentionWorker, FFNWorker
 
     assert isinstance(load_rewritten_worker(str(two_rewrites / "a"), 0), FFNWorker)
     assert isinstance(load_rewritten_worker(str(two_rewrites / "a"), 1), AttentionWorker)

@@ -240,3 +240,24 @@ def test_the_schedule_the_programs_hold_is_checked(llama_split):
     with pytest.raises(ScheduleError, match=r"transfer #0 from rank 1 to rank 0: rank 1 has send L0/S0 hidden -> 0, "
                                             r"rank 0 has recv L0/S1 hidden <- 1"):
         check_schedule(schedule_of_programs(AFDLayout(1, 1), attn, ffn))
+
+
+@pytest.mark.parametrize(("stages", "batch", "counts"), [
+    (1, None, []),          # unstaged: nothing more to build
+    (2, None, [2]),         # a step with one sequence runs the unstaged program
+    (4, None, [2, 3, 4]),   # a dynamic batch: every count a step can take
+    (3, 8, [3]),            # a static batch: its fixed micro-batches only
+    (4, 2, [2]),            # fewer static rows than stages
+    (2, 1, []),             # one static row: unstaged
+])
+def test_the_builder_makes_every_stage_count_a_step_can_take(stages, batch, counts):
+    from afd_compile.deploy import stage_counts
+
+    assert stage_counts(stages, batch) == counts
+
+
+def test_a_worker_runs_only_programs_the_builder_made():
+    from afd_compile.runtime.protocol import program_of
+
+    with pytest.raises(RuntimeError, match=r"no program of 3 micro-batch stages was built \(built: \[2\]\)"):
+        program_of({2: object()}, 3, "FFN")

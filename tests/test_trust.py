@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afd_compile import cli
+from afd_compile.compare import compare, max_rel_err
+from afd_compile.deploy import load_rewritten_worker
 from afd_compile.programs import ProgramLoadError
-from afd_compile.runtime import RankFailure, compare, load_rewritten_worker, max_rel_err, run_local
+from afd_compile.runtime import RankFailure, run_local
 from afd_compile.verify import (
     ProgramFacts,
     VerifyInputError,
@@ -264,9 +266,10 @@ def _fails_mid_step(rank: int, world: int, path: str) -> None:
     """A user's torchrun script: the attention rank's step raises after its control message went
     out (token ids outside the vocabulary), and its ``finally`` calls ``stop()`` and ``shutdown()``
     as a clean end would; the FFN rank serves."""
+    from afd_compile.deploy import make_worker
     from afd_compile.layout import AFDLayout
     from afd_compile.programs import load_program
-    from afd_compile.runtime import AttentionWorker, make_worker, shutdown
+    from afd_compile.runtime import AttentionWorker, shutdown
 
     worker = make_worker(load_program(path).module(), AFDLayout(1, 1), rank)
     try:

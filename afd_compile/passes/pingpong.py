@@ -1,7 +1,7 @@
 """The ping-pong schedule of AFD micro-batches, as a printable record, and its static checker.
 
 With ``S`` stages each attention rank splits a step's sequences into ``S`` micro-batches (whole
-sequences, contiguous, balanced by tokens: :func:`micro_batches`). Every rank runs the layers
+sequences, contiguous, balanced by tokens: :func:`afd_compile.layout.micro_batches`). Every rank runs the layers
 layer-major, stage-minor; an attention rank sends micro-batch ``s`` of layer ``l`` and goes on with
 micro-batch ``s + 1`` while its FFN rank computes ``s``::
 
@@ -92,28 +92,6 @@ class Schedule:
         if self.tokens_known:
             head += f"; tokens per attention rank and stage {[list(t) for t in self.tokens]}"
         return "\n".join([head, *(f"  {r}" for r in self.ranks)])
-
-
-def micro_batches(seq_tokens: Sequence[int], stages: int) -> list[tuple[int, int]]:
-    """Split sequences (their token counts, in batch order) into ``stages`` contiguous
-    micro-batches of whole sequences, balanced by tokens: ``[(first, end), ...]`` sequence index
-    ranges, one per stage; with fewer sequences than stages the last ones are empty."""
-    if stages < 1:
-        raise ValueError(f"stages must be >= 1, got {stages}")
-    if any(n < 0 for n in seq_tokens):
-        raise ValueError(f"sequence token counts must be >= 0, got {list(seq_tokens)}")
-    total, bounds, acc, i = sum(seq_tokens), [0], 0, 0
-    for s in range(1, stages):
-        # the stage ends at the first sequence boundary reaching its share of the tokens, and
-        # takes at least one sequence while there are some left
-        target = total * s / stages
-        start = i
-        while i < len(seq_tokens) and (acc < target or i == start):
-            acc += seq_tokens[i]
-            i += 1
-        bounds.append(i)
-    bounds.append(len(seq_tokens))
-    return [(bounds[s], max(bounds[s], bounds[s + 1])) for s in range(stages)]
 
 
 def pingpong_schedule(layout: AFDLayout, layers: int, tokens: Sequence[Sequence[int]]) -> Schedule:

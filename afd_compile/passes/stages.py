@@ -243,7 +243,7 @@ def static_rows(batch: int, stages: int) -> list[int]:
     """The sequences of each micro-batch of a static batch: the non-empty ones of
     :func:`~afd_compile.passes.pingpong.micro_batches` (every sequence the same length), so
     ``min(stages, batch)`` of them; the attention and FFN sides of a layout agree on it."""
-    from .pingpong import micro_batches
+    from ..layout import micro_batches
 
     return [end - start for start, end in micro_batches([1] * batch, stages) if end > start]
 

@@ -1,0 +1,234 @@
+"""What rank r of a layout runs: the one place that composes the passes into a rank's program.
+
+``make_worker`` (a rank splitting a graph for itself: verify, the backend, torchrun scripts) and
+``load_rewritten_worker`` (a rank running what ``afd-compile rewrite`` saved) build every program
+the rank will run, the programs of each number of micro-batch stages included, and hand them to a
+worker of :mod:`afd_compile.runtime`, which only runs them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import sympy
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from .comm import AFDCommunicator, communicator_for, register_communicator, wire_checks_from_env
+from .layout import AFDLayout
+from .passes.graph_utils import batch_symbol_dims
+from .passes.stages import (
+    check_stage_layout,
+    stage_attention_program,
+    stage_ffn_program,
+    static_batch,
+    static_rows,
+)
+from .passes.symbolic import sym_expr
+from .runtime import AttentionWorker, FFNWorker, GroupSlice, TokenCount, process_group
+from .split_api import SplitConfig, split_graph_module
+
+
+def token_count_for_graph(gm: fx.GraphModule, token_dims: Sequence[str]) -> TokenCount:
+    """A step's :class:`~afd_compile.runtime.TokenCount` from the plan's token dims (sympy
+    expressions over the graph's input symbols)."""
+    where: dict[str, tuple[int, int]] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, n in enumerate(placeholders):
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                e = sym_expr(size)
+                if e.is_Symbol and str(e) not in where:
+                    where[str(e)] = (i, d)
+    total = sympy.expand(sympy.Mul(*[sympy.sympify(t) for t in token_dims]))
+    coeff, rest = total.as_coeff_Mul()
+    dims = []
+    for factor in sympy.Mul.make_args(rest):
+        if factor == 1:
+            continue
+        if not factor.is_Symbol or str(factor) not in where:
+            raise ValueError(f"token count {total}: factor {factor} is not an input dimension")
+        dims.append(where[str(factor)])
+    return TokenCount(tuple(dims), int(coeff))
+
+
+def stage_counts(stages: int, batch: int | None) -> list[int]:
+    """The numbers of micro-batches (>= 2) a step can run staged: each of 2..stages over a dynamic
+    batch (a step with fewer sequences than stages runs fewer); over a static batch (a static KV
+    cache) its fixed micro-batches' count."""
+    if stages == 1:
+        return []
+    if batch is not None:
+        n = len(static_rows(batch, stages))
+        return [n] if n > 1 else []
+    return list(range(2, stages + 1))
+
+
+def staged_programs(program: fx.GraphModule, role: str, stages: int, batch: int | None,
+                    built: dict[int, fx.GraphModule] | None = None) -> dict[int, fx.GraphModule]:
+    """``program`` as each number of micro-batches :func:`stage_counts` allows, by the number
+    (``built``: ones already made). A static batch's program is built for ``stages`` (the pass
+    fixes its micro-batches)."""
+    build: Callable[[fx.GraphModule, int], fx.GraphModule] = (
+        stage_attention_program if role == "attention" else functools.partial(stage_ffn_program, batch=batch))
+    out = dict(built or {})
+    for k in stage_counts(stages, batch):
+        if k not in out:
+            out[k] = build(program, stages if batch is not None else k)
+    return out
+
+
+def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig | None = None,
+                device: torch.device | None = None, group: dist.ProcessGroup | None = None,
+                check_wire: bool | None = None, stages: int = 1, symm_mem: bool = True) -> AttentionWorker | FFNWorker:
+    """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id
+    (an attention rank reuses the one registered there when it matches: :func:`communicator_for`).
+    ``check_wire``: header checks on every transfer (None: ``AFD_CHECK_WIRE``; see AFDCommunicator).
+    ``stages``: micro-batches per step (passes/stages.py); every rank of the layout the same.
+    ``symm_mem``: an FFN or attention TP group on CUDA all-reduces small messages over symmetric
+    memory where it can (symm_mem.py); False: NCCL."""
+    from .passes.pingpong import check_schedule, schedule_of_programs
+    from .passes.schedule import verify_schedule
+
+    config = config or SplitConfig()
+    role, idx = layout.role_of(rank)
+    # the layout's fan-in constrains the FFN program only: an attention rank's program may have a
+    # static token count (a decode graph of a static cache)
+    result = split_graph_module(gm, config, layout=layout if role == "ffn" else None)
+    attention, ffn = result.attention, result.ffn
+    size = layout.ffn_group_size
+    groups = [process_group(g) for g in layout.ffn_groups()]  # every rank creates every group, in one order
+    attn_groups = [process_group(g) for g in layout.attention_groups()]
+    batch = static_batch(result.attention) if stages != 1 else None
+    check_stage_layout(layout, stages, batch)
+    if role == "attention" and layout.attn_tp > 1:
+        attention, counter = attention_tp_program(gm, result, layout, idx, config, attn_groups[idx // layout.attn_tp])
+    if batch is not None:  # a static batch (a static KV cache): min(stages, batch) micro-batches
+        stages_built = len(static_rows(batch, stages))
+    else:
+        stages_built = stages
+    if stages_built != 1:  # the programs of all stages built now: refused here, not at a step
+        staged = stage_attention_program(attention, stages), stage_ffn_program(ffn, stages, batch=batch)
+        verify_schedule(*staged)  # the two programs' transfers, stage by stage, in one order
+        check_schedule(schedule_of_programs(layout, *staged))  # paired in order, no deadlock
+    device = device or torch.device("cpu")
+    check = wire_checks_from_env() if check_wire is None else check_wire
+    if role == "attention" and layout.attn_tp > 1:
+        from .comm import GROUP_ATTN_TP, GROUP_TP
+        from .symm_mem import prepare_groups
+
+        own = attn_groups[idx // layout.attn_tp]
+        prepare_groups({GROUP_TP: own, GROUP_ATTN_TP: own}, device, symm_mem)
+    if role == "ffn":
+        comm = communicator_for("ffn", rank, layout.peers_of_ffn(idx), group, check, config.comm_id)
+        worker = FFNWorker(ffn, comm, device, stages=stages, static_batch=batch)
+        if size > 1:
+            from .comm import GROUP_FFN_TP, register_group
+            from .passes.ffn_tp import ffn_group_program
+            from .symm_mem import prepare_groups
+
+            ffn_group_program(ffn, layout.ffn_tp, layout.ffn_ep, idx % size)
+            worker.ffn_group = groups[idx // size]
+            register_group(GROUP_FFN_TP, worker.ffn_group)
+            prepare_groups({GROUP_FFN_TP: worker.ffn_group}, device, symm_mem)
+            worker.group_rank, worker.group_size, worker.group_input = idx % size, size, layout.ffn_tp > 1
+        worker.program = ffn.to(device)
+        # (a group's program: staged again, with its group inputs and collectives)
+        built = {stages_built: staged[1]} if stages_built != 1 and size == 1 else {}
+        worker.staged = {k: p.to(device) for k, p in staged_programs(ffn, "ffn", stages, batch, built).items()}
+        return worker
+    # one communicator per comm id, shared by every graph of this rank (prefill, decode)
+    comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id)
+    if layout.attn_tp == 1:
+        counter = token_count_for_graph(gm, result.plan.cuts[0].token_dims)
+    worker = AttentionWorker(attention.to(device), comm, counter, stages=stages,
+                             batch_dim=_stage_batch_dim(result.attention, stages), static=batch is not None)
+    built = {stages_built: staged[0]} if stages_built != 1 else {}
+    worker.staged = {k: p.to(device) for k, p in staged_programs(attention, "attention", stages, batch, built).items()}
+    return worker
+
+
+def _stage_batch_dim(program: fx.GraphModule, stages: int) -> tuple[int, int] | None:
+    """(input, dim) of the batch that micro-batch stages split: the dynamic batch symbol's first
+    place, or a static batch's (the first input's dim 0); None with one stage."""
+    if stages == 1:
+        return None
+    dims = batch_symbol_dims(program)[1]
+    return dims[0] if dims else (0, 0)
+
+
+def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, idx: int, config: SplitConfig,
+                         group: dist.ProcessGroup | None) -> tuple[fx.GraphModule, GroupSlice]:
+    """An attention rank of an attention TP group: the model sharded over the group with every
+    MLP SCATTERED over it (the scatter-mode TP rewrite with dense MLPs data-parallel: o_proj's
+    partial sum reduce-scattered to this rank's slice of the group's tokens, the residual stream
+    gathered back before the next attention), then cut: the slice is what this rank sends, so
+    each token crosses the wire once. MoE layers (whose SCATTERED mode is expert parallelism
+    inside the group) are refused for now."""
+    from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
+    from .layout import LayoutError
+    from .passes.graph_utils import propagate_meta_fresh
+    from .passes.roles import annotate_roles
+    from .passes.split import build_attention_program, plan_split
+    from .passes.tp_rewrite import shard_for_rank
+    from .scatter import TPLayout
+
+    annotate_roles(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
+                   graph_name=config.graph_name)
+    moe = sorted({n.meta["afd.role"].layer for n in gm.graph.nodes if n.target == torch.ops.aten.topk.default
+                  and n.meta["afd.role"].layer is not None})
+    if moe:
+        raise LayoutError(f"AFD layout {layout}: attention TP with MoE layers ({moe}: top-k routing) is not supported "
+                          "yet; use attn_tp=1 (the FFN side can still be ffn_tp / ffn_ep)")
+    tp = shard_for_rank(gm, TPLayout(layout.attn_tp, dense_dp=True), idx % layout.attn_tp, config.graph_name,
+                        fuse_norm=False)
+    for gid in (GROUP_TP, GROUP_ATTN_TP):
+        register_group(gid, group)
+    propagate_meta_fresh(tp.program)  # the MLPs now run on this rank's slice: their shapes change
+    annotate_roles(tp.program, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
+                   graph_name=config.graph_name)
+    plan = plan_split(tp.program, comm_id=config.comm_id, stage=config.stage, graph_name=config.graph_name,
+                      attention_only=True)
+    if [c.wire_in for c in plan.cuts] != [c.wire_in for c in result.plan.cuts]:
+        raise LayoutError(f"AFD layout {layout}: the attention TP program's wire {[str(c.wire_in) for c in plan.cuts]} "
+                          f"differs from the FFN program's {[str(c.wire_in) for c in result.plan.cuts]}")
+    total = token_count_for_graph(gm, result.plan.cuts[0].token_dims)
+    return build_attention_program(tp.program, plan), GroupSlice(total, layout.attn_tp, idx % layout.attn_tp)
+
+
+def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = None) -> AttentionWorker | FFNWorker:
+    """This rank's worker from the files ``afd-compile rewrite`` wrote (plan.json + role .pt2).
+
+    plan.json is checked field by field and each program against the sha256 it records
+    (:func:`afd_compile.saved.read_saved_plan`): a folder runs only the programs rewrite wrote
+    into it. A ``.pt2`` is code (torch unpickles it): load only folders you trust."""
+    from .programs import ProgramLoadError, load_program
+    from .saved import read_saved_plan
+
+    plan = read_saved_plan(outdir)
+    if plan.kind != "afd":
+        raise ProgramLoadError(f"{outdir}: plan.json was written by rewrite --tp (layout {plan['layout']}); "
+                               "load its rank<r>.pt2 with afd_compile.programs.load_program, not as an AFD deployment")
+    layout = AFDLayout(plan["layout"]["attention_ranks"], plan["layout"]["ffn_ranks"])
+    role, idx = layout.role_of(rank)
+    device = device or torch.device("cpu")
+    comm_id = int(plan["comm_id"])
+    # rewrite --stages S saves the unstaged programs and S; the staged ones are built here
+    stages = int(plan.get("stages", 1))
+    if role == "ffn":
+        comm = AFDCommunicator("ffn", rank, layout.peers_of_ffn(idx))
+        register_communicator(comm, comm_id)
+        program = load_program(plan.path("ffn")).module().to(device)
+        batch = plan.get("static_batch")
+        return FFNWorker(program, comm, device, stages=stages, static_batch=batch,
+                         staged=staged_programs(program, "ffn", stages, batch))
+    comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),))
+    register_communicator(comm, comm_id)
+    program = load_program(plan.path("attention")).module().to(device)
+    batch = static_batch(program) if stages != 1 else None
+    return AttentionWorker(program, comm, TokenCount.from_json(plan["token_count"]), stages=stages,
+                           batch_dim=_stage_batch_dim(program, stages), static=batch is not None,
+                           staged=staged_programs(program, "attention", stages, batch))

@@ -1,0 +1,50 @@
+"""Run programs on ``torch.distributed``: locally (forked processes) or under torchrun. The
+runtime only runs programs; what a rank runs is built by :mod:`afd_compile.deploy`.
+
+- :mod:`.dist`: joining the process group, groups created once per process, TP layouts' groups;
+- :mod:`.protocol`: the AFD workers (an attention rank's step, an FFN rank's serve loop), their
+  per-step control messages, and leaving cleanly (:func:`shutdown`);
+- :mod:`.launch`: local runs (:func:`run_local`): a forkserver, a launcher, the ranks, and the
+  supervision that names the first process that failed.
+
+Under ``torchrun`` a script calls :func:`init_distributed` (``RANK`` / ``WORLD_SIZE`` from the
+environment), builds its rank's worker with :func:`afd_compile.deploy.make_worker`, runs it and
+calls :func:`shutdown`.
+"""
+
+from __future__ import annotations
+
+from .dist import free_port, init_distributed, process_group, tp_groups
+from .launch import (
+    LOCAL_PROCESS_BYTES,
+    LOCAL_PROCESS_LIMIT_RULE,
+    PEER_GONE,
+    WORKER_PRELOAD,
+    WORKER_PRELOAD_IF_IMPORTED,
+    LauncherFailure,
+    RankFailure,
+    RunFault,
+    max_local_processes,
+    progress,
+    run_local,
+)
+from .protocol import (
+    SERVE_AT_SHUTDOWN,
+    STOP,
+    AttentionWorker,
+    ControlError,
+    FFNWorker,
+    GroupSlice,
+    TokenCount,
+    dp_step_counts,
+    finish,
+    send_control,
+    shutdown,
+)
+
+__all__ = [
+    "LOCAL_PROCESS_BYTES", "LOCAL_PROCESS_LIMIT_RULE", "PEER_GONE", "SERVE_AT_SHUTDOWN", "STOP", "WORKER_PRELOAD",
+    "WORKER_PRELOAD_IF_IMPORTED", "AttentionWorker", "ControlError", "FFNWorker", "GroupSlice", "LauncherFailure",
+    "RankFailure", "RunFault", "TokenCount", "dp_step_counts", "finish", "free_port", "init_distributed",
+    "max_local_processes", "process_group", "progress", "run_local", "send_control", "shutdown", "tp_groups",
+]

@@ -1,0 +1,72 @@
+"""Process groups: joining the world (env:// as torchrun sets it), groups created once per
+process, and the groups a TP layout's collectives need."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..scatter import TPLayout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int | None = None, world_size: int | None = None, backend: str | None = None,
+                     timeout_s: float = 120.0) -> tuple[int, int]:
+    """Join the process group (env:// as torchrun sets it). gloo on CPU, NCCL when CUDA is used."""
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+    backend = backend or ("nccl" if torch.cuda.is_available() and os.environ.get("AFD_BACKEND") != "gloo" else "gloo")
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world_size
+
+
+#: process groups created by :func:`process_group`, by (ranks, timeout): created once per process
+_GROUPS: dict[tuple[tuple[int, ...], float | None], dist.ProcessGroup] = {}
+
+
+def process_group(ranks: Sequence[int], timeout_s: float | None = None) -> dist.ProcessGroup:
+    """A process group over ``ranks`` (with ``timeout_s``, else the default timeout), created once
+    per process and reused: the backend compiles per graph, and a new group per compile would
+    open new communicators each time. Every rank must ask in the same order (``new_group`` is
+    collective); :func:`shutdown` forgets them."""
+    key = (tuple(ranks), timeout_s)
+    if key not in _GROUPS:
+        kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        _GROUPS[key] = dist.new_group(list(ranks), **kw)
+    return _GROUPS[key]
+
+
+def forget_groups() -> None:
+    """Forget the groups :func:`process_group` made (the process group is being destroyed)."""
+    _GROUPS.clear()
+
+
+def tp_groups(world: int, layouts: Sequence[TPLayout], timeout_s: float | None = None) -> dict:
+    """Every process group the cases need, created in the same order on every rank; with
+    ``timeout_s`` each is a new group with that timeout (else the world group where it fits)."""
+    groups: dict = {}
+    for lay in layouts:
+        key = ("tp", lay.tp)
+        if key not in groups:
+            whole = lay.tp == world and timeout_s is None
+            groups[key] = dist.group.WORLD if whole else process_group(range(lay.tp), timeout_s)
+        for g in range(lay.attn_dp):
+            ranks = tuple(range(g * lay.attn_tp, (g + 1) * lay.attn_tp))
+            k = ("attn", ranks)
+            if k not in groups:
+                groups[k] = groups[key] if lay.attn_tp == lay.tp else process_group(ranks, timeout_s)
+    return groups

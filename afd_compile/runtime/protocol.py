@@ -1,0 +1,466 @@
+"""The AFD worker protocol: what an attention rank and an FFN rank do each step, and how a
+rank leaves.
+
+- an **attention rank** per step sends its token count to its FFN rank (one small control message
+  per step, not per layer), then runs the attention program, whose ``afd::p2p_send`` /
+  ``afd::p2p_recv`` ops exchange hidden states with the FFN rank at every layer;
+- an **FFN rank** per step receives the token count of every attention peer, stores them as the
+  step's transfer metadata, and runs the FFN program on a ``(T, 0)`` token carrier. A count of -1
+  (:data:`STOP`) from every peer ends the loop.
+
+The workers only run programs: every program they run (each number of micro-batch stages
+included) is built before, by :mod:`afd_compile.deploy`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from ..comm import AFDCommunicator
+from ..errors import AFDCompileError
+from ..layout import micro_batches
+from ..scatter import TPLayout
+from .dist import forget_groups
+
+log = logging.getLogger("afd_compile.runtime")
+
+STOP = -1
+
+
+def shutdown(sync: bool = True) -> None:
+    """Leave the process group cleanly: free the compiled programs and their CUDA graphs first
+    (:func:`afd_compile.backend.release`; a graph that captured an NCCL operation keeps its
+    communicator from being destroyed, and the process would hang at exit), then
+    ``destroy_process_group``. ``sync`` (the normal end, every rank calling it): a barrier first,
+    so no rank closes its connections while a peer is still communicating (gloo aborted a rank at
+    exit now and then under load: "terminate called without an active exception"); pass False
+    on an error path, where the peers may never arrive: then no STOP is sent to, or heard from,
+    an AFD peer either (a peer mid-step would not take it, and this rank would wait on it until
+    the timeout)."""
+    import sys
+
+    if sync and _FAILED_STEP is not None:
+        log.warning("afd: shutdown: a step failed on this rank (%s): leaving without the STOP exchange "
+                    "and the barrier", _FAILED_STEP)
+        sync = False
+    if dist.is_initialized() and sync:
+        try:  # the FFN peers of the backend's attention communicators stop serving this rank
+            finish(at_shutdown=True)
+        except Exception as e:  # a peer already gone: nothing left to tell it
+            log.warning("afd: shutdown: could not tell an FFN rank this rank stopped: %s", e)
+        try:  # ... and the backend's FFN workers hear it (else the peers' STOP finds no receiver)
+            by_comm: dict[int, list[FFNWorker]] = {}
+            for w in SERVE_AT_SHUTDOWN:  # workers of several graphs share a communicator: serve it once
+                by_comm.setdefault(id(w.comm), []).append(w)
+            for workers in by_comm.values():
+                w = workers[-1]
+                w.left.update(*(x.left for x in workers))
+                if len(w.left) < len(w.comm.peers):
+                    w.serve()
+        except Exception as e:  # a peer already gone
+            log.warning("afd: shutdown: FFN rank could not hear every attention peer stop: %s", e)
+        SERVE_AT_SHUTDOWN.clear()
+    backend = sys.modules.get("afd_compile.backend")
+    if backend is not None:
+        backend.release()
+    forget_groups()
+    if dist.is_initialized():
+        if sync:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+#: what failed in a worker step of this process (None: nothing): a later stop() / shutdown()
+#: exchanges nothing with the peers
+_FAILED_STEP: str | None = None
+
+
+def _step_failed(what: str) -> None:
+    global _FAILED_STEP
+    if _FAILED_STEP is None:
+        _FAILED_STEP = what
+
+
+#: FFN workers the compile backend runs one step per call: :func:`shutdown` serves them until
+#: every attention peer has stopped (the peers' shutdown sends STOP)
+SERVE_AT_SHUTDOWN: list[FFNWorker] = []
+
+
+@dataclass(frozen=True)
+class TokenCount:
+    """A step's token count as ``factor * prod(inputs[i].shape[d] for i, d in dims)``."""
+
+    dims: tuple[tuple[int, int], ...]
+    factor: int = 1
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> int:
+        n = self.factor
+        for i, d in self.dims:
+            n *= int(inputs[i].shape[d])
+        return n
+
+    def to_json(self) -> dict:
+        return {"dims": [list(x) for x in self.dims], "factor": self.factor}
+
+    def describe(self, names: Sequence[str]) -> str:
+        """``input_ids.shape[0] * input_ids.shape[1]`` (``names``: the program's inputs, in order)."""
+        terms = [f"{names[i]}.shape[{d}]" for i, d in sorted(self.dims)]
+        return " * ".join(([str(self.factor)] if self.factor != 1 or not terms else []) + terms)
+
+    @staticmethod
+    def from_json(data: dict) -> TokenCount:
+        return TokenCount(tuple((int(i), int(d)) for i, d in data["dims"]), int(data["factor"]))
+
+
+@dataclass
+class AttentionWorker:
+    program: fx.GraphModule
+    comm: AFDCommunicator
+    count_tokens: TokenCount
+    stage: int = 0
+    #: micro-batch stages (passes/stages.py): the program takes one ``[b_s, 0]`` tensor per stage
+    #: after the model's inputs, ``b_s`` the sequences of micro-batch ``s``
+    stages: int = 1
+    #: (input, dim) of the batch (sequences), where ``stages`` > 1 splits it
+    batch_dim: tuple[int, int] | None = None
+    #: the batch is static (a static KV cache): the staged program's micro-batches are fixed and
+    #: it takes no ``[b_s, 0]`` inputs
+    static: bool = False
+    #: the program of k micro-batches for each k a step can take (k < stages when a step has fewer
+    #: sequences than stages: the empty micro-batches are the last ones and have no transfer)
+    staged: dict[int, fx.GraphModule] = field(default_factory=dict)
+    #: how a program runs (the compile backend compiles it): applied once per program
+    wrap: Callable[[fx.GraphModule], Callable[..., Any]] | None = None
+    runners: dict[int, Callable[..., Any]] = field(default_factory=dict)
+
+    def program_for(self, k: int) -> Callable[..., Any]:
+        """The program of ``k`` micro-batches (1: the unstaged one), as it runs."""
+        if k not in self.runners:
+            prog = self.program if k == 1 else program_of(self.staged, k, "attention")
+            self.runners[k] = self.wrap(prog) if self.wrap is not None else prog
+        return self.runners[k]
+
+    def step(self, *inputs: torch.Tensor) -> Any:
+        """One step: the control message to the FFN rank, then the program. A step that raises is
+        remembered: :meth:`stop` and :func:`shutdown` then leave without exchanging anything with
+        the peers (an FFN rank mid-step would not take a STOP, and this rank would wait on it)."""
+        try:
+            return self._step(*inputs)
+        except BaseException as e:
+            _step_failed(f"attention step: {type(e).__name__}: {e}")
+            raise
+
+    def _step(self, *inputs: torch.Tensor) -> Any:
+        slice_of = self.count_tokens if isinstance(self.count_tokens, GroupSlice) else None
+        # an attention TP rank whose slice is empty still runs: its group's collectives need it
+        total = slice_of.total(inputs) if slice_of is not None else self.count_tokens(inputs)
+        n = slice_of.of(total) if slice_of is not None else total
+        if self.stages == 1:
+            send_control(self.comm, n)
+            self.comm.set_step({self.stage: (n,)})
+            return self.program_for(1)(*inputs) if total else None
+        assert self.batch_dim is not None
+        batch = int(inputs[self.batch_dim[0]].shape[self.batch_dim[1]])
+        per_seq = total // batch if batch else 0
+        rows = [end - start for start, end in micro_batches([per_seq] * batch, self.stages)]
+        # this rank's tokens per stage: with attention TP its slice of each micro-batch's tokens
+        counts = tuple(r * per_seq if slice_of is None else slice_of.of(r * per_seq) for r in rows)
+        n = sum(counts)  # (with attention TP: the sum of its slices, each micro-batch split over the group apart)
+        send_control(self.comm, n, counts)
+        self.comm.set_step({s: (c,) for s, c in enumerate(counts)})
+        if total == 0:
+            return None
+        rows = [r for r in rows if r]
+        if len(rows) == 1:
+            return self.program_for(1)(*inputs)
+        if self.static:
+            return self.program_for(len(rows))(*inputs)
+        dev = inputs[self.batch_dim[0]].device
+        return self.program_for(len(rows))(*inputs, *(torch.empty(r, 0, device=dev) for r in rows))
+
+    def stop(self) -> None:
+        if _FAILED_STEP is not None:
+            log.warning("afd: stop: not sent, a step failed on this rank (%s)", _FAILED_STEP)
+            return
+        send_control(self.comm, STOP)
+
+
+def program_of(staged: dict[int, fx.GraphModule], k: int, role: str) -> fx.GraphModule:
+    """The program of ``k`` micro-batch stages, which the builder made (deploy.py)."""
+    if k not in staged:
+        raise RuntimeError(f"afd: {role} worker: no program of {k} micro-batch stages was built (built: "
+                           f"{sorted(staged)}); afd_compile.deploy builds one per stage count a step can take")
+    return staged[k]
+
+
+def send_control(comm: AFDCommunicator, n: int, stage_counts: Sequence[int] | None = None) -> None:
+    """An attention rank's per-step control message to its FFN rank: ``[tokens, flags]``
+    (``tokens`` = :data:`STOP`: this rank is done; it sends nothing after it), ``flags`` = the
+    wire checks (bit 0) and the micro-batch stages - 1 (bits 1 and up; 0 for one stage, so a
+    one-stage message is what it always was); with 2 or more stages a second message follows
+    with the tokens of each stage."""
+    if comm.role != "attention":
+        raise ValueError(f"afd: rank {comm.rank} is an FFN rank; only attention ranks send control messages")
+    if comm.stopped:
+        raise ControlError(f"afd: attention rank {comm.rank} already told FFN rank {comm.peers[0]} it stopped; "
+                           "it cannot run another step (a new deployment needs a new comm_id)")
+    dev = "cuda" if comm.device_transport else "cpu"
+    stages = len(stage_counts) if stage_counts is not None else 1
+    flags = int(comm.check_wire) | (stages - 1) << 1
+    dist.send(torch.tensor([n, flags], dtype=torch.int64, device=dev), comm.peers[0], group=comm.group)
+    if n == STOP:
+        comm.stopped = True
+    elif stages > 1:
+        dist.send(torch.tensor(list(stage_counts), dtype=torch.int64, device=dev), comm.peers[0], group=comm.group)
+
+
+def finish(comm_id: int | None = None, *, at_shutdown: bool = False) -> list[int]:
+    """Attention rank: tell the FFN rank(s) this rank is done (one STOP per AFD communicator, or
+    only ``comm_id``'s), so :func:`serve` on them returns once every peer has finished. Call it
+    after the last step (``generate()`` returned); :func:`shutdown` calls it for the backend's
+    communicators not stopped yet (``at_shutdown``). Returns the comm ids stopped; a communicator
+    already stopped (or an FFN one) is skipped."""
+    from ..comm import registered_communicators
+
+    done = []
+    for cid, comm in sorted(registered_communicators().items()):
+        if at_shutdown and not comm.finish_at_shutdown:
+            continue
+        if (comm_id is None or cid == comm_id) and comm.role == "attention" and not comm.stopped:
+            send_control(comm, STOP)
+            done.append(cid)
+    return done
+
+
+@dataclass
+class FFNWorker:
+    program: fx.GraphModule
+    comm: AFDCommunicator
+    device: torch.device
+    stage: int = 0
+    #: how a step's program runs: ``(per-peer counts, (T, 0) carrier) -> None``; the compile
+    #: backend replaces it to pick the program compiled for that token layout
+    run_program: Callable[[tuple[int, ...], torch.Tensor], Any] | None = None
+    #: attention peers that have stopped (sent STOP); they are not served again
+    left: set[int] = field(default_factory=set)
+    #: micro-batch stages (passes/stages.py): the program of k stages takes one ``[T_s, 0]``
+    #: tensor per stage; one for each k a step can take (stages with no token from any peer are the last ones)
+    stages: int = 1
+    staged: dict[int, fx.GraphModule] = field(default_factory=dict)
+    #: how a staged program runs (the compile backend compiles it): applied once per program
+    wrap: Callable[[fx.GraphModule], Callable[..., Any]] | None = None
+    runners: dict[int, Callable[..., Any]] = field(default_factory=dict)
+    #: this step's tokens per stage and peer: what a compiled program (a CUDA graph captures the
+    #: per-peer receive sizes) is chosen by
+    step_counts: tuple[tuple[int, ...], ...] = ()
+    #: an FFN TP group (passes/ffn_tp.py): its process group and this rank's index in it; the
+    #: program takes a second ``[group total, 0]`` input; each step the group's ranks exchange their
+    #: token counts (:meth:`_group_step`), and a rank runs while any rank of its group has a live peer
+    ffn_group: dist.ProcessGroup | None = None
+    group_rank: int = 0
+    group_size: int = 1
+    #: the program takes the group's token count as a second input (FFN TP; EP routes by all-to-all)
+    group_input: bool = False
+    #: the token counts of the group's ranks this step
+    group_counts: tuple[int, ...] = ()
+    #: with stages: per stage the group runs, each group rank's tokens in it
+    group_stage_counts: tuple[tuple[int, ...], ...] = ()
+    #: the static batch of the attention peers (a static KV cache), whose micro-batches are fixed
+    #: (passes/stages.static_rows); None: a dynamic batch
+    static_batch: int | None = None
+
+    def program_for(self, k: int) -> Callable[..., Any]:
+        """The program of ``k`` micro-batch stages (1: the unstaged one), as it runs."""
+        if k not in self.runners:
+            prog = self.program if k == 1 else program_of(self.staged, k, "FFN")
+            self.runners[k] = self.wrap(prog) if self.wrap is not None else prog
+        return self.runners[k]
+
+    def serve(self, on_step: Callable[[tuple[int, ...]], None] | None = None) -> int:
+        """Serve steps until every peer says stop; returns the number of steps served."""
+        steps = 0
+        while self.serve_one(on_step) is not None:
+            steps += 1
+        return steps
+
+    def serve_one(self, on_step: Callable[[tuple[int, ...]], None] | None = None) -> tuple[int, ...] | None:
+        """:meth:`_serve_one`; a step that raises is remembered (as :meth:`AttentionWorker.step`)."""
+        try:
+            return self._serve_one(on_step)
+        except BaseException as e:
+            _step_failed(f"FFN step: {type(e).__name__}: {e}")
+            raise
+
+    def _serve_one(self, on_step: Callable[[tuple[int, ...]], None] | None = None) -> tuple[int, ...] | None:
+        """Receive one step's per-peer token counts (the control messages of the peers still
+        running) and run the program once; returns the counts (0 for a peer that has left), or
+        None once every peer has stopped. A peer that sends STOP leaves: later steps serve the
+        others (attention ranks may finish at different steps, e.g. at EOS under ``generate()``)."""
+        dev = "cuda" if self.comm.device_transport else "cpu"
+        live = [p for p in self.comm.peers if p not in self.left]
+        bufs = [torch.empty(2, dtype=torch.int64, device=dev) for _ in live]
+        for b, p in zip(bufs, live, strict=True):
+            dist.recv(b, p, group=self.comm.group)
+        got = dict(zip(live, ([int(v) for v in b.tolist()] for b in bufs), strict=True))
+        counts = self._check_control(got)
+        per_stage = self._stage_counts(counts, dev) if self.stages > 1 and counts is not None else None
+        if self.group_size > 1:
+            counts = self._group_step(counts, per_stage)
+        if counts is None:
+            return None
+        if self.stages == 1:
+            per_stage = [counts]
+        elif per_stage is None:  # this rank's peers have all left; its group still runs
+            per_stage = [counts] * self.stages
+        self.comm.set_step({s: c for s, c in enumerate(per_stage)} if self.stages > 1 else {self.stage: counts})
+        if on_step:
+            on_step(counts)
+        if self.stages > 1 and self.group_size > 1:  # the group's stages, in lockstep (some maybe empty here)
+            k = len(self.group_stage_counts)
+            if k:
+                self.step_counts = (tuple(per_stage[:k]), self.group_stage_counts)
+                own = [torch.empty(sum(per_stage[s]), 0, device=self.device) for s in range(k)]
+                group = [torch.empty(sum(c), 0, device=self.device) for c in self.group_stage_counts]
+                self.program_for(k)(*own, *(group if self.group_input else ()))
+            return counts
+        if sum(counts):
+            if self.stages > 1:
+                live = [sum(c) for c in per_stage if sum(c)]
+                self.step_counts = tuple(c for c in per_stage if sum(c))
+                self.program_for(len(live))(*(torch.empty(t, 0, device=self.device) for t in live))
+                return counts
+            self._run(counts)
+        elif self.group_size > 1 and sum(self.group_counts):  # no token here, some in the group: join its collectives
+            self._run(counts)
+        return counts
+
+    def _run(self, counts: tuple[int, ...]) -> None:
+        """The unstaged program on this step's ``(T, 0)`` carrier (and, in an FFN TP group, the
+        group's ``(total, 0)``)."""
+        slots = [torch.empty(sum(counts), 0, device=self.device)]
+        if self.group_input:
+            slots.append(torch.empty(sum(self.group_counts), 0, device=self.device))
+        if self.run_program is not None:
+            self.run_program(counts, *slots)
+        else:
+            self.program(*slots)
+
+    def _stage_counts(self, counts: tuple[int, ...], dev: str) -> list[tuple[int, ...]]:
+        """Each live peer's tokens per stage (sent after its control message), checked against its
+        total; per stage, one count per peer (0 for a peer that left)."""
+        by_peer = {}
+        for p, n in zip(self.comm.peers, counts, strict=True):
+            if p in self.left:
+                by_peer[p] = [0] * self.stages
+                continue
+            b = torch.empty(self.stages, dtype=torch.int64, device=dev)
+            dist.recv(b, p, group=self.comm.group)
+            by_peer[p] = [int(v) for v in b.tolist()]
+            if sum(by_peer[p]) != n or min(by_peer[p]) < 0:
+                raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {p} announced {n} tokens but "
+                                   f"stage counts {by_peer[p]}")
+        return [tuple(by_peer[p][s] for p in self.comm.peers) for s in range(self.stages)]
+
+    def _group_step(self, counts: tuple[int, ...] | None,
+                    per_stage: list[tuple[int, ...]] | None = None) -> tuple[int, ...] | None:
+        """Exchange this rank's token count (and, with stages, its tokens per stage) with its FFN
+        group (-1: every peer has left) and record the group's counts for the program's
+        collectives (``comm.set_tp_step``: with stages one entry per stage the group runs, up to
+        its last stage with a token anywhere in the group: ``group_stage_counts``). Returns the
+        per-peer counts (zeros once this rank's peers have left while others of the group run),
+        or None once every rank of the group is done."""
+        from ..comm import TPStep, set_tp_step
+
+        dev = "cuda" if self.comm.device_transport else "cpu"
+        # (over a static batch B each stage's tokens are padded to a multiple of B: stages._padded_tokens)
+        pad = (lambda t: -(-t // self.static_batch) * self.static_batch) if self.static_batch else (lambda t: t)
+        stages = ([pad(sum(c)) for c in per_stage] if per_stage is not None
+                  else [0] * self.stages if self.stages > 1 else [])
+        mine = torch.tensor([-1 if counts is None else sum(counts), *stages], dtype=torch.int64, device=dev)
+        parts = [torch.empty_like(mine) for _ in range(self.group_size)]
+        dist.all_gather(parts, mine, group=self.ffn_group)
+        got = [[int(v) for v in p.tolist()] for p in parts]
+        if all(g[0] < 0 for g in got):
+            return None
+        self.group_counts = tuple(max(g[0], 0) for g in got)
+        if self.stages > 1:
+            live = [s for s in range(self.stages) if any(g[1 + s] for g in got)]
+            k = live[-1] + 1 if live else 0
+            self.group_stage_counts = tuple(tuple(g[1 + s] for g in got) for s in range(k))
+            set_tp_step([TPStep(self.group_rank, c) for c in self.group_stage_counts])
+        else:
+            set_tp_step(TPStep(self.group_rank, self.group_counts))
+        return counts if counts is not None else tuple(0 for _ in self.comm.peers)
+
+    def _check_control(self, messages: dict[int, list[int]]) -> tuple[int, ...] | None:
+        """The per-peer counts of a step from the control messages ``[tokens, check_wire]`` of
+        the peers still running (0 for a peer that left), checked: a peer sending STOP leaves;
+        None once every peer has left. A negative count or a peer whose wire checks differ from
+        this rank's is a ControlError naming the peer."""
+        for p, (n, flags) in messages.items():
+            if n == STOP:
+                self.left.add(p)
+                continue
+            check, stages = flags & 1, (flags >> 1) + 1
+            if stages != self.stages:
+                raise ControlError(f"afd: FFN rank {self.comm.rank} runs {self.stages} micro-batch stage(s), attention "
+                                   f"rank {p} {stages}; give every rank of the layout the same stages")
+            if n < 0:
+                raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {p} announced {n} tokens for "
+                                   "the next step; a token count is >= 0")
+            if bool(check) != self.comm.check_wire:
+                raise ControlError(f"afd: FFN rank {self.comm.rank} runs with wire checks "
+                                   f"{'on' if self.comm.check_wire else 'off'}, attention rank {p} with them "
+                                   f"{'on' if check else 'off'}; set AFD_CHECK_WIRE (or check_wire) alike on every rank")
+        if len(self.left) == len(self.comm.peers):
+            return None
+        return tuple(0 if p in self.left else messages[p][0] for p in self.comm.peers)
+
+
+class ControlError(AFDCompileError):
+    """A per-step control message an FFN rank cannot accept."""
+
+
+@dataclass(frozen=True)
+class GroupSlice:
+    """An attention-TP rank's token count: its slice of the group's ``total`` tokens (the group
+    shares its sequences; ``ops.group_token_sizes``' rule, the first ranks one row more)."""
+
+    total: Callable[[Sequence[torch.Tensor]], int]
+    parts: int
+    rank: int
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> int:
+        return self.of(self.total(inputs))
+
+    def of(self, total: int) -> int:
+        """This rank's slice of ``total`` group tokens (a step's, or a micro-batch's)."""
+        from ..ops import group_token_sizes
+
+        return group_token_sizes(total, self.parts)[self.rank]
+
+
+def dp_step_counts(x: Sequence[torch.Tensor], lay: TPLayout, rank: int) -> tuple[int, ...]:
+    """All TP ranks exchange their token counts (one small all-gather per step) and record the
+    step's per-DP-group counts for the DP collectives; returns them."""
+    from ..comm import GROUP_TP, TPStep, get_group, set_tp_step
+
+    own = int(x[0].numel())  # tokens of this rank's input (batch x sequence)
+    group = get_group(GROUP_TP)
+    dev = x[0].device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(lay.tp)]
+    dist.all_gather(counts, torch.tensor([own], device=dev), group=group)
+    per_rank = [int(c) for c in counts]
+    groups = [per_rank[i * lay.attn_tp] for i in range(lay.attn_dp)]
+    for r, c in enumerate(per_rank):
+        if c != groups[lay.attn_dp_rank(r)]:
+            raise RuntimeError(f"ranks of attention DP group {lay.attn_dp_rank(r)} disagree on tokens: {per_rank}")
+    set_tp_step(TPStep(lay.attn_dp_rank(rank), tuple(groups)))
+    return tuple(groups)
