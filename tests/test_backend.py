@@ -89,7 +89,7 @@ def test_afd_compile_checks_the_options_before_torch_compile():
 
 
 def test_module_paths_of_lifted_parameters():
-    from afd_compile.backend import _module_path
+    from afd_compile.backend.lift import _module_path
 
     name = "l_self_modules_model_modules_layers_modules_0_modules_self_attn_modules_q_proj_parameters_weight_"
     assert _module_path(name) == "model.layers.0.self_attn.q_proj.weight"
@@ -132,7 +132,7 @@ def _in_backend(model: torch.nn.Module, ids: torch.Tensor, fn, **compile_options
 
 
 def test_parameters_are_found_by_dynamos_source_whatever_forward_calls_self():
-    from afd_compile.backend import _Lifted
+    from afd_compile.backend.lift import Lifted as _Lifted
 
     slots = _in_backend(_ThisNamed(), torch.randint(0, 16, (2, 5)), lambda gm, x: _Lifted(gm, x).slots, dynamic=True)
     assert [v for k, v in slots if k == "attr"] == ["emb.weight", "blocks.0.weight", "blocks.0.bias"], slots
@@ -148,7 +148,7 @@ def test_parameters_are_found_by_dynamos_source_whatever_forward_calls_self():
     ("l_input_ids_", False), ("l_kwargs_scale_", False),  # the caller's own inputs stay inputs
 ])
 def test_which_0d_graph_inputs_are_constants_of_the_model(name, constant):
-    from afd_compile.backend import _CONSTANT_SOURCE
+    from afd_compile.backend.lift import _CONSTANT_SOURCE
 
     assert bool(_CONSTANT_SOURCE.search(name)) is constant
 
@@ -291,7 +291,7 @@ def test_release_drops_every_compiled_layout(exported):
 
 def test_a_program_inductor_cannot_compile_is_dumped_with_its_inputs(tmp_path, monkeypatch):
     # AFD_DUMP_DIR: the program and what it was called with, for a bug report
-    from afd_compile.backend import _dump_program
+    from afd_compile.backend.compiled import _dump_program
 
     gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 3))
     monkeypatch.setenv("AFD_DUMP_DIR", str(tmp_path))
@@ -303,7 +303,8 @@ def test_a_program_inductor_cannot_compile_is_dumped_with_its_inputs(tmp_path, m
 
 def _dynamo_program(model: torch.nn.Module, ids: torch.Tensor) -> torch.fx.GraphModule:
     """The program the backend makes of the graph dynamo hands it (one process, no layout)."""
-    from afd_compile.backend import _export, _Lifted
+    from afd_compile.backend.lift import Lifted as _Lifted
+    from afd_compile.backend.lift import export_lifted as _export
 
     def program(gm, examples):
         lifted = _Lifted(gm, examples)

@@ -92,7 +92,8 @@ def _cached_graphs(family: str, static: bool = True, **overrides: object) -> lis
     import transformers
     from torch._guards import tracing
 
-    from afd_compile.backend import _export, _Lifted
+    from afd_compile.backend.lift import Lifted as _Lifted
+    from afd_compile.backend.lift import export_lifted as _export
     from afd_compile.models import FAMILIES
 
     cls, cfg_cls, kwargs = FAMILIES[family]

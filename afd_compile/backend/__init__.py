@@ -1,0 +1,377 @@
+"""``torch.compile(model, backend="afd", options={...})``: the afd-compile passes as a dynamo backend.
+
+Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so no import is
+needed after ``pip install``. Per graph dynamo captures, on every rank:
+
+1. **lift**: dynamo hands the graph with parameters and buffers as inputs; they become attributes
+   of a module again (named after their module path, ``model.layers.0.mlp.up_proj.weight``) and
+   the graph is exported to ATen (``torch.export``, batch dim dynamic) — the same IR the CLI reads;
+2. **distribute**: the passes for this rank's role: ``tp`` -> the sharded program with its
+   collectives (scatter modes), ``attention``/``ffn`` -> this rank's AFD program;
+3. **compile**: Inductor compiles the rank's program, once per token layout (input shapes, and
+   for DP attention / an FFN rank the step's per-group or per-peer token counts): a new layout is
+   compiled (and on CUDA graph-captured) on first sight, logged and counted in
+   :data:`STATS`; layouts never share a compiled program, so two layouts cannot replay each
+   other's CUDA graph.
+
+Options (all optional)::
+
+    tp, attn_dp        tensor parallelism over all ranks (tp must equal the world size)
+    moe_a2a, dense_dp  SCATTERED MLPs: MoE experts split over the TP group with all-to-all, or
+                       data-parallel dense MLPs (as the CLI's --moe-a2a / --dense-dp)
+    vocab_parallel     TP: split the LM head by vocabulary over the attention TP group, logits
+                       all-gathered (default False: the head whole on every rank; as the CLI's
+                       --vocab-parallel)
+    attention, ffn     AFD: the first `ffn` ranks serve FFN, the rest attention (world = A + F)
+    rank, world_size   default: RANK / WORLD_SIZE from the environment (torchrun)
+    inductor           compile each program with Inductor (default True; False: run the FX program)
+    cudagraphs         capture CUDA graphs (default: on CUDA, yes unless a program holds an op that
+                       synchronises with the host (HOST_SYNC_OPS): then that program runs without
+                       capture, with a warning, counted in STATS["cudagraphs_off"]; True refuses such a
+                       program; False never captures)
+    policy             role policy: default | module_path | structural
+    comm_id            AFD communicator id (two AFD-compiled models in one process need two ids)
+    timeout_s          how long a rank waits for a peer before failing: the backend's process groups
+                       get this timeout (default: the initialised group's)
+    decode_attention   "auto" (default), "flex" or "sdpa": "flex" runs attention over a static KV cache
+                       (a decode program that updates its cache in place) as FlexAttention reading
+                       only the filled blocks of the cache (passes/decode_attention.py); "sdpa" keeps
+                       the model's attention; "auto" is "flex" for programs on CUDA under a layout
+                       (measured 4.8x faster per decode step at batch 64 x context 4096 on an H200,
+                       BENCHMARKS.md) and "sdpa" on CPU (Inductor's CPU flex template does not
+                       compile many decode shapes). With no layout only "flex" applies the pass
+    stages             AFD: micro-batches per step (default 1): each step's sequences split into S
+                       micro-batches run interleaved layer by layer, the attention rank computing
+                       micro-batch s + 1 while the FFN rank computes s (passes/stages.py); every
+                       rank the same S; with a KV cache each micro-batch its own cache rows;
+                       composes with ffn_tp / ffn_ep and attn_tp
+    symm_mem           on CUDA, all-reduce small messages (TP junctions, AFD's TP groups) in one one-shot
+                       kernel over symmetric memory where the group's GPUs reach each other, NCCL
+                       above AFD_SYMM_MEM_MAX_BYTES (default 2 MiB) (afd_compile/symm_mem.py); where
+                       it is unavailable NCCL, logged once per group with the reason (default True;
+                       False: NCCL for every all-reduce)
+    check_wire         AFD: a check header ahead of every transfer (default: AFD_CHECK_WIRE; see
+                       afd_compile.comm.AFDCommunicator); every rank must agree; not with CUDA graphs
+                       (the comparison runs on the host): needs cudagraphs=False on CUDA
+
+Every option is checked (type, range, rank / world size against the live process group) before
+anything runs: a wrong value is a BackendOptionError naming the option.
+
+With no layout (or one process and ``tp=1``) the backend is Inductor itself, with a log line
+saying no distribution was applied; with ``decode_attention="flex"`` it applies that pass alone
+(one GPU, no distribution). On an FFN rank each call of the compiled model serves one
+step for its attention peers (the inputs are ignored) and returns empty tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .compiled import (
+    HOST_SYNC_OPS,
+    STATS,
+    PerLayout,
+    host_syncs,
+    layout_key,
+    release,
+    returned_state,
+    source_id,
+)
+from .lift import Lifted, export_lifted, is_dynamic, is_static_address
+from .options import BackendOptionError, BackendOptions, check_options
+
+log = logging.getLogger("afd_compile.backend")
+
+
+def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str, device: torch.device) -> None:
+    """The decode-attention pass on a rank's program (option ``decode_attention``: "flex", or
+    "auto" on CUDA), logged."""
+    if not (opts.decode_attention == "flex" or opts.decode_attention == "auto" and device.type == "cuda"):
+        return
+    from ..passes.decode_attention import replace_decode_attention
+
+    records = replace_decode_attention(program)
+    if records:
+        done = sum(r.replaced for r in records)
+        left = sorted({r.why for r in records if not r.replaced})
+        log.info("afd: %s: decode attention: %d of %d SDPA over the KV cache run as FlexAttention%s", name, done,
+                 len(records), f" (left: {'; '.join(left)})" if left else "")
+
+
+def _device_of(xs: Sequence[Any]) -> torch.device:
+    return next((x.device for x in xs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+
+
+def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None,
+                **kwargs: Any) -> Callable[..., Any]:
+    """The ``afd`` dynamo backend (see the module docstring for the options)."""
+    if kwargs:
+        raise BackendOptionError(f"afd backend: unexpected arguments {sorted(kwargs)} (use options={{...}})")
+    opts = check_options(options)
+    rank, world = opts.resolved()
+    STATS["graphs"] += 1
+    if opts.mode == "none" and opts.decode_attention != "flex":
+        STATS["no_layout"] += 1  # said once per process (as a warning), then per graph at INFO
+        (log.warning if STATS["no_layout"] == 1 else log.info)(
+            "afd: no layout given (tp=1, no attention/ffn ranks): no distribution applied; compiling "
+            "with Inductor" if opts.inductor else "afd: no layout given: no distribution applied")
+        if not opts.inductor:
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, list(example_inputs))
+    device = _device_of(example_inputs)
+    # None on CUDA: capture unless a program holds an op that cannot be captured (PerLayout)
+    cudagraphs = (None if device.type == "cuda" else False) if opts.cudagraphs is None else opts.cudagraphs
+    from torch._guards import tracing
+
+    # export and the passes run in a context of their own: dynamo's tracing context (its fake
+    # mode, its guards) belongs to the frame being compiled
+    with tracing(None):
+        run, lifted = _distribute(gm, example_inputs, opts, rank, world, device, cudagraphs)
+    runs = {lifted.const_key(example_inputs): (run, lifted.user_positions)}
+
+    def call(*args: Any) -> Any:
+        STATS["calls"] += 1
+        key = lifted.const_key(args)
+        if key not in runs:  # an int argument with a value not compiled yet (dynamo made it symbolic)
+            log.info("afd: rank %d: int inputs / static-address input shapes %s: compiling this graph for them",
+                     rank, key)
+            with tracing(None):  # (this call's args as examples: the first call's are not kept alive)
+                new_run, new_lifted = _distribute(gm, list(args), opts, rank, world, device, cudagraphs)
+            runs[key] = (new_run, new_lifted.user_positions)
+        run, positions = runs[key]
+        return run(*[args[i] for i in positions])
+
+    return call
+
+
+def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, rank: int, world: int,
+                device: torch.device, cudagraphs: bool | None) -> tuple[Callable[..., Any], Lifted]:
+    lifted = Lifted(gm, example_inputs)
+    user = [example_inputs[i] for i in lifted.user_positions]
+    t0 = time.perf_counter()
+    ep = export_lifted(lifted, user)
+    log.info("afd: rank %d: exported dynamo graph (%d nodes) in %.1fs", rank, len(ep.graph.nodes),
+             time.perf_counter() - t0)
+    key = layout_key(opts, rank, world)
+    ffn_rank = opts.mode == "afd" and rank < opts.ffn
+    if not is_dynamic(ep) and (opts.attn_dp > 1 or ffn_rank):
+        raise BackendOptionError(
+            f"afd backend: rank {rank}: {'DP attention' if opts.attn_dp > 1 else 'an AFD FFN rank'} runs programs over a "
+            "token count that changes per step (set by other ranks), so it needs a graph with a dynamic batch: "
+            "torch.compile(model, backend='afd', dynamic=True, options=...), and a first call whose batch and "
+            "sequence are >= 2 (dynamo specialises dims of size 0 and 1)")
+    static = [lifted.user_positions.index(p) for p in lifted.static_positions]  # as program inputs
+    if opts.mode == "none":  # one process: only the decode-attention pass
+        prog = ep.module().to(device)
+        _decode_attention(prog, opts, "one process", device)
+        one = PerLayout(prog, key, opts.inductor, cudagraphs, "one process", static)
+        run = lambda *x: one(tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)), *x)  # noqa: E731
+    else:
+        from ..passes.roles import FusedLayerError, NoStructureError
+
+        try:
+            if opts.mode == "tp":
+                run = _tp_runner(ep, opts, rank, world, key, cudagraphs, device, static, user)
+            else:
+                run = _afd_runner(ep, opts, rank, world, key, cudagraphs, device, gm, static)
+        except FusedLayerError:
+            raise
+        except NoStructureError as e:
+            raise NoStructureError(
+                f"{e}. Each graph dynamo hands the backend must hold whole decoder layers: a graph break "
+                "inside a layer (TORCH_LOGS=graph_breaks lists them; e.g. a data-dependent op such as "
+                "torch.where or nonzero in an MoE's expert loop) splits it. "
+                "torch._dynamo.config.capture_dynamic_output_shape_ops = True keeps such ops in the graph") from None
+    return run, lifted
+
+
+def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
+               cudagraphs: bool | None, device: torch.device, static: Sequence[int] = (),
+               examples: Sequence[Any] = ()) -> Callable[..., Any]:
+    from ..comm import GROUP_ATTN_TP, GROUP_TP, register_group
+    from ..passes.local_state import hold_local_states
+    from ..passes.roles import POLICIES, annotate_roles
+    from ..passes.tp_rewrite import check_any_token_total, shard_for_rank
+    from ..runtime import dp_step_counts, tp_groups
+    from ..scatter import TPLayout
+    from ..state_store import bind_inputs, bind_outputs
+    from ..symm_mem import prepare_groups
+
+    layout = TPLayout(opts.tp, opts.attn_dp, moe_a2a=opts.moe_a2a, dense_dp=opts.dense_dp,
+                      vocab_parallel=opts.vocab_parallel)
+    groups = tp_groups(world, [layout], timeout_s=opts.timeout_s)
+    register_group(GROUP_TP, groups[("tp", layout.tp)])
+    register_group(GROUP_ATTN_TP, groups[("attn", layout.attn_tp_group(rank))])
+    prepare_groups({GROUP_TP: groups[("tp", layout.tp)], GROUP_ATTN_TP: groups[("attn", layout.attn_tp_group(rank))]},
+                   device, opts.symm_mem)
+    gm = ep.module()
+    annotate_roles(gm, POLICIES[opts.policy], graph_name="dynamo")
+    t0 = time.perf_counter()
+    tp = shard_for_rank(gm, layout, rank, graph_name="dynamo")
+    prog = tp.program.to(device)
+    if layout.attn_dp > 1:
+        check_any_token_total(prog, list(examples), f"rank {rank}")
+    held = hold_local_states(prog, [s.node for s in tp.shards.states])  # the rank's heads only
+    for h in held:
+        log.info("afd: rank %d: KV cache %s", rank, h)
+    _decode_attention(prog, opts, f"rank {rank} tp", device)
+    log.info("afd: rank %d: %s program in %.1fs", rank, layout, time.perf_counter() - t0)
+    compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp", static)
+
+    def run(*user: torch.Tensor) -> Any:
+        shapes = tuple(tuple(x.shape) for x in user)
+        inputs = bind_inputs(held, user) if held else user
+        if layout.attn_dp == 1:
+            out = compiled(shapes, *inputs)
+        else:
+            counts = dp_step_counts(user, layout, rank)  # one small all-gather per step
+            out = compiled((shapes, counts), *inputs, torch.empty(sum(counts), 0, device=device))
+        return bind_outputs(held, user, out) if held else out
+
+    return run
+
+
+def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
+                cudagraphs: bool | None, device: torch.device, gm: fx.GraphModule | None,
+                static: Sequence[int] = ()) -> Callable[..., Any]:
+    from ..deploy import make_worker
+    from ..layout import AFDLayout
+    from ..passes.roles import POLICIES
+    from ..runtime import AttentionWorker
+    from ..split_api import SplitConfig
+
+    layout = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp, opts.ffn_ep, opts.attn_tp)  # (check_options: valid)
+    from ..comm import wire_checks_from_env
+
+    check = wire_checks_from_env() if opts.check_wire is None else opts.check_wire
+    if check and cudagraphs is not False:
+        raise BackendOptionError(
+            f"afd backend: rank {rank}: wire checks (check_wire / AFD_CHECK_WIRE=1) compare headers on the host, "
+            "which a CUDA graph cannot capture nor replay; pass cudagraphs=False with them, or turn them off")
+    config = SplitConfig(policy=POLICIES[opts.policy], graph_name="dynamo", comm_id=opts.comm_id)
+    group = None
+    if opts.timeout_s is not None:  # a group of its own, with the asked-for timeout (one per process)
+        from ..runtime import process_group
+
+        group = process_group(range(world), opts.timeout_s)
+    worker = make_worker(ep.module(), layout, rank, config, device=device, group=group, check_wire=check,
+                         stages=opts.stages, symm_mem=opts.symm_mem)
+    if isinstance(worker, AttentionWorker):
+        _decode_attention(worker.program, opts, f"rank {rank} attention", device)
+        worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called
+
+        def wrap(prog: fx.GraphModule) -> Callable[..., Any]:  # one compiled program per input shapes
+            compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} attention", static)
+            return lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)
+
+        worker.wrap = wrap
+        return worker.step
+    from ..runtime import SERVE_AT_SHUTDOWN
+
+    SERVE_AT_SHUTDOWN.append(worker)  # runtime.shutdown() hears the peers stop
+    compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
+    # one compiled program per per-peer counts (and, in an FFN TP group, the group's counts)
+    worker.run_program = lambda counts, *slots: compiled_ffn((counts, worker.group_counts), *slots)  # type: ignore[attr-defined]
+
+    def wrap_ffn(prog: fx.GraphModule) -> Callable[..., Any]:
+        # staged: one compiled program per tokens of each stage and peer (not only per stage:
+        # a CUDA graph replays the per-peer receive sizes it captured)
+        compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
+        return lambda *slots: compiled(worker.step_counts, *slots)
+
+    worker.wrap = wrap_ffn
+    outs = [n for n in (gm or ep.graph_module).graph.nodes if n.op == "output"][0].args[0]
+    n_out = len(outs) if isinstance(outs, (list, tuple)) else 1
+
+    def serve_one(*user: torch.Tensor) -> Any:
+        worker.serve_one()
+        empty = torch.empty(0, device=device)
+        return tuple(empty for _ in range(n_out)) if isinstance(outs, (list, tuple)) else empty
+
+    serve_one.worker = worker  # type: ignore[attr-defined]
+    return serve_one
+
+
+def _ffn_export(model: torch.nn.Module, example_inputs: tuple | None,
+                example_kwargs: dict[str, Any] | None) -> torch.export.ExportedProgram:
+    """The FFN rank's graph of ``model``: the same layers and MLPs the attention ranks' graphs
+    hold, exported with every input dim of size >= 2 dynamic (the FFN program's token count is
+    symbolic). Default example: ``input_ids`` of shape (2, 4) without a cache (``use_cache=False``),
+    the call of a transformers causal LM; other models pass ``example_inputs``."""
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    module = model
+    if example_inputs is None and example_kwargs is None:
+        if not hasattr(model, "config"):
+            raise BackendOptionError(
+                f"afd serve: {type(model).__name__} is not a transformers model (no .config); pass "
+                "example_inputs (a tuple of tensors the model's forward takes, of the kind the attention ranks pass)")
+        from ..models import LogitsOnly
+
+        module = LogitsOnly(model)
+        example_inputs = (torch.zeros(2, 4, dtype=torch.long, device=device),)
+    args = tuple(example_inputs or ())
+    kwargs = dict(example_kwargs or {})
+
+    def dims(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return {d: torch.export.Dim.AUTO for d, n in enumerate(x.shape) if n >= 2} or None
+        return None
+
+    shapes = (tuple(dims(a) for a in args), {k: dims(v) for k, v in kwargs.items()})
+    with torch.no_grad():
+        if kwargs:
+            return torch.export.export(module, args, kwargs, dynamic_shapes=shapes)
+        return torch.export.export(module, args, dynamic_shapes=shapes[0])
+
+
+def serve(model: torch.nn.Module, options: dict[str, Any], example_inputs: tuple | None = None,
+          example_kwargs: dict[str, Any] | None = None) -> int:
+    """Run an FFN rank of an AFD deployment: serve the attention ranks step by step until every
+    one has finished (:func:`afd_compile.runtime.finish`, or its shutdown), whatever the number of
+    steps and wherever each stops (EOS under ``generate()``); returns the steps served.
+
+    ``options`` are the backend's (``attention``, ``ffn``, ``comm_id``, ``inductor``,
+    ``cudagraphs``, ``timeout_s``, ``check_wire``, ``policy``), the same as the attention ranks'
+    ``torch.compile(..., backend="afd", options=...)``. The FFN rank builds its program from its
+    own export of ``model`` (see :func:`_ffn_export`): it never runs attention, so it allocates no
+    KV cache; one program serves prefill and decode steps (compiled per token layout)."""
+    opts = check_options(options)
+    rank, world = opts.resolved()
+    if opts.mode != "afd":
+        raise BackendOptionError(f"afd serve: options {options} give no AFD layout (attention, ffn); only an FFN "
+                                 "rank of an AFD deployment serves")
+    from ..layout import AFDLayout
+
+    role, _ = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp, opts.ffn_ep, opts.attn_tp).role_of(rank)
+    if role != "ffn":
+        raise BackendOptionError(f"afd serve: rank {rank} is an attention rank of layout attention={opts.attention}, "
+                                 f"ffn={opts.ffn} (FFN ranks are 0..{opts.ffn - 1}); attention ranks run the model "
+                                 "(generate()) and call afd_compile.runtime.finish() after it")
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise BackendOptionError("afd serve: needs torch.distributed initialised first "
+                                 "(torchrun + afd_compile.runtime.init_distributed())")
+    t0 = time.perf_counter()
+    ep = _ffn_export(model, example_inputs, example_kwargs)
+    log.info("afd: rank %d: exported the FFN rank's graph (%d nodes) in %.1fs", rank, len(ep.graph.nodes),
+             time.perf_counter() - t0)
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    cudagraphs = (None if device.type == "cuda" else False) if opts.cudagraphs is None else opts.cudagraphs
+    run = _afd_runner(ep, opts, rank, world, layout_key(opts, rank, world), cudagraphs, device, None)
+    worker = run.worker  # type: ignore[attr-defined]
+    steps = worker.serve()
+    log.info("afd: rank %d: served %d steps; every attention peer finished", rank, steps)
+    return steps
+
+
+__all__ = ["HOST_SYNC_OPS", "STATS", "BackendOptionError", "BackendOptions", "PerLayout", "afd_backend",
+           "check_options", "host_syncs", "is_static_address", "release", "returned_state", "serve", "source_id"]

@@ -1,0 +1,159 @@
+"""The backend's options: their types and ranges (:data:`_OPTION_TYPES`), the parsed
+:class:`BackendOptions`, and :func:`check_options` (every check that needs no graph)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import AFDCompileError
+
+
+class BackendOptionError(AFDCompileError):
+    pass
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+#: per option: (check, what it must be)
+_OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "attn_dp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "moe_a2a": (lambda v: isinstance(v, bool), "a bool"),
+    "dense_dp": (lambda v: isinstance(v, bool), "a bool"),
+    "vocab_parallel": (lambda v: isinstance(v, bool), "a bool"),
+    "attention": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "ffn": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "rank": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an int >= 0"),
+    "world_size": (lambda v: v is None or (_is_int(v) and v >= 1), "None or an int >= 1"),
+    "inductor": (lambda v: isinstance(v, bool), "a bool"),
+    "cudagraphs": (lambda v: v is None or isinstance(v, bool), "None or a bool"),
+    "policy": (lambda v: isinstance(v, str), "a str"),
+    "comm_id": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "timeout_s": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                          and math.isfinite(v) and v > 0), "None or a finite number of seconds > 0"),
+    "check_wire": (lambda v: v is None or isinstance(v, bool), "None or a bool"),
+    "decode_attention": (lambda v: v in ("auto", "flex", "sdpa"), "'auto', 'flex' or 'sdpa'"),
+    "stages": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "ffn_tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "ffn_ep": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "attn_tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "symm_mem": (lambda v: isinstance(v, bool), "a bool"),
+}
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    tp: int = 1
+    attn_dp: int = 1
+    moe_a2a: bool = False
+    dense_dp: bool = False
+    vocab_parallel: bool = False
+    attention: int = 0
+    ffn: int = 0
+    rank: int | None = None
+    world_size: int | None = None
+    inductor: bool = True
+    cudagraphs: bool | None = None
+    policy: str = "default"
+    comm_id: int = 0
+    timeout_s: float | None = None
+    check_wire: bool | None = None
+    decode_attention: str = "auto"
+    stages: int = 1
+    ffn_tp: int = 1
+    ffn_ep: int = 1
+    attn_tp: int = 1
+    symm_mem: bool = True
+
+    @staticmethod
+    def parse(options: dict[str, Any] | None) -> BackendOptions:
+        options = dict(options or {})
+        names = {f.name for f in dataclasses.fields(BackendOptions)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise BackendOptionError(f"afd backend: unknown option(s) {unknown}; known: {sorted(names)}")
+        for name, value in options.items():
+            ok, what = _OPTION_TYPES[name]
+            if not ok(value):
+                raise BackendOptionError(f"afd backend: option {name}={value!r} ({type(value).__name__}) must be {what}")
+        opts = BackendOptions(**options)
+        if opts.tp > 1 and (opts.attention or opts.ffn):
+            raise BackendOptionError("afd backend: give either a TP layout (tp, attn_dp) or an AFD layout "
+                                     "(attention, ffn), not both")
+        if opts.attn_dp > 1 and opts.tp == 1:
+            raise BackendOptionError(f"afd backend: attn_dp={opts.attn_dp} needs a TP layout (tp > 1)")
+        if (opts.moe_a2a or opts.dense_dp) and opts.tp == 1:
+            raise BackendOptionError("afd backend: moe_a2a / dense_dp need a TP layout (tp > 1)")
+        if opts.vocab_parallel and opts.tp == 1:
+            raise BackendOptionError("afd backend: vocab_parallel applies to a TP layout (tp > 1) only")
+        if bool(opts.attention) != bool(opts.ffn):
+            raise BackendOptionError(f"afd backend: AFD needs both attention and ffn ranks (attention="
+                                     f"{opts.attention}, ffn={opts.ffn})")
+        if opts.check_wire is not None and not opts.attention:
+            raise BackendOptionError("afd backend: check_wire applies to an AFD layout (attention, ffn) only")
+        for name in ("ffn_tp", "ffn_ep", "attn_tp"):
+            if getattr(opts, name) > 1 and not opts.attention:
+                raise BackendOptionError(f"afd backend: {name}={getattr(opts, name)} applies to an AFD layout "
+                                         "(attention, ffn) only")
+        if opts.stages > 1 and not opts.attention:
+            raise BackendOptionError(f"afd backend: stages={opts.stages} applies to an AFD layout (attention, ffn) only")
+        from ..passes.roles import POLICIES
+
+        if opts.policy not in POLICIES:
+            raise BackendOptionError(f"afd backend: unknown policy {opts.policy!r} (known: {sorted(POLICIES)})")
+        return opts
+
+    @property
+    def mode(self) -> str:
+        return "afd" if self.attention else "tp" if self.tp > 1 or self.attn_dp > 1 else "none"
+
+    def resolved(self) -> tuple[int, int]:
+        """(rank, world size): the live process group's when there is one (a ``rank`` /
+        ``world_size`` option must then agree with it), else the options, else RANK / WORLD_SIZE."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            live = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+            for name, value in live.items():
+                given = getattr(self, name)
+                if given is not None and given != value:
+                    raise BackendOptionError(f"afd backend: option {name}={given}, but this process is {name} "
+                                             f"{value} of the initialised process group")
+            return live["rank"], live["world_size"]
+        rank = self.rank if self.rank is not None else int(os.environ.get("RANK", "0"))
+        world = self.world_size if self.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        return rank, world
+
+
+def check_options(options: dict[str, Any] | None) -> BackendOptions:
+    """Every check of the options that needs no graph: types and ranges, the layout itself, the
+    live process group against it (initialised, rank and world size). Raises BackendOptionError.
+    :func:`afd_compile.compile` runs it before ``torch.compile``, so a bad option is one error in the
+    caller's frame, not a failure dynamo wraps at the first call."""
+    import torch.distributed as dist
+
+    opts = BackendOptions.parse(options)
+    rank, world = opts.resolved()
+    if opts.mode != "none" and not dist.is_initialized():
+        raise BackendOptionError(f"afd backend: layout {opts.mode} needs torch.distributed initialised on every "
+                                 "rank first (torchrun + afd_compile.runtime.init_distributed())")
+    if opts.mode == "tp" and opts.tp != world:
+        raise BackendOptionError(f"afd backend: tp={opts.tp} must equal the world size ({world})")
+    if opts.mode == "afd":
+        from ..layout import AFDLayout, LayoutError
+
+        try:
+            layout = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp, opts.ffn_ep, opts.attn_tp)
+        except LayoutError as e:
+            raise BackendOptionError(f"afd backend: {e}") from None
+        if layout.world_size != world:
+            raise BackendOptionError(f"afd backend: attention={opts.attention} + ffn={opts.ffn} ranks must equal the "
+                                     f"world size ({world})")
+    return opts
