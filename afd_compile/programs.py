@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from . import moe as _moe  # noqa: F401  (afd::moe_experts)
 from . import ops as _ops  # noqa: F401  (torch.export.load needs afd:: registered)
 from .errors import AFDCompileError
 from .passes import fuse_norm as _fuse_norm  # noqa: F401  (afd::all_reduce_add_rms_norm)

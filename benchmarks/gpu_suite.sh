@@ -25,6 +25,9 @@
 #           1A1F, Llama and Qwen3-MoE, tokens against one-GPU generate(); then
 #           benchmarks/decode_step.py (decode step time vs one GPU and the HBM floor) and
 #           benchmarks/decode_attention_kernel.py (one layer: masked SDPA vs FlexAttention vs the KV-read floor)
+# moe:      (only when named; a 1-GPU host; also in "one") benchmarks/moe_ffn.py: the FFN side of a
+#           Qwen3-30B-A3B-shaped MoE per expert form (transformers' grouped_mm / batched_mm, the
+#           afd::moe_experts op) against its HBM floor; benchmarks/moe_kernels.py: the op's pieces alone
 # one:      (only when named; a 1-GPU host) decode attention on one GPU: examples/generate.py with no
 #           layout and --decode-attention flex (Llama, Qwen3-MoE; bf16 tokens against generate()),
 #           decode_step.py's one-GPU columns (reduce-overhead vs the afd backend with the pass), and
@@ -140,6 +143,10 @@ if [[ $SECTIONS == *" one "* ]]; then
   TAIL=8 run one_decode_attention_kernel python3 benchmarks/decode_attention_kernel.py --out "$OUT/one_decode_attention_kernel.json"
   # one rank: symmetric-memory setup, capture and dispatch of the junction (the sum of one partial)
   TAIL=14 run one_junction $T1 benchmarks/junction.py --tokens 8,64 --out "$OUT/one_junction.json"
+fi
+if [[ $SECTIONS == *" one "* || $SECTIONS == *" moe "* ]]; then  # issue 34: the MoE FFN side on one GPU
+  TAIL=8 run one_moe_ffn python3 benchmarks/moe_ffn.py --json "$OUT/one_moe_ffn.json"
+  TAIL=9 run one_moe_kernels python3 benchmarks/moe_kernels.py --json "$OUT/one_moe_kernels.json"
 fi
 if want decode; then
   export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}

@@ -1,0 +1,124 @@
+"""Where the MoE op's time goes on one GPU (issue 34): each piece of ``afd::moe_experts``' grouped
+path alone, in a CUDA graph, against its own HBM floor (the bytes of the experts the tokens chose).
+
+One layer of a Qwen3-30B-A3B-shaped MoE (hidden 2048, 128 experts, top 8, moe_intermediate 768),
+bf16, T tokens with random routing: ``torch._grouped_mm`` for the gate/up and the down projection
+(the stacked weights as transposed views, ``colmajorB``, and made contiguous the other way,
+``rowmajorB``), the sort / gather / offsets, and the whole grouped path. Prints a table, writes
+JSON (``--json``).
+
+    python benchmarks/moe_kernels.py --json $OUT/moe_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+
+EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
+
+
+def time_us(fn: Callable[[], object], iters: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(iters):
+            fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.Generator) -> dict:
+    from afd_compile.moe import grouped
+
+    dev = wgu.device
+    x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16, generator=g)
+    ids = torch.stack([torch.randperm(EXPERTS, device=dev, generator=g)[:TOP_K] for _ in range(t)])
+    w = torch.rand(t, TOP_K, device=dev, generator=g).bfloat16()
+    flat = ids.reshape(-1)
+    experts, perm = torch.sort(flat)
+    offs = torch.cumsum(torch.bincount(flat, minlength=EXPERTS), 0, dtype=torch.int32)
+    h = x[perm // TOP_K]
+    a = torch.randn(t * TOP_K, INTER, device=dev, dtype=torch.bfloat16, generator=g)
+    wgu_rm, wd_rm = wgu.transpose(-2, -1).contiguous(), wd.transpose(-2, -1).contiguous()
+    touched = int(torch.unique(ids).numel())
+    floors = {"gate_up": touched * 2 * INTER * HIDDEN * 2 / bw * 1e6, "down": touched * INTER * HIDDEN * 2 / bw * 1e6}
+    floors["all"] = floors["gate_up"] + floors["down"]
+
+    def sort_gather() -> object:
+        e, p = torch.sort(flat)
+        counts = torch.zeros(EXPERTS, dtype=torch.int32, device=dev).scatter_add_(
+            0, e, torch.ones_like(e, dtype=torch.int32))
+        return x[p // TOP_K], torch.cumsum(counts, 0)
+
+    pieces = {
+        ("gate_up colmajorB", "gate_up"): lambda: torch._grouped_mm(h, wgu.transpose(-2, -1), offs=offs),
+        ("gate_up rowmajorB", "gate_up"): lambda: torch._grouped_mm(h, wgu_rm, offs=offs),
+        ("down colmajorB", "down"): lambda: torch._grouped_mm(a, wd.transpose(-2, -1), offs=offs),
+        ("down rowmajorB", "down"): lambda: torch._grouped_mm(a, wd_rm, offs=offs),
+        ("sort + gather + offsets", "all"): sort_gather,
+        ("whole grouped path", "all"): lambda: grouped(x, ids, w, wgu, wd, None, None, "silu", True, False),
+    }
+    row = {"tokens": t, "experts_touched": touched, "floors_us": {k: round(v, 1) for k, v in floors.items()}}
+    for (name, floor), fn in pieces.items():
+        us = time_us(graphed(fn))
+        row[name] = {"us": round(us, 1), "x_floor": round(us / floors[floor], 2), "floor": floor}
+    del experts
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="8,64,1024")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("moe_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from moe_ffn import copy_bandwidth  # (benchmarks/ is the script's directory)
+
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    g = torch.Generator(dev).manual_seed(0)
+    wgu = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=dev, generator=g) * 0.02).bfloat16()
+    wd = (torch.randn(EXPERTS, HIDDEN, INTER, device=dev, generator=g) * 0.02).bfloat16()
+    rows = [case(int(t), wgu, wd, bw, g) for t in args.tokens.split(",")]
+    names = [k for k in rows[0] if isinstance(rows[0][k], dict) and "us" in rows[0][k]]
+    print(f"one MoE layer, bf16, CUDA graphs; HBM copy bandwidth {bw / 1e12:.2f} TB/s; floor: the chosen experts' "
+          "bytes of that piece (gate_up, down) or of both")
+    print("| piece | " + " | ".join(f"T={r['tokens']} ({r['experts_touched']} experts)" for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for n in names:
+        print(f"| {n} | " + " | ".join(f"{r[n]['us']} us ({r[n]['x_floor']}x)" for r in rows) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bandwidth_bytes_per_s": bw, "torch": torch.__version__, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
