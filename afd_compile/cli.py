@@ -403,29 +403,16 @@ def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout 
     """The staged programs (built: a program that cannot be staged is refused here), the
     schedule they hold for the layout, checked, and the micro-batches of the saved example, as a
     record (``plan --json`` prints it; :func:`_stage_text` renders it)."""
-    from .deploy import token_count_for_graph
+    from .deploy import staged_pair, token_count_for_graph
     from .layout import micro_batches
-    from .passes.pingpong import check_schedule, schedule_of_programs
-    from .passes.schedule import verify_schedule
-    from .passes.stages import (
-        check_stage_layout,
-        stage_attention_program,
-        stage_ffn_program,
-        static_batch,
-        static_rows,
-    )
+    from .passes.stages import static_batch, static_rows
     from .programs import flat_inputs, load_program
 
     if args.stages < 1:
         raise UsageError(f"--stages must be >= 1, got {args.stages}")
     layout = layout or AFDLayout(1, 1)
     fixed = static_batch(result.attention)
-    check_stage_layout(layout, args.stages, fixed)
-    staged = (stage_attention_program(result.attention, args.stages),
-              stage_ffn_program(result.ffn, args.stages, batch=fixed))
-    verify_schedule(*staged)
-    sched = schedule_of_programs(layout, *staged)
-    check_schedule(sched)
+    sched = staged_pair(result.attention, result.ffn, layout, args.stages, fixed)[2]
     inputs = flat_inputs(load_program(args.model))
     tokens = token_count_for_graph(result.attention, result.plan.cuts[0].token_dims)(inputs)
     batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1

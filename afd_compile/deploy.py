@@ -81,6 +81,23 @@ def staged_programs(program: fx.GraphModule, role: str, stages: int, batch: int 
     return out
 
 
+def staged_pair(attention: fx.GraphModule, ffn: fx.GraphModule, layout: AFDLayout, stages: int,
+                batch: int | None) -> tuple[fx.GraphModule, fx.GraphModule, object]:
+    """Both roles' programs of ``stages`` micro-batches and the ping-pong schedule they hold for
+    ``layout``, checked: the two programs' transfers stage by stage in one order, every send
+    paired with its receive, no deadlock (a program that cannot be staged is refused here, not
+    at a step). ``batch``: the static batch of a static KV cache, else None."""
+    from .passes.pingpong import check_schedule, schedule_of_programs
+    from .passes.schedule import verify_schedule
+
+    check_stage_layout(layout, stages, batch)
+    staged = stage_attention_program(attention, stages), stage_ffn_program(ffn, stages, batch=batch)
+    verify_schedule(*staged)
+    schedule = schedule_of_programs(layout, *staged)
+    check_schedule(schedule)
+    return staged[0], staged[1], schedule
+
+
 def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig | None = None,
                 device: torch.device | None = None, group: dist.ProcessGroup | None = None,
                 check_wire: bool | None = None, stages: int = 1, symm_mem: bool = True) -> AttentionWorker | FFNWorker:
@@ -90,9 +107,6 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     ``stages``: micro-batches per step (passes/stages.py); every rank of the layout the same.
     ``symm_mem``: an FFN or attention TP group on CUDA all-reduces small messages over symmetric
     memory where it can (symm_mem.py); False: NCCL."""
-    from .passes.pingpong import check_schedule, schedule_of_programs
-    from .passes.schedule import verify_schedule
-
     config = config or SplitConfig()
     role, idx = layout.role_of(rank)
     # the layout's fan-in constrains the FFN program only: an attention rank's program may have a
@@ -103,7 +117,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     groups = [process_group(g) for g in layout.ffn_groups()]  # every rank creates every group, in one order
     attn_groups = [process_group(g) for g in layout.attention_groups()]
     batch = static_batch(result.attention) if stages != 1 else None
-    check_stage_layout(layout, stages, batch)
+    check_stage_layout(layout, stages, batch)  # (one stage: the layout alone)
     if role == "attention" and layout.attn_tp > 1:
         attention, counter = attention_tp_program(gm, result, layout, idx, config, attn_groups[idx // layout.attn_tp])
     if batch is not None:  # a static batch (a static KV cache): min(stages, batch) micro-batches
@@ -111,9 +125,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     else:
         stages_built = stages
     if stages_built != 1:  # the programs of all stages built now: refused here, not at a step
-        staged = stage_attention_program(attention, stages), stage_ffn_program(ffn, stages, batch=batch)
-        verify_schedule(*staged)  # the two programs' transfers, stage by stage, in one order
-        check_schedule(schedule_of_programs(layout, *staged))  # paired in order, no deadlock
+        staged = staged_pair(attention, ffn, layout, stages, batch)[:2]
     device = device or torch.device("cpu")
     check = wire_checks_from_env() if check_wire is None else check_wire
     if role == "attention" and layout.attn_tp > 1:

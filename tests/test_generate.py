@@ -233,7 +233,7 @@ def test_tp_refuses_a_cache_that_grows_by_concatenation():
 
 def test_a_cache_written_along_its_split_dim_is_refused():
     from afd_compile.passes.shard import ShardError
-    from afd_compile.passes.shard.__init__ import _Track, _write_into_state
+    from afd_compile.passes.shard.follow import _Track, _write_into_state
 
     g = torch.fx.Graph()
     cache, pos, k = g.placeholder("cache"), g.placeholder("pos"), g.placeholder("k")

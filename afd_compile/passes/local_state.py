@@ -1,7 +1,7 @@
 """A TP rank's KV cache, held as its own slice instead of a view of the caller's whole cache.
 
 Through the backend, HF allocates and keeps the static cache: every TP rank would hold all KV
-heads, of which its program reads and writes ``1 / attn_tp`` (``shard._narrow_states`` narrows
+heads, of which its program reads and writes ``1 / attn_tp`` (``shard.apply._narrow_states`` narrows
 the caller's tensor). This pass makes the program take and allocate only the rank's slice; the
 backend keeps the slices (:mod:`afd_compile.state_store`) and hands HF a one-element placeholder
 of the full shape in their place.

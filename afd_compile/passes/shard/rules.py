@@ -5,7 +5,7 @@ A rule is ``fn(node, sdim, parts, fixes) -> dim``: given the split dim of each s
 ``fixes`` the constant size arguments that must be divided (a head count in a reshape), or raises
 ShardError naming the node when the op would mix the split dim into something a slice cannot
 compute (a reduction over it, a norm over it, an unsplit operand spanning it). The walk in
-``shard/__init__.py`` (``_follow``) calls the rule of each op it meets; a rule's ``kind`` tells the
+``shard/follow.py`` (``follow_split``) calls the rule of each op it meets; a rule's ``kind`` tells the
 walk what else to do there: ``elementwise`` (weight attributes and broadcast operands applied
 along the split dim are split too), ``reshape`` (may ask for replicated heads with
 :class:`Replicate`), ``op`` (nothing else). This is the idea of DTensor's per-op sharding
@@ -196,7 +196,7 @@ def _unflatten(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None
     """unflatten(x, dim, sizes): ``dim`` becomes ``sizes``; a split ``dim`` splits the outermost of
     them (``[.., H*D] -> [.., H, D]``: the heads), whose constant size is divided. A fused
     projection unflattened into its blocks (``[.., 3*E] -> [.., 3, E]``) is cut into blocks by the
-    walk before this rule (``shard/__init__.py``)."""
+    walk before this rule (``shard/follow.py``)."""
     src, dim, sizes = node.args[0], node.args[1] % ndim(node.args[0]), list(node.args[2])
     d = sdim[src]
     if d < dim:

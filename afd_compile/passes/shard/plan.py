@@ -1,0 +1,115 @@
+"""The shard plan of a graph: per layer the column/row pairs, their split dims, the weights to
+slice, the head counts to divide (:func:`plan_shards`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..graph_utils import attention_output, layers_of, reads_weight
+from ..roles import LINEAR_OPS, SDPA_OPS, Role, is_attention_op, role_of
+from ..symbolic import sym_expr
+from .apply import one_slice_per_weight, shard_pair
+from .pairing import check_linear_path, column_row_pairs
+from .projections import is_expert_mm
+from .types import (
+    ArgFix,
+    OnceOperand,
+    ShardedState,
+    ShardedWeight,
+    ShardError,
+    ShardPlan,
+    SlicedOperand,
+)
+
+aten = torch.ops.aten
+
+def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
+                replicated_mlp: frozenset[int] = frozenset()) -> ShardPlan:
+    """Find the linears of every layer and follow their splits. Needs ``afd.role``. The MLPs of
+    the ``replicated_mlp`` layers keep their full weights (a data-parallel MLP)."""
+    from ..roles import ancestors, descendants, find_router
+
+    weights: list[ShardedWeight] = []
+    fixes: list[ArgFix] = []
+    rows_out: list[tuple[str, str, int]] = []
+    split_means: list[tuple[str, str, int, int]] = []
+    states: list[ShardedState] = []
+    operands: list[SlicedOperand] = []
+    once: list[OnceOperand] = []
+    for layer, parts in layers_of(gm).items():
+        members = list(parts.members)
+        where = f"layer {layer}"
+        attn_ops = [n for n in members if role_of(n).role is Role.ATTENTION and is_attention_op(n)]
+        ffn = [n for n in members if role_of(n).role is Role.FFN]
+        if len(attn_ops) != 1:
+            raise ShardError(f"{where}: expected one attention op, found {[n.name for n in attn_ops]}")
+        attn = attn_ops[0]
+        lin = [n for n in members if n.target in LINEAR_OPS and role_of(n).role is Role.ATTENTION
+               and not role_of(n).router]
+        anchor = attention_output(attn)  # explicit attention: v enters at the matmul after the softmax
+        layer_nodes = set(members)  # walks stay inside the layer: linear in the graph, not quadratic
+        before = ancestors([anchor], within=layer_nodes)
+        cols = [n for n in lin if n in before and reads_weight(n)]  # not e.g. the rotary inv_freq matmul
+        # only the projections that feed attention directly: a low-rank down projection before
+        # another one (DeepSeek's MLA q_a_proj / kv_a_proj) stays replicated
+        cols = [c for c in cols if not ((descendants(c, before) - {c}) & set(cols))]
+        rows = parts.output_projections
+        if not cols or len(rows) != 1:
+            raise ShardError(f"{where}: expected q/k/v projections before {attn.name} and one output projection after "
+                             f"it, found {[n.name for n in cols]} / {[n.name for n in rows]}")
+        heads = _attention_heads(attn)
+        if attn_parts > 1 and heads is not None and heads % attn_parts:
+            raise ShardError(f"{where}: {attn.name} has {heads} attention heads, which {attn_parts} attention-TP ranks "
+                             "cannot divide (only KV heads may be replicated)")
+        if attn_parts > 1:
+            means: list[fx.Node] = []
+            shard_pair(gm, cols, rows[0], attn_parts, "attn", weights, fixes, where, means, states, operands)
+            rows_out.append((rows[0].name, "attn", layer))
+            split_means.extend((m.name, "attn", layer, attn_parts) for m in means)
+        ffn_set = set(ffn)
+        out = parts.ffn_output
+        router = find_router(ffn)
+        projs = [n for n in ffn if (n.target in LINEAR_OPS or is_expert_mm(n)) and n is not router
+                 and not role_of(n).router]
+        pairs = column_row_pairs(projs, ffn_set, where)
+        if not pairs:
+            raise ShardError(f"{where}: the MLP has no down projection fed by up projections "
+                             f"(projections found: {[n.name for n in projs]})")
+        if mlp_parts > 1 and layer not in replicated_mlp:
+            for cols_, row in pairs:
+                mlp_means: list[fx.Node] = []  # (BitNet's norm over the intermediate size before down_proj)
+                shard_pair(gm, cols_, row, mlp_parts, "mlp", weights, fixes, where, mlp_means, operands=operands)
+                split_means.extend((m.name, "mlp", layer, mlp_parts) for m in mlp_means)
+            if len(pairs) == 1 and _producer_linear(out, ffn_set) is pairs[0][1]:
+                rows_out.append((pairs[0][1].name, "mlp", layer))  # settle right after the down projection
+            else:  # several partial sums (experts + shared experts) or a combine step: settle at the block output
+                check_linear_path([row for _, row in pairs], out, ffn_set, where, once,
+                                  cols=[c for cs, _ in pairs for c in cs])
+                rows_out.append((out.name, "mlp", layer))
+    return ShardPlan(one_slice_per_weight(weights), tuple(fixes), tuple(rows_out), tuple(split_means), tuple(states),
+                     tuple(operands), tuple(once))
+
+
+def _attention_heads(attn: fx.Node) -> int | None:
+    """The query head count of an SDPA-style op (query is ``[batch, heads, seq, head_dim]``)."""
+    q = attn.args[0] if attn.args else None
+    v = q.meta.get("val") if isinstance(q, fx.Node) else None
+    if attn.target in SDPA_OPS and isinstance(v, torch.Tensor) and v.dim() == 4:
+        h = sym_expr(v.shape[1])
+        return int(h) if h.is_Integer else None
+    return None
+
+
+def _producer_linear(out: fx.Node, members: set) -> fx.Node | None:
+    from ..roles import PASSTHROUGH_OPS
+
+    n = out
+    while n in members:
+        if n.target in LINEAR_OPS:
+            return n
+        if n.target in PASSTHROUGH_OPS:
+            n = n.args[0]
+            continue
+        return None
+    return None

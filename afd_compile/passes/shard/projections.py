@@ -1,0 +1,122 @@
+"""The projections TP splits: linears (column- or row-parallel) and the grouped / batched matmuls
+of MoE experts over stacked ``[E, in, out]`` weights, and which weight dim a split cuts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..graph_utils import get_attr_path
+from .rules import (
+    ndim,
+)
+from .types import (
+    ShardError,
+)
+
+aten = torch.ops.aten
+
+
+META_KEY = "afd.shard"
+
+
+def is_grouped_mm(node: fx.Node) -> bool:
+    """A grouped (per-expert) matmul ``(x[N, in], w[E, in, out], offsets) -> [N, out]``:
+    ``aten._grouped_mm`` or a library op named like it (transformers' ``grouped_mm_fallback``)."""
+    t = node.target
+    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and "grouped_mm" in t.name()
+
+
+def is_expert_mm(node: fx.Node) -> bool:
+    """A matmul of activations with a 3-D expert weight attribute ``w[E, in, out]`` (through
+    transposes and casts): a grouped matmul, or ``bmm(x[E, T, in], w)`` (stacked experts, as
+    transformers' ``batched_mm`` experts and hand-written MoEs compute them). Either is tensor-
+    sharded like a linear: column-parallel on ``out``, row-parallel on ``in``."""
+    if is_grouped_mm(node):
+        return True
+    if node.op != "call_function" or node.target != aten.bmm.default:
+        return False
+    try:
+        expert_weight(node, 2)
+    except ShardError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A projection's operands: activation ``x``, the weight attribute, which weight dim holds the
+    output features (0: ``linear``'s ``[out, in]``; 1: ``[in, out]`` as GPT-2's Conv1D ``addmm``
+    or a plain ``x @ W``), and the bias attribute if any."""
+
+    x: fx.Node
+    weight: fx.Node
+    out_dim: int
+    bias: fx.Node | None
+
+
+def projection(n: fx.Node) -> Projection:
+    """``linear(x, W[out, in], b)``, ``addmm(b, x, W[in, out])``, ``mm/matmul(x, W[in, out])``, or
+    ``mm/matmul(x, W.t())`` with ``W[out, in]``."""
+    bias = None
+    if n.target == aten.linear.default:
+        x, w = n.args[:2]
+        bias, out_dim = (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")), 0
+    elif n.target == aten.addmm.default:
+        if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+            raise ShardError(f"{n.name}: addmm with beta/alpha other than 1 cannot be tensor-sharded")
+        bias, x, w = n.args[:3]
+        out_dim = 1
+    elif n.target in (aten.mm.default, aten.matmul.default):
+        x, w = n.args[:2]
+        out_dim = 1
+    else:
+        raise ShardError(f"{n.name}: {n.target} is not a projection afd-compile can tensor-shard (linear, addmm, "
+                         "mm or matmul with a 2-D weight attribute)")
+    if isinstance(w, fx.Node) and n.target != aten.linear.default and (
+            w.target in (aten.t.default, aten.numpy_T.default)
+            or (w.target == aten.transpose.int and {a % 2 for a in w.args[1:3]} == {0, 1})):
+        w, out_dim = w.args[0], 1 - out_dim  # x @ W.t(): W is stored [out, in]
+    if not (isinstance(w, fx.Node) and w.op == "get_attr" and ndim(w) in (0, 2)):
+        raise ShardError(f"{n.name}: projection weight is not a 2-D graph attribute ({w})")
+    if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr"):
+        raise ShardError(f"{n.name}: projection bias is not a graph attribute ({bias})")
+    return Projection(x, w, out_dim, bias)
+
+
+def expert_weight(mm: fx.Node, operand_dim: int) -> tuple[fx.Node, int]:
+    """The 3-D expert weight a grouped matmul reads, and which of its dims is the operand's
+    ``operand_dim`` (1: in features, 2: out features), looking through transposes and casts."""
+    w, dim = mm.args[1], operand_dim
+    while isinstance(w, fx.Node) and w.op != "get_attr":
+        if w.target == aten.transpose.int:
+            a, b = (x % 3 for x in w.args[1:3])
+            dim = a if dim == b else b if dim == a else dim
+        elif w.target == aten.permute.default:
+            dim = [x % 3 for x in w.args[1]][dim]
+        elif w.target not in (aten.to.dtype, aten._to_copy.default, aten.contiguous.default, aten.clone.default):
+            raise ShardError(f"{mm.name}: expert weight reaches the grouped matmul through {w.name} ({w.target}); "
+                             "only transposes and casts of a graph attribute are understood")
+        w = w.args[0]
+    if not (isinstance(w, fx.Node) and ndim(w) in (0, 3)):
+        raise ShardError(f"{mm.name}: grouped matmul weight is not a 3-D graph attribute ({w})")
+    return w, dim
+
+
+def out_features(col: fx.Node) -> int:
+    return int(col.meta["val"].shape[-1])
+
+
+Block = tuple[fx.Node, int | None]  # (column, start of a block of its output features | None: all of it)
+
+
+def projection_weight(gm: fx.GraphModule, proj: fx.Node, column: bool) -> tuple[str, int, int]:
+    """(target, dim, size) of the weight dim a column (out features) / row (in features) split cuts."""
+    if is_expert_mm(proj):
+        w, dim = expert_weight(proj, 2 if column else 1)
+        return str(w.target), dim, int(get_attr_path(gm, w.target).shape[dim])
+    p = projection(proj)
+    dim = p.out_dim if column else 1 - p.out_dim
+    return str(p.weight.target), dim, int(get_attr_path(gm, p.weight.target).shape[dim])
