@@ -29,7 +29,8 @@ class UsageError(AFDCompileError):
 def _layout(args: argparse.Namespace, required: bool) -> AFDLayout | None:
     if args.attention_ranks is None and args.ffn_ranks is None:
         if required:
-            raise UsageError("--attention-ranks and --ffn-ranks are required")
+            raise UsageError("give a layout: an AFD one (-A/--attention-ranks A -F/--ffn-ranks F) or a TP one "
+                             "(--tp T)")
         return None
     if args.attention_ranks is None or args.ffn_ranks is None:
         raise UsageError("give both --attention-ranks and --ffn-ranks")
@@ -106,6 +107,11 @@ _AFD_VALUED = {"stages": ("--stages", 1), "ffn_tp": ("--ffn-tp", 1), "ffn_ep": (
 
 def _check_mode_flags(args: argparse.Namespace) -> None:
     """A flag of the other mode is an error, never silently ignored."""
+    if getattr(args, "decode_steps", 0) and getattr(args, "steps", None) is not None:
+        raise UsageError(f"--steps {args.steps} with --decode-steps {args.decode_steps}: a decode run's steps are "
+                         "its prefill and the decode steps; give one of them")
+    if hasattr(args, "steps") and args.steps is None:
+        args.steps = 2
     if getattr(args, "tp", None) is None:
         given = [flag for dest, flag in _TP_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
         if given:
@@ -114,17 +120,31 @@ def _check_mode_flags(args: argparse.Namespace) -> None:
         return
     given = [flag for dest, flag in _AFD_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
     given += [flag for dest, (flag, default) in _AFD_VALUED.items() if getattr(args, dest, default) != default]
+    if given == ["--attn-tp"]:
+        raise UsageError("--attn-tp sizes the attention TP groups of an AFD layout (-A/-F); under --tp the "
+                         "attention TP group is tp / attn-dp ranks: give --attn-dp instead")
     if given:
         raise UsageError(f"give either an AFD layout ({', '.join(given)}) or a TP layout (--tp ...), not both")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("afd-compile")
+    except PackageNotFoundError:  # (run from a checkout that was not installed)
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="afd-compile",
-        description="Split a traced transformer into attention and FFN programs (attention-FFN "
-        "disaggregation) and check the result against the original on local processes.",
+        description="Distribute a traced transformer (a torch.export .pt2): split it into attention and FFN "
+        "programs (attention-FFN disaggregation, -A/-F) or shard it tensor-parallel (--tp), plan, write the "
+        "per-rank programs, and check them against the original on local processes.",
         epilog="Exit codes: 0 ok, 1 verification failed, 2 bad input.",
     )
+    parser.add_argument("--version", action="version", version=f"afd-compile {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("rewrite", help="write attention.pt2, ffn.pt2 and plan.json for an AFD layout (-A/-F), "
@@ -171,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", metavar="N1,N2,...",
                    help="batch size per attention rank (default: 1,2,3,... when the batch dim is dynamic); "
                    "with --tp: one batch size per attention DP group (default 1,2,...; as saved when attn_dp=1)")
-    p.add_argument("--steps", type=int, default=2, help="steps per rank (default 2, at least 1)")
+    p.add_argument("--steps", type=int, default=None, help="steps per rank (default 2, at least 1; not with "
+                   "--decode-steps, which sets the steps)")
     p.add_argument("--decode-steps", type=int, default=0, metavar="N",
                    help="a program with a KV cache (buffers it updates in place at the positions of a 1-D "
                    "integer input: cache_position as transformers' TorchExportableModuleForDecoderOnlyLM "
@@ -348,7 +369,10 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
     if args.mermaid is not None:
         from .figures import tp_mermaid
 
-        print(tp_mermaid(prog.plan, args.mermaid))
+        try:
+            print(tp_mermaid(prog.plan, args.mermaid))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     elif args.json:
         print(json.dumps({**prog.plan.to_json(), "shards": str(prog.shards).splitlines(),
                           **({"cache": cache} if cache else {})}, indent=2))
@@ -374,7 +398,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.mermaid is not None:
         from .figures import afd_mermaid
 
-        print(afd_mermaid(result, layout, args.mermaid))
+        try:
+            print(afd_mermaid(result, layout, args.mermaid))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     elif args.json:
         import json
 

@@ -358,3 +358,27 @@ def test_readme_quick_start_runs_as_written(tmp_path):
     res = subprocess.run([*CLI, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.strip().splitlines()[-1].startswith("verify: OK max_rel_err=")
+
+
+# --- error paths of the second hour (issue 37): one line, exit 2, before any slow work ---------
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["verify", "{m}", "-A", "2", "-F", "1", "--steps", "3", "--decode-steps", "2"],
+     "--steps 3 with --decode-steps 2: a decode run's steps are its prefill and the decode steps"),
+    (["verify", "{m}"], "give a layout: an AFD one (-A/--attention-ranks A -F/--ffn-ranks F) or a TP one (--tp T)"),
+    (["plan", "{m}", "--tp", "2", "--attn-tp", "2"], "--attn-tp sizes the attention TP groups of an AFD layout"),
+    (["plan", "{m}", "-A", "1", "-F", "1", "--mermaid", "5"], "--mermaid: no layer 5 in the plan (layers [0, 1])"),
+    (["plan", "{m}", "--tp", "2", "--mermaid", "5"], "--mermaid: no layer 5 in the plan"),
+])
+def test_a_bad_flag_combination_is_one_line_exit_2(exported, argv, message):
+    res = _run(*[a.format(m=exported("llama2")[1]) for a in argv])
+    lines = [x for x in res.stderr.strip().splitlines() if "error:" in x or "Traceback" in x]
+    assert res.returncode == 2 and len(lines) == 1 and message in lines[0], res.stderr[-2000:]
+
+
+def test_version_and_the_top_level_help_name_both_modes():
+    res = _run("--version")
+    assert res.returncode == 0 and res.stdout.startswith("afd-compile "), res
+    helptext = "".join(_run("--help").stdout.split())  # (argparse wraps the description, at hyphens too)
+    assert "attention-FFNdisaggregation,-A/-F" in helptext and "tensor-parallel(--tp)" in helptext
