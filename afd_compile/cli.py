@@ -18,6 +18,7 @@ from .errors import AFDCompileError
 from .layout import AFDLayout
 from .limits import MAX_TIMEOUT_S, local_process_override
 from .outdir import MARKER, OutputFolder, exit_on_sigterm, save_program
+from .plan_view import AFD_LEGEND, TP_LEGEND, cache_json, plan_table
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -229,90 +230,6 @@ def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "defau
     return ep, result
 
 
-def plan_table(result, layout: AFDLayout | None) -> str:
-    from .passes.roles import META_KEY
-
-    gm_nodes = {}
-    for n in result.attention.graph.nodes:
-        r = n.meta.get(META_KEY)
-        if r is not None and r.layer is not None:
-            gm_nodes[r.layer] = gm_nodes.get(r.layer, 0) + 1
-    rows = [("layer", "attention nodes", "ffn nodes", "ffn weights", "to FFN", "to attention", "bytes/token")]
-    for c in result.plan.cuts:
-        rows.append((
-            str(c.layer), str(gm_nodes.get(c.layer, 0)), str(len(c.ffn_nodes)), str(len(c.params)),
-            " ".join(str(w) for w in c.wire_in.tensors), " ".join(str(w) for w in c.wire_out.tensors),
-            f"{c.wire_in.bytes_per_token}+{c.wire_out.bytes_per_token}",
-        ))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    head = f"plan: {result.plan.graph_name}: {len(result.plan.cuts)} layers cut"
-    if layout is not None:
-        blocks = ", ".join(f"ffn {f} <- attention {list(layout.peers_of_ffn(f))}" for f in range(layout.ffn_ranks))
-        head += f"; layout {layout} ({blocks})"
-    cache = _cache_line(result)
-    groups = [g for g in (_attn_tp_line(layout), _ffn_tp_line(result, layout)) if g]
-    return "\n".join([head, *lines, *groups, *([cache] if cache else [])])
-
-
-AFD_LEGEND = """\
-legend: attention / ffn nodes: the layer's graph nodes in each role; ffn weights: parameters only the FFN
-  program holds; to FFN / to attention: what crosses the wire per token at the layer's cut, kind:dtype[width]
-  (hidden states, router logits, int32 token ids, the FFN output); bytes/token: to FFN + back"""
-
-TP_LEGEND = """\
-legend: per layer the distribution state of the layer's input, attention, MLP, residual after attention and
-  output: SCATTERED = each rank holds its own tokens, TP_ATTN_FULL = the attention TP group shares its tokens,
-  FULL = every rank of the TP group holds every token (the tokens, not the weights: a FULL MLP under TP still
-  has its weights split column/row-parallel); +P: a partial sum pending, +S: the last dim split over the group.
-  prepare_attn / prepare_mlp / postprocess_layer: the collective before attention, before the MLP, after the
-  layer; inside_mlp: an MoE's all-to-all dispatch and combine"""
-
-
-def _attn_tp_line(layout: AFDLayout | None) -> str | None:
-    """What an attention TP group does around each cut, from the state algebra."""
-    if layout is None or layout.attn_tp == 1:
-        return None
-    from .scatter import DistState, ScatterMode, TPLayout, transition
-
-    lay = TPLayout(layout.attn_tp)
-    out = transition(DistState(ScatterMode.TP_ATTN_FULL, partial=True), DistState(ScatterMode.SCATTERED), lay)
-    back = transition(DistState(ScatterMode.SCATTERED), DistState(ScatterMode.TP_ATTN_FULL), lay)
-    groups = [list(g) for g in layout.attention_groups()]
-    return (f"attn tp: groups {groups} (one DP group each); per layer {out} (o_proj's sum settled onto this rank's "
-            f"slice of the group's tokens, the slice it sends: each token once), {back} before the next attention")
-
-
-def _ffn_tp_line(result, layout: AFDLayout | None) -> str | None:
-    """An FFN TP group's program, built for group rank 0 (a layout the MLP cannot take is refused
-    here, before anything runs), in one line."""
-    if layout is None or layout.ffn_group_size == 1:
-        return None
-    from .passes.ffn_tp import ffn_group_program
-    from .passes.graph_utils import copy_graph_module
-
-    prog = ffn_group_program(copy_graph_module(result.ffn)[0], layout.ffn_tp, layout.ffn_ep, 0)
-    return f"ffn {prog.kind}: groups {[list(g) for g in layout.ffn_groups()]}; {prog}"
-
-
-def _cache_json(result) -> dict | None:
-    from .passes.graph_utils import state_bytes, written_attrs
-
-    state = written_attrs(result.attention)
-    if not state:
-        return None
-    return {"buffers": sorted(state), "bytes_per_attention_rank": state_bytes(result.attention),
-            "bytes_per_ffn_rank": state_bytes(result.ffn)}
-
-
-def _cache_line(result) -> str | None:
-    cache = _cache_json(result)
-    if cache is None:
-        return None
-    return (f"KV cache: {len(cache['buffers'])} buffers updated in place, {cache['bytes_per_attention_rank']} bytes on "
-            f"each attention rank; {cache['bytes_per_ffn_rank']} on each FFN rank")
-
-
 def _tp_graph(args: argparse.Namespace):
     """The TP layout from the flags, the model's graph with roles annotated, and the program."""
     from .passes.roles import POLICIES, annotate_roles
@@ -411,7 +328,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         data["layout"] = str(layout) if layout else None
         names = [n.name for n in result.attention.graph.nodes if n.op == "placeholder"]
         data["tokens_per_step"] = token_count_for_graph(result.attention, result.plan.cuts[0].token_dims).describe(names)
-        cache = _cache_json(result)
+        cache = cache_json(result)
         if cache:
             data["cache"] = cache
         if args.stages != 1:
@@ -547,7 +464,7 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
     plan["programs"] = {"attention": "attention.pt2", "ffn": "ffn.pt2"}
     plan["compute_gate_on_attention"] = args.gate_on_attention
     plan["token_count"] = token_count_for_graph(original, result.plan.cuts[0].token_dims).to_json()
-    cache = _cache_json(result)
+    cache = cache_json(result)
     if cache:
         plan["cache"] = cache
     schedule = None

@@ -174,7 +174,7 @@ def test_attention_tp_refuses_moe_before_anything_runs(exported):
 def test_golden_plans_of_composed_layouts(exported, check_golden, update_goldens, layout, tag):
     import transformers
 
-    from afd_compile.cli import plan_table
+    from afd_compile.plan_view import plan_table
     from afd_compile.programs import fresh_module
     from afd_compile.split_api import SplitConfig, split
 
