@@ -30,12 +30,9 @@ fp32, older GPUs) the reference: a loop over the experts the tokens chose, equal
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger("afd_compile.moe")
 
 #: the activations the op takes, by name (transformers' ``ACT2FN`` names)
 ACTIVATIONS = {

@@ -135,7 +135,9 @@ class OutputFolder:
         if kind is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             if isinstance(value, Exception):
-                why = value.strerror if isinstance(value, OSError) and value.strerror else str(value).splitlines()[0]
+                text = str(value).strip()
+                why = (value.strerror if isinstance(value, OSError) and value.strerror
+                       else text.splitlines()[0] if text else type(value).__name__)
                 where = getattr(value, "filename", None) or "a file"
                 raise OutputError(f"-o {self.shown}: writing {where} failed: {why}; nothing was written") from None
             return  # KeyboardInterrupt / SystemExit: the temporary folder is gone, the exit goes on
@@ -162,8 +164,8 @@ class _FailSafeFile(io.RawIOBase):
 
     def __init__(self, f: io.BufferedWriter) -> None:
         super().__init__()
-        self.f, self.error, self.pos = f, None, 0
-        self.error: OSError | None
+        self.f, self.pos = f, 0
+        self.error: OSError | None = None
 
     def writable(self) -> bool:
         return True

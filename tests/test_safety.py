@@ -440,3 +440,10 @@ def test_an_unregistered_custom_op_is_named(tmp_path):
     with pytest.raises(ProgramLoadError, match="the program uses the custom op afdtestlib::scatter_add, which nothing "
                                                "imported in this process registers"):
         load_program(str(tmp_path / "op.pt2"))
+
+
+def test_a_write_failing_without_a_message_is_still_one_clean_error(tmp_path):
+    out = OutputFolder(str(tmp_path / "out"), force=False)
+    with pytest.raises(OutputError, match=r"writing a file failed: RuntimeError; nothing was written"), out:
+        raise RuntimeError()
+    assert os.listdir(tmp_path) == []
