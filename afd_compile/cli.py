@@ -232,7 +232,8 @@ def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "defau
 
 def _tp_graph(args: argparse.Namespace):
     """The TP layout from the flags, the model's graph with roles annotated, and the program."""
-    from .passes.roles import POLICIES, annotate_roles
+    from .passes.prepare import prepare_graph
+    from .passes.roles import POLICIES
     from .programs import load_program, positional_module
     from .scatter import TPLayout
 
@@ -240,7 +241,7 @@ def _tp_graph(args: argparse.Namespace):
                       dense_dp=args.dense_dp, vocab_parallel=args.vocab_parallel)
     ep = load_program(args.model)
     gm = positional_module(ep)
-    annotate_roles(gm, POLICIES[args.policy], graph_name=args.model)
+    prepare_graph(gm, POLICIES[args.policy], graph_name=args.model)
     return layout, gm, ep
 
 

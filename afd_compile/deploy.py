@@ -183,13 +183,14 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
     from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
     from .layout import LayoutError
     from .passes.graph_utils import propagate_meta_fresh
+    from .passes.prepare import prepare_graph
     from .passes.roles import annotate_roles
     from .passes.split import build_attention_program, plan_split
     from .passes.tp_rewrite import shard_for_rank
     from .scatter import TPLayout
 
-    annotate_roles(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
-                   graph_name=config.graph_name)
+    prepare_graph(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
+                  graph_name=config.graph_name)
     moe = sorted({n.meta["afd.role"].layer for n in gm.graph.nodes if n.target == torch.ops.aten.topk.default
                   and n.meta["afd.role"].layer is not None})
     if moe:

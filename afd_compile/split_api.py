@@ -8,6 +8,8 @@ import torch
 import torch.fx as fx
 
 from .layout import AFDLayout
+from .passes.graph_utils import copy_graph_module
+from .passes.moe import recognise_moe
 from .passes.pipeline import PassTimings
 from .passes.roles import RolePolicy, annotate_roles, default_policy
 from .passes.schedule import verify_schedule
@@ -42,10 +44,15 @@ def as_graph_module(program: torch.export.ExportedProgram | fx.GraphModule) -> f
 
 def split_graph_module(gm: fx.GraphModule, config: SplitConfig | None = None, *,
                        layout: AFDLayout | None = None) -> SplitResult:
-    """Split ``gm`` (annotated in place with ``afd.role``; its graph is not changed) into the
+    """Split ``gm`` (annotated in place with ``afd.role``; its graph is not changed, its MoE
+    experts recognised on a copy, ``passes/moe``) into the
     attention and FFN programs, and check their send/recv schedule."""
     config = config or SplitConfig()
     timings = PassTimings()
+    with timings("recognise_moe"):  # (on a copy: the caller's graph stays as it was)
+        work, _ = copy_graph_module(gm)
+        if any(r.op for r in recognise_moe(work)):
+            gm = work
     with timings("annotate_roles"):
         annotate_roles(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
                        graph_name=config.graph_name)

@@ -533,7 +533,7 @@ class TPCase:
 
 def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
     from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
-    from .passes.roles import annotate_roles
+    from .passes.prepare import prepare_graph
     from .passes.tp_rewrite import shard_for_rank
 
     ep, original, inputs, spec = _loaded(case.path, cache)
@@ -553,7 +553,7 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
         program, sharded = load_program(saved.path(f"rank{rank}")).module(), None
     else:
         gm = fresh_module(ep)
-        annotate_roles(gm, POLICIES[case.policy], graph_name=case.path)
+        prepare_graph(gm, POLICIES[case.policy], graph_name=case.path)
         prog = shard_for_rank(gm, lay, rank, graph_name=case.path)
         program, sharded = prog.program, len(prog.shards.weights)
     _, dims = batch_symbol_dims(original)

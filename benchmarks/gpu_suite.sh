@@ -27,7 +27,8 @@
 #           benchmarks/decode_attention_kernel.py (one layer: masked SDPA vs FlexAttention vs the KV-read floor)
 # moe:      (only when named; a 1-GPU host; also in "one") benchmarks/moe_ffn.py: the FFN side of a
 #           Qwen3-30B-A3B-shaped MoE per expert form (transformers' grouped_mm / batched_mm, the
-#           afd::moe_experts op) against its HBM floor; benchmarks/moe_kernels.py: the op's pieces alone
+#           afd::moe_experts op, and each form exported and recognised by passes/moe) against its HBM
+#           floor; benchmarks/moe_kernels.py: the op's pieces alone
 # one:      (only when named; a 1-GPU host) decode attention on one GPU: examples/generate.py with no
 #           layout and --decode-attention flex (Llama, Qwen3-MoE; bf16 tokens against generate()),
 #           decode_step.py's one-GPU columns (reduce-overhead vs the afd backend with the pass), and

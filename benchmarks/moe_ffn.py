@@ -6,7 +6,11 @@ weights) under ``torch.compile(mode="reduce-overhead")`` (one CUDA graph), at T 
 
 - ``grouped_mm`` / ``batched_mm``: transformers' own experts implementations (the model as written);
 - ``afd_op``: the same weights with the experts as one ``afd::moe_experts`` op (its grouped path),
-  called directly: the recognition pass that puts it there from any form is the next step;
+  called directly;
+- ``rec_grouped_mm`` / ``rec_batched_mm`` / ``rec_loop``: what afd-compile runs: the FFN side
+  exported (``torch.export``, at T) in that form (``rec_loop``: a hand-written loop over 128
+  per-expert ``nn.Linear`` triples, tokens picked by ``where``, written back by ``index_add_``),
+  its experts recognised (``passes/moe``: one ``afd::moe_experts`` per layer), then compiled;
 - ``afd_op_inline``: the op's grouped path written inline (aten ops Inductor can fuse: what a
   lowering of the op before Inductor would hand it);
 - ``floor``: the bytes the step must read (the experts its tokens chose, counted on the measured
@@ -93,6 +97,50 @@ class OpSide(torch.nn.Module):
         return h
 
 
+class LoopSide(torch.nn.Module):
+    """The same weights as a hand-written loop over per-expert linears (Mixtral's older form)."""
+
+    def __init__(self, ref: FFNSide) -> None:
+        super().__init__()
+        self.norms, self.gates = ref.norms, torch.nn.ModuleList(m.gate for m in ref.moes)
+        self.experts = torch.nn.ModuleList()
+        for m in ref.moes:
+            per = torch.nn.ModuleList()
+            for e in range(EXPERTS):
+                gate, up = m.experts.gate_up_proj[e].chunk(2, 0)
+                lin = [torch.nn.Linear(1, 1, bias=False) for _ in range(3)]
+                for layer, w in zip(lin, (gate, up, m.experts.down_proj[e]), strict=True):
+                    layer.weight = torch.nn.Parameter(w.detach().clone(), requires_grad=False)
+                per.append(torch.nn.ModuleList(lin))
+            self.experts.append(per)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, s, d = h.shape
+        for norm, gate, experts in zip(self.norms, self.gates, self.experts, strict=True):
+            x = norm(h).view(-1, d)
+            _, weights, ids = gate(x)
+            out = torch.zeros_like(x)
+            for e, (g, u, dn) in enumerate(experts):
+                tok, slot = torch.where(ids == e)
+                xe = x[tok]
+                out.index_add_(0, tok, dn(torch.nn.functional.silu(g(xe)) * u(xe)) * weights[tok, slot, None])
+            h = h + out.view(b, s, d)
+        return h
+
+
+def recognised(model: torch.nn.Module, x: torch.Tensor) -> torch.nn.Module:
+    """``model`` exported at ``x`` with its experts recognised: what afd-compile compiles."""
+    from afd_compile.passes.moe import recognise_moe
+
+    with torch.no_grad():
+        gm = torch.export.export(model, (x,)).module()
+    records = recognise_moe(gm)
+    if len(records) != LAYERS or not all(r.op for r in records):
+        raise SystemExit(f"moe_ffn: recognition found {[str(r) for r in records]}")
+    print(f"moe_ffn: {records[0]}", file=sys.stderr)
+    return gm
+
+
 def touched(model: FFNSide, h: torch.Tensor) -> list[int]:
     """Experts each layer's tokens chose, on this input."""
     out = []
@@ -125,7 +173,8 @@ def time_us(fn, x: torch.Tensor, iters: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="8,64,256,1024")
-    parser.add_argument("--forms", default="grouped_mm,batched_mm,afd_op,afd_op_inline")
+    parser.add_argument("--forms", default="grouped_mm,batched_mm,afd_op,afd_op_inline,rec_grouped_mm,rec_batched_mm,"
+                        "rec_loop")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -146,6 +195,12 @@ def main() -> int:
         models["afd_op"] = OpSide(base)
     if "afd_op_inline" in forms:
         models["afd_op_inline"] = OpSide(base, inline=True)
+    sources = {"rec_grouped_mm": base, "rec_batched_mm": models.get("batched_mm")}
+    if "rec_batched_mm" in forms and sources["rec_batched_mm"] is None:
+        sources["rec_batched_mm"] = FFNSide("batched_mm").to(dev, torch.bfloat16).eval()
+        sources["rec_batched_mm"].load_state_dict(base.state_dict())
+    if "rec_loop" in forms:
+        sources["rec_loop"] = LoopSide(base).to(dev).eval()
     expert_bytes = 3 * INTER * HIDDEN * 2
     fixed = LAYERS * (EXPERTS * HIDDEN + HIDDEN) * 2  # routers and norms
     rows = []
@@ -157,7 +212,8 @@ def main() -> int:
             ref = base(x).float()
         row = {"tokens": t, "experts_touched": used, "floor_us": round(floor, 1)}
         for name in forms:
-            fn = torch.compile(models[name], mode="reduce-overhead", dynamic=False)
+            model = recognised(sources[name], x) if name.startswith("rec_") else models[name]
+            fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
             with torch.no_grad():
                 out = fn(x).float()
             err = float((out - ref).abs().max() / ref.abs().max())

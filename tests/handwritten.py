@@ -101,11 +101,62 @@ class LoopMoE(nn.Module):
         return out.view(b, s, h)
 
 
+class EinsumMoE(nn.Module):
+    """Top-k MoE as ``einsum`` over stacked ``[E, I, H]`` / ``[E, H, I]`` weights with a dense
+    dispatch: every expert on every token, the outputs weighted by a ``one_hot`` routing matrix
+    (weights applied to each expert's output; no renormalisation)."""
+
+    def __init__(self, hidden: int, inter: int, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k, self.experts = top_k, experts
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, inter, hidden) * hidden ** -0.5)  # gate
+        self.w3 = nn.Parameter(torch.randn(experts, inter, hidden) * hidden ** -0.5)  # up
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, inter) * inter ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        t = x.reshape(b * s, h)
+        top, idx = self.router(t).softmax(-1).topk(self.top_k, dim=-1)
+        dense = (F.one_hot(idx, self.experts).to(t.dtype) * top[..., None]).sum(1)  # [T, E]
+        hid = F.silu(torch.einsum("th,eih->eti", t, self.w1)) * torch.einsum("th,eih->eti", t, self.w3)
+        y = torch.einsum("eti,ehi->eth", hid, self.w2)
+        return torch.einsum("eth,te->th", y, dense).view(b, s, h)
+
+
+class PutMoE(nn.Module):
+    """Top-k MoE looping over experts found by ``nonzero`` on the routing mask, each expert a
+    plain GELU MLP with biases, the result written by ``out[rows] += y`` (``index_put_`` with
+    accumulate); a sigmoid router whose choice adds a score bias, the routing weights the
+    unbiased scores gathered at the chosen experts and renormalised (DeepSeek-V3's rule)."""
+
+    def __init__(self, hidden: int, inter: int, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.register_buffer("score_bias", torch.linspace(-0.1, 0.1, experts))
+        self.ups = nn.ModuleList(nn.Linear(hidden, inter) for _ in range(experts))
+        self.downs = nn.ModuleList(nn.Linear(inter, hidden) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        t = x.reshape(b * s, h)
+        scores = self.router(t).sigmoid()
+        idx = (scores + self.score_bias).topk(self.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(t)
+        for e, (up, down) in enumerate(zip(self.ups, self.downs, strict=True)):
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            out[rows] += down(F.gelu(up(t[rows]))) * w[rows, slot, None]
+        return out.view(b, s, h)
+
+
 class Block(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, inter: int, moe: bool | str = False) -> None:
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(hidden), GQAAttention(hidden, heads, kv_heads)
-        mlp = {False: SwiGLU, True: BmmMoE, "bmm": BmmMoE, "loop": LoopMoE}[moe]
+        mlp = {False: SwiGLU, True: BmmMoE, "bmm": BmmMoE, "loop": LoopMoE, "einsum": EinsumMoE, "put": PutMoE}[moe]
         self.mlp_norm, self.mlp = RMSNorm(hidden), mlp(hidden, inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -292,6 +343,14 @@ def loop_moe() -> GQADecoder:
     return GQADecoder(moe="loop")
 
 
+def einsum_moe() -> GQADecoder:
+    return GQADecoder(moe="einsum")
+
+
+def put_moe() -> GQADecoder:
+    return GQADecoder(moe="put")
+
+
 class MetaAttention(nn.Module):
     """Meta's reference Llama attention (llama's ``model.py``, gpt-fast, torchtitan): rotary as a
     complex product (``view_as_complex`` of head_dim pairs times ``freqs_cis``, ``view_as_real``
@@ -459,7 +518,8 @@ def torch_postnorm_fastpath_off() -> TorchPostNorm:
     return TorchPostNorm()
 
 
-MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "nanogpt": NanoGPT, "flat": Flat,
+MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "einsum_moe": einsum_moe, "put_moe": put_moe,
+          "nanogpt": NanoGPT, "flat": Flat,
           "meta_llama": MetaLlama, "torch_postnorm": TorchPostNorm, "parallel": parallel, "einsum": einsum,
           "shared": SharedBlock}
 #: factories for the backend's runs that differ from MODELS' (same model, set up for torch.compile)

@@ -198,7 +198,8 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
                examples: Sequence[Any] = ()) -> Callable[..., Any]:
     from ..comm import GROUP_ATTN_TP, GROUP_TP, register_group
     from ..passes.local_state import hold_local_states
-    from ..passes.roles import POLICIES, annotate_roles
+    from ..passes.prepare import prepare_graph
+    from ..passes.roles import POLICIES
     from ..passes.tp_rewrite import check_any_token_total, shard_for_rank
     from ..runtime import dp_step_counts, tp_groups
     from ..scatter import TPLayout
@@ -213,7 +214,7 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     prepare_groups({GROUP_TP: groups[("tp", layout.tp)], GROUP_ATTN_TP: groups[("attn", layout.attn_tp_group(rank))]},
                    device, opts.symm_mem)
     gm = ep.module()
-    annotate_roles(gm, POLICIES[opts.policy], graph_name="dynamo")
+    prepare_graph(gm, POLICIES[opts.policy], graph_name="dynamo")
     t0 = time.perf_counter()
     tp = shard_for_rank(gm, layout, rank, graph_name="dynamo")
     prog = tp.program.to(device)

@@ -42,16 +42,12 @@ from .. import ops as afd_ops  # noqa: F401  (registers torch.ops.afd)
 from ..comm import GROUP_FFN_TP
 from ..errors import AFDCompileError
 from ..scatter import Collective, DistState, ScatterMode, TPLayout, Transition, transition
-from .roles import LINEAR_OPS, find_router, role_of
 from .shard import (
     ShardError,
     ShardPlan,
     apply_shards,
-    check_linear_path,
-    column_row_pairs,
-    is_expert_mm,
     one_slice_per_weight,
-    shard_pair,
+    shard_mlp,
 )
 from .shard.types import ArgFix, OnceOperand, ShardedWeight, SlicedOperand
 
@@ -150,19 +146,9 @@ def _plan_layer(ffn: fx.GraphModule, y: fx.Node, layer: int, parts: int, weights
     """The weight split of one layer's MLP: its column/row pairs, and a check that everything
     between the row-parallel outputs and ``y`` (settled by the reduce-scatter) is linear."""
     where = f"FFN program: layer {layer}"
-    region = {n for n in ffn.graph.nodes if n.op == "call_function" and _layer(n) == layer}
-    router = find_router(list(region))
-    projs = [n for n in region if (n.target in LINEAR_OPS or is_expert_mm(n)) and n is not router
-             and not role_of(n).router]
+    members = [n for n in ffn.graph.nodes if n.op == "call_function" and _layer(n) == layer]
     try:
-        pairs = column_row_pairs(projs, region, where)
-        if not pairs:
-            raise ShardError(f"{where}: the MLP has no down projection fed by up projections "
-                             f"(projections found: {[n.name for n in projs]})")
-        for cols, row in pairs:
-            shard_pair(ffn, cols, row, parts, "mlp", weights, fixes, where, operands=operands)
-        check_linear_path([row for _, row in pairs], y, region | {y}, where, once,
-                          cols=[c for cs, _ in pairs for c in cs])
+        shard_mlp(ffn, members, y, parts, where, weights, fixes, operands, once)
     except ShardError as e:
         raise FFNTPError(f"ffn_tp={parts}: {e}") from None
 

@@ -266,18 +266,18 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
         yr = experts(xr, ids_l, wr * valid)     # histc(ids_l, E/P), w_e[E/P, ...]: local experts only
         y = afd.ep_combine(yr, ids, counts, group=TP, E)                                # all-to-all back
 
-    The expert computation is found from the graph: the nodes downstream of top-k's indices up
-    to the first ``(tokens, H)`` tensor (the per-token combine). Its other inputs must be
-    per-token rows (token-major); expert-count constants (``histc`` bins, ``one_hot`` classes)
-    become the local count, any other use of the count is an error naming the node.
-    """
+    Recognised experts (``afd::moe_experts``, passes/moe) take the op's rule (moe/parallel.py).
+    Otherwise the expert computation is found from the graph: the nodes downstream of top-k's
+    indices up to the first ``(tokens, H)`` tensor (the per-token combine). Its other inputs must
+    be per-token rows; expert-count constants (``histc`` bins, ``one_hot`` classes) become the
+    local count, any other use of the count is an error naming the node."""
     from .symbolic import TokenBinding, sym_expr
 
-    where = f"layer {layer}"
-    graph = new.graph
-    members = list(layers_of(new)[layer].members)
-    ffn = [n for n in members if n.meta[ROLE_KEY].role is Role.FFN or n.meta[ROLE_KEY].router]
+    where, graph = f"layer {layer}", new.graph
+    ffn = [n for n in layers_of(new)[layer].members if n.meta[ROLE_KEY].role is Role.FFN or n.meta[ROLE_KEY].router]
     ffn_set = set(ffn)
+    if any(n.target == torch.ops.afd.moe_experts.default for n in ffn):  # the op's one rule
+        return _expert_parallel_ops(new, ffn, parts, rank, fake_mode, group, where)
     topks = [n for n in ffn if n.target == aten.topk.default]
     # the expert choice is the last top-k; earlier ones (DeepSeek's group-limited routing picks
     # groups first) must only feed it
@@ -412,6 +412,14 @@ def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake
     for n in reversed(region_list):  # in-place ops (index_put_) would survive dead-code elimination
         graph.erase_node(n)
     return weights
+
+
+def _expert_parallel_ops(gm: fx.GraphModule, ffn: list[fx.Node], parts: int, rank: int, fake_mode: object,
+                         group: int, where: str) -> list[ShardedWeight]:
+    from .moe.parallel import expert_parallel_op
+
+    ops = [n for n in ffn if n.target == torch.ops.afd.moe_experts.default]
+    return [w for op in ops for w in expert_parallel_op(gm, op, parts, rank, fake_mode, group, where)]
 
 
 def _weights_only(n: fx.Node) -> bool:

@@ -34,7 +34,7 @@ from __future__ import annotations
 from ..graph_utils import reads_weight
 from .apply import apply_shards, one_slice_per_weight, shard_pair, shard_tensor
 from .pairing import check_linear_path, column_row_pairs
-from .plan import plan_shards
+from .plan import plan_shards, shard_mlp
 from .projections import META_KEY, Block, Projection, is_expert_mm, is_grouped_mm, projection
 from .rules import RULES, ShardRule
 from .types import (
@@ -50,4 +50,4 @@ from .types import (
 __all__ = ["META_KEY", "RULES", "ArgFix", "Block", "OnceOperand", "Projection", "ShardError", "ShardPlan", "ShardRule",
            "ShardedState", "ShardedWeight", "SlicedOperand", "apply_shards", "check_linear_path", "column_row_pairs",
            "is_expert_mm", "is_grouped_mm", "one_slice_per_weight", "plan_shards", "projection", "reads_weight",
-           "shard_pair", "shard_tensor"]
+           "shard_mlp", "shard_pair", "shard_tensor"]

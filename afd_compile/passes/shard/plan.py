@@ -11,7 +11,7 @@ from ..roles import LINEAR_OPS, SDPA_OPS, Role, is_attention_op, role_of
 from ..symbolic import sym_expr
 from .apply import one_slice_per_weight, shard_pair
 from .pairing import check_linear_path, column_row_pairs
-from .projections import is_expert_mm
+from .projections import is_expert_mm, is_moe_op, moe_op_shards
 from .types import (
     ArgFix,
     OnceOperand,
@@ -28,7 +28,7 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
                 replicated_mlp: frozenset[int] = frozenset()) -> ShardPlan:
     """Find the linears of every layer and follow their splits. Needs ``afd.role``. The MLPs of
     the ``replicated_mlp`` layers keep their full weights (a data-parallel MLP)."""
-    from ..roles import ancestors, descendants, find_router
+    from ..roles import ancestors, descendants
 
     weights: list[ShardedWeight] = []
     fixes: list[ArgFix] = []
@@ -67,28 +67,48 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
             shard_pair(gm, cols, rows[0], attn_parts, "attn", weights, fixes, where, means, states, operands)
             rows_out.append((rows[0].name, "attn", layer))
             split_means.extend((m.name, "attn", layer, attn_parts) for m in means)
-        ffn_set = set(ffn)
-        out = parts.ffn_output
-        router = find_router(ffn)
-        projs = [n for n in ffn if (n.target in LINEAR_OPS or is_expert_mm(n)) and n is not router
-                 and not role_of(n).router]
-        pairs = column_row_pairs(projs, ffn_set, where)
-        if not pairs:
-            raise ShardError(f"{where}: the MLP has no down projection fed by up projections "
-                             f"(projections found: {[n.name for n in projs]})")
         if mlp_parts > 1 and layer not in replicated_mlp:
-            for cols_, row in pairs:
-                mlp_means: list[fx.Node] = []  # (BitNet's norm over the intermediate size before down_proj)
-                shard_pair(gm, cols_, row, mlp_parts, "mlp", weights, fixes, where, mlp_means, operands=operands)
-                split_means.extend((m.name, "mlp", layer, mlp_parts) for m in mlp_means)
-            if len(pairs) == 1 and _producer_linear(out, ffn_set) is pairs[0][1]:
-                rows_out.append((pairs[0][1].name, "mlp", layer))  # settle right after the down projection
-            else:  # several partial sums (experts + shared experts) or a combine step: settle at the block output
-                check_linear_path([row for _, row in pairs], out, ffn_set, where, once,
-                                  cols=[c for cs, _ in pairs for c in cs])
-                rows_out.append((out.name, "mlp", layer))
+            mlp_means: list[fx.Node] = []  # (BitNet's norm over the intermediate size before down_proj)
+            settle = shard_mlp(gm, ffn, parts.ffn_output, mlp_parts, where, weights, fixes, operands, once, mlp_means)
+            split_means.extend((m.name, "mlp", layer, mlp_parts) for m in mlp_means)
+            rows_out.append((settle.name, "mlp", layer))
+        else:
+            shard_mlp(gm, ffn, parts.ffn_output, 1, where, [], [], [], [], [])  # (checks the MLP has pairs)
     return ShardPlan(one_slice_per_weight(weights), tuple(fixes), tuple(rows_out), tuple(split_means), tuple(states),
                      tuple(operands), tuple(once))
+
+
+def shard_mlp(gm: fx.GraphModule, members: list[fx.Node], out: fx.Node, parts: int, where: str,
+              weights: list[ShardedWeight], fixes: list[ArgFix], operands: list[SlicedOperand],
+              once: list[OnceOperand], means: list[fx.Node] | None = None) -> fx.Node:
+    """The weight split of one MLP or MoE block over ``parts`` ranks (``members``: its nodes,
+    graph order; ``out``: its output), the one rule set TP and AFD FFN TP groups share: each
+    column/row pair of projections, each ``afd::moe_experts`` op (a pair in one node). Returns
+    the node whose value is the pending partial sum to settle: the down projection itself when it
+    is the block's only pair and its output, else ``out`` (everything between checked linear)."""
+    from ..roles import find_router
+
+    region = set(members)
+    router = find_router(members)
+    projs = [n for n in members if (n.target in LINEAR_OPS or is_expert_mm(n)) and n is not router
+             and not role_of(n).router]
+    pairs = column_row_pairs(projs, region, where)
+    moe_ops = [n for n in members if is_moe_op(n)]
+    if not pairs and not moe_ops:
+        raise ShardError(f"{where}: the MLP has no down projection fed by up projections "
+                         f"(projections found: {[n.name for n in projs]})")
+    if parts == 1:
+        return out
+    for op in moe_ops:
+        weights.extend(moe_op_shards(op, parts, "mlp", where))
+    for cols, row in pairs:
+        shard_pair(gm, cols, row, parts, "mlp", weights, fixes, where, means, operands=operands)
+    if not moe_ops and len(pairs) == 1 and _producer_linear(out, region) is pairs[0][1]:
+        return pairs[0][1]  # settle right after the down projection
+    # several partial sums (experts + shared experts) or a combine step: settle at the block output
+    check_linear_path([*moe_ops, *(row for _, row in pairs)], out, region | {out}, where, once,
+                      cols=[c for cs, _ in pairs for c in cs])
+    return out
 
 
 def _attention_heads(attn: fx.Node) -> int | None:

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ... import moe as _moe  # noqa: F401  (registers afd::moe_experts)
 from ..graph_utils import get_attr_path
 from .rules import (
     ndim,
 )
 from .types import (
+    ShardedWeight,
     ShardError,
 )
 
@@ -120,3 +122,31 @@ def projection_weight(gm: fx.GraphModule, proj: fx.Node, column: bool) -> tuple[
     p = projection(proj)
     dim = p.out_dim if column else 1 - p.out_dim
     return str(p.weight.target), dim, int(get_attr_path(gm, p.weight.target).shape[dim])
+
+
+# --- the MoE op ---------------------------------------------------------------------------------
+
+def is_moe_op(node: fx.Node) -> bool:
+    """An ``afd::moe_experts`` node (``passes/moe`` made it from the model's experts)."""
+    return node.op == "call_function" and node.target == torch.ops.afd.moe_experts.default
+
+
+def moe_op_shards(op: fx.Node, parts: int, group: str, where: str) -> list[ShardedWeight]:
+    """TP of the MoE op, the one rule for every expert form: each rank keeps every expert's
+    slice of the intermediate size (the gate and up halves sliced alike, the down projection's
+    input dim), so its output is a partial sum over the group; the down bias, added per
+    (token, expert) before the routing weight, counts once (group rank 0, zeros elsewhere)."""
+    x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, _act, gated, _first = op.args
+    n = int(w_gate_up.meta["val"].shape[1])
+    inter = n // 2 if gated else n
+    if inter % parts:
+        raise ShardError(f"{where}: {op.name}'s experts have intermediate size {inter}, which {parts} TP ranks "
+                         "cannot divide")
+    blocks = (inter, inter) if gated else (inter,)
+    out = [ShardedWeight(str(w_gate_up.target), 1, parts, group, "column", blocks),
+           ShardedWeight(str(w_down.target), 2, parts, group, "row", (inter,))]
+    if b_gate_up is not None:
+        out.append(ShardedWeight(str(b_gate_up.target), 1, parts, group, "column", blocks))
+    if b_down is not None:
+        out.append(ShardedWeight(str(b_down.target), -1, parts, group, "row_bias"))
+    return out

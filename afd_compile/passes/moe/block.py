@@ -1,0 +1,207 @@
+"""Where an MoE block's experts sit in a graph, found by structure alone (:func:`find_blocks`).
+
+The interface of every expert form is the same, whatever the model wrote between:
+
+- a final ``topk`` (the router's choice; group-limited routing has earlier ones that feed it),
+  its indices ``ids [T, K]`` and values;
+- the token rows the experts read, ``x [T, H]`` (not computed from the choice);
+- the combine: the first ``[T, H]`` tensor computed from ``ids`` (a loop's ``index_add_``
+  chain is followed to its last link);
+- a probe source: the latest tensor both the router and ``x`` are computed from, from which the
+  block can be evaluated whole (router included) on random rows (``match.py``).
+
+The expert path is what the block computes from ``x`` other than through the router; that is
+what the op replaces. Everything else between the choice and the combine (sorting the ids,
+normalising or gathering the routing weights, a dense ``[T, E]`` weight matrix) is routing,
+kept, and dead code once the op reads what it needs.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ... import moe as _moe  # noqa: F401  (registers afd::moe_experts)
+from ..graph_utils import writes_first_arg
+from ..roles import LINEAR_OPS, ancestors, descendants
+from ..symbolic import sym_expr
+
+aten = torch.ops.aten
+
+#: ops whose values do not depend on their input's (a loop's accumulator): never the token rows
+_SHAPE_ONLY = {aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default, aten.full_like.default,
+               aten.new_zeros.default, aten.new_empty.default, aten.new_ones.default, aten.new_full.default,
+               aten.zeros.default, aten.empty.memory_format, aten.full.default, aten.ones.default}
+
+#: ops a probe cannot run or need not (asserts, metadata checks): kept out of the evaluation
+_SKIPPED = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
+
+
+@dataclass
+class Block:
+    """One MoE block's interface in the graph (see the module docstring)."""
+
+    topk: fx.Node
+    ids: fx.Node
+    end: fx.Node  # the combine's last node: its value is the routed experts' sum, [T, H]
+    x: fx.Node  # the token rows the experts read
+    source: fx.Node  # what the probe feeds (router and experts are computed from it)
+    closure: list[fx.Node]  # what the probe evaluates, graph order (source excluded)
+    experts: set[fx.Node]  # the expert path (replaced by the op)
+    params: list[fx.Node]  # the get_attr nodes the expert path reads (weights, biases)
+    router: set[fx.Node]  # topk and what it is computed from
+    bases: list[fx.Node]  # tensors the expert path writes in place (a loop's zeros): read after it as ``end``
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.topk.args[0].meta["val"].shape[-1])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.ids.meta["val"].shape[-1])
+
+
+def hint(v: object) -> int | None:
+    """A size's value in the traced example (None for a data-dependent size)."""
+    if isinstance(v, (int, bool)):
+        return int(v)
+    if isinstance(v, torch.SymInt):
+        try:
+            env = v.node.shape_env  # (torch 2.13 renames size_hint)
+            return int(getattr(env, "guarding_hint_or_throw", env.size_hint)(v.node.expr))
+        except Exception:  # an unbacked (data-dependent) size has no hint
+            return None
+    return None
+
+
+def same(a: object, b: object) -> bool:
+    """Two sizes (ints or SymInts) are equal for every value of their symbols."""
+    try:
+        return sym_expr(a) - sym_expr(b) == 0
+    except TypeError:
+        return False
+
+
+def rows_of(v: object) -> object | None:
+    """The leading (token) extent of a ``[..., H]`` tensor value: the product of its leading dims."""
+    if not isinstance(v, torch.Tensor) or v.dim() < 2:
+        return None
+    n: object = 1
+    for s in v.shape[:-1]:
+        n = n * s
+    return n
+
+
+def _is_rows(n: fx.Node, tokens: object, width: int | None = None, two_d: bool = True) -> bool:
+    v = n.meta.get("val")
+    if not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.dim() < 2 or (two_d and v.dim() != 2):
+        return False
+    if width is not None and not same(v.shape[-1], width):
+        return False
+    return rows_of(v) is not None and same(rows_of(v), tokens)
+
+
+def find_blocks(gm: fx.GraphModule) -> list[Block]:
+    """Every MoE block's interface, in graph order. A top-k whose indices reach no ``[T, H]``
+    combine (a top-k over vocabulary logits, a group-limited routing's first top-k) is none."""
+    order = {n: j for j, n in enumerate(gm.graph.nodes)}
+    by_end: dict[fx.Node, fx.Node] = {}
+    for topk in [n for n in gm.graph.nodes if n.target == aten.topk.default]:
+        ids = next((u for u in topk.users if u.target == operator.getitem and u.args[1] == 1), None)
+        end = _combine(topk, ids, order) if ids is not None else None
+        if end is not None and end.target == torch.ops.afd.moe_experts.default:
+            continue  # (recognised already)
+        if end is not None and (end not in by_end or order[topk] > order[by_end[end]]):
+            by_end[end] = topk  # the last top-k before a combine is the expert choice
+    return [b for end, topk in sorted(by_end.items(), key=lambda kv: order[kv[0]])
+            if (b := _block(gm, topk, end, order)) is not None]
+
+
+def _combine(topk: fx.Node, ids: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
+    """The first ``[T, H]`` tensor computed from ``ids``, ``H`` a width the router reads, then
+    along the combine chain: a user that adds another expert's result (a loop's next
+    ``index_add_``) continues it."""
+    tokens = ids.meta["val"].shape[0]
+    up = ancestors([topk])
+    # the hidden width: what the router's projection reads (else any row width but the scores')
+    widths = {int(v.shape[-1]) for a in up if a.target in LINEAR_OPS and isinstance(a.args[0], fx.Node)
+              and _is_rows(a.args[0], tokens, two_d=False) and isinstance((v := a.args[0].meta["val"]).shape[-1], int)}
+    if not widths:
+        scores = topk.args[0].meta["val"].shape[-1]
+        widths = {int(v.shape[-1]) for a in up if _is_rows(a, tokens, two_d=False)
+                  and isinstance((v := a.meta["val"]).shape[-1], int)} - {scores}
+    down = descendants(ids)
+    hits = sorted((n for n in down if any(_is_rows(n, tokens, w) for w in widths)), key=order.__getitem__)
+    if not hits:
+        return None
+    end = hits[0]
+    width = int(end.meta["val"].shape[-1])
+    while True:
+        nxt = [u for u in end.users if _is_rows(u, tokens, width) and any(
+            a in down and a is not end for a in u.all_input_nodes)]
+        if len(nxt) != 1:
+            return end
+        end = nxt[0]
+
+
+def _block(gm: fx.GraphModule, topk: fx.Node, end: fx.Node, order: dict[fx.Node, int]) -> Block | None:
+    ids = next(u for u in topk.users if u.target == operator.getitem and u.args[1] == 1)
+    tokens = ids.meta["val"].shape[0]
+    width = int(end.meta["val"].shape[-1])
+    router = ancestors([topk])
+    chosen = descendants(topk)
+    up = ancestors([end])
+    # the rows the experts read: read by something besides the router (the router may view them again)
+    xs = [n for n in up if n not in chosen and n.target not in _SHAPE_ONLY and _is_rows(n, tokens, width)
+          and any(u in up and u not in router for u in n.users)]
+    if not xs:
+        return None
+    x = max(xs, key=order.__getitem__)
+    common = [n for n in ancestors([x]) & router if _is_rows(n, tokens, width, two_d=False)]
+    if not common:
+        return None
+    source = max(common, key=order.__getitem__)
+    closure = _closure(end, source, order)
+    inside = set(closure)
+    experts = _forward(x, inside, blocked=router) - {x}
+    reads = ancestors(experts, within=inside | experts)
+    # (a get_attr node may be the router's ancestor too: a block applied as several layers)
+    params = sorted({a for n in reads - router for a in n.all_input_nodes if a.op == "get_attr"},
+                    key=order.__getitem__)
+    bases = [n.args[0] for n in closure if n in experts and writes_first_arg(n) and isinstance(n.args[0], fx.Node)]
+    return Block(topk, ids, end, x, source, closure, experts, params, router, list(dict.fromkeys(bases)))
+
+
+def _closure(end: fx.Node, source: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
+    """What the probe evaluates to get ``end`` from ``source``: ``end``'s ancestors (not past
+    ``source``, nor past a size: sizes come from the symbols' hints) and the in-place updates of
+    them that run before ``end``, in graph order."""
+    seen: set[fx.Node] = set()
+    stack = [end]
+    while stack:
+        n = stack.pop()
+        if n in seen or n is source:
+            continue
+        seen.add(n)
+        v = n.meta.get("val")
+        if not isinstance(v, (torch.SymInt, int, bool)) or hint(v) is None:
+            stack.extend(n.all_input_nodes)
+        stack.extend(u for u in n.users if u not in seen and writes_first_arg(u) and u.args[0] is n
+                     and order[u] < order[end])
+    return sorted((n for n in seen if n.target not in _SKIPPED), key=order.__getitem__)
+
+
+def _forward(x: fx.Node, inside: set[fx.Node], blocked: set[fx.Node]) -> set[fx.Node]:
+    """``x`` and what is computed from it inside the closure, not through the router."""
+    seen: set[fx.Node] = set()
+    stack = [x]
+    while stack:
+        n = stack.pop()
+        if n in seen or (n is not x and (n not in inside or n in blocked)):
+            continue
+        seen.add(n)
+        stack.extend(n.users)
+    return seen
