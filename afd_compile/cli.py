@@ -18,7 +18,7 @@ from .errors import AFDCompileError
 from .layout import AFDLayout
 from .limits import MAX_TIMEOUT_S, local_process_override
 from .outdir import MARKER, OutputFolder, exit_on_sigterm, save_program
-from .plan_view import AFD_LEGEND, TP_LEGEND, cache_json, plan_table
+from .plan_view import AFD_LEGEND, TP_LEGEND, cache_json, moe_lines, moe_records, plan_table
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -293,10 +293,13 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
     elif args.json:
         print(json.dumps({**prog.plan.to_json(), "shards": str(prog.shards).splitlines(),
+                          "moe_blocks": [str(r) for r in moe_records(gm)],
                           **({"cache": cache} if cache else {})}, indent=2))
     else:
         print(prog.plan.table())
         print(TP_LEGEND)
+        for line in moe_lines(moe_records(gm)):
+            print(line)
         print(_shards_summary(prog.shards, listed=args.shards))
         if args.shards:
             print(prog.shards)
@@ -327,6 +330,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         data = result.plan.to_json()
         data["layout"] = str(layout) if layout else None
+        data["moe_blocks"] = [str(r) for r in result.moe]
         names = [n.name for n in result.attention.graph.nodes if n.op == "placeholder"]
         data["tokens_per_step"] = token_count_for_graph(result.attention, result.plan.cuts[0].token_dims).describe(names)
         cache = cache_json(result)
@@ -338,6 +342,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(plan_table(result, layout))
         print(AFD_LEGEND)
+        for line in moe_lines(result.moe):
+            print(line)
     if args.stages != 1 and not args.json:
         print(_stage_text(_stage_schedule(args, result, layout)))
     _print_timings(args, result.timings)

@@ -88,3 +88,19 @@ def cache_line(result) -> str | None:
         return None
     return (f"KV cache: {len(cache['buffers'])} buffers updated in place, {cache['bytes_per_attention_rank']} bytes on "
             f"each attention rank; {cache['bytes_per_ffn_rank']} on each FFN rank")
+
+
+def moe_lines(records: tuple) -> list[str]:
+    """One line per MoE block recognition found (``passes/moe``): the form and the op, or why not."""
+    if not records:
+        return []
+    done = sum(1 for r in records if r.op)
+    return [f"MoE experts: {done} of {len(records)} blocks recognised as afd::moe_experts"] + \
+        [f"  {r}" for r in records]
+
+
+def moe_records(gm: object) -> tuple:
+    """The records the MoE recognition left on ``gm`` (none for a graph it has not seen)."""
+    from .passes.moe import RECORDS_KEY
+
+    return gm.meta.get(RECORDS_KEY, ())

@@ -51,7 +51,8 @@ def split_graph_module(gm: fx.GraphModule, config: SplitConfig | None = None, *,
     timings = PassTimings()
     with timings("recognise_moe"):  # (on a copy: the caller's graph stays as it was)
         work, _ = copy_graph_module(gm)
-        if any(r.op for r in recognise_moe(work)):
+        moe = tuple(recognise_moe(work))
+        if any(r.op for r in moe):
             gm = work
     with timings("annotate_roles"):
         annotate_roles(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
@@ -73,7 +74,7 @@ def split_graph_module(gm: fx.GraphModule, config: SplitConfig | None = None, *,
         ffn = build_ffn_program(gm, plan)
     with timings("verify_schedule"):
         verify_schedule(attention, ffn)
-    return SplitResult(attention, ffn, plan, timings.seconds)
+    return SplitResult(attention, ffn, plan, timings.seconds, moe)
 
 
 def split(program: torch.export.ExportedProgram | fx.GraphModule, config: SplitConfig | None = None, *,

@@ -132,8 +132,8 @@ def recognised(model: torch.nn.Module, x: torch.Tensor) -> torch.nn.Module:
     """``model`` exported at ``x`` with its experts recognised: what afd-compile compiles."""
     from afd_compile.passes.moe import recognise_moe
 
-    with torch.no_grad():
-        gm = torch.export.export(model, (x,)).module()
+    with torch.no_grad():  # (tokens dynamic, as a served FFN program's: the recognition probes a few rows)
+        gm = torch.export.export(model, (x,), dynamic_shapes={"h": {0: torch.export.Dim("tokens", max=4096)}}).module()
     records = recognise_moe(gm)
     if len(records) != LAYERS or not all(r.op for r in records):
         raise SystemExit(f"moe_ffn: recognition found {[str(r) for r in records]}")

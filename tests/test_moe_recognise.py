@@ -113,3 +113,18 @@ def test_recognised_forms_split_for_afd_with_ffn_groups(saved):
     for case, res in zip(cases, run_cases(cases), strict=True):
         errs = [r["max_rel_err"] for r in res.values() if r["role"] == "attention"]
         assert len(errs) == 2 and max(errs) <= 1e-5, (case, res)
+
+
+def test_plan_says_which_form_each_block_was(saved):
+    from clirun import run_cli
+
+    ran = run_cli("plan", saved["loop-index_put-gelu-bias"], "--tp", "2")
+    assert ran.returncode == 0, ran.stderr
+    assert "MoE experts: 2 of 2 blocks recognised as afd::moe_experts" in ran.stdout
+    assert "loop over experts (index_put_) (E=4, top-2, gelu) from layers.0.mlp.ups.*.weight as up" in ran.stdout
+    ran = run_cli("plan", saved["hf-batched_mm"], "-A", "2", "-F", "1", "--json")
+    assert ran.returncode == 0, ran.stderr
+    import json
+
+    blocks = json.loads(ran.stdout)["moe_blocks"]
+    assert len(blocks) == 2 and all("gathered-weight bmm experts" in b for b in blocks)

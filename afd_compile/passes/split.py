@@ -118,6 +118,7 @@ class SplitResult:
     ffn: fx.GraphModule
     plan: SplitPlan
     timings: dict[str, float] = field(default_factory=dict)
+    moe: tuple = ()  # the MoE blocks recognition found (passes/moe MoERecord), recognised or not
 
 
 def _val(node: object) -> object:

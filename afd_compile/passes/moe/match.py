@@ -68,7 +68,10 @@ def match_block(gm: fx.GraphModule, block: Block) -> tuple[Match | None, str]:
                      "per expert of a numbered container"
     try:
         with torch.no_grad():
-            env = probe(gm, block)
+            try:
+                env = probe(gm, block, few_rows=True)
+            except ProbeError:  # (a size relation the model assumes may need the traced rows)
+                env = probe(gm, block, few_rows=False)
     except ProbeError as e:
         return None, str(e)
     want = env[block.end]
@@ -240,10 +243,43 @@ def _biased(gu: torch.Tensor, down: torch.Tensor, vecs: list, gated: bool, order
 
 # --- the probe --------------------------------------------------------------------------------
 
-def probe(gm: fx.GraphModule, block: Block) -> dict[fx.Node, object]:
-    """Every closure node's value on random source rows (seeded), on the weights' device."""
+#: the value a dynamic token dim takes in the probe (a few rows: the traced example may hold
+#: thousands, and a gathered-weight form materialises a weight copy per row)
+PROBE_ROWS = 3
+
+
+def _probe_sizes(src: torch.Tensor, few_rows: bool):
+    """Sizes in the probe: the symbols of the source's shape (its token dims) at
+    :data:`PROBE_ROWS` (at most their hint), every other symbol at its hint."""
+    import sympy
+
+    binding = {sym for d in src.shape if isinstance(d, torch.SymInt) for sym in sympy.sympify(d.node.expr).free_symbols
+               if few_rows}
+
+    def size(v: object) -> int | None:
+        if not isinstance(v, torch.SymInt):
+            return hint(v)
+        expr = sympy.sympify(v.node.expr)
+        if not expr.free_symbols & set(binding):
+            return hint(v)
+        env = v.node.shape_env
+        hints = getattr(env, "backed_var_to_val", None) or env.var_to_val  # (torch 2.13 renames it)
+        values = {sym: min(PROBE_ROWS, int(hints[sym])) if sym in binding else hints.get(sym)
+                  for sym in expr.free_symbols}
+        if any(x is None for x in values.values()):
+            return None
+        out = expr.xreplace({k: sympy.Integer(int(x)) for k, x in values.items()})
+        return int(out) if out.is_number else None
+
+    return size
+
+
+def probe(gm: fx.GraphModule, block: Block, few_rows: bool = True) -> dict[fx.Node, object]:
+    """Every closure node's value on random source rows (seeded), on the weights' device; with
+    ``few_rows`` a dynamic token count is :data:`PROBE_ROWS` (else the traced example's)."""
     src = block.source.meta["val"]
-    shape = [hint(s) for s in src.shape]
+    size = _probe_sizes(src, few_rows)
+    shape = [size(s) for s in src.shape]
     if None in shape:
         raise ProbeError(f"{block.source.name} has a data-dependent shape {tuple(src.shape)}")
     device = next((get_attr_path(gm, str(p.target)).device for p in block.params), torch.device("cpu"))
@@ -251,8 +287,8 @@ def probe(gm: fx.GraphModule, block: Block) -> dict[fx.Node, object]:
     env: dict[fx.Node, object] = {block.source: torch.randn(shape, generator=g).to(src.dtype).to(device)}
     for n in block.closure:
         v = n.meta.get("val")
-        if isinstance(v, (torch.SymInt, int, bool)) and not isinstance(v, torch.Tensor) and hint(v) is not None:
-            env[n] = hint(v)
+        if isinstance(v, (torch.SymInt, int, bool)) and not isinstance(v, torch.Tensor) and size(v) is not None:
+            env[n] = size(v)
         elif n.op == "get_attr":
             env[n] = get_attr_path(gm, str(n.target))
         elif n.op == "placeholder":
