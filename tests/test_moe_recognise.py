@@ -128,3 +128,18 @@ def test_plan_says_which_form_each_block_was(saved):
 
     blocks = json.loads(ran.stdout)["moe_blocks"]
     assert len(blocks) == 2 and all("gathered-weight bmm experts" in b for b in blocks)
+
+
+def test_the_backend_with_no_layout_runs_the_op():
+    # one process, no layout: moe_experts="op" recognises on CPU too ("auto": on CUDA only); a
+    # graph with no recognised block compiles as without the option
+    import afd_compile.backend as backend
+
+    torch._dynamo.reset()
+    model = MODELS["bmm_moe"]().eval()
+    before = dict(backend.STATS)
+    with torch.no_grad():
+        out = torch.compile(model, backend="afd", options={"moe_experts": "op", "inductor": False})(_ids(2))
+        assert max_rel_err(out, model(_ids(2))) <= 1e-5
+    assert backend.STATS["layouts_compiled"] == before["layouts_compiled"] + 1
+    assert backend.STATS["no_layout"] == before["no_layout"]

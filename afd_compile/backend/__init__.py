@@ -40,6 +40,10 @@ Options (all optional)::
                        (measured 4.8x faster per decode step at batch 64 x context 4096 on an H200,
                        BENCHMARKS.md) and "sdpa" on CPU (Inductor's CPU flex template does not
                        compile many decode shapes). With no layout only "flex" applies the pass
+    moe_experts        "auto" (default) or "op": each MoE block's experts become one afd::moe_experts op
+                       (passes/moe: recognised by structure, whatever form the model wrote). Under a
+                       layout always; with no layout "auto" applies it on CUDA (the op's grouped GEMM
+                       path), "op" on CPU too (its reference loop)
     stages             AFD: micro-batches per step (default 1): each step's sequences split into S
                        micro-batches run interleaved layer by layer, the attention rank computing
                        micro-batch s + 1 while the FFN rank computes s (passes/stages.py); every
@@ -59,7 +63,7 @@ anything runs: a wrong value is a BackendOptionError naming the option.
 
 With no layout (or one process and ``tp=1``) the backend is Inductor itself, with a log line
 saying no distribution was applied; with ``decode_attention="flex"`` it applies that pass alone
-(one GPU, no distribution). On an FFN rank each call of the compiled model serves one
+(one GPU, no distribution), and on CUDA (or with ``moe_experts="op"``) the MoE recognition. On an FFN rank each call of the compiled model serves one
 step for its attention peers (the inputs are ignored) and returns empty tensors.
 """
 
@@ -104,6 +108,26 @@ def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str, 
                  len(records), f" (left: {'; '.join(left)})" if left else "")
 
 
+def _no_layout(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable[..., Any]:
+    STATS["no_layout"] += 1  # said once per process (as a warning), then per graph at INFO
+    (log.warning if STATS["no_layout"] == 1 else log.info)(
+        "afd: no layout given (tp=1, no attention/ffn ranks): no distribution applied; compiling "
+        "with Inductor" if opts.inductor else "afd: no layout given: no distribution applied")
+    if not opts.inductor:
+        return gm.forward
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, list(example_inputs))
+
+
+def _moe_op(opts: BackendOptions, device: torch.device, gm: fx.GraphModule | None = None) -> bool:
+    """With no layout, whether the MoE recognition runs (option ``moe_experts``): on a graph
+    routed by top-k (dynamo's, when given), on CUDA or asked for."""
+    routed = gm is None or any(n.target in (torch.topk, torch.ops.aten.topk.default) or
+                               (n.op == "call_method" and n.target == "topk") for n in gm.graph.nodes)
+    return routed and (opts.moe_experts == "op" or device.type == "cuda")
+
+
 def _device_of(xs: Sequence[Any]) -> torch.device:
     return next((x.device for x in xs if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
@@ -116,17 +140,10 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
     opts = check_options(options)
     rank, world = opts.resolved()
     STATS["graphs"] += 1
-    if opts.mode == "none" and opts.decode_attention != "flex":
-        STATS["no_layout"] += 1  # said once per process (as a warning), then per graph at INFO
-        (log.warning if STATS["no_layout"] == 1 else log.info)(
-            "afd: no layout given (tp=1, no attention/ffn ranks): no distribution applied; compiling "
-            "with Inductor" if opts.inductor else "afd: no layout given: no distribution applied")
-        if not opts.inductor:
-            return gm.forward
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(gm, list(example_inputs))
     device = _device_of(example_inputs)
+    plain = opts.mode == "none" and opts.decode_attention != "flex"
+    if plain and not _moe_op(opts, device, gm):
+        return _no_layout(gm, example_inputs, opts)
     # None on CUDA: capture unless a program holds an op that cannot be captured (PerLayout)
     cudagraphs = (None if device.type == "cuda" else False) if opts.cudagraphs is None else opts.cudagraphs
     from torch._guards import tracing
@@ -135,17 +152,23 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
     # mode, its guards) belongs to the frame being compiled
     with tracing(None):
         run, lifted = _distribute(gm, example_inputs, opts, rank, world, device, cudagraphs)
+    if run is None:  # (no layout, and no MoE block recognised: Inductor on dynamo's graph, as without)
+        return _no_layout(gm, example_inputs, opts)
     runs = {lifted.const_key(example_inputs): (run, lifted.user_positions)}
 
     def call(*args: Any) -> Any:
         STATS["calls"] += 1
         key = lifted.const_key(args)
         if key not in runs:  # an int argument with a value not compiled yet (dynamo made it symbolic)
+            # (no layout: recognition decided on the first call's graph, which these share)
             log.info("afd: rank %d: int inputs / static-address input shapes %s: compiling this graph for them",
                      rank, key)
             with tracing(None):  # (this call's args as examples: the first call's are not kept alive)
                 new_run, new_lifted = _distribute(gm, list(args), opts, rank, world, device, cudagraphs)
-            runs[key] = (new_run, new_lifted.user_positions)
+            if new_run is None:  # (no MoE block recognised at these ints: Inductor on all the args)
+                runs[key] = (_no_layout(gm, list(args), opts), list(range(len(args))))
+            else:
+                runs[key] = (new_run, new_lifted.user_positions)
         run, positions = runs[key]
         return run(*[args[i] for i in positions])
 
@@ -153,7 +176,7 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
 
 
 def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, rank: int, world: int,
-                device: torch.device, cudagraphs: bool | None) -> tuple[Callable[..., Any], Lifted]:
+                device: torch.device, cudagraphs: bool | None) -> tuple[Callable[..., Any] | None, Lifted]:
     lifted = Lifted(gm, example_inputs)
     user = [example_inputs[i] for i in lifted.user_positions]
     t0 = time.perf_counter()
@@ -169,8 +192,16 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
             "torch.compile(model, backend='afd', dynamic=True, options=...), and a first call whose batch and "
             "sequence are >= 2 (dynamo specialises dims of size 0 and 1)")
     static = [lifted.user_positions.index(p) for p in lifted.static_positions]  # as program inputs
-    if opts.mode == "none":  # one process: only the decode-attention pass
+    if opts.mode == "none":  # one process: only the MoE-recognition and decode-attention passes
         prog = ep.module().to(device)
+        if _moe_op(opts, device):
+            from ..passes.moe import recognise_moe
+
+            records = recognise_moe(prog)
+            for rec in records:
+                log.info("afd: one process: %s", rec)
+            if opts.decode_attention != "flex" and not any(r.op for r in records):
+                return None, lifted
         _decode_attention(prog, opts, "one process", device)
         one = PerLayout(prog, key, opts.inductor, cudagraphs, "one process", static)
         run = lambda *x: one(tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)), *x)  # noqa: E731

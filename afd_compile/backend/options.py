@@ -40,6 +40,7 @@ _OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                           and math.isfinite(v) and v > 0), "None or a finite number of seconds > 0"),
     "check_wire": (lambda v: v is None or isinstance(v, bool), "None or a bool"),
     "decode_attention": (lambda v: v in ("auto", "flex", "sdpa"), "'auto', 'flex' or 'sdpa'"),
+    "moe_experts": (lambda v: v in ("auto", "op"), "'auto' or 'op'"),
     "stages": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "ffn_tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "ffn_ep": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
@@ -66,6 +67,7 @@ class BackendOptions:
     timeout_s: float | None = None
     check_wire: bool | None = None
     decode_attention: str = "auto"
+    moe_experts: str = "auto"
     stages: int = 1
     ffn_tp: int = 1
     ffn_ep: int = 1
