@@ -18,7 +18,16 @@ from .errors import AFDCompileError
 from .layout import AFDLayout
 from .limits import MAX_TIMEOUT_S, local_process_override
 from .outdir import MARKER, OutputFolder, exit_on_sigterm, save_program
-from .plan_view import AFD_LEGEND, TP_LEGEND, cache_json, moe_lines, moe_records, plan_table
+from .plan_view import (
+    AFD_LEGEND,
+    TP_LEGEND,
+    cache_json,
+    moe_lines,
+    moe_records,
+    plan_table,
+    stage_schedule,
+    stage_text,
+)
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -81,6 +90,12 @@ def _add_tp(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-parallel", action="store_true",
                    help="split the LM head by vocabulary over the attention TP group, logits all-gathered (default: "
                    "the head whole on every rank)")
+
+
+def _add_import(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE (a module name or a .py file) before loading: the library that registers "
+                        "custom ops the program uses (repeatable; the local processes import it too)")
 
 
 def _add_quiet(p: argparse.ArgumentParser) -> None:
@@ -158,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tp(p)
     p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
                    "planning; TP: rank 0's program)")
+    _add_import(p)
     _add_quiet(p)
     _add_stages(p, "record S micro-batches per step in plan.json (load_rewritten_worker runs the programs as S "
                 "stages); the staged programs and their ping-pong schedule are built and checked now, and printed")
@@ -178,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "program (each weight split column/row-parallel and its blocks, KV cache states, tensors "
                    "read in slices, biases kept on one rank, means all-reduced, size arguments divided); "
                    "without it one line counts them")
+    _add_import(p)
     _add_quiet(p)
     _add_stages(p, "also print the ping-pong schedule of S micro-batches per step (for the saved example's "
                 "batch on every attention rank) and check it (pairing, order, no deadlock)")
@@ -205,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long a rank waits for a peer before the run fails (default 300); a rank that dies "
                    "or is stopped fails the run at once")
+    _add_import(p)
     _add_quiet(p)
 
     p = sub.add_parser("demo", help="build a small HF Llama, split it 2 attention : 1 FFN, run and verify it",
@@ -241,7 +259,7 @@ def _tp_graph(args: argparse.Namespace):
                       dense_dp=args.dense_dp, vocab_parallel=args.vocab_parallel)
     ep = load_program(args.model)
     gm = positional_module(ep)
-    prepare_graph(gm, POLICIES[args.policy], graph_name=args.model)
+    prepare_graph(gm, POLICIES[args.policy], graph_name=args.model, strict=True)
     return layout, gm, ep
 
 
@@ -345,47 +363,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for line in moe_lines(result.moe):
             print(line)
     if args.stages != 1 and not args.json:
-        print(_stage_text(_stage_schedule(args, result, layout)))
+        print(stage_text(_stage_schedule(args, result, layout)))
     _print_timings(args, result.timings)
     return EXIT_OK
 
 
 def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout | None) -> dict:
-    """The staged programs (built: a program that cannot be staged is refused here), the
-    schedule they hold for the layout, checked, and the micro-batches of the saved example, as a
-    record (``plan --json`` prints it; :func:`_stage_text` renders it)."""
-    from .deploy import staged_pair, token_count_for_graph
-    from .layout import micro_batches
-    from .passes.stages import static_batch, static_rows
-    from .programs import flat_inputs, load_program
-
     if args.stages < 1:
         raise UsageError(f"--stages must be >= 1, got {args.stages}")
-    layout = layout or AFDLayout(1, 1)
-    fixed = static_batch(result.attention)
-    sched = staged_pair(result.attention, result.ffn, layout, args.stages, fixed)[2]
-    inputs = flat_inputs(load_program(args.model))
-    tokens = token_count_for_graph(result.attention, result.plan.cuts[0].token_dims)(inputs)
-    batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
-    per_seq = tokens // batch if batch else 0
-    return {"stages": args.stages, "schedule": str(sched).splitlines(), "schedule_checked": True,
-            "example": {"sequences": batch, "tokens_per_sequence": per_seq,
-                        "tokens_per_stage": [(end - start) * per_seq
-                                             for start, end in micro_batches([per_seq] * batch, args.stages)]},
-            "static_batch": fixed, "static_rows": static_rows(fixed, args.stages) if fixed is not None else None}
-
-
-def _stage_text(stages: dict) -> str:
-    ex = stages["example"]
-    return "\n".join([
-        *stages["schedule"],
-        "schedule: checked (every send paired with its receive in order, each micro-batch through the layers in "
-        "order, no deadlock on one communication stream per rank)",
-        f"micro-batches of the saved example ({ex['sequences']} sequences of {ex['tokens_per_sequence']} tokens): "
-        f"tokens per stage {ex['tokens_per_stage']}",
-        *([] if stages["static_batch"] is None else [
-            f"static batch {stages['static_batch']} (a static KV cache): fixed micro-batches of "
-            f"{stages['static_rows']} sequences, each reading and writing its own cache rows"])])
+    return stage_schedule(args.model, args.stages, result, layout)
 
 
 def _export_tp_rank(gm, layout, rank: int, model: str, inputs: list):
@@ -477,7 +463,7 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
     schedule = None
     if args.stages != 1:  # refused before anything is written; the role programs are saved unstaged
         staged = _stage_schedule(args, result, layout)
-        schedule = _stage_text(staged)
+        schedule = stage_text(staged)
         plan["stages"] = args.stages
         if staged["static_batch"] is not None:
             plan["static_batch"] = staged["static_batch"]
@@ -549,7 +535,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     print(plan_table(result, layout))
     _print_timings(args, result.timings)
     if args.stages != 1:
-        print(_stage_text(_stage_schedule(args, result, layout)))
+        print(stage_text(_stage_schedule(args, result, layout)))
     return _verdict(lambda: verify_afd(args.model, layout, batches=batches, gate=args.gate_on_attention,
                                        steps=args.steps, tol=args.tol, policy=args.policy, timeout_s=args.timeout,
                                        decode_steps=args.decode_steps, stages=args.stages, log=print,
@@ -587,6 +573,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             _check_mode_flags(args)
             if args.command in ("verify", "demo"):
                 local_process_override()  # (a bad setting is refused before anything is loaded)
+            if getattr(args, "imports", None):
+                from .programs import import_libraries
+
+                import_libraries(args.imports)
             return handlers[args.command](args)
     except AFDCompileError as e:
         print(f"afd-compile {args.command}: error: {e}", file=sys.stderr)

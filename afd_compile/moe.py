@@ -6,13 +6,16 @@ rewrites those forms into it comes next; this module is the op, its two implemen
 fake (so export, dynamo, AOT autograd and Inductor keep it as one node).
 
     out = moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down,
-                      activation, gated, weight_first)
+                      activation, gated, weight_first, alpha=1.702, limit=7.0)
 
 - ``x`` ``[T, H]`` tokens; ``topk_ids`` ``[T, K]`` integer expert ids; ``topk_weights`` ``[T, K]``;
 - ``w_gate_up`` ``[E, N, H]`` stacked as ``nn.Linear`` weights (``N = 2 I`` gated: the gate is the
   first half, as transformers' ``gate_up_proj`` chunks; ``N = I`` plain), ``w_down`` ``[E, H, I]``;
   ``b_gate_up`` ``[E, N]`` and ``b_down`` ``[E, H]`` optional;
 - ``activation`` one of :data:`ACTIVATIONS`; ``gated``: ``act(gate) * up``, else ``act(up)``;
+  or ``"swiglu_oai"`` (gated only: GPT-OSS's clamped GLU, ``(clamp(up, -limit, limit) + 1) *
+  g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``; ``alpha`` and ``limit`` are
+  read by it alone);
 - ``weight_first``: the routing weight scales the expert's input (else its output, the usual).
 
 Per token ``t``: ``out[t] = sum_k expert(topk_ids[t, k], x[t]) * topk_weights[t, k]``, in ``x``'s
@@ -20,16 +23,23 @@ dtype. Linear in ``x`` only when the experts are (they are not): what TP and EP 
 it is a sum over experts (EP) and, for one expert, a row-parallel sum over ``I`` (TP), which the
 sharding rules of the op say once.
 
-Implementations: on CUDA with bf16 and ``torch._grouped_mm`` (sm90), a grouped GEMM over the
-(token, expert) pairs sorted by expert, with no host synchronisation (counts by ``scatter_add``,
-offsets by ``cumsum``): a CUDA graph captures it whole, sized by ``T x K`` rows. Elsewhere (CPU,
-fp32, older GPUs) the reference: a loop over the experts the tokens chose, equal to transformers'
-``eager`` experts (it reads the chosen experts on the host: no CUDA graph there).
+Implementations (``implementation()`` picks one per call; ``AFD_MOE_IMPL`` forces one:
+``fused``, ``grouped_mm``, ``reference``; ``auto``, the default, takes the first that applies):
+
+- ``fused`` (``moe_triton.py``): on CUDA with bf16 / fp16 and Triton, two Triton kernels over the
+  (token, expert) pairs sorted by expert and padded per expert, each chosen expert's weights
+  read once per block of its rows, the activation in the first kernel's epilogue; no host
+  synchronisation (a CUDA graph captures it whole, sized by ``T x K`` rows);
+- ``grouped_mm``: on CUDA with bf16 and ``torch._grouped_mm`` (sm90), the same sort, two grouped
+  GEMMs, the activation between (no host synchronisation either);
+- ``reference``: anywhere (CPU, fp32): a loop over the experts the tokens chose, equal to
+  transformers' ``eager`` experts (it reads the chosen experts on the host: no CUDA graph there).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -41,12 +51,15 @@ ACTIVATIONS = {
     "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
     "relu": F.relu,
 }
+#: gated activations of their own (not ``act(gate) * up``), with the op's ``alpha`` and ``limit``
+GLU_ACTIVATIONS = ("swiglu_oai",)
 
 def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
            w_down: torch.Tensor, activation: str, gated: bool) -> None:
     where = "afd::moe_experts"
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{where}: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+    if activation not in ACTIVATIONS and not (gated and activation in GLU_ACTIVATIONS):
+        raise ValueError(f"{where}: activation {activation!r} is not one of {sorted(ACTIVATIONS)}, nor (gated) "
+                         f"{list(GLU_ACTIVATIONS)}")
     if x.dim() != 2 or ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"{where}: expected x [T, H], topk_ids and topk_weights [T, K]; got {tuple(x.shape)}, "
                          f"{tuple(ids.shape)}, {tuple(weights.shape)}")
@@ -57,20 +70,26 @@ def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up:
                          f"[E, H, I]; got {tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
 
 
+def _activate(y: torch.Tensor, activation: str, gated: bool, alpha: float, limit: float) -> torch.Tensor:
+    """The expert's activation of its up projection ``y`` (gate half first when gated)."""
+    if not gated:
+        return ACTIVATIONS[activation](y)
+    gate, up = y.chunk(2, dim=-1)
+    if activation == "swiglu_oai":
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return ACTIVATIONS[activation](gate) * up
+
+
 def _expert_mlp(h: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, b_gate_up: torch.Tensor | None,
-                b_down: torch.Tensor | None, act, gated: bool) -> torch.Tensor:
-    y = F.linear(h, w_gate_up, b_gate_up)
-    if gated:
-        gate, up = y.chunk(2, dim=-1)
-        y = act(gate) * up
-    else:
-        y = act(y)
+                b_down: torch.Tensor | None, activation: str, gated: bool, alpha: float, limit: float) -> torch.Tensor:
+    y = _activate(F.linear(h, w_gate_up, b_gate_up), activation, gated, alpha, limit)
     return F.linear(y, w_down, b_down)
 
 
-def reference(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation, gated, weight_first):
+def reference(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation, gated, weight_first,
+              alpha=1.702, limit=7.0):
     """The experts the tokens chose, one after another (transformers' ``eager`` experts' order)."""
-    act = ACTIVATIONS[activation]
     k = topk_ids.shape[1]
     out = torch.zeros_like(x)
     flat = topk_ids.reshape(-1)
@@ -84,17 +103,17 @@ def reference(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, a
         if weight_first:
             h = h * w
         y = _expert_mlp(h, w_gate_up[e], w_down[e], None if b_gate_up is None else b_gate_up[e],
-                        None if b_down is None else b_down[e], act, gated)
+                        None if b_down is None else b_down[e], activation, gated, alpha, limit)
         if not weight_first:
             y = y * w
         out.index_add_(0, rows, y.to(out.dtype))
     return out
 
 
-def grouped(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation, gated, weight_first):
+def grouped(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation, gated, weight_first,
+            alpha=1.702, limit=7.0):
     """The (token, expert) pairs sorted by expert, two grouped GEMMs, the pairs put back in order
     and summed per token; no host synchronisation (a CUDA graph captures it)."""
-    act = ACTIVATIONS[activation]
     n_experts, k = w_gate_up.shape[0], topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     experts, perm = torch.sort(flat)
@@ -109,11 +128,7 @@ def grouped(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, act
     y = torch._grouped_mm(h, w_gate_up.transpose(-2, -1), offs=offs)
     if b_gate_up is not None:
         y = y + b_gate_up[experts]
-    if gated:
-        gate, up = y.chunk(2, dim=-1)
-        y = act(gate) * up
-    else:
-        y = act(y)
+    y = _activate(y, activation, gated, alpha, limit)
     y = torch._grouped_mm(y, w_down.transpose(-2, -1), offs=offs)
     if b_down is not None:
         y = y + b_down[experts]
@@ -137,25 +152,66 @@ def can_group(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) ->
     return all(d % 8 == 0 for d in (x.shape[1], w_gate_up.shape[1], w_down.shape[2]))
 
 
+@functools.cache
+def _has_triton() -> bool:
+    try:
+        from . import moe_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def can_fuse(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """The fused (Triton) path applies: CUDA, one half-precision dtype everywhere, Triton."""
+    return x.device.type == "cuda" and len({x.dtype, w_gate_up.dtype, w_down.dtype}) == 1 and \
+        x.dtype in (torch.bfloat16, torch.float16) and _has_triton()
+
+
+#: ``AFD_MOE_IMPL`` values
+IMPLEMENTATIONS = ("auto", "fused", "grouped_mm", "reference")
+
+
+def implementation(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> str:
+    """Which implementation runs these operands (module docstring); a forced one that does not
+    apply is an error naming why, never a silent fallback."""
+    want = os.environ.get("AFD_MOE_IMPL", "auto")
+    if want not in IMPLEMENTATIONS:
+        raise ValueError(f"afd::moe_experts: AFD_MOE_IMPL={want!r} is not one of {list(IMPLEMENTATIONS)}")
+    ok = {"fused": can_fuse(x, w_gate_up, w_down), "grouped_mm": can_group(x, w_gate_up, w_down), "reference": True}
+    if want == "auto":
+        return next(name for name, applies in ok.items() if applies)
+    if not ok[want]:
+        raise ValueError(f"afd::moe_experts: AFD_MOE_IMPL={want} does not apply to x {x.dtype} on {x.device} with "
+                         f"weights {w_gate_up.dtype} {tuple(w_gate_up.shape)} (fused: CUDA, bf16/fp16, Triton; "
+                         "grouped_mm: CUDA sm90, bf16, dims multiple of 8)")
+    return want
+
+
 @torch.library.custom_op("afd::moe_experts", mutates_args=())
 def _moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
                  w_down: torch.Tensor, b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None, activation: str,
-                 gated: bool, weight_first: bool) -> torch.Tensor:
+                 gated: bool, weight_first: bool, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     _check(x, topk_ids, topk_weights, w_gate_up, w_down, activation, gated)
-    impl = grouped if can_group(x, w_gate_up, w_down) else reference
-    return impl(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation, gated, weight_first)
+    which = implementation(x, w_gate_up, w_down)
+    if which == "fused":
+        from .moe_triton import fused as impl
+    else:
+        impl = grouped if which == "grouped_mm" else reference
+    return impl(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation, gated, weight_first,
+                alpha, limit)
 
 
 @_moe_experts.register_fake
 def _moe_experts_fake(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation, gated,
-                      weight_first):
+                      weight_first, alpha=1.702, limit=7.0):
     _check(x, topk_ids, topk_weights, w_gate_up, w_down, activation, gated)
     return torch.empty_like(x)
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor, b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
-                activation: str = "silu", gated: bool = True, weight_first: bool = False) -> torch.Tensor:
+                activation: str = "silu", gated: bool = True, weight_first: bool = False, alpha: float = 1.702,
+                limit: float = 7.0) -> torch.Tensor:
     """``torch.ops.afd.moe_experts`` with keyword defaults (see the module docstring)."""
     return torch.ops.afd.moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation,
-                                     gated, weight_first)
+                                     gated, weight_first, alpha, limit)

@@ -104,3 +104,39 @@ def moe_records(gm: object) -> tuple:
     from .passes.moe import RECORDS_KEY
 
     return gm.meta.get(RECORDS_KEY, ())
+
+
+def stage_schedule(model: str, stages: int, result: object, layout: AFDLayout | None) -> dict:
+    """The staged programs (built: a program that cannot be staged is refused here), the
+    schedule they hold for the layout, checked, and the micro-batches of the saved example, as a
+    record (``plan --json`` prints it; :func:`stage_text` renders it)."""
+    from .deploy import staged_pair, token_count_for_graph
+    from .layout import micro_batches
+    from .passes.stages import static_batch, static_rows
+    from .programs import flat_inputs, load_program
+
+    layout = layout or AFDLayout(1, 1)
+    fixed = static_batch(result.attention)
+    sched = staged_pair(result.attention, result.ffn, layout, stages, fixed)[2]
+    inputs = flat_inputs(load_program(model))
+    tokens = token_count_for_graph(result.attention, result.plan.cuts[0].token_dims)(inputs)
+    batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
+    per_seq = tokens // batch if batch else 0
+    return {"stages": stages, "schedule": str(sched).splitlines(), "schedule_checked": True,
+            "example": {"sequences": batch, "tokens_per_sequence": per_seq,
+                        "tokens_per_stage": [(end - start) * per_seq
+                                             for start, end in micro_batches([per_seq] * batch, stages)]},
+            "static_batch": fixed, "static_rows": static_rows(fixed, stages) if fixed is not None else None}
+
+
+def stage_text(stages: dict) -> str:
+    ex = stages["example"]
+    return "\n".join([
+        *stages["schedule"],
+        "schedule: checked (every send paired with its receive in order, each micro-batch through the layers in "
+        "order, no deadlock on one communication stream per rank)",
+        f"micro-batches of the saved example ({ex['sequences']} sequences of {ex['tokens_per_sequence']} tokens): "
+        f"tokens per stage {ex['tokens_per_stage']}",
+        *([] if stages["static_batch"] is None else [
+            f"static batch {stages['static_batch']} (a static KV cache): fixed micro-batches of "
+            f"{stages['static_rows']} sequences, each reading and writing its own cache rows"])])

@@ -37,8 +37,56 @@ def _op_namespaces(path: str) -> set[str]:
     return {ns.decode() for ns in found}
 
 
+#: the libraries a run imports before loading programs (``--import``; os.pathsep-separated module
+#: names or ``.py`` files): set by :func:`import_libraries`, read again by the processes of a
+#: local run, which inherit the environment
+IMPORTS_ENV = "AFD_COMPILE_IMPORTS"
+
+
+def import_libraries(specs: Sequence[str] = ()) -> None:
+    """Import each library (a module name, or a ``.py`` file) that registers custom ops a
+    program uses, and those :data:`IMPORTS_ENV` names; the processes of local runs started after
+    this import them too. One that cannot be imported is a :class:`ProgramLoadError` naming it."""
+    known = [s for s in os.environ.get(IMPORTS_ENV, "").split(os.pathsep) if s]
+    specs = [os.path.abspath(s) if _is_file_spec(s) else s for s in specs]
+    for spec in dict.fromkeys(known + specs):
+        _import_one(spec)
+    if specs:
+        os.environ[IMPORTS_ENV] = os.pathsep.join(dict.fromkeys(known + specs))
+
+
+def _is_file_spec(spec: str) -> bool:
+    return spec.endswith(".py") or os.sep in spec
+
+
+def _import_one(spec: str) -> None:
+    import importlib
+    import importlib.util
+    import sys
+
+    try:
+        if not _is_file_spec(spec):
+            importlib.import_module(spec)
+            return
+        if not os.path.isfile(spec):
+            raise ProgramLoadError(f"--import {spec}: no such file")
+        name = os.path.splitext(os.path.basename(spec))[0]
+        loaded = sys.modules.get(name)
+        if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == spec:
+            return  # (imported already, by its module name)
+        found = importlib.util.spec_from_file_location(name, spec)
+        module = importlib.util.module_from_spec(found)
+        sys.modules[name] = module
+        found.loader.exec_module(module)
+    except ProgramLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001  (whatever the library raises while importing)
+        raise ProgramLoadError(f"--import {spec}: cannot import it: {_first_line(e)}") from None
+
+
 def _register_op_libraries(namespaces: set[str]) -> None:
     """Import the libraries that register custom ops a saved graph uses."""
+    import_libraries()
     if "transformers" in namespaces:
         try:
             import transformers.integrations.moe  # noqa: F401  (registers transformers::)
@@ -122,7 +170,8 @@ def _load_cause(e: BaseException, logged: list[str]) -> str:
     op = _UNRESOLVED_OP.search(text)
     if op and op.group(1) not in ("aten", "prim", "afd") and ("resolve" in text or "Failed deserializing node" in text):
         return (f"the program uses the custom op {op.group(1)}::{op.group(2)}, which nothing imported in this process "
-                "registers: import the library that registers it before loading")
+                "registers: import the library that registers it before loading (--import MODULE, or "
+                f"{IMPORTS_ENV}=MODULE)")
     return "; ".join(c if len(c) <= 400 else c[:400] + "..." for c in causes)
 
 

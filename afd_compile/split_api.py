@@ -51,7 +51,9 @@ def split_graph_module(gm: fx.GraphModule, config: SplitConfig | None = None, *,
     timings = PassTimings()
     with timings("recognise_moe"):  # (on a copy: the caller's graph stays as it was)
         work, _ = copy_graph_module(gm)
-        moe = tuple(recognise_moe(work))
+        # (FFN TP / EP groups shard the experts: only the recognised op)
+        strict = layout is not None and (layout.ffn_tp > 1 or layout.ffn_ep > 1)
+        moe = tuple(recognise_moe(work, strict=strict, graph_name=config.graph_name))
         if any(r.op for r in moe):
             gm = work
     with timings("annotate_roles"):

@@ -553,7 +553,7 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
         program, sharded = load_program(saved.path(f"rank{rank}")).module(), None
     else:
         gm = fresh_module(ep)
-        prepare_graph(gm, POLICIES[case.policy], graph_name=case.path)
+        prepare_graph(gm, POLICIES[case.policy], graph_name=case.path, strict=True)
         prog = shard_for_rank(gm, lay, rank, graph_name=case.path)
         program, sharded = prog.program, len(prog.shards.weights)
     _, dims = batch_symbol_dims(original)

@@ -28,7 +28,8 @@
 # moe:      (only when named; a 1-GPU host; also in "one") benchmarks/moe_ffn.py: the FFN side of a
 #           Qwen3-30B-A3B-shaped MoE per expert form (transformers' grouped_mm / batched_mm, the
 #           afd::moe_experts op, and each form exported and recognised by passes/moe) against its HBM
-#           floor; benchmarks/moe_kernels.py: the op's pieces alone
+#           floor; benchmarks/moe_kernels.py: the op's pieces alone; tests/test_gpu_moe_kernel.py (the
+#           op's fused Triton path against its reference, and under CUDA graph capture)
 # one:      (only when named; a 1-GPU host) decode attention on one GPU: examples/generate.py with no
 #           layout and --decode-attention flex (Llama, Qwen3-MoE; bf16 tokens against generate()),
 #           decode_step.py's one-GPU columns (reduce-overhead vs the afd backend with the pass), and
@@ -146,6 +147,7 @@ if [[ $SECTIONS == *" one "* ]]; then
   TAIL=14 run one_junction $T1 benchmarks/junction.py --tokens 8,64 --out "$OUT/one_junction.json"
 fi
 if [[ $SECTIONS == *" one "* || $SECTIONS == *" moe "* ]]; then  # issue 34: the MoE FFN side on one GPU
+  TAIL=3 run one_moe_kernel_tests python3 -m pytest -q -m gpu tests/test_gpu_moe_kernel.py
   TAIL=8 run one_moe_ffn python3 benchmarks/moe_ffn.py --json "$OUT/one_moe_ffn.json"
   TAIL=9 run one_moe_kernels python3 benchmarks/moe_kernels.py --json "$OUT/one_moe_kernels.json"
 fi

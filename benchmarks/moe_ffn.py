@@ -5,12 +5,14 @@ the post-attention RMSNorm, transformers' MoE block, the residual add; 4 layers,
 weights) under ``torch.compile(mode="reduce-overhead")`` (one CUDA graph), at T tokens:
 
 - ``grouped_mm`` / ``batched_mm``: transformers' own experts implementations (the model as written);
-- ``afd_op``: the same weights with the experts as one ``afd::moe_experts`` op (its grouped path),
-  called directly;
+- ``afd_op``: the same weights with the experts as one ``afd::moe_experts`` op, called directly
+  (its default implementation on this GPU: the fused Triton kernels, ``moe_triton.py``);
+  ``afd_op_grouped_mm``: the same, forced to its ``torch._grouped_mm`` path (``AFD_MOE_IMPL``);
 - ``rec_grouped_mm`` / ``rec_batched_mm`` / ``rec_loop``: what afd-compile runs: the FFN side
   exported (``torch.export``, at T) in that form (``rec_loop``: a hand-written loop over 128
   per-expert ``nn.Linear`` triples, tokens picked by ``where``, written back by ``index_add_``),
-  its experts recognised (``passes/moe``: one ``afd::moe_experts`` per layer), then compiled;
+  its experts recognised (``passes/moe``: one ``afd::moe_experts`` per layer), then compiled (the op's
+  default implementation);
 - ``afd_op_inline``: the op's grouped path written inline (aten ops Inductor can fuse: what a
   lowering of the op before Inductor would hand it);
 - ``floor``: the bytes the step must read (the experts its tokens chose, counted on the measured
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -173,8 +176,8 @@ def time_us(fn, x: torch.Tensor, iters: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="8,64,256,1024")
-    parser.add_argument("--forms", default="grouped_mm,batched_mm,afd_op,afd_op_inline,rec_grouped_mm,rec_batched_mm,"
-                        "rec_loop")
+    parser.add_argument("--forms", default="grouped_mm,batched_mm,afd_op,afd_op_grouped_mm,rec_grouped_mm,"
+                        "rec_batched_mm,rec_loop")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -191,8 +194,8 @@ def main() -> int:
         other = FFNSide("batched_mm").to(dev, torch.bfloat16).eval()
         other.load_state_dict(base.state_dict())
         models["batched_mm"] = other
-    if "afd_op" in forms:
-        models["afd_op"] = OpSide(base)
+    if "afd_op" in forms or "afd_op_grouped_mm" in forms:
+        models["afd_op"] = models["afd_op_grouped_mm"] = OpSide(base)
     if "afd_op_inline" in forms:
         models["afd_op_inline"] = OpSide(base, inline=True)
     sources = {"rec_grouped_mm": base, "rec_batched_mm": models.get("batched_mm")}
@@ -213,11 +216,14 @@ def main() -> int:
         row = {"tokens": t, "experts_touched": used, "floor_us": round(floor, 1)}
         for name in forms:
             model = recognised(sources[name], x) if name.startswith("rec_") else models[name]
+            os.environ["AFD_MOE_IMPL"] = "grouped_mm" if name == "afd_op_grouped_mm" else "auto"
+            torch._dynamo.reset()  # (a fresh capture per column: the implementation is picked when it runs)
             fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
             with torch.no_grad():
                 out = fn(x).float()
             err = float((out - ref).abs().max() / ref.abs().max())
             us = time_us(fn, x, args.iters)
+            os.environ["AFD_MOE_IMPL"] = "auto"
             row[name] = {"us": round(us, 1), "x_floor": round(us / floor, 2), "max_rel_err": round(err, 5)}
             print(f"moe_ffn: T={t} {name}: {us:.1f} us ({us / floor:.2f}x floor), rel err {err:.2e}", file=sys.stderr)
         rows.append(row)

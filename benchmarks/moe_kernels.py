@@ -4,8 +4,10 @@ path alone, in a CUDA graph, against its own HBM floor (the bytes of the experts
 One layer of a Qwen3-30B-A3B-shaped MoE (hidden 2048, 128 experts, top 8, moe_intermediate 768),
 bf16, T tokens with random routing: ``torch._grouped_mm`` for the gate/up and the down projection
 (the stacked weights as transposed views, ``colmajorB``, and made contiguous the other way,
-``rowmajorB``), the sort / gather / offsets, and the whole grouped path. Prints a table, writes
-JSON (``--json``).
+``rowmajorB``), the sort / gather / offsets, and the whole grouped path; the fused (Triton) path
+(``moe_triton.py``): its align step alone, and the whole path with its default tile config and
+with others (``fused M.. N.. K.. w.. s..``: the sweep its config table is read from). Prints a
+table, writes JSON (``--json``).
 
     python benchmarks/moe_kernels.py --json $OUT/moe_kernels.json
 """
@@ -21,6 +23,10 @@ from collections.abc import Callable
 import torch
 
 EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
+#: the fused path's tile configs tried besides its default
+SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for m, n, k, w, st in (
+    (16, 32, 128, 4, 4), (16, 64, 128, 4, 3), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (16, 128, 64, 4, 5),
+    (32, 64, 128, 4, 4), (32, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 8, 4), (128, 128, 64, 8, 3))]
 
 
 def time_us(fn: Callable[[], object], iters: int = 50) -> float:
@@ -83,9 +89,21 @@ def case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.Genera
         ("sort + gather + offsets", "all"): sort_gather,
         ("whole grouped path", "all"): lambda: grouped(x, ids, w, wgu, wd, None, None, "silu", True, False),
     }
+    from afd_compile.moe_triton import align, config, fused
+
+    pieces[("fused align", "all")] = lambda: align(ids, EXPERTS, config(t * TOP_K, EXPERTS)["BLOCK_M"])
+    for cfg in [None, *SWEEP]:
+        name = "fused default" if cfg is None else "fused M{BLOCK_M} N{BLOCK_N} K{BLOCK_K} w{num_warps} s{num_stages}" \
+            .format(**cfg)
+        pieces[(name, "all")] = lambda cfg=cfg: fused(x, ids, w, wgu, wd, None, None, "silu", True, False, cfg=cfg)
     row = {"tokens": t, "experts_touched": touched, "floors_us": {k: round(v, 1) for k, v in floors.items()}}
     for (name, floor), fn in pieces.items():
-        us = time_us(graphed(fn))
+        try:
+            us = time_us(graphed(fn))
+        except Exception as e:  # noqa: BLE001  (a tile config this GPU cannot run: shared memory, registers)
+            print(f"moe_kernels: T={t} {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+            row[name] = {"us": float("nan"), "x_floor": float("nan"), "floor": floor}
+            continue
         row[name] = {"us": round(us, 1), "x_floor": round(us / floors[floor], 2), "floor": floor}
     del experts
     return row
@@ -93,7 +111,7 @@ def case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.Genera
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", default="8,64,1024")
+    parser.add_argument("--tokens", default="8,64,256,1024")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():

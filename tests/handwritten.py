@@ -152,11 +152,65 @@ class PutMoE(nn.Module):
         return out.view(b, s, h)
 
 
+class SortMoE(nn.Module):
+    """Top-k by ``sort`` (descending) sliced to its first K, the routing weight scaling each
+    expert's input, the experts a ``bmm`` over stacked ``[E, H, 2I]`` / ``[E, I, H]`` weights
+    gathered per (token, expert) pair, combined by ``scatter_add`` over the pairs' tokens."""
+
+    def __init__(self, hidden: int, inter: int, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, hidden, 2 * inter) * hidden ** -0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, inter, hidden) * inter ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        t = x.reshape(b * s, h)
+        vals, order = self.router(t).softmax(-1).sort(-1, descending=True)
+        idx, w = order[:, :self.top_k], vals[:, :self.top_k]
+        rows = torch.arange(t.shape[0]).repeat_interleave(self.top_k)
+        pairs = (t[rows] * w.reshape(-1, 1))[:, None, :]  # [T K, 1, H]
+        gate, up = torch.bmm(pairs, self.w_in[idx.reshape(-1)]).squeeze(1).chunk(2, dim=-1)
+        y = torch.bmm((F.silu(gate) * up)[:, None, :], self.w_out[idx.reshape(-1)]).squeeze(1)
+        return torch.zeros_like(t).scatter_add(0, rows[:, None].expand(-1, h), y).view(b, s, h)
+
+
+class Top1MoE(nn.Module):
+    """One expert per token by ``argmax`` (a ``[T]`` choice, its probability ``[T]`` by ``max``),
+    a loop over the experts selecting tokens with ``where``, ReLU experts, ``index_add_``."""
+
+    def __init__(self, hidden: int, inter: int, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(hidden, inter, bias=False), nn.ReLU(),
+                                                   nn.Linear(inter, hidden, bias=False)) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        t = x.reshape(b * s, h)
+        probs = self.router(t).softmax(-1)
+        idx, w = probs.argmax(-1), probs.amax(-1)
+        out = torch.zeros_like(t)
+        for e, expert in enumerate(self.experts):
+            (rows,) = torch.where(idx == e)
+            out.index_add_(0, rows, expert(t[rows]) * w[rows, None])
+        return out.view(b, s, h)
+
+
+def _lib_moe(hidden: int, inter: int) -> nn.Module:
+    from moelib import LibMoE  # (registers moelib::scatter_add_rows)
+
+    return LibMoE(hidden, inter)
+
+
 class Block(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, inter: int, moe: bool | str = False) -> None:
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(hidden), GQAAttention(hidden, heads, kv_heads)
-        mlp = {False: SwiGLU, True: BmmMoE, "bmm": BmmMoE, "loop": LoopMoE, "einsum": EinsumMoE, "put": PutMoE}[moe]
+        mlp = {False: SwiGLU, True: BmmMoE, "bmm": BmmMoE, "loop": LoopMoE, "einsum": EinsumMoE, "put": PutMoE,
+               "sort": SortMoE, "top1": Top1MoE,
+               "lib": _lib_moe}[moe]
         self.mlp_norm, self.mlp = RMSNorm(hidden), mlp(hidden, inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -351,6 +405,19 @@ def put_moe() -> GQADecoder:
     return GQADecoder(moe="put")
 
 
+def sort_moe() -> GQADecoder:
+    return GQADecoder(moe="sort")
+
+
+def top1_moe() -> GQADecoder:
+    return GQADecoder(moe="top1")
+
+
+def lib_moe() -> GQADecoder:
+    """Experts of another model library (``tests/moelib.py``): its own combine op, an autocast router."""
+    return GQADecoder(moe="lib")
+
+
 class MetaAttention(nn.Module):
     """Meta's reference Llama attention (llama's ``model.py``, gpt-fast, torchtitan): rotary as a
     complex product (``view_as_complex`` of head_dim pairs times ``freqs_cis``, ``view_as_real``
@@ -519,6 +586,7 @@ def torch_postnorm_fastpath_off() -> TorchPostNorm:
 
 
 MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "einsum_moe": einsum_moe, "put_moe": put_moe,
+          "sort_moe": sort_moe, "top1_moe": top1_moe, "lib_moe": lib_moe,
           "nanogpt": NanoGPT, "flat": Flat,
           "meta_llama": MetaLlama, "torch_postnorm": TorchPostNorm, "parallel": parallel, "einsum": einsum,
           "shared": SharedBlock}

@@ -182,6 +182,10 @@ RUNS = [  # (processes, example arguments)
     # fast path off (on, the backend refuses it: test_pytorchs_fused_encoder_layer_is_refused...)
     (2, ("--tp", "2", "--no-inductor", "--model", os.path.join(os.path.dirname(__file__),
                                                                 "handwritten.py:torch_postnorm_fastpath_off"))),
+    # another library's MoE (its own grouped-GEMM and combine ops, a router under torch.autocast:
+    # a higher-order op whose re-exported node keeps no module path of its own), AFD 2A1F
+    (3, ("--attention", "2", "--ffn", "1", "--no-inductor",
+         "--model", os.path.join(os.path.dirname(__file__), "handwritten.py:lib_moe"))),
     # a hand-written MoE looping over its experts (data-dependent token counts per expert); under
     # real torchrun (no transformers import: the cheapest launch)
     (2, ("--attention", "1", "--ffn", "1", "--dynamic-output-shapes",

@@ -21,7 +21,8 @@ from afd_compile.verify import Case, TPCase, run_cases, run_tp_cases
 
 OP = torch.ops.afd.moe_experts.default
 #: ops of the model's own experts, none of which may survive recognition
-EXPERT_OPS = ("bmm", "grouped_mm", "index_add", "index_put", "einsum", "nonzero", "where.default", "histc")
+EXPERT_OPS = ("bmm", "grouped_mm", "index_add", "index_put", "einsum", "nonzero", "where.default", "histc",
+              "scatter_add")
 
 #: (form id, how to export it, words the record's form names, activation)
 FORMS = [
@@ -32,10 +33,20 @@ FORMS = [
     # sigmoid router, group-limited top-k, score bias, weights gathered after top-k, shared experts
     ("hf-deepseek_v3", lambda: export_lm(build_hf("deepseek_v3", num_layers=2, experts_implementation="grouped_mm")),
      "grouped_mm", "silu"),
+    # PhiMoE's sparsemixer: one expert at a time by max over the masked scores, concatenated
+    ("hf-phimoe-sparsemixer", lambda: export_lm(build_hf("phimoe", experts_implementation="batched_mm")),
+     "gathered-weight bmm", "silu"),
     ("loop-index_add", lambda: export(MODELS["loop_moe"]()), "loop over experts (index_add_)", "silu"),
+    ("sort-sliced-weights-first", lambda: export(MODELS["sort_moe"]()), "gathered-weight bmm", "silu"),
+    ("argmax-top1-where-relu", lambda: export(MODELS["top1_moe"]()), "loop over experts (index_add_)", "relu"),
     ("dense-bmm", lambda: export(MODELS["bmm_moe"]()), "stacked-weight bmm", "silu"),
     ("dense-einsum", lambda: export(MODELS["einsum_moe"]()), "stacked-weight bmm", "silu"),
     ("loop-index_put-gelu-bias", lambda: export(MODELS["put_moe"]()), "loop over experts (index_put_)", "gelu"),
+    # GPT-OSS: a clamped GLU (alpha, limit read from the graph), gate/up interleaved, expert biases
+    ("hf-gpt_oss-clamped-glu", lambda: export_lm(build_hf("gpt_oss", experts_implementation="grouped_mm")),
+     "grouped_mm", "swiglu_oai(alpha=1.702, limit=7)"),
+    # another library's experts: its own grouped-GEMM and scatter-add ops, its router under autocast
+    ("lib-custom-ops-autocast", lambda: export(MODELS["lib_moe"]()), "grouped_mm", "silu"),
 ]
 
 
@@ -71,24 +82,58 @@ def test_each_expert_form_becomes_one_op_equal_to_the_model(programs, form, make
     assert recognise_moe(gm) == [] and gm.meta[RECORDS_KEY] == tuple(records)  # idempotent: no block left
 
 
-def test_an_unmatched_expert_form_is_named_and_left_or_refused():
-    # GPT-OSS's experts: a clamped, interleaved GLU (alpha 1.702, limit 7) the op does not compute
-    ep = export_lm(build_hf("gpt_oss", experts_implementation="grouped_mm"))
+class _TanhGLU(torch.nn.Module):
+    """The stacked-weight bmm MoE of ``handwritten.BmmMoE`` with a tanh GLU, no activation the op has."""
+
+    def __init__(self, moe: torch.nn.Module) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m, (b, s, h) = self.moe, x.shape
+        t = x.reshape(b * s, h)
+        probs = m.router(t).softmax(-1)
+        top, idx = probs.topk(m.top_k, dim=-1)
+        weights = torch.zeros_like(probs).scatter(-1, idx, top / top.sum(-1, keepdim=True))
+        gate, up = torch.bmm(t.unsqueeze(0).expand(m.gate_up.shape[0], b * s, h), m.gate_up).chunk(2, dim=-1)
+        y = torch.bmm(torch.tanh(gate) * up, m.down)
+        return (y * weights.t().unsqueeze(-1)).sum(0).view(b, s, h)
+
+
+def test_an_unmatched_expert_form_is_named_and_left_or_refused(tmp_path):
+    from clirun import run_cli
+
+    model = MODELS["bmm_moe"]()
+    for block in model.layers:
+        block.mlp = _TanhGLU(block.mlp)
+    ep = export(model)
     gm = ep.module()
     records = recognise_moe(gm)
-    assert records and all(r.op is None for r in records)
-    assert all("no expert form matched" in r.reason and "gate_up_proj" in r.reason for r in records)
+    assert len(records) == 2 and all(r.op is None for r in records)
+    assert all("no expert form matched" in r.reason and "mlp.moe.gate_up" in r.reason for r in records), records
     assert not any(n.target == OP for n in gm.graph.nodes)
     assert max_rel_err(gm(_ids(2)), ep.module()(_ids(2))) == 0.0  # left exactly as the model wrote it
     with pytest.raises(MoERecognitionError, match=rf"combined at {records[0].combine}.*no expert form matched"):
         recognise_moe(ep.module(), strict=True)
+    # what shards experts refuses it (no per-form fallback); AFD without FFN groups runs it as written
+    path = str(tmp_path / "tanh_glu.pt2")
+    torch.export.save(ep, path)
+    for layout in (("--tp", "2"), ("-A", "2", "-F", "2", "--ffn-ep", "2"), ("-A", "2", "-F", "2", "--ffn-tp", "2")):
+        ran = run_cli("plan", path, *layout)
+        assert ran.returncode == 2, (layout, ran.stdout, ran.stderr)
+        assert f"MoE block combined at {records[0].combine}" in ran.stderr and "no expert form matched" in ran.stderr
+        assert "shard experts only as the recognised afd::moe_experts op" in ran.stderr
+    ran = run_cli("plan", path, "-A", "2", "-F", "1")
+    assert ran.returncode == 0 and "MoE experts: 0 of 2 blocks recognised" in ran.stdout, ran.stderr
 
 
 @pytest.fixture(scope="module")
 def saved(programs, tmp_path_factory) -> dict[str, str]:
     out = {}
     for form, make, _, _ in FORMS:
-        if form in ("hf-batched_mm", "hf-deepseek_v3", "dense-einsum", "loop-index_put-gelu-bias"):
+        if form in ("hf-batched_mm", "hf-deepseek_v3", "dense-einsum", "loop-index_put-gelu-bias",
+                    "hf-phimoe-sparsemixer", "sort-sliced-weights-first", "argmax-top1-where-relu",
+                    "lib-custom-ops-autocast"):
             path = str(tmp_path_factory.mktemp("moe") / f"{form}.pt2")
             torch.export.save(_program(programs, form, make), path)
             out[form] = path
@@ -100,7 +145,11 @@ def test_recognised_forms_shard_under_tp_and_moe_all_to_all(saved):
     cases = [TPCase(saved["hf-batched_mm"], TPLayout(2)), TPCase(saved["dense-einsum"], TPLayout(2)),
              TPCase(saved["loop-index_put-gelu-bias"], TPLayout(2)),
              TPCase(saved["hf-deepseek_v3"], TPLayout(2, moe_a2a=True)),
-             TPCase(saved["hf-batched_mm"], TPLayout(4, 2, moe_a2a=True), (3, 1))]
+             TPCase(saved["hf-batched_mm"], TPLayout(4, 2, moe_a2a=True), (3, 1)),
+             # routers choosing by max (PhiMoE), by a sliced sort, by argmax (one expert)
+             TPCase(saved["hf-phimoe-sparsemixer"], TPLayout(2)),
+             TPCase(saved["sort-sliced-weights-first"], TPLayout(4, 2, moe_a2a=True), (2, 1)),
+             TPCase(saved["argmax-top1-where-relu"], TPLayout(2, moe_a2a=True))]
     for case, res in zip(cases, run_tp_cases(cases), strict=True):
         assert res and all(r["compared"] for r in res.values()), (case, res)
         assert max(r["max_rel_err"] for r in res.values()) <= 1e-5, (case, res)
@@ -109,10 +158,55 @@ def test_recognised_forms_shard_under_tp_and_moe_all_to_all(saved):
 def test_recognised_forms_split_for_afd_with_ffn_groups(saved):
     cases = [Case(saved["hf-deepseek_v3"], AFDLayout(2, 2, ffn_ep=2), (2, 3)),
              Case(saved["loop-index_put-gelu-bias"], AFDLayout(2, 2, ffn_tp=2), (1, 2)),
-             Case(saved["dense-einsum"], AFDLayout(2, 1), (2, 1), gate=True)]
+             Case(saved["dense-einsum"], AFDLayout(2, 1), (2, 1), gate=True),
+             Case(saved["hf-phimoe-sparsemixer"], AFDLayout(2, 2, ffn_ep=2), (1, 2)),
+             Case(saved["argmax-top1-where-relu"], AFDLayout(2, 2, ffn_tp=2), (2, 1), gate=True)]
     for case, res in zip(cases, run_cases(cases), strict=True):
         errs = [r["max_rel_err"] for r in res.values() if r["role"] == "attention"]
         assert len(errs) == 2 and max(errs) <= 1e-5, (case, res)
+
+
+def test_another_librarys_custom_ops_and_autocast_router_shard_and_split(saved, monkeypatch):
+    # its ops load where its module is imported (the local processes import what
+    # AFD_COMPILE_IMPORTS names); the autocast region (a higher-order op with a submodule) goes
+    # with the router into either program
+    import os
+
+    from afd_compile.programs import IMPORTS_ENV
+
+    monkeypatch.setenv(IMPORTS_ENV, os.path.join(os.path.dirname(__file__), "moelib.py"))
+    path = saved["lib-custom-ops-autocast"]
+    (tp,) = run_tp_cases([TPCase(path, TPLayout(2))])
+    assert tp and all(r["compared"] for r in tp.values()) and max(r["max_rel_err"] for r in tp.values()) <= 1e-5
+    cases = [Case(path, AFDLayout(2, 1), (2, 3)), Case(path, AFDLayout(2, 2, ffn_ep=2), (1, 2), gate=True)]
+    for case, res in zip(cases, run_cases(cases), strict=True):
+        errs = [r["max_rel_err"] for r in res.values() if r["role"] == "attention"]
+        assert len(errs) == 2 and max(errs) <= 1e-5, (case, res)
+
+
+def test_a_custom_op_library_is_imported_by_import_or_named(saved):
+    # (a fresh process: this one imported the library already)
+    import os
+    import subprocess
+    import sys
+
+    from clirun import run_cli
+
+    path = saved["lib-custom-ops-autocast"]
+    env = {k: v for k, v in os.environ.items() if k != "AFD_COMPILE_IMPORTS"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "afd_compile.cli", *args], capture_output=True, text=True,
+                              env=env, timeout=300)
+
+    ran = cli("plan", path, "--tp", "2")
+    assert ran.returncode == 2 and "the custom op moelib::grouped_mm" in ran.stderr and "--import MODULE" in ran.stderr
+    ran = cli("plan", path, "-A", "2", "-F", "1", "--import", os.path.join(os.path.dirname(__file__), "moelib.py"))
+    assert ran.returncode == 0, ran.stderr
+    assert "MoE experts: 2 of 2 blocks recognised" in ran.stdout
+    ran = run_cli("plan", path, "--tp", "2", "--import", "no_such_library_x")
+    assert ran.returncode == 2 and ran.stderr.strip().endswith(
+        "--import no_such_library_x: cannot import it: ModuleNotFoundError: No module named 'no_such_library_x'")
 
 
 def test_plan_says_which_form_each_block_was(saved):

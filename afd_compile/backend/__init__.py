@@ -121,11 +121,16 @@ def _no_layout(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendO
 
 
 def _moe_op(opts: BackendOptions, device: torch.device, gm: fx.GraphModule | None = None) -> bool:
-    """With no layout, whether the MoE recognition runs (option ``moe_experts``): on a graph
-    routed by top-k (dynamo's, when given), on CUDA or asked for."""
-    routed = gm is None or any(n.target in (torch.topk, torch.ops.aten.topk.default) or
-                               (n.op == "call_method" and n.target == "topk") for n in gm.graph.nodes)
+    """With no layout, whether the MoE recognition runs (option ``moe_experts``): on a graph that
+    selects by score (a top-k, or a max over a dim as PhiMoE's router: dynamo's, when given), on
+    CUDA or asked for."""
+    routed = gm is None or any(_selects(n) for n in gm.graph.nodes)
     return routed and (opts.moe_experts == "op" or device.type == "cuda")
+
+
+def _selects(n: fx.Node) -> bool:
+    name = getattr(n.target, "__name__", n.target) if n.op in ("call_function", "call_method") else None
+    return name == "topk" or (name == "max" and (len(n.args) > 1 and isinstance(n.args[1], int) or "dim" in n.kwargs))
 
 
 def _device_of(xs: Sequence[Any]) -> torch.device:
@@ -245,7 +250,7 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     prepare_groups({GROUP_TP: groups[("tp", layout.tp)], GROUP_ATTN_TP: groups[("attn", layout.attn_tp_group(rank))]},
                    device, opts.symm_mem)
     gm = ep.module()
-    prepare_graph(gm, POLICIES[opts.policy], graph_name="dynamo")
+    prepare_graph(gm, POLICIES[opts.policy], graph_name="dynamo", strict=True)
     t0 = time.perf_counter()
     tp = shard_for_rank(gm, layout, rank, graph_name="dynamo")
     prog = tp.program.to(device)

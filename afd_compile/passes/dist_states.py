@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
 from ..scatter import (
@@ -29,6 +28,7 @@ from ..scatter import (
     plan_junctions,
 )
 from .graph_utils import layers_of, region_output
+from .moe.block import routes_experts
 from .roles import Role, role_of
 from .vocab_head import HeadPlan, plan_head
 
@@ -76,14 +76,15 @@ class TPPlan:
 
 
 def layer_kinds(gm: fx.GraphModule) -> list[str]:
-    """``moe`` for layers whose FFN region selects experts (topk), else ``dense``."""
+    """``moe`` for layers whose FFN region chooses experts (a top-k, or the recognised op), else ``dense``."""
+
     kinds: dict[int, str] = {}
     for n in gm.graph.nodes:
         r = role_of(n)
         if r.layer is None:
             continue
         kinds.setdefault(r.layer, "dense")
-        if (r.role is Role.FFN or r.router) and n.target == torch.ops.aten.topk.default:
+        if (r.role is Role.FFN or r.router) and routes_experts(n):
             kinds[r.layer] = "moe"
     return [kinds[i] for i in sorted(kinds)]
 

@@ -42,6 +42,7 @@ from .. import ops as afd_ops  # noqa: F401  (registers torch.ops.afd)
 from ..comm import GROUP_FFN_TP
 from ..errors import AFDCompileError
 from ..scatter import Collective, DistState, ScatterMode, TPLayout, Transition, transition
+from .moe.block import routes_experts
 from .shard import (
     ShardError,
     ShardPlan,
@@ -179,7 +180,7 @@ def expert_parallel_ffn(ffn: fx.GraphModule, parts: int, rank: int) -> FFNTPProg
         last_input.append(n)
     weights: list[ShardedWeight] = []
     for layer, parts_of in layers_of(ffn).items():
-        if not any(n.target == aten.topk.default for n in parts_of.members):
+        if not any(routes_experts(n) for n in parts_of.members):
             continue  # dense: data-parallel over the group, whole weights
         try:
             weights.extend(expert_parallel(ffn, layer, parts, rank, fake_mode, group=GROUP_FFN_TP))

@@ -114,7 +114,8 @@ def del_attr_path(root: torch.nn.Module, dotted: str) -> None:
     delattr(mod, leaf)
 
 
-def set_attr_path(root: torch.nn.Module, dotted: str, value: torch.Tensor) -> None:
+def set_attr_path(root: torch.nn.Module, dotted: str, value: torch.Tensor | torch.nn.Module) -> None:
+    """``root.<dotted> = value``: a parameter, a buffer, or a submodule (a higher-order op's body)."""
     *path, leaf = dotted.split(".")
     mod = root
     for p in path:
@@ -123,6 +124,8 @@ def set_attr_path(root: torch.nn.Module, dotted: str, value: torch.Tensor) -> No
         mod = getattr(mod, p)
     if isinstance(value, torch.nn.Parameter):
         mod.register_parameter(leaf, value)
+    elif isinstance(value, torch.nn.Module):
+        mod.add_module(leaf, value)
     else:
         mod.register_buffer(leaf, value)
 

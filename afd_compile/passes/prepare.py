@@ -17,7 +17,9 @@ from .roles import RolePolicy, RoleSummary, annotate_roles, default_policy
 
 
 def prepare_graph(gm: fx.GraphModule, policy: RolePolicy = default_policy, *, compute_gate_on_attention: bool = False,
-                  graph_name: str = "graph") -> RoleSummary:
-    """Recognise the MoE blocks of ``gm`` and annotate its roles, in place."""
-    recognise_moe(gm)
+                  graph_name: str = "graph", strict: bool = False) -> RoleSummary:
+    """Recognise the MoE blocks of ``gm`` and annotate its roles, in place. ``strict`` (what
+    shards experts: TP, EP, FFN groups): an MoE block no form matches is an error naming it and
+    what was tried, not the model's code left to per-form rules."""
+    recognise_moe(gm, strict=strict, graph_name=graph_name)
     return annotate_roles(gm, policy, compute_gate_on_attention=compute_gate_on_attention, graph_name=graph_name)

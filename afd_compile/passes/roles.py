@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import enum
 import operator
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
@@ -34,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import AFDCompileError
+from .module_paths import layer_path, module_paths
 
 META_KEY = "afd.role"
 
@@ -160,28 +160,6 @@ def is_attention_op(node: fx.Node) -> bool:
 # --- module-path policy ------------------------------------------------------------------------
 
 
-def _norm_path(path: str) -> str:
-    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
-    path = re.sub(r"^L\.self\.?|^L__self__\.?", "", path)
-    return path.strip(".")
-
-
-def _module_paths(node: fx.Node) -> list[str]:
-    stack = node.meta.get("nn_module_stack") or {}
-    out = []
-    for value in stack.values():
-        path = value[0] if isinstance(value, tuple) else value
-        out.append(_norm_path(str(path)))
-    return out
-
-
-def _layer_path(paths: list[str]) -> str | None:
-    for p in paths:
-        if re.search(r"\.\d+$", p):
-            return p
-    return None
-
-
 def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
     """The FFN region of decoder layer ``...layers.N`` is the nodes under its MLP child module
     (``mlp``, ``feed_forward``, ``block_sparse_moe``, ...). Raises NoStructureError when the graph
@@ -189,7 +167,7 @@ def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
     layer_of: dict[fx.Node, str] = {}
     order: list[str] = []
     for node in gm.graph.nodes:
-        lp = _layer_path(_module_paths(node))
+        lp = layer_path(module_paths(node))
         if lp is not None:
             layer_of[node] = lp
             if lp not in order:
@@ -199,7 +177,7 @@ def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
     index = {lp: i for i, lp in enumerate(order)}
     children_of: dict[str, set[str]] = {lp: set() for lp in order}
     for n, owner in layer_of.items():
-        for p in _module_paths(n):
+        for p in module_paths(n):
             if p.startswith(owner + "."):
                 children_of[owner].add(p[len(owner) + 1 :].split(".")[0])
     ffn_child: dict[str, str] = {}
@@ -218,7 +196,7 @@ def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
         if lp is None:
             roles[node] = NodeRole(None, Role.ATTENTION)
             continue
-        in_ffn = any(p == ffn_child[lp] or p.startswith(ffn_child[lp] + ".") for p in _module_paths(node))
+        in_ffn = any(p == ffn_child[lp] or p.startswith(ffn_child[lp] + ".") for p in module_paths(node))
         roles[node] = NodeRole(index[lp], Role.FFN if in_ffn else Role.ATTENTION)
     _residual_adds_out(roles)
     return roles

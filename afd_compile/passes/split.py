@@ -352,8 +352,8 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
                 return _env[a]
             raise SplitError(f"{_where}: FFN node reads {a.name}, which is neither on the wire nor a weight")
 
-        for n in members:
-            env[n] = new_node = graph.node_copy(n, lookup)
+        for n in members:  # (a get_attr member: the submodule a higher-order op calls, as torch.autocast's)
+            env[n] = new_node = lookup(n) if n.op == "get_attr" else graph.node_copy(n, lookup)
             new_node.meta.pop("val", None)  # stale: its sizes are in the original graph's symbols
             new_node.meta.pop("unbacked_bindings", None)  # (data-dependent sizes: an expert's tokens)
         y = graph.call_function(aten.view.default, (env[src[cut.output]], [total, int(hval.shape[-1])]))

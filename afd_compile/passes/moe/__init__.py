@@ -79,7 +79,7 @@ class MoERecord:
         return f"{self.op}: {self.form} (E={self.experts}, top-{self.top_k}, {how}) from {self.weights}"
 
 
-def recognise_moe(gm: fx.GraphModule, strict: bool = False) -> list[MoERecord]:
+def recognise_moe(gm: fx.GraphModule, strict: bool = False, graph_name: str = "graph") -> list[MoERecord]:
     """Replace each recognised MoE block's experts with one ``afd::moe_experts`` node, in place;
     returns every block's record (also added to ``gm.meta[RECORDS_KEY]``). Blocks recognised
     already (the op in place) are not found again."""
@@ -91,14 +91,18 @@ def recognise_moe(gm: fx.GraphModule, strict: bool = False) -> list[MoERecord]:
         if match is None:
             rec = MoERecord(block.end.name, None, form, block.num_experts, block.top_k, reason=why)
             if strict:
-                raise MoERecognitionError(f"MoE block combined at {block.end.name} (top-k {block.topk.name}): {why}")
+                raise MoERecognitionError(
+                    f"{graph_name}: MoE block combined at {block.end.name} (experts chosen by {block.ids.name}, "
+                    f"{form}): {why}; tensor and expert parallelism shard experts only as the recognised "
+                    "afd::moe_experts op (the forms it covers: README, 'MoE experts'); AFD without FFN groups "
+                    "runs any form")
             log.warning("%s", rec)
         else:
             op = _rewrite(gm, block, match, j)
             replaced |= {str(p.target) for p in block.params}
             w = match.weights
-            rec = MoERecord(block.end.name, op.name, form, block.num_experts, block.top_k, match.activation, w.gated,
-                            match.weight_first, w.how)
+            rec = MoERecord(block.end.name, op.name, form, block.num_experts, block.top_k, str(match.activation),
+                            w.gated, match.weight_first, w.how)
             op.meta[META_KEY] = rec
         records.append(rec)
     if any(r.op for r in records):
@@ -145,9 +149,12 @@ def _rewrite(gm: fx.GraphModule, block: Block, match: Match, j: int) -> fx.Node:
                  for name, t in (("w_gate_up", w.w_gate_up), ("w_down", w.w_down), ("b_gate_up", w.b_gate_up),
                                  ("b_down", w.b_down))]
     with graph.inserting_before(block.end):
-        routing = node(aten.gather.default, (match.routing, 1, block.ids)) if match.dense else match.routing
-        op = node(torch.ops.afd.moe_experts.default, (block.x, block.ids, routing, *attrs, match.activation,
-                                                      w.gated, match.weight_first))
+        ids = block.ids if block.ids.meta["val"].dim() == 2 else node(aten.unsqueeze.default, (block.ids, 1))
+        routing = node(aten.gather.default, (match.routing, 1, ids)) if match.dense else match.routing
+        if routing.meta["val"].dim() == 1:  # (one expert per token, its weight [T])
+            routing = node(aten.unsqueeze.default, (routing, 1))
+        op = node(torch.ops.afd.moe_experts.default, (block.x, ids, routing, *attrs, match.activation.name,
+                                                      w.gated, match.weight_first, *match.activation.args))
         out = op
         if op.meta["val"].dtype != block.end.meta["val"].dtype:
             out = node(aten.to.dtype, (op, block.end.meta["val"].dtype))
@@ -193,7 +200,7 @@ def _erase(graph: fx.Graph, block: Block) -> None:
     """Remove the expert path, then what only fed it (sorted ids, dense weights, the per-expert
     selections and their size asserts); an in-place update of a tensor still read is kept."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    lo, hi = order[block.topk], order[block.end]
+    lo, hi = order[block.first], order[block.end]
     zone = {n for n in graph.nodes if lo < order[n] <= hi} | set(block.closure) - {block.source}
     checks = (aten._assert_tensor_metadata.default, aten._assert_scalar.default)
     for n in sorted(zone, key=order.__getitem__, reverse=True):

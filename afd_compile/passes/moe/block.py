@@ -2,8 +2,10 @@
 
 The interface of every expert form is the same, whatever the model wrote between:
 
-- a final ``topk`` (the router's choice; group-limited routing has earlier ones that feed it),
-  its indices ``ids [T, K]`` and values;
+- the router's choice ``ids [T, K]``: the integer indices of a selection over ``[T, E]`` scores
+  (``topk``; ``max`` / ``argmax`` over the experts, several concatenated, as PhiMoE's
+  sparsemixer picks one expert at a time; a ``sort`` sliced to its first ``K``), the widest
+  choice when several reach one combine (group-limited routing selects groups first);
 - the token rows the experts read, ``x [T, H]`` (not computed from the choice);
 - the combine: the first ``[T, H]`` tensor computed from ``ids`` (a loop's ``index_add_``
   chain is followed to its last link);
@@ -26,7 +28,7 @@ import torch.fx as fx
 
 from ... import moe as _moe  # noqa: F401  (registers afd::moe_experts)
 from ..graph_utils import writes_first_arg
-from ..roles import LINEAR_OPS, ancestors, descendants
+from ..roles import LINEAR_OPS, PASSTHROUGH_OPS, ancestors, descendants
 from ..symbolic import sym_expr
 
 aten = torch.ops.aten
@@ -40,11 +42,36 @@ _SHAPE_ONLY = {aten.zeros_like.default, aten.empty_like.default, aten.ones_like.
 _SKIPPED = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
 
 
+#: ops that select experts by score, and where their indices are (None: the result itself)
+SELECT_OPS = {aten.topk.default: 1, aten.max.dim: 1, aten.sort.default: 1, aten.argmax.default: None}
+
+
+def routes_experts(n: fx.Node) -> bool:
+    """``n`` chooses experts (a top-k, or a recognised block's op): its layer is an MoE layer."""
+    return n.target in (aten.topk.default, torch.ops.afd.moe_experts.default)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A candidate expert choice: integer ``ids [T, K]`` (``[T]`` for one expert) selected from
+    ``[T, E]`` scores by the ``selects`` nodes."""
+
+    ids: fx.Node
+    selects: tuple[fx.Node, ...]
+    num_experts: int
+    ranking: bool = False  # all E experts in order (a sort's indices): a choice only sliced to K
+
+    @property
+    def top_k(self) -> int:
+        v = self.ids.meta["val"]
+        return int(v.shape[1]) if v.dim() == 2 else 1
+
+
 @dataclass
 class Block:
     """One MoE block's interface in the graph (see the module docstring)."""
 
-    topk: fx.Node
+    choice: Choice
     ids: fx.Node
     end: fx.Node  # the combine's last node: its value is the routed experts' sum, [T, H]
     x: fx.Node  # the token rows the experts read
@@ -52,16 +79,21 @@ class Block:
     closure: list[fx.Node]  # what the probe evaluates, graph order (source excluded)
     experts: set[fx.Node]  # the expert path (replaced by the op)
     params: list[fx.Node]  # the get_attr nodes the expert path reads (weights, biases)
-    router: set[fx.Node]  # topk and what it is computed from
+    router: set[fx.Node]  # the choice and what it is computed from
     bases: list[fx.Node]  # tensors the expert path writes in place (a loop's zeros): read after it as ``end``
 
     @property
     def num_experts(self) -> int:
-        return int(self.topk.args[0].meta["val"].shape[-1])
+        return self.choice.num_experts
 
     @property
     def top_k(self) -> int:
-        return int(self.ids.meta["val"].shape[-1])
+        return self.choice.top_k
+
+    @property
+    def first(self) -> fx.Node:
+        """The first selection op: where the block's routing starts."""
+        return self.choice.selects[0]
 
 
 def hint(v: object) -> int | None:
@@ -104,35 +136,102 @@ def _is_rows(n: fx.Node, tokens: object, width: int | None = None, two_d: bool =
     return rows_of(v) is not None and same(rows_of(v), tokens)
 
 
+def choices(gm: fx.GraphModule) -> list[Choice]:
+    """Every candidate expert choice, graph order: each selection's indices over the last dim of
+    ``[T, E]`` float scores, and what concatenates, slices (from 0), casts or unsqueezes them."""
+    found: dict[fx.Node, Choice] = {}
+    for n in gm.graph.nodes:
+        if n.target in SELECT_OPS:
+            c = _selected(n)
+            if c is not None:
+                found[c.ids] = c
+            continue
+        ins = [found.get(a) for a in n.all_input_nodes]
+        if not any(ins) or not _int_rows(n):
+            continue
+        if n.target in (aten.cat.default, aten.concat.default) and _last_dim(n, n.args[1] if len(n.args) > 1 else 0) \
+                and all(c is not None for c in ins):
+            sel = tuple(dict.fromkeys(s for c in ins for s in c.selects))
+            found[n] = Choice(n, sel, max(c.num_experts for c in ins), any(c.ranking for c in ins))
+        elif n.args[0] not in found:
+            continue
+        elif _keeps_choice(n):
+            c = found[n.args[0]]
+            found[n] = Choice(n, c.selects, c.num_experts, c.ranking and n.meta["val"].shape[-1] == c.num_experts)
+    return [c for c in found.values() if _int_rows(c.ids) and not c.ranking]
+
+
+def _keeps_choice(n: fx.Node) -> bool:
+    """``n`` is its first input's choice again: the same shape (a cast, a copy, a full slice),
+    its first ``K`` (a slice of the last dim from 0), or ``[T]`` as ``[T, 1]``."""
+    src, out = n.args[0].meta["val"], n.meta["val"]
+    if n.target in PASSTHROUGH_OPS or n.target == aten.slice.Tensor:
+        if out.shape == src.shape:
+            return True
+    if n.target == aten.slice.Tensor:
+        return _last_dim(n.args[0], n.args[1] if len(n.args) > 1 else 0) and (n.args[2] if len(n.args) > 2 else 0) \
+            in (0, None)
+    return n.target == aten.unsqueeze.default and src.dim() == 1 and n.args[1] in (1, -1)
+
+
+def _selected(n: fx.Node) -> Choice | None:
+    scores = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point() or scores.dim() < 2 or \
+            not isinstance(scores.shape[-1], int):
+        return None
+    at = 2 if n.target == aten.topk.default else 1  # (topk(x, k, dim); max / argmax / sort(x, dim))
+    dim = n.args[at] if len(n.args) > at else n.kwargs.get("dim", -1)
+    if not _last_dim(n.args[0], dim):
+        return None
+    out = SELECT_OPS[n.target]
+    ids = n if out is None else next((u for u in n.users if u.target == operator.getitem and u.args[1] == out), None)
+    return None if ids is None else Choice(ids, (n,), int(scores.shape[-1]), n.target == aten.sort.default)
+
+
+def _last_dim(n: object, dim: object) -> bool:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return isinstance(v, torch.Tensor) and isinstance(dim, int) and dim in (-1, v.dim() - 1)
+
+
+def _int_rows(n: fx.Node) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype != torch.bool and v.dim() in (1, 2)
+
+
 def find_blocks(gm: fx.GraphModule) -> list[Block]:
-    """Every MoE block's interface, in graph order. A top-k whose indices reach no ``[T, H]``
-    combine (a top-k over vocabulary logits, a group-limited routing's first top-k) is none."""
+    """Every MoE block's interface, in graph order. A choice whose indices reach no ``[T, H]``
+    combine (a top-k over vocabulary logits) is none; of several choices reaching one combine
+    (a group-limited routing's groups, then its experts; one expert at a time, then all) the one
+    over the most experts, choosing the most, is the block's."""
     order = {n: j for j, n in enumerate(gm.graph.nodes)}
-    by_end: dict[fx.Node, fx.Node] = {}
-    for topk in [n for n in gm.graph.nodes if n.target == aten.topk.default]:
-        ids = next((u for u in topk.users if u.target == operator.getitem and u.args[1] == 1), None)
-        end = _combine(topk, ids, order) if ids is not None else None
-        if end is not None and end.target == torch.ops.afd.moe_experts.default:
-            continue  # (recognised already)
-        if end is not None and (end not in by_end or order[topk] > order[by_end[end]]):
-            by_end[end] = topk  # the last top-k before a combine is the expert choice
-    return [b for end, topk in sorted(by_end.items(), key=lambda kv: order[kv[0]])
-            if (b := _block(gm, topk, end, order)) is not None]
+    by_end: dict[fx.Node, Choice] = {}
+    for c in choices(gm):
+        end = _combine(c, order)
+        if end is None or end.target == torch.ops.afd.moe_experts.default:
+            continue  # (none, or recognised already)
+        if end not in by_end or _rank(c, order) > _rank(by_end[end], order):
+            by_end[end] = c
+    return [b for end, c in sorted(by_end.items(), key=lambda kv: order[kv[0]])
+            if (b := _block(gm, c, end, order)) is not None]
 
 
-def _combine(topk: fx.Node, ids: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
-    """The first ``[T, H]`` tensor computed from ``ids``, ``H`` a width the router reads, then
-    along the combine chain: a user that adds another expert's result (a loop's next
+def _rank(c: Choice, order: dict[fx.Node, int]) -> tuple[int, int, int]:
+    return c.num_experts, c.top_k, order[c.ids]
+
+
+def _combine(c: Choice, order: dict[fx.Node, int]) -> fx.Node | None:
+    """The first ``[T, H]`` tensor computed from the choice, ``H`` a width the router reads,
+    then along the combine chain: a user that adds another expert's result (a loop's next
     ``index_add_``) continues it."""
+    ids = c.ids
     tokens = ids.meta["val"].shape[0]
-    up = ancestors([topk])
+    up = ancestors([ids])
     # the hidden width: what the router's projection reads (else any row width but the scores')
     widths = {int(v.shape[-1]) for a in up if a.target in LINEAR_OPS and isinstance(a.args[0], fx.Node)
               and _is_rows(a.args[0], tokens, two_d=False) and isinstance((v := a.args[0].meta["val"]).shape[-1], int)}
     if not widths:
-        scores = topk.args[0].meta["val"].shape[-1]
         widths = {int(v.shape[-1]) for a in up if _is_rows(a, tokens, two_d=False)
-                  and isinstance((v := a.meta["val"]).shape[-1], int)} - {scores}
+                  and isinstance((v := a.meta["val"]).shape[-1], int)} - {c.num_experts}
     down = descendants(ids)
     hits = sorted((n for n in down if any(_is_rows(n, tokens, w) for w in widths)), key=order.__getitem__)
     if not hits:
@@ -147,12 +246,12 @@ def _combine(topk: fx.Node, ids: fx.Node, order: dict[fx.Node, int]) -> fx.Node 
         end = nxt[0]
 
 
-def _block(gm: fx.GraphModule, topk: fx.Node, end: fx.Node, order: dict[fx.Node, int]) -> Block | None:
-    ids = next(u for u in topk.users if u.target == operator.getitem and u.args[1] == 1)
+def _block(gm: fx.GraphModule, c: Choice, end: fx.Node, order: dict[fx.Node, int]) -> Block | None:
+    ids = c.ids
     tokens = ids.meta["val"].shape[0]
     width = int(end.meta["val"].shape[-1])
-    router = ancestors([topk])
-    chosen = descendants(topk)
+    router = ancestors([ids])
+    chosen = set().union(*(descendants(s) for s in c.selects))
     up = ancestors([end])
     # the rows the experts read: read by something besides the router (the router may view them again)
     xs = [n for n in up if n not in chosen and n.target not in _SHAPE_ONLY and _is_rows(n, tokens, width)
@@ -172,7 +271,7 @@ def _block(gm: fx.GraphModule, topk: fx.Node, end: fx.Node, order: dict[fx.Node,
     params = sorted({a for n in reads - router for a in n.all_input_nodes if a.op == "get_attr"},
                     key=order.__getitem__)
     bases = [n.args[0] for n in closure if n in experts and writes_first_arg(n) and isinstance(n.args[0], fx.Node)]
-    return Block(topk, ids, end, x, source, closure, experts, params, router, list(dict.fromkeys(bases)))
+    return Block(c, ids, end, x, source, closure, experts, params, router, list(dict.fromkeys(bases)))
 
 
 def _closure(end: fx.Node, source: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:

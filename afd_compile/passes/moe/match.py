@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ...moe import ACTIVATIONS, reference
+from ...moe import ACTIVATIONS, GLU_ACTIVATIONS, reference
 from ..graph_utils import get_attr_path
 from .block import Block, hint, same
 
@@ -48,9 +48,26 @@ class Weights:
 
 
 @dataclass(frozen=True)
+class Activation:
+    """The op's ``activation`` and, for a GLU of its own (``swiglu_oai``), ``alpha`` / ``limit``."""
+
+    name: str
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @property
+    def args(self) -> tuple:
+        """What the op node reads after ``weight_first`` (nothing for the defaults' users)."""
+        return (self.alpha, self.limit) if self.name in GLU_ACTIVATIONS else ()
+
+    def __str__(self) -> str:
+        return f"{self.name}(alpha={self.alpha:g}, limit={self.limit:g})" if self.args else self.name
+
+
+@dataclass(frozen=True)
 class Match:
     weights: Weights
-    activation: str
+    activation: Activation
     weight_first: bool
     routing: fx.Node  # the routing weights the op reads
     dense: bool  # ``routing`` is [T, E]: gathered at the chosen experts
@@ -76,22 +93,44 @@ def match_block(gm: fx.GraphModule, block: Block) -> tuple[Match | None, str]:
         return None, str(e)
     want = env[block.end]
     x, ids = env[block.x], env[block.ids]
-    acts = sorted({_activation(n) for n in block.experts} - {None}) or sorted(ACTIVATIONS)
+    ids = ids if ids.dim() == 2 else ids[:, None]  # (one expert per token)
+    acts = activations(block)
     tol = 1e-4 if want.dtype == torch.float32 or want.dtype == torch.float64 else 3e-2
     scale = want.abs().max().clamp_min(1e-30)
     layouts = list(weight_layouts(stacked, x.shape[-1]))
     routing = routing_candidates(block)
     tried = 0
     for (node, dense), w, act, first in itertools.product(routing, layouts, acts, (False, True)):
+        if act.args and not w.gated:
+            continue
         tried += 1
         r = env[node].gather(1, ids) if dense else env[node]
+        r = r if r.dim() == 2 else r[:, None]
         with torch.no_grad():
-            got = reference(x, ids, r, w.w_gate_up, w.w_down, w.b_gate_up, w.b_down, act, w.gated, first)
+            got = reference(x, ids, r, w.w_gate_up, w.w_down, w.b_gate_up, w.b_down, act.name, w.gated, first,
+                            *act.args)
         if got.shape == want.shape and float((got.to(want.dtype) - want).abs().max() / scale) <= tol:
             return Match(w, act, first, node, dense, tried), ""
     return None, (f"no expert form matched: {tried} tried ({len(layouts)} weight layouts of "
-                  f"{[s for s, _ in stacked]}, activations {acts}, routing weights "
+                  f"{[s for s, _ in stacked]}, activations {[str(a) for a in acts]}, routing weights "
                   f"{[n.name for n, _ in routing]}, applied before or after the experts)")
+
+
+def activations(block: Block) -> list[Activation]:
+    """The activations the expert path applies (each of :data:`ACTIVATIONS` when it names none):
+    its activation ops, and a clamped GLU (``sigmoid(g * alpha)`` beside a ``clamp(max=limit)``)
+    with the model's constants."""
+    acts = [Activation(a) for a in sorted({_activation(n) for n in block.experts} - {None})]
+    for n in block.experts:
+        scaled = n.args[0] if n.target == aten.sigmoid.default and isinstance(n.args[0], fx.Node) else None
+        if scaled is None or scaled.target != aten.mul.Tensor:
+            continue
+        alpha = next((a for a in scaled.args if isinstance(a, (int, float))), None)
+        limits = {float(c.args[2]) for c in block.experts if c.target == aten.clamp.default and len(c.args) > 2
+                  and isinstance(c.args[2], (int, float))}
+        if alpha is not None and len(limits) == 1:
+            acts.append(Activation("swiglu_oai", float(alpha), limits.pop()))
+    return list(dict.fromkeys(acts)) or [Activation(a) for a in sorted(ACTIVATIONS)]
 
 
 def _activation(n: fx.Node) -> str | None:
@@ -104,13 +143,16 @@ def _activation(n: fx.Node) -> str | None:
 
 
 def routing_candidates(block: Block) -> list[tuple[fx.Node, bool]]:
-    """Routing-weight tensors computed from the choice, latest first: ``[T, K]`` ones, then
-    dense ``[T, E]`` ones (read at the chosen experts)."""
+    """Routing-weight tensors computed from the choice, latest first: ``[T, K]`` ones (``[T]``
+    for one expert per token), then dense ``[T, E]`` ones (read at the chosen experts)."""
     tokens, k, e = block.ids.meta["val"].shape[0], block.top_k, block.num_experts
     out: list[tuple[fx.Node, bool]] = []
     for n in reversed([n for n in block.closure if n not in block.experts and n not in block.router]):
         v = n.meta.get("val")
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 2 and same(v.shape[0], tokens):
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 1 and k == 1 and \
+                same(v.shape[0], tokens):
+            out.append((n, False))
+        elif isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 2 and same(v.shape[0], tokens):
             if same(v.shape[1], k):
                 out.append((n, False))
             elif same(v.shape[1], e):

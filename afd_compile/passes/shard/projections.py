@@ -136,7 +136,7 @@ def moe_op_shards(op: fx.Node, parts: int, group: str, where: str) -> list[Shard
     slice of the intermediate size (the gate and up halves sliced alike, the down projection's
     input dim), so its output is a partial sum over the group; the down bias, added per
     (token, expert) before the routing weight, counts once (group rank 0, zeros elsewhere)."""
-    x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, _act, gated, _first = op.args
+    x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, _act, gated, _first = op.args[:10]
     n = int(w_gate_up.meta["val"].shape[1])
     inter = n // 2 if gated else n
     if inter % parts:

@@ -1,0 +1,262 @@
+"""``afd::moe_experts`` on CUDA as two Triton kernels (the fused path; ``moe.py`` picks it).
+
+The experts are memory-bound in decode (each chosen expert's weights are read for a few rows), so
+the path is built to read each chosen expert's weights once per block of its rows and nothing
+else twice:
+
+1. **align** (three small kernels, no host synchronisation): the ``T x K`` (token, expert) pairs
+   grouped by expert, each expert's run padded to a multiple of ``BLOCK_M`` in a buffer sized for the worst
+   case (``T K + E (BLOCK_M - 1)`` rows), and the expert of each block of ``BLOCK_M`` rows
+   (``E`` for the unused blocks at the end, whose programs return at once). Sizes depend on
+   ``T`` only, so a CUDA graph captures it.
+2. **up** kernel, per (block, tile of the intermediate size): the block's token rows of ``x``
+   (gathered in the kernel) times the expert's gate and up rows, both accumulated in fp32, the
+   bias, the routing weight (when the model applies it first), the activation, one store.
+3. **down** kernel, per (block, tile of the hidden size): the activated rows times the expert's
+   down projection, the bias, the routing weight, one fp32 store per (token, expert) pair.
+4. each token's ``K`` rows summed in fp32 (torch), cast to ``x``'s dtype: deterministic, no
+   atomics in the sums.
+
+Numbers: fp32 accumulation and activation (the reference rounds to the input dtype after each
+projection): equal to the reference to bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: activation codes of the kernels (``moe.ACTIVATIONS`` names and ``swiglu_oai``)
+ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4}
+
+
+def config(pairs: int, num_experts: int) -> dict[str, int]:
+    """Tile sizes by rows per expert (``pairs / E``): decode's few rows take ``BLOCK_M = 16``."""
+    per_expert = pairs / max(num_experts, 1)
+    if per_expert <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    if per_expert <= 48:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair index per padded row, ``T K`` where padding; expert per block, ``E`` where unused),
+    in three small kernels: count (an atomic per pair, which also gives its slot in its expert's
+    run), lay out (the padded runs' starts, each block's expert), place. The order of an
+    expert's rows follows the atomics; each row's result does not depend on it."""
+    flat = topk_ids.reshape(-1)
+    pairs = flat.numel()
+    dev = flat.device
+    blocks = (pairs + num_experts * (block_m - 1) + block_m - 1) // block_m
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    slot = torch.empty(pairs, dtype=torch.int32, device=dev)
+    start = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    rows = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
+    step = 1024
+    if pairs:
+        _count_kernel[(triton.cdiv(pairs, step),)](flat, counts, slot, pairs, BLOCK=step)
+    chunk = 128
+    _layout_kernel[(triton.cdiv(blocks, chunk),)](counts, start, block_expert, blocks, E=num_experts,
+                                                  E_POW2=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
+                                                  CHUNK=chunk)
+    if pairs:
+        _place_kernel[(triton.cdiv(pairs, step),)](flat, slot, start, rows, pairs, BLOCK=step)
+    return rows, block_expert
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, slot_ptr, pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < pairs
+    e = tl.load(ids_ptr + offs, mask=ok, other=0)
+    slot = tl.atomic_add(counts_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=ok)
+    tl.store(slot_ptr + offs, slot, mask=ok)
+
+
+@triton.jit
+def _layout_kernel(counts_ptr, start_ptr, block_expert_ptr, blocks, E: tl.constexpr, E_POW2: tl.constexpr,
+                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    offs_e = tl.arange(0, E_POW2)
+    real = offs_e < E
+    c = tl.load(counts_ptr + offs_e, mask=real, other=0)
+    padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    pid = tl.program_id(0)
+    tl.store(start_ptr + offs_e, end - padded, mask=real & (pid == 0))
+    offs_b = pid * CHUNK + tl.arange(0, CHUNK)
+    ends = tl.where(real, end, 2147483647)  # (padding experts never end)
+    first_row = offs_b * BLOCK_M
+    n = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)  # experts ended before the block
+    tl.store(block_expert_ptr + offs_b, n, mask=offs_b < blocks)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, slot_ptr, start_ptr, rows_ptr, pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < pairs
+    e = tl.load(ids_ptr + offs, mask=ok, other=0)
+    at = tl.load(start_ptr + e, mask=ok, other=0) + tl.load(slot_ptr + offs, mask=ok, other=0)
+    tl.store(rows_ptr + at, offs.to(tl.int32), mask=ok)
+
+
+@triton.jit
+def _activate(g, u, ACT: tl.constexpr, GATED: tl.constexpr, alpha, limit):
+    if ACT == 4:  # swiglu_oai (gated only)
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        out = (uc + 1.0) * (gc * tl.sigmoid(gc * alpha))
+    else:
+        if ACT == 0:
+            a = g * tl.sigmoid(g)
+        elif ACT == 1:
+            a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+        elif ACT == 2:
+            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            a = 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+        else:
+            a = tl.maximum(g, 0.0)
+        if GATED:
+            out = a * u
+        else:
+            out = a
+    return out
+
+
+@triton.jit
+def _up_kernel(x_ptr, w_ptr, b_ptr, rows_ptr, block_expert_ptr, rw_ptr, out_ptr,
+               pairs, alpha, limit, stride_x, stride_we, stride_wn, stride_be, stride_o,
+               hidden: tl.constexpr, inter: tl.constexpr, top_k: tl.constexpr, num_experts: tl.constexpr,
+               GATED: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_FIRST: tl.constexpr, ACT: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= num_experts:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(rows_ptr + offs_m)
+    valid = pair < pairs
+    tok = tl.where(valid, pair // top_k, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    g_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = offs_k < hidden - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, g, acc_g)
+        if GATED:
+            u = tl.load(g_ptrs + inter * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+    if WEIGHT_FIRST:  # (x * w) @ W = w * (x @ W), before the bias
+        rw = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        acc_g = acc_g * rw[:, None]
+        acc_u = acc_u * rw[:, None]
+    if HAS_BIAS:
+        b_base = b_ptr + e.to(tl.int64) * stride_be
+        acc_g += tl.load(b_base + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_base + inter + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = _activate(acc_g, acc_u, ACT, GATED, alpha, limit)
+    o_ptrs = out_ptr + pair[:, None] * stride_o + offs_n[None, :]
+    tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, block_expert_ptr, rw_ptr, out_ptr,
+                 pairs, stride_h, stride_we, stride_wn, stride_be, stride_o,
+                 hidden: tl.constexpr, inter: tl.constexpr, num_experts: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_FIRST: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= num_experts:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(rows_ptr + offs_m)
+    valid = pair < pairs
+    safe = tl.where(valid, pair, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + safe[:, None] * stride_h + offs_k[None, :]
+    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = offs_k < inter - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if not WEIGHT_FIRST:
+        rw = tl.load(rw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]
+    o_ptrs = out_ptr + safe[:, None] * stride_o + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+def fused(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation, gated, weight_first,
+          alpha=1.702, limit=7.0, cfg: dict | None = None) -> torch.Tensor:
+    """The op on the fused path (module docstring); ``cfg`` overrides :func:`config` (its ``"down"``
+    entry, if any, the second kernel's tiles)."""
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    pairs = tokens * top_k
+    cfg = cfg or config(pairs, w_gate_up.shape[0])
+    x = x.contiguous()
+    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
+    rw = topk_weights.reshape(-1).contiguous()
+    rows, block_expert = align(topk_ids, w_gate_up.shape[0], cfg["BLOCK_M"])
+    h = up(x, w_gate_up, b_gate_up, rows, block_expert, rw, top_k, activation, gated, weight_first, alpha, limit,
+           cfg)
+    y = down(h, w_down, b_down, rows, block_expert, rw, weight_first, {**cfg, **cfg.get("down", {})})
+    return y.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+def _launch(cfg: dict) -> dict[str, int]:
+    return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def up(x, w_gate_up, b_gate_up, rows, block_expert, rw, top_k, activation, gated, weight_first, alpha, limit,
+       cfg: dict) -> torch.Tensor:
+    """The first kernel: ``h [T K, I]``, each pair's activated up projection (its routing weight
+    applied first if ``weight_first``), rows in pair order."""
+    pairs, hidden = x.shape[0] * top_k, x.shape[1]
+    num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // (2 if gated else 1)
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    bu = b_gate_up.contiguous() if b_gate_up is not None else w_gate_up  # (a pointer never read if absent)
+    _up_kernel[(block_expert.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]))](
+        x, w_gate_up, bu, rows, block_expert, rw, h, pairs, float(alpha), float(limit), x.stride(0),
+        w_gate_up.stride(0), w_gate_up.stride(1), bu.stride(0) if b_gate_up is not None else 0, h.stride(0),
+        hidden=hidden, inter=inter, top_k=top_k, num_experts=num_experts, GATED=gated,
+        HAS_BIAS=b_gate_up is not None, WEIGHT_FIRST=weight_first, ACT=ACT_CODES[activation],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **_launch(cfg))
+    return h
+
+
+def down(h, w_down, b_down, rows, block_expert, rw, weight_first, cfg: dict) -> torch.Tensor:
+    """The second kernel: ``y [T K, H]``, each pair's down projection (times its routing weight
+    unless ``weight_first``), in ``h``'s dtype (rounded as the reference rounds)."""
+    pairs, inter = h.shape
+    num_experts, hidden = w_down.shape[0], w_down.shape[1]
+    y = torch.empty(pairs, hidden, dtype=h.dtype, device=h.device)
+    bd = b_down.contiguous() if b_down is not None else w_down
+    _down_kernel[(block_expert.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]))](
+        h, w_down, bd, rows, block_expert, rw, y, pairs, h.stride(0), w_down.stride(0), w_down.stride(1),
+        bd.stride(0) if b_down is not None else 0, y.stride(0), hidden=hidden, inter=inter, num_experts=num_experts,
+        HAS_BIAS=b_down is not None, WEIGHT_FIRST=weight_first, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], **_launch(cfg))
+    return y

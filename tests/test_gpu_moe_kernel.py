@@ -1,0 +1,60 @@
+"""The fused (Triton) path of ``afd::moe_experts`` on a GPU (issue 34): equal to the reference
+(fp32, on the same bf16 operands) for each activation, bias and routing-weight placement, at
+token counts from one to several blocks per expert, and captured whole by a CUDA graph whose
+replays take new routing. Marked ``gpu``: ``benchmarks/gpu_suite.sh moe`` runs it (CI has no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+triton = pytest.importorskip("triton")
+
+from afd_compile.moe import implementation, moe_experts, reference  # noqa: E402
+
+H, INTER, E, K = 256, 192, 16, 4
+
+
+def _operands(t: int, gated: bool, bias: bool, seed: int = 0):
+    g = torch.Generator("cuda").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    x = randn(t, H)
+    ids = torch.argsort(torch.rand(t, E, device="cuda", generator=g), dim=1)[:, :K]
+    w = torch.rand(t, K, device="cuda", generator=g).to(torch.bfloat16)
+    gu = randn(E, (2 if gated else 1) * INTER, H, scale=H ** -0.5)
+    dn = randn(E, H, INTER, scale=INTER ** -0.5)
+    return x, ids, w, gu, dn, randn(E, gu.shape[1]) if bias else None, randn(E, H) if bias else None
+
+
+@pytest.mark.parametrize("t", [1, 7, 64, 300])
+@pytest.mark.parametrize("act,gated,first,bias", [("silu", True, False, False), ("gelu", True, True, True),
+                                                  ("relu", False, False, True), ("swiglu_oai", True, False, True)])
+def test_fused_equals_the_reference(t, act, gated, first, bias):
+    ops = _operands(t, gated, bias)
+    assert implementation(ops[0], ops[3], ops[4]) == "fused"
+    got = moe_experts(*ops, activation=act, gated=gated, weight_first=first).float()
+    want = reference(*(o.float() if o is not None and o.is_floating_point() else o for o in ops), act, gated, first)
+    assert float((got - want).abs().max() / want.abs().max()) <= 2e-2
+
+
+def test_a_cuda_graph_captures_it_and_replays_new_routing():
+    x, ids, w, gu, dn, _, _ = _operands(32, True, False)
+    static = [x.clone(), ids.clone(), w.clone()]
+    moe_experts(*static, gu, dn)  # (compiles the kernels outside the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts(*static, gu, dn)
+    for seed in (1, 2):
+        nx, nids, nw, *_ = _operands(32, True, False, seed)
+        for buf, new in zip(static, (nx, nids, nw), strict=True):
+            buf.copy_(new)
+        graph.replay()
+        assert torch.equal(out, moe_experts(nx, nids, nw, gu, dn))
