@@ -31,14 +31,20 @@ import triton.language as tl
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4}
 
 
-def config(pairs: int, num_experts: int) -> dict[str, int]:
-    """Tile sizes by rows per expert (``pairs / E``): decode's few rows take ``BLOCK_M = 16``."""
+def config(pairs: int, num_experts: int) -> dict:
+    """Tile sizes by rows per expert (``pairs / E``): decode's few rows take ``BLOCK_M = 16``; the
+    ``"down"`` entry, the second kernel's own tiles (its K is the intermediate size). Read from
+    ``benchmarks/moe_kernels.py --split`` on an H200 (BENCHMARKS.md, session 20)."""
     per_expert = pairs / max(num_experts, 1)
-    if per_expert <= 16:
+    if per_expert <= 8:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    if per_expert <= 24:
+        return {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3,
+                "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}}
     if per_expert <= 48:
-        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4,
+            "down": {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}}
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -150,6 +150,7 @@ if [[ $SECTIONS == *" one "* || $SECTIONS == *" moe "* ]]; then  # issue 34: the
   TAIL=3 run one_moe_kernel_tests python3 -m pytest -q -m gpu tests/test_gpu_moe_kernel.py
   TAIL=8 run one_moe_ffn python3 benchmarks/moe_ffn.py --json "$OUT/one_moe_ffn.json"
   TAIL=9 run one_moe_kernels python3 benchmarks/moe_kernels.py --json "$OUT/one_moe_kernels.json"
+  TAIL=12 run one_moe_kernels_split python3 benchmarks/moe_kernels.py --split --tokens 64,256,1024 --json "$OUT/one_moe_kernels_split.json"
 fi
 if want decode; then
   export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}

@@ -109,10 +109,60 @@ def case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.Genera
     return row
 
 
+#: per-kernel tile variants of ``--split`` (BLOCK_N, BLOCK_K, num_warps, num_stages), each BLOCK_M
+SPLIT_M = (16, 32, 64, 128)
+SPLIT_TILES = [(64, 128, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (64, 64, 4, 5),
+               (128, 32, 4, 6), (64, 256, 4, 3)]
+
+
+def split_case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.Generator) -> dict:
+    """Each fused kernel alone (``--split``): gate/up and down over the same aligned rows, per tile
+    variant, against that projection's floor; and the per-token sum."""
+    from afd_compile.moe_triton import align, down, up
+
+    dev = wgu.device
+    x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16, generator=g)
+    ids = torch.stack([torch.randperm(EXPERTS, device=dev, generator=g)[:TOP_K] for _ in range(t)])
+    rw = torch.rand(t * TOP_K, device=dev, generator=g).bfloat16()
+    touched = int(torch.unique(ids).numel())
+    floors = {"up": touched * 2 * INTER * HIDDEN * 2 / bw * 1e6, "down": touched * INTER * HIDDEN * 2 / bw * 1e6}
+    row: dict = {"tokens": t, "experts_touched": touched, "floors_us": {k: round(v, 1) for k, v in floors.items()}}
+    h = torch.randn(t * TOP_K, INTER, device=dev, dtype=torch.bfloat16, generator=g)
+    y = torch.randn(t * TOP_K, HIDDEN, device=dev, dtype=torch.bfloat16, generator=g)
+    row["sum over K"] = {"us": round(time_us(graphed(
+        lambda: y.view(t, TOP_K, HIDDEN).sum(dim=1, dtype=torch.float32).to(torch.bfloat16))), 1)}
+    for m in SPLIT_M:
+        rows, block_expert = align(ids, EXPERTS, m)
+        for n, k, w, st in SPLIT_TILES:
+            cfg = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
+            for kernel, fn in (("up", lambda cfg=cfg, r=rows, b=block_expert: up(x, wgu, None, r, b, rw, TOP_K, "silu", True,
+                                                         False, 1.702, 7.0, cfg)),
+                               ("down", lambda cfg=cfg, r=rows, b=block_expert: down(
+                                   h, wd, None, r, b, rw, False, cfg))):
+                name = f"{kernel} M{m} N{n} K{k} w{w} s{st}"
+                try:
+                    us = time_us(graphed(fn))
+                except Exception as e:  # noqa: BLE001  (shared memory / registers this GPU lacks)
+                    print(f"moe_kernels: T={t} {name}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
+                    continue
+                row[name] = {"us": round(us, 1), "x_floor": round(us / floors[kernel], 2)}
+    return row
+
+
+def print_split(rows: list[dict]) -> None:
+    for r in rows:
+        print(f"T={r['tokens']} ({r['experts_touched']} experts): floors up {r['floors_us']['up']} us, down "
+              f"{r['floors_us']['down']} us; sum over K {r['sum over K']['us']} us")
+        for kernel in ("up", "down"):
+            best = sorted((v["us"], k) for k, v in r.items() if k.startswith(kernel + " "))
+            print(f"  {kernel}: " + "; ".join(f"{k[len(kernel) + 1:]} {us} ({r[k]['x_floor']}x)" for us, k in best[:6]))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="8,64,256,1024")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--split", action="store_true", help="time each fused kernel alone over tile variants")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("moe_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -124,6 +174,14 @@ def main() -> int:
     g = torch.Generator(dev).manual_seed(0)
     wgu = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=dev, generator=g) * 0.02).bfloat16()
     wd = (torch.randn(EXPERTS, HIDDEN, INTER, device=dev, generator=g) * 0.02).bfloat16()
+    if args.split:
+        rows = [split_case(int(t), wgu, wd, bw, g) for t in args.tokens.split(",")]
+        print(f"each fused kernel alone, bf16, CUDA graphs; HBM copy bandwidth {bw / 1e12:.2f} TB/s; best 6 per kernel")
+        print_split(rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"bandwidth_bytes_per_s": bw, "torch": torch.__version__, "split": rows}, f, indent=2)
+        return 0
     rows = [case(int(t), wgu, wd, bw, g) for t in args.tokens.split(",")]
     names = [k for k in rows[0] if isinstance(rows[0][k], dict) and "us" in rows[0][k]]
     print(f"one MoE layer, bf16, CUDA graphs; HBM copy bandwidth {bw / 1e12:.2f} TB/s; floor: the chosen experts' "
