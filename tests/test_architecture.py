@@ -188,7 +188,6 @@ PENDING_MODULES = {
     "verify.py": (637, "AFD and TP cases share one module"),
 }
 PENDING_FUNCTIONS = {
-    "passes/scattered.py:expert_parallel": (164, "one function per dispatch / combine / expert step"),
     "passes/shard/follow.py:follow_split": (156, "its op special cases as rules of shard/rules.py"),
     "passes/split.py:plan_split": (97, "the per-layer cut as a function of its own"),
 }

@@ -46,17 +46,18 @@ def bmm_moe_path(tmp_path_factory) -> str:
 
 
 def test_bmm_experts_shard_over_the_intermediate_size_and_match(bmm_moe_path):
-    # experts as bmm over stacked [E, in, out] weights: column-parallel on out (gate_up in its
-    # two blocks), row-parallel on in, one all-reduce after the weighted sum over experts
-    from afd_compile.passes.roles import annotate_roles
+    # experts as bmm over stacked [E, in, out] weights: recognised as one afd::moe_experts op,
+    # whose [E, 2I, H] gate_up is column-parallel on 2I (in its two blocks) and [E, H, I] down
+    # row-parallel on I, one all-reduce after the weighted sum over experts
+    from afd_compile.passes.prepare import prepare_graph
     from afd_compile.passes.tp_rewrite import shard_for_rank
     from afd_compile.programs import load_program
 
     gm = load_program(bmm_moe_path).module()
-    annotate_roles(gm)
+    prepare_graph(gm, strict=True)
     weights = {str(w) for w in shard_for_rank(gm, TPLayout(2), 0).shards.weights}
-    assert "column-parallel layers.0.mlp.gate_up dim 2 / 2 over mlp in blocks [128, 128]" in weights
-    assert "row-parallel layers.0.mlp.down dim 1 / 2 over mlp" in weights
+    assert "column-parallel afd_moe0_w_gate_up dim 1 / 2 over mlp in blocks [128, 128]" in weights
+    assert "row-parallel afd_moe0_w_down dim 2 / 2 over mlp" in weights
     results = run_tp_cases([TPCase(bmm_moe_path, TPLayout(t, d), b) for t, d, b in GQA_TP])
     for res in results:
         assert res and max(r["max_rel_err"] for r in res.values()) <= 1e-5, res

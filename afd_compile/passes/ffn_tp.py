@@ -50,6 +50,7 @@ from .shard import (
     one_slice_per_weight,
     shard_mlp,
 )
+from .shard.plan import refuse_unrecognised_moe
 from .shard.types import ArgFix, OnceOperand, ShardedWeight, SlicedOperand
 
 aten = torch.ops.aten
@@ -135,6 +136,10 @@ def tensor_parallel_ffn(ffn: fx.GraphModule, parts: int, rank: int) -> FFNTPProg
     fixes: list[ArgFix] = []
     operands: list[SlicedOperand] = []
     once: list[OnceOperand] = []
+    try:
+        refuse_unrecognised_moe(ffn, "FFN program")
+    except ShardError as e:
+        raise FFNTPError(f"ffn_tp={parts}: {e}") from None
     for send in sends:
         _plan_layer(ffn, send.args[0][0].args[0], send.args[2], parts, weights, fixes, operands, once)
     plan = ShardPlan(one_slice_per_weight(weights), tuple(fixes), (), (), (), tuple(operands), tuple(once))

@@ -18,15 +18,14 @@ Into a SCATTERED MoE, o_proj's partial sum is settled by a reduce-scatter, never
 
 MoE with all-to-all (:func:`expert_parallel`): experts are split over the TP group (rank ``d``
 owns experts ``[d * E/P, (d+1) * E/P)``); router and shared experts run replicated on the rank's
-own tokens; the expert computation (everything downstream of top-k's indices up to the
-per-token combine) runs on the tokens an ``afd.ep_dispatch`` all-to-all brings, and
-``afd.ep_combine`` returns the partial outputs to their tokens' ranks and sums them.
+own tokens; the recognised ``afd::moe_experts`` op runs on the tokens an ``afd.ep_dispatch``
+all-to-all brings, and ``afd.ep_combine`` returns the partial outputs to their tokens' ranks and
+sums them. Only the op is sharded so: an MoE the recognition did not match is refused.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,15 +39,14 @@ from .dist_states import TPPlan
 from .emitters import LayerSite, emit_layer, register
 from .graph_utils import (
     Builder,
-    get_attr_path,
     layers_of,
     region_output,
     shape_args,
     symbol_sources,
 )
 from .roles import META_KEY as ROLE_KEY
-from .roles import Role, ancestors, descendants, mutates_first_arg
-from .shard import ShardedWeight, ShardError, ShardPlan, apply_shards
+from .roles import Role, descendants
+from .shard import ShardedWeight
 
 aten = torch.ops.aten
 
@@ -243,308 +241,34 @@ def _layer_output(members: list[fx.Node], shape: tuple, where: str) -> fx.Node:
 
 # --- MoE expert parallelism ---------------------------------------------------------------------
 
-_TOKEN_MAJOR = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.to.dtype,
-                aten._to_copy.default, aten.unsqueeze.default, aten.contiguous.default, aten.clone.default,
-                aten.flatten.using_ints}
-
-
 def expert_parallel(new: fx.GraphModule, layer: int, parts: int, rank: int, fake_mode: object,
                     group: int = GROUP_TP) -> list[ShardedWeight]:
     """Split one MoE layer's experts over ``parts`` ranks (process group ``group``: the TP group,
-    or an AFD FFN rank's FFN group) and route tokens with all-to-all.
+    or an AFD FFN rank's FFN group) and route tokens with all-to-all: the rule of the recognised
+    ``afd::moe_experts`` op (passes/moe/parallel.py), the one expert form sharded.
 
-    Before (transformers' grouped experts, one layer)::
+    Before (one layer, the experts recognised)::
 
         logits = linear(x2d, gate.weight); w, ids = topk(softmax(logits), k)       # router
-        y = experts(x2d, ids, normalize(w))     # sort, histc(ids, E), grouped_mm(w_e[E, ...]), combine
+        y = afd.moe_experts(x2d, ids, w, w_gate_up[E, ...], w_down[E, ...], ...)
         out = reshape(y, [b, s, H]) (+ shared experts)
 
     After, on rank ``d`` (experts ``[d*E/P, (d+1)*E/P)``, weights sliced along the expert dim)::
 
         logits, w, ids: unchanged, on this rank's tokens
-        xr, wr, ids_l, valid, counts = afd.ep_dispatch([x2d, w], ids, group=TP, E, P)   # all-to-all
-        yr = experts(xr, ids_l, wr * valid)     # histc(ids_l, E/P), w_e[E/P, ...]: local experts only
-        y = afd.ep_combine(yr, ids, counts, group=TP, E)                                # all-to-all back
+        xr, wr, ids_l, valid, counts = afd.ep_dispatch([x2d, w], ids, group, E, P)   # all-to-all
+        yr = afd.moe_experts(xr, ids_l, wr * valid, w_gate_up[E/P, ...], ...)        # local experts only
+        y = afd.ep_combine(yr, ids, counts, group, E)                                # all-to-all back
 
-    Recognised experts (``afd::moe_experts``, passes/moe) take the op's rule (moe/parallel.py).
-    Otherwise the expert computation is found from the graph: the nodes downstream of top-k's
-    indices up to the first ``(tokens, H)`` tensor (the per-token combine). Its other inputs must
-    be per-token rows; expert-count constants (``histc`` bins, ``one_hot`` classes) become the
-    local count, any other use of the count is an error naming the node."""
-    from .symbolic import TokenBinding, sym_expr
-
-    where, graph = f"layer {layer}", new.graph
+    A layer whose experts the recognition did not turn into the op is refused, naming it."""
+    where = f"layer {layer}"
     ffn = [n for n in layers_of(new)[layer].members if n.meta[ROLE_KEY].role is Role.FFN or n.meta[ROLE_KEY].router]
-    ffn_set = set(ffn)
-    if any(n.target == torch.ops.afd.moe_experts.default for n in ffn):  # the op's one rule
-        return _expert_parallel_ops(new, ffn, parts, rank, fake_mode, group, where)
-    topks = [n for n in ffn if n.target == aten.topk.default]
-    # the expert choice is the last top-k; earlier ones (DeepSeek's group-limited routing picks
-    # groups first) must only feed it
-    topk = topks[-1] if topks else None
-    if topk is None or not set(topks[:-1]) <= ancestors([topk], within=ffn_set):
-        raise ScatteredRewriteError(f"{where}: expert parallelism needs one final top-k routing op in the MoE, "
-                                    f"found {[n.name for n in topks]}")
-    ids = next((u for u in topk.users if u.target == operator.getitem and u.args[1] == 1), None)
-    vals = next((u for u in topk.users if u.target == operator.getitem and u.args[1] == 0), None)
-    if ids is None:
-        raise ScatteredRewriteError(f"{where}: {topk.name}'s expert indices are never read")
-    n_tok = ids.meta["val"].shape[0]
-    down = descendants(ids, ffn_set)
-    order = {n: j for j, n in enumerate(graph.nodes)}
-    out = region_output(ffn)
-    hidden = out.meta["val"].shape[-1]
-    end = None
-    for n in sorted(down, key=order.__getitem__):
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor) and v.dim() == 2 and _same(v.shape[0], n_tok) and _same(v.shape[1], hidden):
-            end = n
-            break
-    if end is None:
-        raise ScatteredRewriteError(f"{where}: no per-token (tokens, hidden) tensor after the experts: cannot find "
-                                    "where the expert outputs are combined")
-    region = ((ancestors([end], within=down) | {end}) & down) - {ids}
-    while True:  # weight-only inputs (a transposed expert weight) are recomputed from the sliced weights
-        inputs = list(dict.fromkeys(a for n in sorted(region, key=order.__getitem__) for a in n.all_input_nodes
-                                    if a not in region and a is not ids))  # graph order: same on every rank
-        extra = {a for a in inputs if a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor)
-                 and _weights_only(a)}
-        # an in-place op on a region tensor (transformers 5.17 clamps the sorted ids in place)
-        extra |= {u for n in region for u in n.users if u not in region and not u.users
-                  and mutates_first_arg(u) and u.args[0] in region}
-        if not extra:
-            break
-        region |= extra
-    region_list = sorted(region, key=order.__getitem__)
-    params = [a for a in inputs if a.op == "get_attr"]
-    # experts whose weights other layers read too (one MoE block applied as several layers; by
-    # target: a program may read one weight through several get_attr nodes): each layer's rewrite
-    # would slice them again
-    targets = {str(p.target) for p in params}
-    others = sorted({r.layer for a in graph.nodes if a.op == "get_attr" and str(a.target) in targets
-                     for u in a.users if (r := u.meta.get(ROLE_KEY)) is not None and r.layer not in (None, layer)})
-    if others:
+    ops = [n for n in ffn if n.target == torch.ops.afd.moe_experts.default]
+    if not ops:
         raise ScatteredRewriteError(
-            f"{where}: its experts' weights {sorted(targets)[:3]} are read by layer(s) {others} too (one MoE block "
-            "applied as several layers): expert parallelism of a shared MoE block is not supported (TP of the "
-            "whole MoE, or AFD FFN TP groups, split it)")
-    sizes = [a for a in inputs if isinstance(a.meta.get("val"), (int, torch.SymInt))]
-    odd = [a for a in inputs if a.op != "get_attr" and a not in sizes and not isinstance(a.meta.get("val"), torch.Tensor)]
-    if odd:
-        raise ScatteredRewriteError(f"{where}: the experts read {[f'{a.name} ({a.target})' for a in odd]} for "
-                                    f"{[u.name for a in odd for u in a.users if u in region]}, neither tensors nor sizes")
-    tensors = [a for a in inputs if a not in params and a not in sizes]
-    from_vals = descendants(vals, ffn_set) if vals is not None else set()
-    payload_shapes = []
-    for t in tensors:
-        _check_token_major(t, n_tok, where)
-        payload_shapes.append(tuple(t.meta["val"].shape))
-    num_experts = _num_experts(new, params, region_list, where)
-    scores = [t for t in tensors if t.meta["val"].dim() >= 2 and _same(t.meta["val"].shape[-1], num_experts)]
-    if scores:  # indexed by global expert ids inside: dispatched with local ids it would pick wrong scores
-        raise ScatteredRewriteError(
-            f"{where}: the expert computation reads per-expert router scores {[t.name for t in scores]} after "
-            "top-k (routing weights gathered by expert id, DeepSeek-V3 style); expert parallelism needs the "
-            "routing weights complete before the experts: not supported yet (use the FULL MoE: drop --moe-a2a)")
-    if num_experts % parts:
-        raise ShardError(f"{where}: {num_experts} experts do not divide over {parts} expert-parallel ranks")
-    local = num_experts // parts
-    weights = []
-    for p in params:
-        shape = tuple(get_attr_path(new, p.target).shape)
-        if shape and shape[0] == num_experts:
-            weights.append(ShardedWeight(str(p.target), 0, parts, "mlp", "expert"))
-    apply_shards(new, ShardPlan(tuple(weights), (), ()), {"mlp": rank})
-    for p in params:  # the copies below are shape-propagated with the sliced weights
-        if fake_mode is not None and "val" in p.meta:
-            p.meta["val"] = fake_mode.from_tensor(get_attr_path(new, p.target), static_shapes=True)
-    b = Builder(graph, fake_mode, layer)
-    anchor = max([*tensors, ids], key=order.__getitem__)
-    role = end.meta[ROLE_KEY]
-    made: list[fx.Node] = []
-
-    def call(target: object, args: tuple, name: str | None = None) -> fx.Node:
-        node = b.call(target, args, name)
-        node.meta[ROLE_KEY] = role
-        made.append(node)
-        return node
-
-    with graph.inserting_before(anchor.next):
-        count = call(aten.sym_size.int, (ids, 0))  # (explicit widths: a view to [0, -1] is ambiguous with no tokens)
-        rows = [call(aten.view.default, (t, [count, _row_width(t, n_tok)])) for t in tensors]
-        disp = call(torch.ops.afd.ep_dispatch.default, (rows, ids, group, num_experts, parts), "ep_dispatch")
-        got = [call(operator.getitem, (disp, j)) for j in range(len(tensors) + 3)]
-        env: dict[fx.Node, object] = {ids: got[len(tensors)]}
-        valid = got[len(tensors) + 1]
-        m_rows = call(aten.sym_size.int, (got[0] if tensors else env[ids], 0), "ep_rows")
-        binding = TokenBinding.for_token_dims([n_tok], where)
-        for t, r, shape in zip(tensors, got[: len(tensors)], payload_shapes, strict=True):
-            back = call(aten.view.default, (r, [-1, *[int(s) for s in shape[1:]]]))
-            if t in from_vals:  # a routing weight: zero the slots whose expert lives elsewhere
-                mask = call(aten.view.default, (call(aten.to.dtype, (valid, t.meta["val"].dtype)), [-1, *[
-                    int(s) for s in shape[1:]]]))
-                back = call(aten.mul.Tensor, (back, mask))
-            env[t] = back
-        for s in sizes:
-            expr = binding.substitute(sym_expr(s.meta["val"]))
-            if not binding.known(expr):
-                raise ScatteredRewriteError(f"{where}: the experts read {s.name} ({s.meta['val']}), which is not a "
-                                            "function of the token count")
-            env[s] = _emit_rows_size(lambda tgt, a: call(tgt, a), expr, binding, m_rows)
-        last = made[-1]
-        for n in region_list:
-            with graph.inserting_after(last):
-                c = graph.node_copy(n, lambda a: env.get(a, a))
-            _fix_expert_count(c, num_experts, local, where)
-            _propagate(c, fake_mode)
-            env[n] = c
-            last = c
-        with graph.inserting_after(last):
-            y = call(torch.ops.afd.ep_combine.default, (env[end], ids, got[len(tensors) + 2], group, num_experts),
-                     "ep_combine")
-    end.replace_all_uses_with(y, delete_user_cb=lambda u: u not in region)
-    for n in region_list:
-        for u in list(n.users):
-            if u not in region and u.target == aten._assert_tensor_metadata.default:
-                graph.erase_node(u)
-            elif u not in region:
-                raise ScatteredRewriteError(f"{where}: {u.name} reads {n.name} from inside the experts' computation")
-    for n in reversed(region_list):  # in-place ops (index_put_) would survive dead-code elimination
-        graph.erase_node(n)
-    return weights
-
-
-def _expert_parallel_ops(gm: fx.GraphModule, ffn: list[fx.Node], parts: int, rank: int, fake_mode: object,
-                         group: int, where: str) -> list[ShardedWeight]:
+            f"{where}: expert parallelism shards only the recognised afd::moe_experts op, and this layer's MoE "
+            "block was not recognised as one (`afd-compile plan` prints what the recognition found per block; "
+            "drop --moe-a2a / --ffn-ep to run the MoE unsplit)")
     from .moe.parallel import expert_parallel_op
 
-    ops = [n for n in ffn if n.target == torch.ops.afd.moe_experts.default]
-    return [w for op in ops for w in expert_parallel_op(gm, op, parts, rank, fake_mode, group, where)]
-
-
-def _weights_only(n: fx.Node) -> bool:
-    """Computed from graph attributes and sizes alone (a transposed expert weight, an
-    ``arange`` over the token count): no token data reaches it, so the region recomputes it."""
-    seen, todo = set(), [n]
-    while todo:
-        x = todo.pop()
-        if x.op == "placeholder":
-            return False
-        if x in seen or (x is not n and isinstance(x.meta.get("val"), (int, torch.SymInt))):
-            continue  # a size (SymInt): rebound to the dispatched token count
-        seen.add(x)
-        todo.extend(x.all_input_nodes)
-    return True
-
-
-def _emit_rows_size(call: Callable[[object, tuple], fx.Node], expr: object, binding: object, m_rows: fx.Node) -> object:
-    """A size the experts read, for the ``m_rows`` rows dispatched to this rank. ``expr`` is in the
-    program's token symbol ``sigma`` (tokens ``T = coeff * sigma``: a static batch ``B`` makes
-    ``coeff = B``, and sizes like ``B * k * (T // B)``). Written in ``T`` when that has integer
-    coefficients (``k * T``: right for any row count), else with ``sigma = m_rows // coeff``
-    (right only for a multiple of ``coeff``: an expression that needs it)."""
-    import sympy
-
-    from .symbolic import emit_with
-
-    if binding.sigma is not None and binding.coeff != 1:
-        rows = sympy.Symbol("ep_rows", integer=True, positive=True)
-        in_rows = sympy.expand(expr.subs(binding.sigma, rows / binding.coeff))
-        if in_rows.is_polynomial(rows) and all(c.is_Integer for c in sympy.Poly(in_rows, rows).coeffs()):
-            return emit_with(call, in_rows, {rows: m_rows})
-    sigma = call(operator.floordiv, (m_rows, binding.coeff)) if binding.coeff != 1 else m_rows
-    return emit_with(call, expr, {binding.sigma: sigma})
-
-
-def _row_width(t: fx.Node, n_tok: object) -> int:
-    from .symbolic import sym_expr
-
-    v = t.meta["val"]
-    width = sym_expr(v.numel()) / sym_expr(n_tok)
-    if not width.is_Integer:
-        raise ScatteredRewriteError(f"{t.name}: {tuple(v.shape)} is not a fixed number of values per token")
-    return int(width)
-
-
-def _same(a: object, b: object) -> bool:
-    from .symbolic import sym_expr
-
-    return sym_expr(a) == sym_expr(b)
-
-
-def _check_token_major(t: fx.Node, n_tok: object, where: str) -> None:
-    """``t``'s rows must be tokens in order (``[n, ...]``, or ``[c * n, ...]`` flattened from
-    ``[n, c, ...]``): it is dispatched row-block by token."""
-    from .symbolic import sym_expr
-
-    n = t
-    while True:
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and _same(v.shape[0], n_tok):
-            break
-        if n.target not in _TOKEN_MAJOR or not isinstance(n.args[0], fx.Node):
-            raise ScatteredRewriteError(f"{where}: the experts read {t.name}, which is not per-token rows (token-major "
-                                        f"[tokens, ...]); cannot dispatch it with its tokens")
-        n = n.args[0]
-    ratio = sym_expr(t.meta["val"].shape[0]) / sym_expr(n_tok) if t.meta["val"].dim() else None
-    if ratio is None or not ratio.is_Integer:
-        raise ScatteredRewriteError(f"{where}: {t.name} has {t.meta['val'].shape[0] if t.meta['val'].dim() else 0} rows, "
-                                    "not a multiple of the token count")
-
-
-def _num_experts(gm: fx.GraphModule, params: list[fx.Node], region: list[fx.Node], where: str) -> int:
-    counts = {int(get_attr_path(gm, p.target).shape[0]) for p in params if get_attr_path(gm, p.target).dim() == 3}
-    if len(counts) != 1:
-        raise ScatteredRewriteError(f"{where}: expert parallelism needs 3-D expert weights [experts, ...] read by "
-                                    f"the experts; found {[str(p.target) for p in params]}")
-    return counts.pop()
-
-
-def _fix_expert_count(n: fx.Node, num_experts: int, local: int, where: str) -> None:
-    if n.target == aten.histc.default:
-        args = list(n.args) + [100, 0, 0][len(n.args) - 1:]
-        bins, lo, hi = args[1:4]
-        if (bins, lo, hi) != (num_experts, 0, num_experts - 1):
-            raise ScatteredRewriteError(f"{where}: {n.name}: histc over ({bins}, {lo}, {hi}), expected the expert "
-                                        f"count ({num_experts}, 0, {num_experts - 1})")
-        n.args = (args[0], local, 0, local - 1)
-        return
-    if n.target == aten.one_hot.default:
-        if n.args[1] != num_experts:
-            raise ScatteredRewriteError(f"{where}: {n.name}: one_hot over {n.args[1]} classes, not the expert count")
-        n.args = (n.args[0], local)
-        return
-    if n.target in _COMPARE and n.args[1] in (num_experts, num_experts - 1):
-        # transformers' EP sentinels: ids >= E mark slots routed elsewhere (then clamped to E - 1)
-        n.args = (n.args[0], local if n.args[1] == num_experts else local - 1, *n.args[2:])
-        return
-    if n.target in _CLAMP:
-        bounds = list(n.args[1:]) + [n.kwargs.get("min"), n.kwargs.get("max")][len(n.args) - 1:]
-        if n.target in (aten.clamp_max.default, aten.clamp_max_.default):
-            bounds = [None, n.args[1]]
-        if bounds[1] == num_experts - 1 and bounds[0] in (None, 0):
-            if n.target in (aten.clamp_max.default, aten.clamp_max_.default):
-                n.args = (n.args[0], local - 1)
-            else:
-                n.args, n.kwargs = (n.args[0], bounds[0], local - 1), {}
-            return
-    flat = [a for a in n.args if isinstance(a, int) and not isinstance(a, bool)] + [
-        x for a in n.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, int)]
-    if num_experts in flat:
-        raise ScatteredRewriteError(f"{where}: {n.name} ({n.target}) reads the expert count {num_experts} as a "
-                                    "constant; afd-compile cannot tell it is the expert count to localize it")
-
-
-_COMPARE = {aten.ge.Scalar, aten.gt.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.eq.Scalar, aten.ne.Scalar}
-_CLAMP = {aten.clamp.default, aten.clamp_.default, aten.clamp_max.default, aten.clamp_max_.default}
-
-
-def _propagate(n: fx.Node, fake_mode: object) -> None:
-    if fake_mode is None:
-        return
-    args = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
-    if n.target == operator.getitem:
-        n.meta["val"] = args[0][0][args[0][1]]
-        return
-    with fake_mode:
-        n.meta["val"] = n.target(*args[0], **args[1])
+    return [w for op in ops for w in expert_parallel_op(new, op, parts, rank, fake_mode, group, where)]

@@ -276,8 +276,7 @@ def check_any_token_total(program: fx.GraphModule, inputs: list[object], where: 
             f"(this rank {own}): {detail}. Its MLP runs on the tokens of every DP group, a count set per "
             "step, but the graph fixed a size from its own token count when it was traced (dynamo traces "
             "decode steps under a static KV cache with a static batch). Use attn_dp=1, or an MLP whose "
-            "sizes follow its input (e.g. experts as a loop or bmm rather than sizes built from the "
-            "token count)") from None
+            "sizes follow its input rather than the token count it was traced with") from None
 
 
 def drop_export_guards(gm: fx.GraphModule) -> None:

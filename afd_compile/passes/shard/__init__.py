@@ -22,9 +22,10 @@ A tensor cut along the split dim (``chunk``/``split``/``slice`` of a fused gate_
 makes the weight blocked: each rank takes its slice of every block and the cut's sizes are
 re-computed per rank. A reshape into fewer heads than ranks (KV heads below attn_tp) replicates
 that projection's heads: ranks ``r // k`` share a slice, and repeat_kv's expand repeats ``k``
-fewer times. MoE experts are 3-D weights read by a grouped matmul ``(x[N, in], w[E, in, out])``;
-they shard like linears along the intermediate size, and the partial sum is settled once on the
-block output, which must be linear in it (routing weights scale it, the combine sums it).
+fewer times. MoE experts are one ``afd::moe_experts`` op whatever the model wrote (the
+recognition pass, ``passes/moe``, runs first; an unrecognised expert form is refused there): each
+rank keeps every expert's slice of the intermediate size, and the partial sum is settled once on
+the block output, which must be linear in it (a shared expert's sum adds to it).
 
 Anything the rules do not know that touches a split tensor is an error naming the node.
 """
@@ -35,7 +36,7 @@ from ..graph_utils import reads_weight
 from .apply import apply_shards, one_slice_per_weight, shard_pair, shard_tensor
 from .pairing import check_linear_path, column_row_pairs
 from .plan import plan_shards, shard_mlp
-from .projections import META_KEY, Block, Projection, is_expert_mm, is_grouped_mm, projection
+from .projections import META_KEY, Block, Projection, projection
 from .rules import RULES, ShardRule
 from .types import (
            ArgFix,
@@ -49,5 +50,5 @@ from .types import (
 
 __all__ = ["META_KEY", "RULES", "ArgFix", "Block", "OnceOperand", "Projection", "ShardError", "ShardPlan", "ShardRule",
            "ShardedState", "ShardedWeight", "SlicedOperand", "apply_shards", "check_linear_path", "column_row_pairs",
-           "is_expert_mm", "is_grouped_mm", "one_slice_per_weight", "plan_shards", "projection", "reads_weight",
+           "one_slice_per_weight", "plan_shards", "projection", "reads_weight",
            "shard_mlp", "shard_pair", "shard_tensor"]

@@ -12,7 +12,7 @@ import torch.fx as fx
 from ..graph_utils import get_attr_path
 from ..symbolic import sym_expr
 from .follow import STATE_WRITES, WholeBlocks, block_fixes, follow_split
-from .projections import is_expert_mm, projection, projection_weight
+from .projections import projection, projection_weight
 from .types import (
     ArgFix,
     ShardedState,
@@ -63,7 +63,7 @@ def shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int
         target, dim, size = projection_weight(gm, c, True)
         blocks, rep = block_fixes(c, track, parts, fixes)
         weights.append(ShardedWeight(target, dim, parts, group, "column", blocks, rep))
-        bias = None if is_expert_mm(c) else projection(c).bias
+        bias = projection(c).bias
         if bias is not None:
             weights.append(ShardedWeight(str(bias.target), 0, parts, group, "column", blocks, rep))
         for a in track.attrs:
@@ -99,7 +99,7 @@ def shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int
         raise ShardError(f"{where}: {track.means[0].name} averages over a split dim")
     target, dim, size = projection_weight(gm, row, False)
     weights.append(ShardedWeight(target, dim, parts, group, "row", (size,)))
-    bias = None if is_expert_mm(row) else projection(row).bias
+    bias = projection(row).bias
     if bias is not None:  # added once: kept on group rank 0, zeros elsewhere
         weights.append(ShardedWeight(str(bias.target), -1, parts, group, "row_bias"))
 

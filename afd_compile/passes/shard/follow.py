@@ -15,7 +15,7 @@ import torch.fx as fx
 from ..graph_utils import get_attr_path
 from ..roles import LINEAR_OPS, SDPA_OPS
 from ..symbolic import sym_expr
-from .projections import Block, is_expert_mm, out_features, projection
+from .projections import Block, out_features, projection
 from .rules import (
     BLOCK_OPS,
     IGNORED,
@@ -399,7 +399,7 @@ def follow_split(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node],
         seen.add(n)
         split_in = [a for a in n.all_input_nodes if a in sdim]
         if n in rows:
-            a = n.args[0] if is_expert_mm(n) else projection(n).x
+            a = projection(n).x
             if sdim.get(a) != ndim(a) - 1 or a in t.inner:
                 raise ShardError(f"{where}: row-parallel {n.name} gets an input not split along its last dim")
             if t.factor[a] != parts:
@@ -521,7 +521,7 @@ def follow_split(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node],
             if src0 in merged:
                 raise ShardError(f"{where}: {n.name} ({target}) reads repeated KV heads before they are merged")
             sdim[n] = rule.fn(n, {**sdim, **sliced} if sliced else sdim, f, fixes)
-        elif target in LINEAR_OPS or is_expert_mm(n):
+        elif target in LINEAR_OPS:
             raise ShardError(f"{where}: {n.name} ({target}) reads a split tensor but is not the row-parallel projection")
         else:
             raise ShardError(f"{where}: no sharding rule for {n.name} ({target}) on a tensor split over {group}")

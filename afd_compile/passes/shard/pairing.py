@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from .projections import is_expert_mm, projection
+from .projections import projection
 from .rules import (
     IGNORED,
 )
@@ -28,14 +28,6 @@ _LINEAR_IN_PARTIAL = {
 }
 
 
-_INDEX_ADD = (aten.index_add_.default, aten.index_add.default)
-
-
-def _is_zeros(n: object) -> bool:
-    return isinstance(n, fx.Node) and (n.target in (aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default)
-                                       or (n.target in (aten.full.default, aten.full_like.default) and n.args[1] == 0))
-
-
 def column_row_pairs(projs: list[fx.Node], region: set[fx.Node],
                       where: str) -> list[tuple[list[fx.Node], fx.Node]]:
     """Group an MLP's projections into (column-parallel inputs, row-parallel output) pairs: a row
@@ -46,7 +38,7 @@ def column_row_pairs(projs: list[fx.Node], region: set[fx.Node],
     pset = set(projs)
 
     def act(n: fx.Node) -> fx.Node:  # the activation operand
-        return n.args[0] if is_expert_mm(n) else projection(n).x
+        return projection(n).x
 
     def up(n: fx.Node) -> set[fx.Node]:  # ancestors inside the MLP region (a walk linear in its size)
         return ancestors([act(n)], within=region)
@@ -95,10 +87,6 @@ def check_linear_path(rows: list[fx.Node], out: fx.Node, region: set[fx.Node], w
         if not ok and bias and once is not None:
             once.append(OnceOperand(n.name, 1, group))
             ok = True
-        # out.index_add_(0, tokens, partial): linear in the source and in out, which must be a
-        # partial sum too or zeros (a zero counted once per rank is still zero): an expert loop
-        ok |= (n.target in _INDEX_ADD and len(n.args) > 3 and n.args[3] in on and n.args[2] not in on
-               and (n.args[0] in on or _is_zeros(n.args[0])))
         if not ok:
             raise ShardError(f"{where}: {n.name} ({n.target}) sits between the row-parallel "
                              f"{[r.name for r in rows]} and the block output {out.name} but is not linear in "

@@ -11,7 +11,7 @@ from ..roles import LINEAR_OPS, SDPA_OPS, Role, is_attention_op, role_of
 from ..symbolic import sym_expr
 from .apply import one_slice_per_weight, shard_pair
 from .pairing import check_linear_path, column_row_pairs
-from .projections import is_expert_mm, is_moe_op, moe_op_shards
+from .projections import is_moe_op, moe_op_shards
 from .types import (
     ArgFix,
     OnceOperand,
@@ -23,6 +23,19 @@ from .types import (
 )
 
 aten = torch.ops.aten
+
+def refuse_unrecognised_moe(gm: fx.GraphModule, where: str) -> None:
+    """A backstop for callers that skipped the recognition pass: an MoE block whose experts are
+    not one ``afd::moe_experts`` op is refused (sharding has rules for the op only)."""
+    from ..moe.block import find_blocks
+
+    left = find_blocks(gm)
+    if left:
+        raise ShardError(f"{where}: the MoE block combined at {left[0].end.name} (experts chosen by "
+                         f"{left[0].ids.name}) is not one afd::moe_experts op: tensor and expert parallelism "
+                         "shard only the recognised op (run passes.prepare.prepare_graph(gm, strict=True) first, "
+                         "as every entry point does: it names the form it cannot recognise)")
+
 
 def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
                 replicated_mlp: frozenset[int] = frozenset()) -> ShardPlan:
@@ -37,6 +50,8 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
     states: list[ShardedState] = []
     operands: list[SlicedOperand] = []
     once: list[OnceOperand] = []
+    if mlp_parts > 1:
+        refuse_unrecognised_moe(gm, f"mlp_parts={mlp_parts}")
     for layer, parts in layers_of(gm).items():
         members = list(parts.members)
         where = f"layer {layer}"
@@ -90,7 +105,7 @@ def shard_mlp(gm: fx.GraphModule, members: list[fx.Node], out: fx.Node, parts: i
 
     region = set(members)
     router = find_router(members)
-    projs = [n for n in members if (n.target in LINEAR_OPS or is_expert_mm(n)) and n is not router
+    projs = [n for n in members if n.target in LINEAR_OPS and n is not router
              and not role_of(n).router]
     pairs = column_row_pairs(projs, region, where)
     moe_ops = [n for n in members if is_moe_op(n)]

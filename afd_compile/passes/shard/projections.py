@@ -1,5 +1,6 @@
-"""The projections TP splits: linears (column- or row-parallel) and the grouped / batched matmuls
-of MoE experts over stacked ``[E, in, out]`` weights, and which weight dim a split cuts."""
+"""The projections TP splits: linears (column- or row-parallel) and which weight dim a split
+cuts; and the one rule for MoE experts, the recognised ``afd::moe_experts`` op (``passes/moe``
+turns every expert form into it first: no per-form rule here)."""
 
 from __future__ import annotations
 
@@ -22,29 +23,6 @@ aten = torch.ops.aten
 
 
 META_KEY = "afd.shard"
-
-
-def is_grouped_mm(node: fx.Node) -> bool:
-    """A grouped (per-expert) matmul ``(x[N, in], w[E, in, out], offsets) -> [N, out]``:
-    ``aten._grouped_mm`` or a library op named like it (transformers' ``grouped_mm_fallback``)."""
-    t = node.target
-    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and "grouped_mm" in t.name()
-
-
-def is_expert_mm(node: fx.Node) -> bool:
-    """A matmul of activations with a 3-D expert weight attribute ``w[E, in, out]`` (through
-    transposes and casts): a grouped matmul, or ``bmm(x[E, T, in], w)`` (stacked experts, as
-    transformers' ``batched_mm`` experts and hand-written MoEs compute them). Either is tensor-
-    sharded like a linear: column-parallel on ``out``, row-parallel on ``in``."""
-    if is_grouped_mm(node):
-        return True
-    if node.op != "call_function" or node.target != aten.bmm.default:
-        return False
-    try:
-        expert_weight(node, 2)
-    except ShardError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -88,25 +66,6 @@ def projection(n: fx.Node) -> Projection:
     return Projection(x, w, out_dim, bias)
 
 
-def expert_weight(mm: fx.Node, operand_dim: int) -> tuple[fx.Node, int]:
-    """The 3-D expert weight a grouped matmul reads, and which of its dims is the operand's
-    ``operand_dim`` (1: in features, 2: out features), looking through transposes and casts."""
-    w, dim = mm.args[1], operand_dim
-    while isinstance(w, fx.Node) and w.op != "get_attr":
-        if w.target == aten.transpose.int:
-            a, b = (x % 3 for x in w.args[1:3])
-            dim = a if dim == b else b if dim == a else dim
-        elif w.target == aten.permute.default:
-            dim = [x % 3 for x in w.args[1]][dim]
-        elif w.target not in (aten.to.dtype, aten._to_copy.default, aten.contiguous.default, aten.clone.default):
-            raise ShardError(f"{mm.name}: expert weight reaches the grouped matmul through {w.name} ({w.target}); "
-                             "only transposes and casts of a graph attribute are understood")
-        w = w.args[0]
-    if not (isinstance(w, fx.Node) and ndim(w) in (0, 3)):
-        raise ShardError(f"{mm.name}: grouped matmul weight is not a 3-D graph attribute ({w})")
-    return w, dim
-
-
 def out_features(col: fx.Node) -> int:
     return int(col.meta["val"].shape[-1])
 
@@ -116,9 +75,6 @@ Block = tuple[fx.Node, int | None]  # (column, start of a block of its output fe
 
 def projection_weight(gm: fx.GraphModule, proj: fx.Node, column: bool) -> tuple[str, int, int]:
     """(target, dim, size) of the weight dim a column (out features) / row (in features) split cuts."""
-    if is_expert_mm(proj):
-        w, dim = expert_weight(proj, 2 if column else 1)
-        return str(w.target), dim, int(get_attr_path(gm, w.target).shape[dim])
     p = projection(proj)
     dim = p.out_dim if column else 1 - p.out_dim
     return str(p.weight.target), dim, int(get_attr_path(gm, p.weight.target).shape[dim])
