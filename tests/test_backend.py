@@ -317,6 +317,36 @@ def _dynamo_program(model: torch.nn.Module, ids: torch.Tensor) -> torch.fx.Graph
     return _in_backend(model, ids, program)
 
 
+def test_a_graph_break_is_named_with_its_source_line_and_the_remedy():
+    # transformers' eager experts loop over the experts nonzero finds: dynamo cannot keep that loop
+    # in a graph even with capture_dynamic_output_shape_ops, so no graph holds a whole layer; the
+    # error names the line dynamo broke at and the expert forms that trace
+    from afd_compile.backend import graph_break_hint
+
+    def loop(x):
+        y = x.clone()
+        for e in (x > 0).nonzero():  # (a loop over a data-dependent tensor)
+            y = y + e.sum()
+        return y
+
+    def experts(x):  # (a call into the loop, as an MoE block calls its experts)
+        return loop(x * 2) + 1
+
+    seen = []
+    torch._dynamo.reset()
+    try:
+        for capture in (False, True):
+            with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=capture):
+                torch.compile(experts, backend=lambda gm, _: gm.forward)(torch.tensor([1.0, -1.0, 2.0]))
+                seen.append(graph_break_hint())
+            torch._dynamo.reset()
+    finally:
+        torch._dynamo.reset()
+    assert "capture_dynamic_output_shape_ops = True" in seen[0]
+    assert "`for e in (x > 0).nonzero():" in seen[1] and "test_backend.py:" in seen[1]
+    assert "experts_implementation='grouped_mm' or 'batched_mm'" in seen[1]
+
+
 def test_pytorchs_fused_encoder_layer_is_refused_with_the_remedy():
     # nn.TransformerEncoderLayer in eval mode without autograd runs one fused kernel per layer,
     # and dynamo traces that (torch.export traces the layer's Python body: the CLI splits it)

@@ -70,6 +70,7 @@ step for its attention peers (the inputs are ignored) and returns empty tensors.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -221,12 +222,35 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
         except FusedLayerError:
             raise
         except NoStructureError as e:
-            raise NoStructureError(
-                f"{e}. Each graph dynamo hands the backend must hold whole decoder layers: a graph break "
-                "inside a layer (TORCH_LOGS=graph_breaks lists them; e.g. a data-dependent op such as "
-                "torch.where or nonzero in an MoE's expert loop) splits it. "
-                "torch._dynamo.config.capture_dynamic_output_shape_ops = True keeps such ops in the graph") from None
+            raise NoStructureError(f"{e}. {graph_break_hint()}") from None
     return run, lifted
+
+
+def graph_break_hint() -> str:
+    """Why dynamo's graph may not hold whole layers: the graph breaks it recorded in this process
+    (the last few, each with its source line), and what keeps the graph whole."""
+    import torch._dynamo
+
+    reasons = list(getattr(torch._dynamo.utils, "graph_break_reasons", []))
+    seen: dict[str, None] = {}
+    for r in reasons:
+        where = ""
+        if r.user_stack:
+            f = r.user_stack[-1]
+            where = f"{os.path.basename(f.filename)}:{f.lineno} `{(f.line or '').strip()}`: "
+        why = " ".join(str(r.reason).split())
+        seen.setdefault(where + (why if len(why) <= 160 else why[:160].rsplit(" ", 1)[0] + " ..."), None)
+    found = list(seen)[-3:]
+    text = ("Each graph dynamo hands the backend must hold whole decoder layers: a graph break inside a layer "
+            "splits it" + (f"; dynamo broke the graph at: {'; '.join(found)}" if found else
+                           " (TORCH_LOGS=graph_breaks lists them)") + ". ")
+    if not torch._dynamo.config.capture_dynamic_output_shape_ops:
+        return text + ("A data-dependent op (torch.where or nonzero in an MoE's expert loop) stays in the graph "
+                       "with torch._dynamo.config.capture_dynamic_output_shape_ops = True")
+    return text + ("A Python loop over a tensor's values (transformers' experts_implementation='eager': `for "
+                   "expert_idx in expert_hit`) cannot stay in one graph; write the experts in a form that traces "
+                   "(transformers: experts_implementation='grouped_mm' or 'batched_mm'; a loop over "
+                   "range(num_experts)): each is recognised as one afd::moe_experts op")
 
 
 def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
