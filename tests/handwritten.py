@@ -198,6 +198,54 @@ class Top1MoE(nn.Module):
         return out.view(b, s, h)
 
 
+class PerHeadNormAttention(GQAAttention):
+    """q/k LayerNorm per head after the head view: statistics over head_dim, each head its own
+    weight and bias ``[heads, head_dim]`` (Chameleon's ``F.layer_norm(x, (D,)) * w + b``, or
+    Cohere's mean / variance written out, ``manual``); the keys read by ``.mT``."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, manual: bool = False) -> None:
+        super().__init__(hidden, heads, kv_heads)
+        d, self.manual = self.head_dim, manual
+        self.q_w, self.q_b = nn.Parameter(1 + 0.1 * torch.randn(heads, d)), nn.Parameter(0.1 * torch.randn(heads, d))
+        self.k_w, self.k_b = (nn.Parameter(1 + 0.1 * torch.randn(kv_heads, d)),
+                              nn.Parameter(0.1 * torch.randn(kv_heads, d)))
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if not self.manual:
+            return F.layer_norm(x, (self.head_dim,)) * w + b
+        mean = x.mean(-1, keepdim=True)
+        var = (x - mean).pow(2).mean(-1, keepdim=True)
+        return (x - mean) * torch.rsqrt(var + 1e-5) * w + b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self._norm(self.q(x).view(b, s, self.heads, self.head_dim), self.q_w, self.q_b).transpose(1, 2)
+        k = self._norm(self.k(x).view(b, s, self.kv_heads, self.head_dim), self.k_w, self.k_b).transpose(1, 2)
+        v = self.v(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = (q @ k.mT) * self.head_dim ** -0.5  # (explicit attention: the key transposed by .mT)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        return self.o(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+def per_head_norm() -> GQADecoder:
+    """Chameleon-style per-head q/k LayerNorm (``F.layer_norm`` over head_dim, ``[H, D]`` affine)."""
+    model = GQADecoder()
+    for block in model.layers:
+        block.attn = PerHeadNormAttention(64, 4, 2)
+    return model
+
+
+def per_head_norm_manual() -> GQADecoder:
+    """Cohere-style per-head q/k LayerNorm (mean and variance written out, ``[H, D]`` weights)."""
+    model = GQADecoder()
+    for block in model.layers:
+        block.attn = PerHeadNormAttention(64, 4, 2, manual=True)
+    return model
+
+
 def _lib_moe(hidden: int, inter: int) -> nn.Module:
     from moelib import LibMoE  # (registers moelib::scatter_add_rows)
 
@@ -587,6 +635,7 @@ def torch_postnorm_fastpath_off() -> TorchPostNorm:
 
 MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "einsum_moe": einsum_moe, "put_moe": put_moe,
           "sort_moe": sort_moe, "top1_moe": top1_moe, "lib_moe": lib_moe,
+          "per_head_norm": per_head_norm, "per_head_norm_manual": per_head_norm_manual,
           "nanogpt": NanoGPT, "flat": Flat,
           "meta_llama": MetaLlama, "torch_postnorm": TorchPostNorm, "parallel": parallel, "einsum": einsum,
           "shared": SharedBlock}

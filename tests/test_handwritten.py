@@ -130,7 +130,8 @@ def more_paths(tmp_path_factory) -> dict[str, str]:
 
     folder = tmp_path_factory.mktemp("handwritten")
     paths = {}
-    for name in ("nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "parallel", "einsum", "shared"):
+    for name in ("nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "parallel", "einsum", "shared",
+                 "per_head_norm", "per_head_norm_manual"):
         paths[name] = str(folder / f"{name}.pt2")
         torch.export.save(export(MODELS[name]()), paths[name])
     return paths
@@ -158,8 +159,11 @@ MORE_TP = [("nanogpt", 2, 1, None), ("loop_moe", 2, 1, None), ("flat", 2, 1, Non
            ("meta_llama", 4, 1, None),  # complex rotary on split heads; 2 KV heads replicated by repeat_kv's expand
            ("parallel", 2, 1, None), ("einsum", 4, 2, (1, 2)),
            ("torch_postnorm", 4, 2, (1, 2)),  # nn.MultiheadAttention: heads folded into the batch for SDPA
-           ("shared", 2, 1, None)]  # one block as every layer: its weights sliced once
-MORE_AFD = ["nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "einsum", "shared"]  # (parallel: as GPT-J's)
+           ("shared", 2, 1, None),  # one block as every layer: its weights sliced once
+           # per-head q/k norms ([H, D] affine: sliced with the heads, KV's replicated at tp 4), keys by .mT
+           ("per_head_norm", 2, 1, None), ("per_head_norm", 4, 2, (1, 2)), ("per_head_norm_manual", 2, 1, None)]
+MORE_AFD = ["nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "einsum", "shared",
+            "per_head_norm"]  # (parallel: as GPT-J's)
 
 
 def test_more_hand_written_decoders_shard_and_split_and_match(more_paths):

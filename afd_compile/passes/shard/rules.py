@@ -127,6 +127,17 @@ def _transpose(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None
     return b if d == a else a if d == b else d
 
 
+def _reverse_dims(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """``x.mT`` / ``x.mH`` (the last two dims swapped), ``x.t()`` (a 2-D transpose), ``x.T``
+    (``numpy_T``: every dim reversed): the transposes a model writes without naming the dims."""
+    d, n = sdim[node.args[0]], ndim(node)
+    if node.target == aten.numpy_T.default or (node.target == aten.t.default and n == 2):
+        return n - 1 - d
+    if node.target == aten.t.default:
+        return d
+    return n - 1 if d == n - 2 else n - 2 if d == n - 1 else d
+
+
 def _permute(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
     perm = [x % ndim(node) for x in node.args[1]]
     return perm.index(sdim[node.args[0]])
@@ -296,8 +307,15 @@ def _layer_norm(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | Non
     per-head q/k LayerNorm over head_dim): the split dim passes through."""
     src, shape = node.args[0], node.args[1]
     d = sdim[src]
-    if d >= ndim(src) - len(shape) or any(a in sdim for a in node.all_input_nodes if a is not src):
-        raise ShardError(f"{node.name} ({node.target}) normalises over the split dim {d}")
+    if d >= ndim(src) - len(shape):
+        dims = list(range(ndim(src) - len(shape), ndim(src)))
+        raise ShardError(f"{node.name} ({node.target}) normalises over dims {dims}, which hold the split dim {d}: "
+                         "a norm over all heads together, which a rank holding some of the heads cannot compute "
+                         "(a per-head norm normalises over head_dim only; per-head weights go after it: "
+                         "F.layer_norm(x, (head_dim,)) * w[heads, head_dim] + b)")
+    if any(a in sdim for a in node.all_input_nodes if a is not src):
+        raise ShardError(f"{node.name} ({node.target}): its weight or bias is split with the heads, but it "
+                         "normalises over trailing dims that do not hold them")
     return d
 
 
@@ -509,13 +527,17 @@ def _complex_view(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | N
     return d
 
 
+_TRANSPOSE_OPS = [getattr(aten, name).default for name in ("mT", "mH", "adjoint", "t", "numpy_T", "matrix_H")
+                  if hasattr(aten, name)]
+
 #: op -> its rule; every op a split tensor may reach is here, or the walk refuses it by name
 RULES: dict[object, ShardRule] = {op: ShardRule(_elementwise, "elementwise") for op in _ELEMENTWISE}
 RULES.update({op: ShardRule(fn) for op, fn in {
     aten.mean.dim: _reduce_over, aten.sum.dim_IntList: _reduce_over, aten.amax.default: _reduce_over,
     aten.max.dim: _reduce_over, aten.min.dim: _reduce_over, aten.amin.default: _reduce_over,
     aten.softmax.int: _reduce_over, aten._softmax.default: _reduce_over, aten._safe_softmax.default: _reduce_over,
-    aten.transpose.int: _transpose, aten.permute.default: _permute, aten.unsqueeze.default: _unsqueeze,
+    aten.transpose.int: _transpose, aten.permute.default: _permute,
+    **{op: _reverse_dims for op in _TRANSPOSE_OPS}, aten.unsqueeze.default: _unsqueeze,
     aten.slice.Tensor: _along_other_dim, aten.cat.default: _along_other_dim, aten.chunk.default: _along_other_dim,
     aten.split.Tensor: _along_other_dim, aten.split_with_sizes.default: _along_other_dim,
     aten.select.int: _along_other_dim, aten.unbind.int: _along_other_dim, aten.stack.default: _stack,
