@@ -128,13 +128,14 @@ def export_lm(model: torch.nn.Module, batch: int = 2, seq: int = 5, *, dynamic: 
 
 
 def export_cached_lm(model: torch.nn.Module, batch: int = 2, max_cache_len: int = 32, seq: int = 4,
-                     max_seq: int = 16) -> torch.export.ExportedProgram:
+                     max_seq: int = 16, static: bool = False) -> torch.export.ExportedProgram:
     """Export a transformers causal LM with its static KV cache, the ecosystem's way
     (``transformers.integrations.executorch.TorchExportableModuleForDecoderOnlyLM``): the cache
     as buffers updated in place, inputs ``input_ids`` [batch, seq] and ``cache_position`` [seq],
     the sequence dynamic (1..``max_seq``: a prefill of ``seq`` tokens, then one-token decode
     steps; an FFN rank fanning in several attention ranks needs a dynamic token count, and the
-    cache fixes the batch)."""
+    cache fixes the batch). ``static``: every shape fixed, ``seq`` tokens per sequence (the
+    exporter's own default, one decode token per sequence, with ``seq=1``)."""
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
     inner = model.model if isinstance(model, LogitsOnly) else model
@@ -145,4 +146,4 @@ def export_cached_lm(model: torch.nn.Module, batch: int = 2, max_cache_len: int 
     ids = torch.randint(1, inner.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return wrapped.export(input_ids=ids, cache_position=torch.arange(seq),
-                              dynamic_shapes={"input_ids": {1: dim}, "cache_position": {0: dim}})
+                              dynamic_shapes=None if static else {"input_ids": {1: dim}, "cache_position": {0: dim}})

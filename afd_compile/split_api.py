@@ -8,17 +8,20 @@ import torch
 import torch.fx as fx
 
 from .layout import AFDLayout
+from .passes.ffn_tokens import StaticTokensError, tokens_follow_the_carrier
 from .passes.graph_utils import copy_graph_module
 from .passes.moe import recognise_moe
 from .passes.pipeline import PassTimings
 from .passes.roles import RolePolicy, annotate_roles, default_policy
 from .passes.schedule import verify_schedule
 from .passes.split import (
+    TOKEN_MULTIPLE,
     SplitError,
     SplitResult,
     build_attention_program,
     build_ffn_program,
     plan_split,
+    propagate_ffn_meta,
 )
 
 
@@ -61,19 +64,21 @@ def split_graph_module(gm: fx.GraphModule, config: SplitConfig | None = None, *,
                        graph_name=config.graph_name)
     with timings("plan_split"):
         plan = plan_split(gm, comm_id=config.comm_id, stage=config.stage, graph_name=config.graph_name)
-    if plan.static_tokens is not None and layout is not None and (max(layout.block_sizes()) > 1 or layout.ffn_tp > 1):
-        raise SplitError(
-            f"{config.graph_name}: the graph was exported with static token dims "
-            f"({plan.cuts[0].token_dims}), but layout {layout} has an FFN rank fanning in "
-            f"{max(layout.block_sizes())} attention peers or an FFN TP group, whose tokens need a dynamic "
-            "token dimension; re-export with dynamic_shapes (e.g. {'input_ids': {0: Dim.DYNAMIC}}; a program "
-            "with a KV cache has a fixed batch: make its sequence dynamic, {'input_ids': {1: seq}, "
-            "'cache_position': {0: seq}})"
-        )
     with timings("build_attention_program"):
         attention = build_attention_program(gm, plan)
     with timings("build_ffn_program"):
         ffn = build_ffn_program(gm, plan)
+    if plan.static_tokens is not None and layout is not None and (max(layout.block_sizes()) > 1 or layout.ffn_tp > 1):
+        # an FFN rank fanning in several peers (or an FFN TP group) runs more tokens than the export
+        # fixed: its per-token program takes any multiple of the static token dims
+        with timings("ffn_tokens_follow_the_carrier"):
+            try:
+                multiple = tokens_follow_the_carrier(ffn, f"{config.graph_name}: FFN program")
+            except StaticTokensError as e:
+                raise SplitError(f"{e}; layout {layout} has an FFN rank fanning in {max(layout.block_sizes())} "
+                                 "attention peers or an FFN TP group") from None
+            ffn.meta[TOKEN_MULTIPLE] = multiple
+            propagate_ffn_meta(ffn, None, multiple)
     with timings("verify_schedule"):
         verify_schedule(attention, ffn)
     return SplitResult(attention, ffn, plan, timings.seconds, moe)

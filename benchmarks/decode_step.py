@@ -10,6 +10,8 @@ change the time): one decode step is ``model(input_ids [B, 1], past_key_values=c
 written at position C - 1 (reset before every step). Per shape (batch B x context C), in one run:
 
 - ``one GPU``: ``torch.compile(model.forward, mode="reduce-overhead")`` on rank 1's GPU alone;
+- ``one GPU afd default``: ``torch.compile(model.forward, backend="afd")``, no options (no layout:
+  Inductor and CUDA graphs, as reduce-overhead; a user's first try);
 - ``one GPU flex``: ``torch.compile(model.forward, backend="afd", options={"decode_attention":
   "flex"})`` on rank 1's GPU alone (no layout: the decode-attention pass, Inductor, CUDA graphs);
 - ``afd TP2``: ``torch.compile(model.forward, backend="afd", options={"tp": 2})`` on both GPUs;
@@ -214,6 +216,14 @@ def main() -> None:
                                               profile=args.profile, name=f"one GPU {batch}x{context}")
             kv = _kv_bytes(cache)
             del cache, fwd
+            # the backend with no options at all: a user's first try (issue 36)
+            torch._dynamo.reset()
+            model = _model(cfg, dev, dtype)
+            cache = _cache(model, batch, context, dev, dtype)
+            model.forward = torch.compile(model.forward, backend="afd")
+            row["one_gpu_default_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=False,
+                                                      name=f"one GPU afd default {batch}x{context}")
+            del cache
             if "flex" in args.decode_attention.split(","):
                 torch._dynamo.reset()
                 model = _model(cfg, dev, dtype)
@@ -279,11 +289,11 @@ def main() -> None:
         print(f"decode step with a static KV cache (HF SDPA over the whole cache), {shape} x {args.layers} layers, "
               f"{dev.type}, torch {torch.__version__}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; median us per step")
         staged = [f"afd_1a1f{tag}_s{k}" for k in stage_list for tag in ("", "_flex")]
-        print("| B x C | KV bytes | floor 1 GPU | 1 GPU reduce-overhead | 1 GPU flex | floor TP2 | afd TP2 | afd TP2 flex "
+        print("| B x C | KV bytes | floor 1 GPU | 1 GPU reduce-overhead | 1 GPU afd default | 1 GPU flex | floor TP2 | afd TP2 | afd TP2 flex "
               "| floor AFD | afd AFD 1A1F | afd AFD 1A1F flex |"
               + "".join(f" AFD S={k}{' flex' if key.endswith('_flex_s' + str(k)) else ''} |"
                         for k in stage_list for key in (f"afd_1a1f_s{k}", f"afd_1a1f_flex_s{k}")))
-        print("|---" * (11 + len(staged)) + "|")
+        print("|---" * (12 + len(staged)) + "|")
 
         def us(r: dict, key: str) -> str:
             mark = "*" if key.endswith("_flex_us") and r.get("fell_back_flex") else ""
@@ -291,7 +301,7 @@ def main() -> None:
 
         for r in rows:
             print(f"| {r['batch']} x {r['context']} | {r['kv_bytes'] / 1e9:.2f} GB | {r['floor_one_gpu_us']:.0f} | "
-                  f"{r['one_gpu_us']:.0f} | {us(r, 'one_gpu_flex_us')} | {r['floor_tp2_us']:.0f} | {us(r, 'afd_tp2_us')} | {us(r, 'afd_tp2_flex_us')} | "
+                  f"{r['one_gpu_us']:.0f} | {us(r, 'one_gpu_default_us')} | {us(r, 'one_gpu_flex_us')} | {r['floor_tp2_us']:.0f} | {us(r, 'afd_tp2_us')} | {us(r, 'afd_tp2_flex_us')} | "
                   f"{r['floor_afd_us']:.0f} | {us(r, 'afd_1a1f_us')} | {us(r, 'afd_1a1f_flex_us')} |"
                   + "".join(f" {us(r, key + '_us')} |" for key in staged))
         if any(r.get("fell_back_flex") for r in rows):

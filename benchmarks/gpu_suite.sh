@@ -141,7 +141,7 @@ if [[ $SECTIONS == *" one "* ]]; then
   T1="torchrun --standalone --nproc-per-node 1"
   TAIL=2 run one_generate_flex_llama $T1 examples/generate.py --dtype bfloat16 --decode-attention flex
   TAIL=2 run one_generate_flex_qwen3moe $T1 examples/generate.py --dtype bfloat16 --decode-attention flex --family qwen3_moe
-  TAIL=8 run one_decode_step $T1 benchmarks/decode_step.py --shapes 8x1024,64x1024,64x4096 --iters 15 --out "$OUT/one_decode_step.json"
+  TAIL=8 run one_decode_step $T1 benchmarks/decode_step.py --shapes 1x1024,8x1024,64x1024,64x4096 --iters 15 --out "$OUT/one_decode_step.json"
   TAIL=8 run one_decode_attention_kernel python3 benchmarks/decode_attention_kernel.py --out "$OUT/one_decode_attention_kernel.json"
   # one rank: symmetric-memory setup, capture and dispatch of the junction (the sum of one partial)
   TAIL=14 run one_junction $T1 benchmarks/junction.py --tokens 8,64 --out "$OUT/one_junction.json"

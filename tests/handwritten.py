@@ -246,6 +246,25 @@ def per_head_norm_manual() -> GQADecoder:
     return model
 
 
+class BatchMixingMLP(nn.Module):
+    """An MLP that is not per token: it adds the mean over the batch (sequences mix)."""
+
+    def __init__(self, hidden: int = 64) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x))) + x.mean(0, keepdim=True)
+
+
+def batch_mixing() -> GQADecoder:
+    """A decoder whose MLP mixes the sequences of its batch: an FFN rank cannot fan it in."""
+    model = GQADecoder()
+    for block in model.layers:
+        block.mlp = BatchMixingMLP()
+    return model
+
+
 def _lib_moe(hidden: int, inter: int) -> nn.Module:
     from moelib import LibMoE  # (registers moelib::scatter_add_rows)
 

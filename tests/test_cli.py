@@ -217,7 +217,7 @@ class _NoAttention(torch.nn.Module):
         ("llama", ["-A", "1", "-F", "2"], "every FFN rank needs at least one attention peer"),
         ("llama", ["-A", "0", "-F", "1"], "at least 1 attention and 1 FFN rank"),
         ("llama", ["-A", "2", "-F", "1", "--tokens", "1,2,3"], "--tokens has 3 entries"),
-        ("static", ["-A", "2", "-F", "1"], "static token dims"),
+        ("static", ["-A", "2", "-F", "1"], "static token dims, and an FFN rank runs the tokens of several"),
     ],
 )
 def test_verify_bad_input_exit_2_one_line(exported, tmp_path, kind, extra, message):
@@ -228,10 +228,10 @@ def test_verify_bad_input_exit_2_one_line(exported, tmp_path, kind, extra, messa
         torch.export.save(torch.export.export(_NoAttention(), (torch.randn(2, 8),)), path)
     elif kind == "llama":
         path = exported("llama2")[1]
-    elif kind == "static":
-        from afd_compile.models import build_hf, export_lm
+    elif kind == "static":  # exported with static shapes, its MLP mixing the sequences: no fan-in
+        from handwritten import batch_mixing
 
-        torch.export.save(export_lm(build_hf("llama", num_layers=1), dynamic=False), path)
+        torch.export.save(torch.export.export(batch_mixing().eval(), (torch.randint(0, 128, (2, 5)),)), path)
     res = _run("verify", str(path), *extra)
     assert res.returncode == 2, res.stdout + res.stderr
     assert message in res.stderr

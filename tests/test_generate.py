@@ -324,6 +324,59 @@ def cached_pt2(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def static_pt2(tmp_path_factory):
+    """family -> a .pt2 of transformers' cache exporter with every shape static (its default: one
+    token per sequence; batch CACHE_BATCH or 2)."""
+    from afd_compile.models import build_hf, export_cached_lm
+
+    out = tmp_path_factory.mktemp("static")
+    paths: dict[str, str] = {}
+
+    def get(family: str) -> str:
+        if family not in paths:
+            paths[family] = str(out / f"{family}_static.pt2")
+            model = build_hf(family, num_layers=2)
+            torch.export.save(export_cached_lm(model, batch=CACHE_BATCH.get(family, 2), seq=1, static=True),
+                              paths[family])
+        return paths[family]
+
+    return get
+
+
+#: fan-in and FFN groups over a fixed-batch, fixed-length export: the FFN program takes any multiple
+#: of the static tokens (passes/ffn_tokens.py)
+STATIC_DECODE = [("qwen3_moe", ("-A", "3", "-F", "2", "--stages", "2")),  # 2 peers and 1; micro-batches 2 + 1
+                 ("qwen3_moe", ("-A", "2", "-F", "2", "--ffn-tp", "2")),
+                 ("llama", ("-A", "2", "-F", "1"))]
+
+
+@pytest.mark.parametrize(("family", "layout"), STATIC_DECODE, ids=[f"{f}-{' '.join(a)}" for f, a in STATIC_DECODE])
+def test_fan_in_of_a_fixed_batch_fixed_length_cache_export(static_pt2, family, layout):
+    proc = _cli("verify", static_pt2(family), *layout, "--decode-steps", "4")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "a prefill of 1 positions and 4 decode steps of 1" in proc.stdout
+    assert re.search(r"^verify: OK max_rel_err=\S+ tol=\S+$", proc.stdout.strip().splitlines()[-1]), proc.stdout[-1000:]
+    batch = CACHE_BATCH.get(family, 2)
+    found = re.findall(r"attention: batches (\[[^\]]*\])", proc.stdout)
+    assert found and all(b == str([batch] * 5) for b in found)
+
+
+def test_a_static_token_ffn_program_takes_any_multiple_of_its_tokens(static_pt2):
+    # the FFN program's views say the step's rows where the export said the batch
+    from afd_compile.layout import AFDLayout
+    from afd_compile.programs import fresh_module, load_program
+    from afd_compile.split_api import split
+
+    ep = load_program(static_pt2("qwen3_moe"))
+    alone = split(fresh_module(ep), layout=AFDLayout(1, 1)).ffn
+    fan_in = split(fresh_module(ep), layout=AFDLayout(2, 1)).ffn
+    views = lambda g: [n.args[1] for n in g.graph.nodes if n.target == torch.ops.aten.view.default]  # noqa: E731
+    assert [3, 1, 64] in views(alone)  # as exported: batch 3, one token each
+    assert not any(3 in v for v in views(fan_in))
+    assert all(isinstance(v[0], torch.fx.Node) for v in views(fan_in) if len(v) == 3)
+
+
 def _cli(*args: str) -> Ran:
     return run_cli(*args)
 

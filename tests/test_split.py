@@ -90,13 +90,23 @@ def test_schedule_check_catches_mismatched_programs(exported):
         verify_schedule(result.attention, short)
 
 
-def test_static_graph_cannot_fan_in(exported):
+def test_static_graph_fans_in_when_its_ffn_is_per_token(exported):
     from afd_compile.models import build_hf, export_lm
 
-    ep = export_lm(build_hf("llama", num_layers=1), dynamic=False)
-    split(ep, layout=AFDLayout(1, 1))  # one peer: the static token count is enough
-    with pytest.raises(SplitError, match=r"static token dims.*2A1F.*fanning in 2 attention peers"):
-        split(ep, layout=AFDLayout(2, 1))
+    ep = export_lm(build_hf("llama", num_layers=1), dynamic=False)  # tokens [2, 5]
+    alone = split(ep, layout=AFDLayout(1, 1)).ffn  # one peer: the static token count
+    assert [2, 5, 64] in [n.args[1] for n in alone.graph.nodes if n.target == torch.ops.aten.view.default]
+    fan_in = split(ep, layout=AFDLayout(2, 1)).ffn  # 2 peers: rows = T // 5, whatever T
+    views = [n.args[1] for n in fan_in.graph.nodes if n.target == torch.ops.aten.view.default]
+    assert all(isinstance(v[0], torch.fx.Node) and v[1:] in ([5, 64], [64]) for v in views), views
+    from handwritten import batch_mixing
+
+    mixing = torch.export.export(batch_mixing().eval(), (torch.randint(0, 128, (2, 5)),))
+    split(mixing, layout=AFDLayout(1, 1))
+    with pytest.raises(SplitError, match=r"FFN program: the batch dim: mean\w* \(aten.mean.dim\) reduces over the "
+                                         r"batch dim 0: .*static token dims.*several attention peers.*per token; "
+                                         r"layout 2A1F has an FFN rank fanning in 2"):
+        split(mixing, layout=AFDLayout(2, 1))
 
 
 def _golden_text(ep, layout: AFDLayout, gate: bool) -> str:

@@ -61,8 +61,9 @@ Options (all optional)::
 Every option is checked (type, range, rank / world size against the live process group) before
 anything runs: a wrong value is a BackendOptionError naming the option.
 
-With no layout (or one process and ``tp=1``) the backend is Inductor itself, with a log line
-saying no distribution was applied; with ``decode_attention="flex"`` it applies that pass alone
+With no layout (or one process and ``tp=1``) the backend is Inductor itself, on CUDA with its
+CUDA graphs as ``mode="reduce-overhead"`` (unless ``cudagraphs=False``), with a log line saying no
+distribution was applied; with ``decode_attention="flex"`` it applies that pass alone
 (one GPU, no distribution), and on CUDA (or with ``moe_experts="op"``) the MoE recognition. On an FFN rank each call of the compiled model serves one
 step for its attention peers (the inputs are ignored) and returns empty tensors.
 """
@@ -110,15 +111,20 @@ def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str, 
 
 
 def _no_layout(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable[..., Any]:
+    """Dynamo's graph as ``torch.compile`` would compile it: Inductor, and on CUDA its CUDA graphs
+    (``mode="reduce-overhead"``'s) unless ``cudagraphs`` is False, so the backend with no layout is
+    never slower than the user's first alternative."""
+    graphs = opts.cudagraphs is not False and _device_of(example_inputs).type == "cuda"
     STATS["no_layout"] += 1  # said once per process (as a warning), then per graph at INFO
     (log.warning if STATS["no_layout"] == 1 else log.info)(
-        "afd: no layout given (tp=1, no attention/ffn ranks): no distribution applied; compiling "
-        "with Inductor" if opts.inductor else "afd: no layout given: no distribution applied")
+        f"afd: no layout given (tp=1, no attention/ffn ranks): no distribution applied; compiling with Inductor"
+        f"{' and CUDA graphs (as mode=reduce-overhead)' if graphs else ''}" if opts.inductor
+        else "afd: no layout given: no distribution applied")
     if not opts.inductor:
         return gm.forward
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, list(example_inputs))
+    return compile_fx(gm, list(example_inputs), config_patches={"triton.cudagraphs": True} if graphs else None)
 
 
 def _moe_op(opts: BackendOptions, device: torch.device, gm: fx.GraphModule | None = None) -> bool:

@@ -97,6 +97,11 @@ _CREATORS = {aten.expand.default: 1, aten.broadcast_to.default: 1, aten.new_zero
              aten.zeros.default: 0, aten.ones.default: 0, aten.full.default: 0, aten.empty.memory_format: 0}
 
 
+#: op -> (position of its dim argument, its default)
+_CHOICES = {aten.topk.default: (2, -1), aten.sort.default: (1, -1), aten.argmax.default: (1, None),
+            aten.argmin.default: (1, None)}
+
+
 class _Restart(Exception):
     """A tensor turned out to carry the batch (a state written from the batch, a mask expanded
     to it): walk again with it seeded."""
@@ -111,8 +116,8 @@ def _size(a: fx.Node, d: int) -> object:
 
 
 class _Walk:
-    def __init__(self, gm: fx.GraphModule, batch: int, seeds: dict[fx.Node, int], name: str):
-        self.gm, self.batch, self.name = gm, batch, name
+    def __init__(self, gm: fx.GraphModule, batch: int, seeds: dict[fx.Node, int], name: str, why: str | None = None):
+        self.gm, self.batch, self.name, self.why = gm, batch, name, why
         self.seeds = dict(seeds)
         self.created: dict[fx.Node, int] = {}  # creator node -> the dim its constant makes the batch
 
@@ -262,6 +267,12 @@ class _Walk:
             return bd[n.args[1]]
         if t == aten.scaled_dot_product_attention.default:
             return self._sdpa(n, bd)
+        if t in _CHOICES:  # per row along another dim (an MoE router's top-k over the experts)
+            return self._choice(n, bd)
+        if t == afd.moe_experts.default:  # one row per token: x, its expert ids and weights
+            if any(bd.get(a) != 0 for a in n.args[:3]) or any(a in bd for a in n.args[3:] if isinstance(a, fx.Node)):
+                return self._refuse(n, "the MoE op with its tokens not all along dim 0, or a weight carrying them")
+            return 0
         if t in (aten.matmul.default, aten.bmm.default):
             return self._matmul(n, bd)
         if t in SHARD_RULES and t not in (aten.expand.default, aten.broadcast_to.default, aten.new_empty.default,
@@ -274,8 +285,21 @@ class _Walk:
             return self._shard_rule(n, bd, sites)
         if (t in SHARD_RULES and SHARD_RULES[t].kind == "elementwise") or t in _ELEMENTWISE_MORE:
             return self._elementwise(n, bd)
-        raise BatchError(f"{self.where(n)}: the batch reaches an op micro-batch stages have no rule for; "
-                         "run this program with stages=1")
+        if self.why is None:
+            raise BatchError(f"{self.where(n)}: the batch reaches an op micro-batch stages have no rule for; "
+                             "run this program with stages=1")
+        raise BatchError(f"{self.where(n)}: the batch reaches an op with no rule for it here: {self.why}")
+
+    def _choice(self, n: fx.Node, bd: dict[fx.Node, int]) -> int | None:
+        """``topk`` / ``sort`` / ``argmax`` / ``argmin`` along a dim that is not the batch's."""
+        x, (dim_at, default) = n.args[0], _CHOICES[n.target]
+        dim = n.args[dim_at] if len(n.args) > dim_at else n.kwargs.get("dim", default)
+        d = bd[x]
+        if dim is None or dim % ndim(x) == d:
+            return self._refuse(n, "it chooses along the batch dim")
+        keep = n.target in (aten.topk.default, aten.sort.default) or (len(n.args) > 2 and n.args[2]) or \
+            n.kwargs.get("keepdim", False)
+        return d if keep or dim % ndim(x) > d else d - 1
 
     def _batch_slice(self, n: fx.Node, bd: dict[fx.Node, int]) -> int | None:
         """``x[start:end:step]`` along the batch dim: followed when it keeps every row (``end``
@@ -299,14 +323,15 @@ class _Walk:
         return self._refuse(n, f"a slice [{start}:{end_text}:{step}] of the batch dim {d} (size {size}) that drops rows")
 
     def _refuse(self, n: fx.Node, what: str) -> int | None:
-        raise BatchError(f"{self.where(n)}: {what}: micro-batches of whole sequences cannot cut it")
+        raise BatchError(f"{self.where(n)}: {what}: {self.why or 'micro-batches of whole sequences cannot cut it'}")
 
     def _shard_rule(self, n: fx.Node, bd: dict[fx.Node, int], sites: list[BatchSite]) -> int | None:
         fixes: list[ArgFix] = []
         try:
             d = SHARD_RULES[n.target].fn(n, bd, 1, fixes)
         except ShardError as e:
-            raise BatchError(f"{self.name}: the batch dim: {e}".replace("split dim", "batch dim")) from None
+            why = f": {self.why}" if self.why else ""
+            raise BatchError(f"{self.name}: the batch dim: {e}".replace("split dim", "batch dim") + why) from None
         except Exception as e:  # a rule's Replicate: no head count is divided here
             raise BatchError(f"{self.where(n)}: cannot follow the batch dim ({type(e).__name__}: {e})") from None
         for f in fixes:
@@ -401,11 +426,13 @@ class _Walk:
         return d
 
 
-def plan_batch(gm: fx.GraphModule, batch: int, seeds: dict[str, int], name: str = "program") -> BatchPlan:
+def plan_batch(gm: fx.GraphModule, batch: int, seeds: dict[str, int], name: str = "program",
+               why: str | None = None) -> BatchPlan:
     """Follow the batch (of size ``batch``) from ``seeds`` (node name -> dim: the inputs that
-    carry it) through ``gm``; writes ``node.meta[META_KEY]`` (module docstring)."""
+    carry it) through ``gm``; writes ``node.meta[META_KEY]`` (module docstring). ``why``: what a
+    refusal means to the caller (default: micro-batch stages cannot cut the batch)."""
     by_name = {n.name: n for n in gm.graph.nodes}
-    walk = _Walk(gm, batch, {by_name[k]: d for k, d in seeds.items()}, name)
+    walk = _Walk(gm, batch, {by_name[k]: d for k, d in seeds.items()}, name, why)
     bd, sites = walk.run()
     out = next(n for n in gm.graph.nodes if n.op == "output")
     flat, _ = torch.utils._pytree.tree_flatten(out.args[0])
