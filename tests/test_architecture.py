@@ -184,12 +184,8 @@ MAX_MODULE_LINES, MAX_FUNCTION_LINES = 600, 80
 #: growing past it fails, and so does an entry no longer needed). Not justified exceptions: the
 #: splits issue 33 lists and this session did not reach.
 PENDING_MODULES = {
-    "ops.py": (662, "the afd:: ops: p2p and collectives could be two modules"),
-    "verify.py": (637, "AFD and TP cases share one module"),
 }
 PENDING_FUNCTIONS = {
-    "passes/shard/follow.py:follow_split": (156, "its op special cases as rules of shard/rules.py"),
-    "passes/split.py:plan_split": (97, "the per-layer cut as a function of its own"),
 }
 
 

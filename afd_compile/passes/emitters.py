@@ -9,7 +9,7 @@ carries the previous layer's SCATTERED output). ``tp_rewrite`` and ``scattered``
 orchestrate: per layer they look each planned transition up and call its emitter; neither
 branches on modes to choose a collective. A transition with no emitter is refused by
 :func:`check_emitters` before anything is rewritten, naming the layer, the junction and the
-transition. Adding a collective = its op (``ops.py``), its row in ``scatter.transition``, its
+transition. Adding a collective = its op (``collectives.py``), its row in ``scatter.transition``, its
 emitter here.
 
 Emitters of standard TP (attn_dp == 1), the Megatron pattern::

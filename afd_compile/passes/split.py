@@ -138,97 +138,125 @@ def plan_split(gm: fx.GraphModule, *, comm_id: int = 0, stage: int = 0, graph_na
     ``attention_only``: the plan builds only an attention program, so the token dims need not map
     onto a flat count (an attention-TP rank's slice of its group's tokens, ``(b*s + 1) // 2``), as
     long as the FFN region reads no size."""
-    nodes = list(gm.graph.nodes)
     ffn_by_layer = {i: layer.ffn for i, layer in layers_of(gm).items() if layer.ffn}
-    layers = sorted(ffn_by_layer)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     cuts = []
     static_tokens: int | None = None
-    for layer in layers:
-        where = f"{graph_name}: layer {layer}"
-        ffn = ffn_by_layer[layer]
-        members = set(ffn)
-        externals: list[fx.Node] = []
-        for n in ffn:
-            for a in n.all_input_nodes:
-                if a not in members and a not in externals:
-                    externals.append(a)
-        params = [a for a in externals if a.op == "get_attr"]
-        syms = [a for a in externals if a.op != "get_attr" and _is_symint_node(a)]
-        tensors = [a for a in externals if a not in params and a not in syms]
-        router = [a for a in tensors if role_of(a).router]
-        ids = [a for a in tensors if a in placeholders and isinstance(_val(a), torch.Tensor)
-               and not _val(a).is_floating_point()]
-        hidden = [a for a in tensors if a not in router and a not in ids]
-        if len(hidden) != 1:
-            raise SplitError(
-                f"{where}: the FFN region must read exactly one hidden-state tensor from the attention "
-                f"side, it reads {[a.name for a in hidden]} (FFN nodes start at {ffn[0].name}); "
-                "only hidden states, router logits and token ids may cross"
-            )
-        h = hidden[0]
-        hval = _val(h)
-        if not isinstance(hval, torch.Tensor) or hval.dim() < 1:
-            raise SplitError(f"{where}: FFN input {h.name} has no tensor metadata (meta['val'])")
-        outs = [n for n in ffn if any(role_of(u) != NodeRole(layer, Role.FFN) for u in n.users)]
-        if len(outs) != 1:
-            raise SplitError(
-                f"{where}: the FFN region must have exactly one output used by the attention side, "
-                f"found {[o.name for o in outs]}"
-            )
-        out = outs[0]
-        oval = _val(out)
-        if (not isinstance(oval, torch.Tensor) or oval.shape[-1] != hval.shape[-1]
-                or sympy_prod(list(oval.shape)) != sympy_prod(list(hval.shape))):
-            raise SplitError(
-                f"{where}: FFN output {out.name} has shape {getattr(oval, 'shape', None)}, expected as "
-                f"many tokens of width {hval.shape[-1]} as the FFN input {h.name} {tuple(hval.shape)}"
-            )
-        token_dims = list(hval.shape[:-1])
-        try:
-            binding: TokenBinding | None = TokenBinding.for_token_dims(token_dims, where)
-        except ValueError:
-            if not attention_only or syms:
-                raise
-            binding = None
-        if binding is not None and binding.sigma is None:
-            static_tokens = binding.coeff
-        for s in syms:
-            e = sym_expr(_val(s))
-            if binding is None or not binding.known(e):
-                raise SplitError(
-                    f"{where}: FFN node uses size {s.name} = {e}, which is not a function of the token "
-                    f"dims {[str(sym_expr(d)) for d in token_dims]}"
-                )
-        hidden_size = int(hval.shape[-1])
-        wire_in = [WireTensor("hidden", hval.dtype, hidden_size)]
-        if router:
-            rv = _val(router[0])
-            if rv.dim() < 1 or sym_expr(rv.numel()) / sym_expr(rv.shape[-1]) != sympy_prod(token_dims):
-                raise SplitError(f"{where}: router logits {router[0].name} {tuple(rv.shape)} are not token-aligned")
-            wire_in.append(WireTensor("router_logits", rv.dtype, int(rv.shape[-1])))
-        if ids:
-            iv = _val(ids[0])
-            if sympy_prod(list(iv.shape)) != sympy_prod(token_dims):
-                raise SplitError(f"{where}: token ids {ids[0].name} {tuple(iv.shape)} are not token-aligned")
-            wire_in.append(WireTensor("token_ids", torch.int32, None))
-        cuts.append(
-            LayerCut(
-                layer=layer,
-                hidden=h.name,
-                router_logits=router[0].name if router else None,
-                token_ids=ids[0].name if ids else None,
-                output=out.name,
-                ffn_nodes=tuple(n.name for n in ffn),
-                params=tuple(str(p.target) for p in params),
-                wire_in=WireSpec(tuple(wire_in)),
-                wire_out=WireSpec((WireTensor("ffn_out", oval.dtype, hidden_size),)),
-                token_dims=tuple(str(sym_expr(d)) for d in token_dims),
-            )
-        )
+    for layer in sorted(ffn_by_layer):
+        cut, static = _cut_layer(layer, ffn_by_layer[layer], placeholders, f"{graph_name}: layer {layer}",
+                                 attention_only)
+        static_tokens = static if static is not None else static_tokens
+        cuts.append(cut)
     if not cuts:
         raise SplitError(f"{graph_name}: no layer has an FFN region to cut")
     return SplitPlan(graph_name, comm_id, stage, tuple(cuts), static_tokens)
+
+
+def _crossing(ffn: list[fx.Node], placeholders: list[fx.Node], where: str) -> tuple[list[fx.Node], ...]:
+    """What the FFN region reads from outside it: ``(params, sizes, router logits, token ids,
+    [the hidden state])``; refused unless exactly one hidden-state tensor crosses."""
+    members = set(ffn)
+    externals: list[fx.Node] = []
+    for n in ffn:
+        for a in n.all_input_nodes:
+            if a not in members and a not in externals:
+                externals.append(a)
+    params = [a for a in externals if a.op == "get_attr"]
+    syms = [a for a in externals if a.op != "get_attr" and _is_symint_node(a)]
+    tensors = [a for a in externals if a not in params and a not in syms]
+    router = [a for a in tensors if role_of(a).router]
+    ids = [a for a in tensors if a in placeholders and isinstance(_val(a), torch.Tensor)
+           and not _val(a).is_floating_point()]
+    hidden = [a for a in tensors if a not in router and a not in ids]
+    if len(hidden) != 1:
+        raise SplitError(
+            f"{where}: the FFN region must read exactly one hidden-state tensor from the attention "
+            f"side, it reads {[a.name for a in hidden]} (FFN nodes start at {ffn[0].name}); "
+            "only hidden states, router logits and token ids may cross"
+        )
+    if not isinstance(_val(hidden[0]), torch.Tensor) or _val(hidden[0]).dim() < 1:
+        raise SplitError(f"{where}: FFN input {hidden[0].name} has no tensor metadata (meta['val'])")
+    return params, syms, router, ids, hidden
+
+
+def _ffn_output(ffn: list[fx.Node], layer: int, h: fx.Node, where: str) -> fx.Node:
+    """The one FFN node the attention side reads, as many tokens of the hidden width as ``h``."""
+    hval = _val(h)
+    outs = [n for n in ffn if any(role_of(u) != NodeRole(layer, Role.FFN) for u in n.users)]
+    if len(outs) != 1:
+        raise SplitError(
+            f"{where}: the FFN region must have exactly one output used by the attention side, "
+            f"found {[o.name for o in outs]}"
+        )
+    oval = _val(outs[0])
+    if (not isinstance(oval, torch.Tensor) or oval.shape[-1] != hval.shape[-1]
+            or sympy_prod(list(oval.shape)) != sympy_prod(list(hval.shape))):
+        raise SplitError(
+            f"{where}: FFN output {outs[0].name} has shape {getattr(oval, 'shape', None)}, expected as "
+            f"many tokens of width {hval.shape[-1]} as the FFN input {h.name} {tuple(hval.shape)}"
+        )
+    return outs[0]
+
+
+def _token_binding(token_dims: list[object], syms: list[fx.Node], where: str,
+                   attention_only: bool) -> TokenBinding | None:
+    """The flat token count of ``token_dims``; every size the FFN region reads must be a function
+    of it (None: an attention-only plan whose FFN region reads no size)."""
+    try:
+        binding: TokenBinding | None = TokenBinding.for_token_dims(token_dims, where)
+    except ValueError:
+        if not attention_only or syms:
+            raise
+        binding = None
+    for s in syms:
+        e = sym_expr(_val(s))
+        if binding is None or not binding.known(e):
+            raise SplitError(
+                f"{where}: FFN node uses size {s.name} = {e}, which is not a function of the token "
+                f"dims {[str(sym_expr(d)) for d in token_dims]}"
+            )
+    return binding
+
+
+def _wire_in(h: fx.Node, router: list[fx.Node], ids: list[fx.Node], token_dims: list[object],
+             where: str) -> WireSpec:
+    """Hidden state, then the optional router logits and token ids, each token-aligned."""
+    hval = _val(h)
+    wire_in = [WireTensor("hidden", hval.dtype, int(hval.shape[-1]))]
+    if router:
+        rv = _val(router[0])
+        if rv.dim() < 1 or sym_expr(rv.numel()) / sym_expr(rv.shape[-1]) != sympy_prod(token_dims):
+            raise SplitError(f"{where}: router logits {router[0].name} {tuple(rv.shape)} are not token-aligned")
+        wire_in.append(WireTensor("router_logits", rv.dtype, int(rv.shape[-1])))
+    if ids:
+        iv = _val(ids[0])
+        if sympy_prod(list(iv.shape)) != sympy_prod(token_dims):
+            raise SplitError(f"{where}: token ids {ids[0].name} {tuple(iv.shape)} are not token-aligned")
+        wire_in.append(WireTensor("token_ids", torch.int32, None))
+    return WireSpec(tuple(wire_in))
+
+
+def _cut_layer(layer: int, ffn: list[fx.Node], placeholders: list[fx.Node], where: str,
+               attention_only: bool) -> tuple[LayerCut, int | None]:
+    """The cut of one layer and, when its tokens are static, their count."""
+    params, syms, router, ids, (h,) = _crossing(ffn, placeholders, where)
+    out = _ffn_output(ffn, layer, h, where)
+    hval, oval = _val(h), _val(out)
+    token_dims = list(hval.shape[:-1])
+    binding = _token_binding(token_dims, syms, where, attention_only)
+    cut = LayerCut(
+        layer=layer,
+        hidden=h.name,
+        router_logits=router[0].name if router else None,
+        token_ids=ids[0].name if ids else None,
+        output=out.name,
+        ffn_nodes=tuple(n.name for n in ffn),
+        params=tuple(str(p.target) for p in params),
+        wire_in=_wire_in(h, router, ids, token_dims, where),
+        wire_out=WireSpec((WireTensor("ffn_out", oval.dtype, int(hval.shape[-1])),)),
+        token_dims=tuple(str(sym_expr(d)) for d in token_dims),
+    )
+    return cut, (binding.coeff if binding is not None and binding.sigma is None else None)
 
 
 def sympy_prod(dims: list[object]) -> object:

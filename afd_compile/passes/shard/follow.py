@@ -6,6 +6,7 @@ replicated KV heads, in-place writes into state)."""
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import sympy
@@ -381,159 +382,214 @@ def _broadcast_heads(x: fx.Node, heads: int, f: int, fixes: list[ArgFix], where:
                      f"expanded to the {heads} query heads")
 
 
+@dataclass
+class _Walk:
+    """The context of one follow: what is tracked, the group, and where argument fixes go."""
+
+    gm: fx.GraphModule
+    t: _Track
+    rows: set[fx.Node]
+    parts: int
+    group: str
+    fixes: list[ArgFix]
+    where: str
+    whole: frozenset  # blocks replicated whole: every rank computes the same, not followed
+    merged: dict[fx.Node, int] = field(default_factory=dict)  # expands whose split spans dims d, d+1 (KV)
+
+
 def follow_split(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], parts: int, group: str,
-            fixes: list[ArgFix], where: str, whole: frozenset = frozenset()) -> _Track:
+                 fixes: list[ArgFix], where: str, whole: frozenset = frozenset()) -> _Track:
+    """Follow the split dim from ``columns`` (split along their last dim) through their users in
+    graph order, one :func:`_step` per node, until every path ends at a row-parallel input in
+    ``rows``, a mean over the split dim, a state write returned whole, or a refusal."""
     t = _Track({c: ndim(c) - 1 for c in columns}, {c: parts for c in columns}, {c: (c, None) for c in columns},
                {}, {}, {}, [])
     for key in whole:
         t.replicate[key] = parts
-    sdim = t.dim
+    w = _Walk(gm, t, rows, parts, group, fixes, where, whole)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     frontier = sorted({u for c in columns for u in c.users}, key=order.__getitem__)
     seen: set[fx.Node] = set()
-    merged: dict[fx.Node, int] = {}  # expand outputs whose split spans dims d and d+1 (replicated KV)
     while frontier:
         n = frontier.pop(0)
-        if n in seen or n in sdim:
+        if n in seen or n in t.dim:
             continue
         seen.add(n)
-        split_in = [a for a in n.all_input_nodes if a in sdim]
-        if n in rows:
-            a = projection(n).x
-            if sdim.get(a) != ndim(a) - 1 or a in t.inner:
-                raise ShardError(f"{where}: row-parallel {n.name} gets an input not split along its last dim")
-            if t.factor[a] != parts:
-                raise ShardError(f"{where}: row-parallel {n.name} reads heads replicated over {parts // t.factor[a]} "
-                                 f"ranks; only KV heads may be replicated (the layout must divide the attention "
-                                 f"head count; {parts} ranks here)")
-            continue
-        if n.op == "output":
-            whole = {s for s, _, _ in t.states}
-            if split_in and all(a in whole or (a.target in STATE_WRITES and a.args[0] in whole) for a in split_in):
-                continue  # a cache returned whole to the caller (each rank wrote its own slice of it)
-            raise ShardError(f"{where}: a tensor split over the {group} group reaches the graph output via {n.args}")
-        target = n.target
-        if target in IGNORED or (n.op == "call_module" and target == "_guards_fn"):  # export's input guards
-            continue
-        if target == aten.sym_size.int:  # a size: the same on every rank unless it is the split dim's
-            if n.args[1] % ndim(n.args[0]) == sdim[n.args[0]]:
-                raise ShardError(f"{where}: {n.name} reads the size of the split dim {sdim[n.args[0]]} of "
-                                 f"{n.args[0].name}, which differs per rank")
-            continue
-        folded = [a for a in split_in if a in t.inner]
-        if folded and n.target in STATE_WRITES:
-            raise ShardError(f"{where}: {n.name} ({n.target}) reads {folded[0].name}, whose heads are folded into "
-                             "another dim")
-        if _write_into_state(n, t, where):
-            frontier.extend(sorted(set(n.args[0].users) | set(n.users), key=order.__getitem__))
-            frontier.sort(key=order.__getitem__)
-            continue
-        factors = {t.factor[a] for a in split_in}
-        gqa = target == aten.scaled_dot_product_attention.default and n.kwargs.get("enable_gqa")
-        if len(factors) > 1 and not gqa:
-            raise ShardError(f"{where}: {n.name} ({target}) combines tensors split into different numbers of "
-                             f"heads per rank ({sorted(factors)})")
-        src0 = n.args[0] if n.args and isinstance(n.args[0], fx.Node) and n.args[0] in sdim else split_in[0]
-        f = t.factor[src0]
-        origins = {t.origin[a] for a in split_in}
-        if target in BLOCK_OPS and n.args[0] in sdim:
-            pos = 1 if target == aten.slice.Tensor else 2
-            dim_arg = n.args[pos] if len(n.args) > pos else n.kwargs.get("dim", 0)
-            if dim_arg % ndim(src0) == sdim[src0]:
-                _cut_into_blocks(n, src0, t)
-                col, starts = t.pieces[n]
-                sdim[n], t.factor[n] = sdim[src0], f
-                t.origin[n] = (col, starts[0]) if target == aten.slice.Tensor and starts else None
-                frontier.extend(sorted(n.users, key=order.__getitem__))
-                frontier.sort(key=order.__getitem__)
-                continue
-        rule = RULES.get(target)
-        sliced: dict[fx.Node, int] = {}
-        if folded:  # no per-rank slice of an unsplit operand along folded heads: the rules refuse it
-            try:
-                sdim[n] = _follow_folded(n, src0, rule, t, f, parts, fixes)
-            except ShardError as e:
-                raise ShardError(f"{where}: {e} (on heads folded into another dim, as BLOOM's baddbmm and "
-                                 "XGLM's bmm over batch x heads have them)") from None
-            t.factor[n], t.origin[n] = f, None
-            frontier.extend(sorted(n.users, key=order.__getitem__))
-            frontier.sort(key=order.__getitem__)
-            continue
-        if rule is not None and rule.kind == "elementwise" and n.args and src0 in sdim:
-            _split_attrs(gm, n, src0, t)
-            _split_broadcasts(n, src0, t, fixes, where)
-            sliced = _slice_operands(n, src0, t)
-        elif target == aten.cat.default:  # (GPT-OSS's attention sinks, one per head, joined to the scores)
-            sliced = _slice_operands(n, src0, t)
-        if target == aten.mean.dim and sdim[src0] in _reduced_dims(n, src0):
-            # equal slices per rank, so (sum of slice means) / parts is the full mean; with
-            # replicated KV heads too (each distinct slice counted parts / factor times)
-            t.means.append(n)  # replicated once all-reduced: its users see an unsplit value
-            continue
-        blocks_at = _fused_reshape(n, src0, t) if rule is not None and rule.kind == "reshape" else None
-        if blocks_at is not None:
-            sdim[n] = _cut_reshape_into_blocks(n, src0, t, blocks_at, f, fixes, where)
-            origins = {None}  # each rank's slice of every block, no one block
-        elif rule is not None and rule.kind == "reshape":
-            try:
-                sdim[n] = rule.fn(n, sdim, f, fixes)
-            except ShardError as e:  # the heads folded into the dim before them: [B, H, S, D] -> [B*H, S, D]
-                if target not in VIEW_OPS or f != parts:
-                    raise
-                try:
-                    sdim[n], t.inner[n] = folded_view(n, sdim[src0], None, parts, fixes)
-                except ShardError:
-                    raise ShardError(f"{e} (nor do the heads fold into the dim before them)") from None
-            except Replicate as r:
-                key = t.origin.get(src0)
-                if key is None:
-                    raise ShardError(f"{where}: {n.name} reshapes into {r.heads} heads, fewer than {f} ranks, and "
-                                     "the heads do not come from one projection that could be replicated") from None
-                t.replicate[key] = f // r.heads
-                f = t.factor[src0] = r.heads
-                sdim[n] = rule.fn(n, sdim, f, fixes)
-            if src0 in merged:
-                j = sdim[n]
-                want = sym_expr(src0.meta["val"].shape[merged[src0]]) * sym_expr(src0.meta["val"].shape[merged[src0] + 1])
-                if sympy.simplify(sym_expr(n.meta["val"].shape[j]) - want) != 0:
-                    raise ShardError(f"{where}: {n.name} does not merge the replicated KV heads back into one dim")
-            elif target == aten.expand.default and f < parts:
-                d = sdim[n]
-                arg = n.args[1][d + 1] if d + 1 < len(n.args[1]) else None
-                insize = shape_of(src0)[d + 1 - (ndim(n) - ndim(src0))] if d + 1 < ndim(n) else None
-                if not (isinstance(arg, int) and insize == 1 and arg % (parts // f) == 0):
-                    raise ShardError(f"{where}: {n.name}: replicated KV heads must be repeated by an expand of a "
-                                     f"size-1 dim after the head dim divisible by {parts // f}")
-                fixes.append(ArgFix(n.name, d + 1, arg, arg // (parts // f)))
-                merged[n] = d
-                f = parts
-        elif rule is not None:
-            if target in SDPA_OPS and n.args[0] in sdim:
-                q = n.args[0]
-                heads = int(sym_expr(q.meta["val"].shape[-3]))  # (meta holds the unsharded shape)
-                single = {t.origin.get(x) for x in n.args[1:3] if x in sdim and sdim[x] == ndim(x) - 1}
-                if single and None not in single and all(k[1] is not None for k in single):
-                    raise WholeBlocks(single)
-                for x in n.args[1:3]:
-                    if x not in sdim and isinstance(x, fx.Node):
-                        _broadcast_heads(x, heads, t.factor[q], fixes, where)
-                        sdim[x], t.factor[x], t.origin[x] = ndim(x) - 3, t.factor[q], None
-            if src0 in merged:
-                raise ShardError(f"{where}: {n.name} ({target}) reads repeated KV heads before they are merged")
-            sdim[n] = rule.fn(n, {**sdim, **sliced} if sliced else sdim, f, fixes)
-        elif target in LINEAR_OPS:
-            raise ShardError(f"{where}: {n.name} ({target}) reads a split tensor but is not the row-parallel projection")
-        else:
-            raise ShardError(f"{where}: no sharding rule for {n.name} ({target}) on a tensor split over {group}")
-        t.factor[n] = t.factor[n.args[0]] if gqa else f
-        if target == operator.getitem and n.args[0] in t.pieces:  # one piece of a chunk/split
-            col, starts = t.pieces[n.args[0]]
-            t.origin[n] = (col, starts[n.args[1]])
-            if t.origin[n] in whole:  # replicated whole: every rank computes the same, not followed
-                del sdim[n]
-                continue
-        else:
-            t.origin[n] = origins.pop() if len(origins) == 1 else None
-        frontier.extend(sorted(n.users, key=order.__getitem__))
+        frontier.extend(_step(n, w))
         frontier.sort(key=order.__getitem__)
     return t
+
+
+def _step(n: fx.Node, w: _Walk) -> Iterable[fx.Node]:
+    """Settle ``n``'s split dim (or refuse it); returns the nodes to follow next."""
+    t, sdim, where = w.t, w.t.dim, w.where
+    split_in = [a for a in n.all_input_nodes if a in sdim]
+    if _ends_here(n, split_in, w):
+        return ()
+    folded = [a for a in split_in if a in t.inner]
+    if folded and n.target in STATE_WRITES:
+        raise ShardError(f"{where}: {n.name} ({n.target}) reads {folded[0].name}, whose heads are folded into "
+                         "another dim")
+    if _write_into_state(n, t, where):
+        return set(n.args[0].users) | set(n.users)
+    factors = {t.factor[a] for a in split_in}
+    gqa = n.target == aten.scaled_dot_product_attention.default and n.kwargs.get("enable_gqa")
+    if len(factors) > 1 and not gqa:
+        raise ShardError(f"{where}: {n.name} ({n.target}) combines tensors split into different numbers of "
+                         f"heads per rank ({sorted(factors)})")
+    src0 = n.args[0] if n.args and isinstance(n.args[0], fx.Node) and n.args[0] in sdim else split_in[0]
+    f = t.factor[src0]
+    origins = {t.origin[a] for a in split_in}
+    if _cut_by_block_op(n, src0, t, f):
+        return n.users
+    rule = RULES.get(n.target)
+    if folded:  # no per-rank slice of an unsplit operand along folded heads: the rules refuse it
+        try:
+            sdim[n] = _follow_folded(n, src0, rule, t, f, w.parts, w.fixes)
+        except ShardError as e:
+            raise ShardError(f"{where}: {e} (on heads folded into another dim, as BLOOM's baddbmm and "
+                             "XGLM's bmm over batch x heads have them)") from None
+        t.factor[n], t.origin[n] = f, None
+        return n.users
+    sliced: dict[fx.Node, int] = {}
+    if rule is not None and rule.kind == "elementwise" and n.args and src0 in sdim:
+        _split_attrs(w.gm, n, src0, t)
+        _split_broadcasts(n, src0, t, w.fixes, where)
+        sliced = _slice_operands(n, src0, t)
+    elif n.target == aten.cat.default:  # (GPT-OSS's attention sinks, one per head, joined to the scores)
+        sliced = _slice_operands(n, src0, t)
+    if n.target == aten.mean.dim and sdim[src0] in _reduced_dims(n, src0):
+        # equal slices per rank, so (sum of slice means) / parts is the full mean; with
+        # replicated KV heads too (each distinct slice counted parts / factor times)
+        t.means.append(n)  # replicated once all-reduced: its users see an unsplit value
+        return ()
+    if rule is not None and rule.kind == "reshape":
+        f, origins = _reshape(n, src0, rule, f, origins, w)
+    elif rule is not None:
+        _apply_rule(n, src0, rule, f, sliced, w)
+    elif n.target in LINEAR_OPS:
+        raise ShardError(f"{where}: {n.name} ({n.target}) reads a split tensor but is not the row-parallel "
+                         "projection")
+    else:
+        raise ShardError(f"{where}: no sharding rule for {n.name} ({n.target}) on a tensor split over {w.group}")
+    t.factor[n] = t.factor[n.args[0]] if gqa else f
+    return _settle_origin(n, t, origins, w.whole)
+
+
+def _ends_here(n: fx.Node, split_in: list[fx.Node], w: _Walk) -> bool:
+    """A row-parallel input, the graph output (a cache returned whole), an ignored op or a size
+    read: the path ends at ``n`` (or is refused there)."""
+    t, where = w.t, w.where
+    if n in w.rows:
+        a = projection(n).x
+        if t.dim.get(a) != ndim(a) - 1 or a in t.inner:
+            raise ShardError(f"{where}: row-parallel {n.name} gets an input not split along its last dim")
+        if t.factor[a] != w.parts:
+            raise ShardError(f"{where}: row-parallel {n.name} reads heads replicated over {w.parts // t.factor[a]} "
+                             f"ranks; only KV heads may be replicated (the layout must divide the attention "
+                             f"head count; {w.parts} ranks here)")
+        return True
+    if n.op == "output":
+        caches = {s for s, _, _ in t.states}
+        if split_in and all(a in caches or (a.target in STATE_WRITES and a.args[0] in caches) for a in split_in):
+            return True  # a cache returned whole to the caller (each rank wrote its own slice of it)
+        raise ShardError(f"{where}: a tensor split over the {w.group} group reaches the graph output via {n.args}")
+    if n.target in IGNORED or (n.op == "call_module" and n.target == "_guards_fn"):  # export's input guards
+        return True
+    if n.target == aten.sym_size.int:  # a size: the same on every rank unless it is the split dim's
+        if n.args[1] % ndim(n.args[0]) == t.dim[n.args[0]]:
+            raise ShardError(f"{where}: {n.name} reads the size of the split dim {t.dim[n.args[0]]} of "
+                             f"{n.args[0].name}, which differs per rank")
+        return True
+    return False
+
+
+def _cut_by_block_op(n: fx.Node, src0: fx.Node, t: _Track, f: int) -> bool:
+    """A chunk / split / slice along the split dim: the column's blocks (False: not one)."""
+    if n.target not in BLOCK_OPS or n.args[0] not in t.dim:
+        return False
+    pos = 1 if n.target == aten.slice.Tensor else 2
+    dim_arg = n.args[pos] if len(n.args) > pos else n.kwargs.get("dim", 0)
+    if dim_arg % ndim(src0) != t.dim[src0]:
+        return False
+    _cut_into_blocks(n, src0, t)
+    col, starts = t.pieces[n]
+    t.dim[n], t.factor[n] = t.dim[src0], f
+    t.origin[n] = (col, starts[0]) if n.target == aten.slice.Tensor and starts else None
+    return True
+
+
+def _reshape(n: fx.Node, src0: fx.Node, rule: ShardRule, f: int, origins: set, w: _Walk) -> tuple[int, set]:
+    """A view / reshape / expand of a split tensor: the dim it moves to, with heads folded into the
+    dim before them, heads replicated (fewer heads than ranks), and KV heads repeated by an expand
+    that is merged back. Returns the factor and origins of ``n``."""
+    t, sdim, where, parts, fixes = w.t, w.t.dim, w.where, w.parts, w.fixes
+    blocks_at = _fused_reshape(n, src0, t)
+    if blocks_at is not None:
+        sdim[n] = _cut_reshape_into_blocks(n, src0, t, blocks_at, f, fixes, where)
+        return f, {None}  # each rank's slice of every block, no one block
+    try:
+        sdim[n] = rule.fn(n, sdim, f, fixes)
+    except ShardError as e:  # the heads folded into the dim before them: [B, H, S, D] -> [B*H, S, D]
+        if n.target not in VIEW_OPS or f != parts:
+            raise
+        try:
+            sdim[n], t.inner[n] = folded_view(n, sdim[src0], None, parts, fixes)
+        except ShardError:
+            raise ShardError(f"{e} (nor do the heads fold into the dim before them)") from None
+    except Replicate as r:
+        key = t.origin.get(src0)
+        if key is None:
+            raise ShardError(f"{where}: {n.name} reshapes into {r.heads} heads, fewer than {f} ranks, and "
+                             "the heads do not come from one projection that could be replicated") from None
+        t.replicate[key] = f // r.heads
+        f = t.factor[src0] = r.heads
+        sdim[n] = rule.fn(n, sdim, f, fixes)
+    if src0 in w.merged:
+        j, m = sdim[n], w.merged[src0]
+        want = sym_expr(src0.meta["val"].shape[m]) * sym_expr(src0.meta["val"].shape[m + 1])
+        if sympy.simplify(sym_expr(n.meta["val"].shape[j]) - want) != 0:
+            raise ShardError(f"{where}: {n.name} does not merge the replicated KV heads back into one dim")
+    elif n.target == aten.expand.default and f < parts:
+        d = sdim[n]
+        arg = n.args[1][d + 1] if d + 1 < len(n.args[1]) else None
+        insize = shape_of(src0)[d + 1 - (ndim(n) - ndim(src0))] if d + 1 < ndim(n) else None
+        if not (isinstance(arg, int) and insize == 1 and arg % (parts // f) == 0):
+            raise ShardError(f"{where}: {n.name}: replicated KV heads must be repeated by an expand of a "
+                             f"size-1 dim after the head dim divisible by {parts // f}")
+        fixes.append(ArgFix(n.name, d + 1, arg, arg // (parts // f)))
+        w.merged[n] = d
+        f = parts
+    return f, origins
+
+
+def _apply_rule(n: fx.Node, src0: fx.Node, rule: ShardRule, f: int, sliced: dict[fx.Node, int], w: _Walk) -> None:
+    """A table rule; SDPA first broadcasts an unsplit single K/V head to this rank's heads."""
+    t, sdim, where = w.t, w.t.dim, w.where
+    if n.target in SDPA_OPS and n.args[0] in sdim:
+        q = n.args[0]
+        heads = int(sym_expr(q.meta["val"].shape[-3]))  # (meta holds the unsharded shape)
+        single = {t.origin.get(x) for x in n.args[1:3] if x in sdim and sdim[x] == ndim(x) - 1}
+        if single and None not in single and all(k[1] is not None for k in single):
+            raise WholeBlocks(single)
+        for x in n.args[1:3]:
+            if x not in sdim and isinstance(x, fx.Node):
+                _broadcast_heads(x, heads, t.factor[q], w.fixes, where)
+                sdim[x], t.factor[x], t.origin[x] = ndim(x) - 3, t.factor[q], None
+    if src0 in w.merged:
+        raise ShardError(f"{where}: {n.name} ({n.target}) reads repeated KV heads before they are merged")
+    sdim[n] = rule.fn(n, {**sdim, **sliced} if sliced else sdim, f, w.fixes)
+
+
+def _settle_origin(n: fx.Node, t: _Track, origins: set, whole: frozenset) -> Iterable[fx.Node]:
+    """The column block ``n`` comes from (one piece of a chunk / split names its block); a block
+    replicated whole is not followed further."""
+    if n.target == operator.getitem and n.args[0] in t.pieces:  # one piece of a chunk/split
+        col, starts = t.pieces[n.args[0]]
+        t.origin[n] = (col, starts[n.args[1]])
+        if t.origin[n] in whole:  # replicated whole: every rank computes the same, not followed
+            del t.dim[n]
+            return ()
+    else:
+        t.origin[n] = origins.pop() if len(origins) == 1 else None
+    return n.users
