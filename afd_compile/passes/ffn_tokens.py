@@ -26,6 +26,7 @@ After::
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -62,13 +63,10 @@ def tokens_follow_the_carrier(ffn: fx.GraphModule, name: str = "FFN program") ->
     if not views:
         raise StaticTokensError(f"{name}: no receive of the tokens found")
     dims = {tuple(v.args[1][:-1]) for v in views if v.args[1][0] != -1}
-    if len({d[0] for d in dims}) != 1 or not all(isinstance(x, int) for d in dims for x in d):
+    if len({d[0] for d in dims}) != 1 or not all(isinstance(x, int) for d in dims for x in d) \
+            or len({math.prod(d[1:]) for d in dims}) != 1:
         raise StaticTokensError(f"{name}: the receives view their rows as different static token dims {sorted(dims)}")
-    batch = next(iter(dims))[0]
-    per_row = {(1 if len(d) == 1 else int(torch.tensor(d[1:]).prod())) for d in dims}
-    if len(per_row) != 1:
-        raise StaticTokensError(f"{name}: the receives view their rows as different static token dims {sorted(dims)}")
-    factor = per_row.pop()
+    batch, factor = next(iter(dims))[0], math.prod(next(iter(dims))[1:])
     total = next(n for n in ffn.graph.nodes if n.target == aten.sym_size.int)
     for n in list(total.users):  # the [T, H] each send flattens into: written as the static count, a site
         if n.target == aten.view.default and n.args[1][0] is total:
