@@ -471,18 +471,26 @@ def test_gpt_oss_sinks_interleaved_gate_up_and_expert_biases(exported):
 
 def test_falcon_qkv_packed_per_kv_group_shards_whole_groups(exported):
     # [kv groups, q per group + 2, head_dim]: each rank takes whole groups (q heads with their K
-    # and V), so the group count in the view is left to -1 and broadcast_to's count is divided
-    # (export keeps broadcast_to, or decomposes it to expand with the same sizes: a CI run did)
+    # and V), so the K/V broadcast to the q heads of each group keeps its q-per-group count and
+    # has its group count divided (2 groups -> 1 per rank). Where the group dim sits in that
+    # broadcast depends on the transformers version (5.24: broadcast_to [b, s, 2, 2, 16]; 5.25:
+    # expand [b, 2, 2, s, 16]), so each is compared with the same node of the unsharded program.
     prog = _program(exported, "falcon", TPLayout(2), rank=1, fuse_norm=False)
     qkv = next(w for w in prog.shards.weights if w.target.endswith("h.0.self_attention.query_key_value.weight"))
     assert (qkv.dim, qkv.kind, qkv.blocks) == (0, "column", ())
-    full = exported("falcon")[0].module().get_parameter(qkv.target)
+    unsharded = exported("falcon")[0].module()
+    full = unsharded.get_parameter(qkv.target)
     assert torch.equal(prog.program.get_parameter(qkv.target), full[64:])
+    before = {n.name: n for n in unsharded.graph.nodes}
     b = [n for n in prog.program.graph.nodes
-         if n.target in (torch.ops.aten.broadcast_to.default, torch.ops.aten.expand.default)
-         and len(n.args[1]) == 5 and n.args[1][2] != -1]
-    assert len(b) == 4 and all(n.args[1][2:] == [1, 2, 16] for n in b)
-    with pytest.raises(ShardError, match="reads heads replicated over 2 ranks"):  # 2 KV groups, 4 ranks
+         if n.target in (torch.ops.aten.broadcast_to.default, torch.ops.aten.expand.default) and len(n.args[1]) == 5]
+    changed = [[(old, new) for old, new in zip(before[n.name].args[1], n.args[1], strict=True)
+                if isinstance(old, int) and old != new] for n in b]  # (sizes read off the input: other graphs' nodes)
+    assert len(b) == 4 and changed == [[(2, 1)]] * 4, changed
+    # 2 KV groups, 4 ranks: refused where the replicated groups meet the split heads (5.24: the
+    # row-parallel dense; 5.25: SDPA, the K/V broadcast to the q heads having moved after the head split)
+    with pytest.raises(ShardError, match=r"reads heads replicated over 2 ranks|different numbers of heads per rank "
+                                         r"\(\[2, 4\]\): heads replicated over ranks"):
         _program(exported, "falcon", TPLayout(4))
 
 

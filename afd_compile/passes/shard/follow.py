@@ -436,7 +436,9 @@ def _step(n: fx.Node, w: _Walk) -> Iterable[fx.Node]:
     gqa = n.target == aten.scaled_dot_product_attention.default and n.kwargs.get("enable_gqa")
     if len(factors) > 1 and not gqa:
         raise ShardError(f"{where}: {n.name} ({n.target}) combines tensors split into different numbers of "
-                         f"heads per rank ({sorted(factors)})")
+                         f"heads per rank ({sorted(factors)}): heads replicated over ranks (fewer KV heads or "
+                         f"groups than the {w.parts} ranks) meet heads split over all of them; the layout must "
+                         "divide the KV head count, or repeat the KV heads to the query heads before they meet")
     src0 = n.args[0] if n.args and isinstance(n.args[0], fx.Node) and n.args[0] in sdim else split_in[0]
     f = t.factor[src0]
     origins = {t.origin[a] for a in split_in}
