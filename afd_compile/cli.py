@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 
+from .buckets import BUCKETS_HELP, buckets_flag
 from .errors import AFDCompileError
 from .layout import AFDLayout
 from .limits import MAX_TIMEOUT_S, local_process_override
@@ -113,12 +114,16 @@ def _add_stages(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--stages", type=int, default=1, metavar="S", help=f"AFD: {what}; not with --tp")
 
 
+def _add_buckets(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--buckets", type=buckets_flag, default="default", metavar="LIST", help=BUCKETS_HELP)
+
+
 _TP_FLAGS = {"attn_dp": "--attn-dp", "moe_a2a": "--moe-a2a", "dense_dp": "--dense-dp",
              "vocab_parallel": "--vocab-parallel", "shards": "--shards"}
 _AFD_FLAGS = {"attention_ranks": "-A/--attention-ranks", "ffn_ranks": "-F/--ffn-ranks",
               "gate_on_attention": "--gate-on-attention"}
 _AFD_VALUED = {"stages": ("--stages", 1), "ffn_tp": ("--ffn-tp", 1), "ffn_ep": ("--ffn-ep", 1),
-               "attn_tp": ("--attn-tp", 1)}  # AFD flags with a default: given when not at it
+               "attn_tp": ("--attn-tp", 1), "buckets": ("--buckets", "default")}  # AFD flags with a default
 
 
 def _check_mode_flags(args: argparse.Namespace) -> None:
@@ -218,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "prefill, then N decode steps, comparing the logits at every step (replaces --steps)")
     _add_stages(p, "run each step as S micro-batches (whole sequences) interleaved layer by layer, the "
                 "ping-pong schedule (default 1: one batch); with a KV cache each micro-batch its own cache rows")
+    _add_buckets(p)
     p.add_argument("--tol", type=float, help="max relative error (default 1e-5 when every output compared is fp32/fp64, 1e-2 otherwise; printed on the verdict line; finite, >= 0)")
     p.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long a rank waits for a peer before the run fails (default 300); a rank that dies "
@@ -528,6 +534,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return cmd_verify_tp(args)
     layout = _layout(args, required=True)
     batches = _tokens(args)
+    from .buckets import TokenBuckets
     from .verify import verify_afd  # (after the argument checks: they need no torch)
     progress = _progress(args)
     with progress.phase(f"loaded and split {args.model}"):
@@ -538,7 +545,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(stage_text(_stage_schedule(args, result, layout)))
     return _verdict(lambda: verify_afd(args.model, layout, batches=batches, gate=args.gate_on_attention,
                                        steps=args.steps, tol=args.tol, policy=args.policy, timeout_s=args.timeout,
-                                       decode_steps=args.decode_steps, stages=args.stages, log=print,
+                                       decode_steps=args.decode_steps, stages=args.stages,
+                                       buckets=TokenBuckets.parse(args.buckets), log=print,
                                        on_progress=progress.rank, program=ep))
 
 

@@ -79,6 +79,9 @@ class AFDCommunicator:
     stage_transfers: dict[int, int] = field(default_factory=dict)
     #: bytes this rank has sent through this communicator (the data, not the check headers)
     bytes_sent: int = 0
+    #: an attention rank's wire slot per stage this step (token buckets, buckets.py): its tokens
+    #: cross the wire padded to this many rows; absent: the exact count
+    step_slots: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.role not in ("attention", "ffn"):
@@ -101,8 +104,20 @@ class AFDCommunicator:
             )
         return TransferMetadata(layer_idx, stage_idx, self.step_seq_lens[stage_idx])
 
-    def set_step(self, seq_lens_per_stage: dict[int, Sequence[int]]) -> None:
+    def set_step(self, seq_lens_per_stage: dict[int, Sequence[int]], slots: dict[int, int] | None = None) -> None:
+        """This step's token counts per stage (one per peer); ``slots`` (an attention rank with
+        token buckets): per stage the rows its tokens take on the wire (>= its count)."""
         self.step_seq_lens = {s: tuple(int(n) for n in v) for s, v in seq_lens_per_stage.items()}
+        self.step_slots = {s: int(n) for s, n in (slots or {}).items()}
+        for s, n in self.step_slots.items():
+            if n < sum(self.step_seq_lens.get(s, ())):
+                raise ValueError(f"afd: {self.role} rank {self.rank}, stage {s}: a wire slot of {n} rows cannot hold "
+                                 f"{sum(self.step_seq_lens[s])} tokens")
+
+    def slot(self, stage_idx: int, tokens: int) -> int:
+        """The rows ``tokens`` take on the wire at ``stage_idx`` this step (an attention rank's
+        bucket slot; ``tokens`` without one)."""
+        return self.step_slots.get(stage_idx, tokens)
 
     def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *, layer_idx: int = -1,
                  stage_idx: int = -1, where: str = "afd") -> None:

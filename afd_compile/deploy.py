@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from .buckets import TokenBuckets
 from .comm import AFDCommunicator, communicator_for, register_communicator, wire_checks_from_env
 from .layout import AFDLayout
 from .passes.graph_utils import batch_symbol_dims
@@ -29,6 +30,9 @@ from .passes.stages import (
 from .passes.symbolic import sym_expr
 from .runtime import AttentionWorker, FFNWorker, GroupSlice, TokenCount, process_group
 from .split_api import SplitConfig, split_graph_module
+
+#: token buckets are on by default (a serving user should not have to know)
+DEFAULT_BUCKETS = TokenBuckets()
 
 
 def token_count_for_graph(gm: fx.GraphModule, token_dims: Sequence[str]) -> TokenCount:
@@ -100,13 +104,16 @@ def staged_pair(attention: fx.GraphModule, ffn: fx.GraphModule, layout: AFDLayou
 
 def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig | None = None,
                 device: torch.device | None = None, group: dist.ProcessGroup | None = None,
-                check_wire: bool | None = None, stages: int = 1, symm_mem: bool = True) -> AttentionWorker | FFNWorker:
+                check_wire: bool | None = None, stages: int = 1, symm_mem: bool = True,
+                buckets: TokenBuckets | None = DEFAULT_BUCKETS) -> AttentionWorker | FFNWorker:
     """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id
     (an attention rank reuses the one registered there when it matches: :func:`communicator_for`).
     ``check_wire``: header checks on every transfer (None: ``AFD_CHECK_WIRE``; see AFDCommunicator).
     ``stages``: micro-batches per step (passes/stages.py); every rank of the layout the same.
     ``symm_mem``: an FFN or attention TP group on CUDA all-reduces small messages over symmetric
-    memory where it can (symm_mem.py); False: NCCL."""
+    memory where it can (symm_mem.py); False: NCCL.
+    ``buckets``: an attention rank's tokens cross the wire in bucket slots (buckets.py), so its
+    FFN rank's programs are one per bucket tuple, not per exact count; None: exact counts."""
     config = config or SplitConfig()
     role, idx = layout.role_of(rank)
     # the layout's fan-in constrains the FFN program only: an attention rank's program may have a
@@ -160,7 +167,19 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
                              batch_dim=_stage_batch_dim(result.attention, stages), static=batch is not None)
     built = {stages_built: staged[0]} if stages_built != 1 else {}
     worker.staged = {k: p.to(device) for k, p in staged_programs(attention, "attention", stages, batch, built).items()}
+    use_buckets(worker, buckets)
     return worker
+
+
+def use_buckets(worker: AttentionWorker, buckets: TokenBuckets | None) -> None:
+    """Token buckets for an attention worker whose token count changes (a dims term in its
+    count); a static count never changes and keeps its exact size. The slot is counted in units
+    of the count's static factor (a static batch: the FFN program views its tokens per sequence)."""
+    count = worker.count_tokens.total if isinstance(worker.count_tokens, GroupSlice) else worker.count_tokens
+    if not isinstance(count, TokenCount) or not count.dims or (isinstance(worker.count_tokens, GroupSlice)
+                                                                and count.factor != 1):
+        return
+    worker.buckets, worker.slot_unit = buckets, count.factor
 
 
 def _stage_batch_dim(program: fx.GraphModule, stages: int) -> tuple[int, int] | None:
@@ -212,7 +231,8 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
     return build_attention_program(tp.program, plan), GroupSlice(total, layout.attn_tp, idx % layout.attn_tp)
 
 
-def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = None) -> AttentionWorker | FFNWorker:
+def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = None,
+                          buckets: TokenBuckets | None = DEFAULT_BUCKETS) -> AttentionWorker | FFNWorker:
     """This rank's worker from the files ``afd-compile rewrite`` wrote (plan.json + role .pt2).
 
     plan.json is checked field by field and each program against the sha256 it records
@@ -242,6 +262,8 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     register_communicator(comm, comm_id)
     program = load_program(plan.path("attention")).module().to(device)
     batch = static_batch(program) if stages != 1 else None
-    return AttentionWorker(program, comm, TokenCount.from_json(plan["token_count"]), stages=stages,
-                           batch_dim=_stage_batch_dim(program, stages), static=batch is not None,
-                           staged=staged_programs(program, "attention", stages, batch))
+    worker = AttentionWorker(program, comm, TokenCount.from_json(plan["token_count"]), stages=stages,
+                             batch_dim=_stage_batch_dim(program, stages), static=batch is not None,
+                             staged=staged_programs(program, "attention", stages, batch))
+    use_buckets(worker, buckets)
+    return worker

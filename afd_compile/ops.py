@@ -118,7 +118,20 @@ def _attention_sends(tensors: list[torch.Tensor], comm_id: int, layer_idx: int, 
     wspec = _spec(spec)
     if not torch.compiler.is_compiling():
         check_wire_tensors(tensors, wspec, comm.metadata(layer_idx, stage_idx), comm, where)
+    tensors = padded_to_slot(tensors, comm.slot(stage_idx, int(tensors[0].shape[0])))
     return comm, where, [(t, comm.peers[0], w.kind) for t, w in zip(tensors, wspec.tensors, strict=True)]
+
+
+def padded_to_slot(tensors: Sequence[torch.Tensor], slot: int) -> list[torch.Tensor]:
+    """``tensors`` (token-aligned) with zero rows appended up to ``slot`` rows: what crosses the
+    wire under token buckets (buckets.py); unchanged when they already have ``slot`` rows."""
+    out = []
+    for t in tensors:
+        n = int(t.shape[0])
+        if slot > n:
+            t = torch.cat([t, t.new_zeros((slot - n, *t.shape[1:]))], dim=0)
+        out.append(t)
+    return out
 
 
 def _attention_recv_buffers(dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int,
@@ -135,8 +148,15 @@ def _attention_recv_buffers(dep: torch.Tensor, comm_id: int, layer_idx: int, sta
                 f"{where}: shape mismatch: expecting "
                 f"{num_tokens} tokens but the transfer metadata says {meta.total_tokens}"
             )
-    outs = [torch.empty(w.shape(num_tokens), dtype=w.dtype, device=dep.device) for w in wspec.tensors]
+    # under token buckets the FFN rank returns the whole slot; the rows past num_tokens are dropped
+    slot = comm.slot(stage_idx, num_tokens)
+    outs = [torch.empty(w.shape(slot), dtype=w.dtype, device=dep.device) for w in wspec.tensors]
     return comm, where, [(t, comm.peers[0], w.kind) for t, w in zip(outs, wspec.tensors, strict=True)], outs
+
+
+def _own_rows(outs: Sequence[torch.Tensor], num_tokens: int) -> list[torch.Tensor]:
+    """The first ``num_tokens`` rows of each received slot (all of it without buckets)."""
+    return [o if o.shape[0] == num_tokens else o[:num_tokens].clone() for o in outs]
 
 
 @torch.library.custom_op("afd::p2p_send", mutates_args=())
@@ -160,7 +180,7 @@ def p2p_recv(
     comm, where, recvs, outs = _attention_recv_buffers(dep, comm_id, layer_idx, stage_idx, num_tokens, spec,
                                                        "p2p_recv")
     comm.exchange([], recvs, layer_idx=layer_idx, stage_idx=stage_idx, where=where)
-    return outs
+    return _own_rows(outs, num_tokens)
 
 
 @p2p_recv.register_fake
@@ -204,7 +224,8 @@ def p2p_send_start(
     sent = [t.contiguous() for t in tensors]
     comm, where, sends = _attention_sends(sent, comm_id, layer_idx, stage_idx, spec, "p2p_send_start")
     works = comm.start(sends, [], layer_idx=layer_idx, stage_idx=stage_idx, where=where)
-    _hold((comm_id, layer_idx, stage_idx, "send"), works, sent, where)
+    # (what is on the wire, padded to the bucket slot, stays alive until the wait)
+    _hold((comm_id, layer_idx, stage_idx, "send"), works, [t for t, _, _ in sends], where)
     return _token(tensors[0])
 
 
@@ -247,7 +268,7 @@ def p2p_recv_wait(
     sent = IN_FLIGHT.pop((comm_id, layer_idx, stage_idx, "send"), ([], []))
     for work in [*sent[0], *works]:
         work.wait()
-    return list(outs)
+    return _own_rows(outs, num_tokens)
 
 
 @p2p_recv_wait.register_fake

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .buckets import TokenBuckets
 from .compare import Comparison, compare
-from .deploy import make_worker
+from .deploy import DEFAULT_BUCKETS, make_worker
 from .layout import AFDLayout
 from .passes.graph_utils import batch_symbol_dims
 from .passes.roles import POLICIES
@@ -92,6 +93,7 @@ class Case:
     policy: str = "default"
     decode_steps: int = 0  # a program with a KV cache: a prefill, then this many decode steps
     stages: int = 1  # micro-batches per step (passes/stages.py)
+    buckets: TokenBuckets | None = DEFAULT_BUCKETS  # the attention ranks' wire slots (buckets.py); None: exact
 
 
 #: programs :func:`preload_programs` loaded in the launcher of a local run, before the ranks
@@ -142,9 +144,10 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
     report = progress if rank == case.layout.ffn_ranks else (lambda _text: None)  # the first attention rank
     report(f"{case.layout.world_size} processes up (torch imported, process group formed)")
     worker = make_worker(fresh_module(ep), case.layout, rank, config, group=group, check_wire=True,
-                         stages=case.stages)
+                         stages=case.stages, buckets=case.buckets)
     if not isinstance(worker, AttentionWorker):
-        return {"role": "ffn", "steps": worker.serve()}
+        return {"role": "ffn", "steps": worker.serve(), "layouts": sorted(map(repr, worker.layouts)),
+                "carriers": sorted(worker.carriers), "host_reads": worker.host_reads}
     a = case.layout.role_of(rank)[1] // case.layout.attn_tp  # an attention TP group shares its tokens
     _, dims = batch_symbol_dims(original)
     tally, sizes = Tally(), []
@@ -249,12 +252,13 @@ def _decode_line(spec: DecodeSpec, decode_steps: int) -> str:
 def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = None, gate: bool = False,
                steps: int = 2, tol: float | None = None, policy: str = "default",
                timeout_s: float = DEFAULT_TIMEOUT_S, decode_steps: int = 0, stages: int = 1,
-               log: Callable[[str], None] = lambda s: None,
+               buckets: TokenBuckets | None = DEFAULT_BUCKETS, log: Callable[[str], None] = lambda s: None,
                on_progress: Callable[[int, str], None] | None = None,
                program: torch.export.ExportedProgram | None = None) -> VerifyReport:
     """Verify the AFD split of the ``.pt2`` at ``path``; ``batches`` per attention rank (None:
     default sizes 1, 2, 3, ... when the batch dim is dynamic, the saved example otherwise);
-    ``stages`` micro-batches per step (passes/stages.py).
+    ``stages`` micro-batches per step (passes/stages.py); ``buckets``: the attention ranks' wire
+    slots (buckets.py; None: exact counts).
     ``program``: the program at ``path`` when the caller already loaded it (not loaded again here).
     Raises VerifyInputError (before any process starts) on inputs :func:`check_verify_inputs` refuses."""
     ep = load_program(path) if program is None else program
@@ -274,14 +278,16 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = 
     log(f"verify: {layout} on {layout.world_size} local gloo processes (FFN ranks 0..{layout.ffn_ranks - 1}), "
         f"batch per {unit} {list(checked.batches) if checked.batches is not None else 'as saved'}, "
         + (_decode_line(spec, decode_steps) if decode_steps else f"{checked.steps} steps")
-        + (f", {stages} micro-batch stages" if stages > 1 else ""))
+        + (f", {stages} micro-batch stages" if stages > 1 else "")
+        + (f", token buckets {buckets}" if buckets is not None else ", exact token counts (no buckets)"))
     t = time.perf_counter()
-    case = Case(path, layout, checked.batches, gate, checked.steps, policy, decode_steps, stages)
+    case = Case(path, layout, checked.batches, gate, checked.steps, policy, decode_steps, stages, buckets)
     results = run_cases([case], timeout_s=timeout_s, on_progress=on_progress)[0]
     for r in sorted(results):
         res = results[r]
         if res["role"] == "ffn":
-            log(f"  rank {r} ffn: served {res['steps']} steps from peers {list(layout.peers_of_ffn(r))}")
+            log(f"  rank {r} ffn: served {res['steps']} steps from peers {list(layout.peers_of_ffn(r))}, "
+                f"{len(res['layouts'])} token layout(s) (one program each once compiled)")
         else:
             staged = (f", transfers per stage {res['stage_transfers']}" if stages > 1 else "")
             log(f"  rank {r} attention: batches {res['batches']} max_rel_err={res['max_rel_err']:.3g}{staged}")

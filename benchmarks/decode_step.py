@@ -109,10 +109,13 @@ def _profile(one, name: str, path: str) -> None:
 
 
 def _decode_steps(forward, ids: torch.Tensor, cache: object, context: int, iters: int, barrier: bool,
-                  profile: str | None = None, name: str = "") -> float:
+                  profile: str | None = None, name: str = "", extra: dict | None = None) -> float:
     """Median us of a decode step ``forward(input_ids=ids, past_key_values=cache)`` with every
     layer's write position reset to ``context - 1`` first (``profile``: then profile 5 steps into
-    that file)."""
+    that file). ``extra`` (one rank): also ``host_us``, the median time until a step's call returns
+    (the host's share: launches, guards, input binding; the GPU may still be running), and
+    ``b2b_us``, the time per step of ``iters`` steps back to back with one synchronisation at the
+    end (the GPU's time when the host keeps ahead of it)."""
     dev = ids.device
 
     def one() -> None:
@@ -124,14 +127,22 @@ def _decode_steps(forward, ids: torch.Tensor, cache: object, context: int, iters
         for _ in range(3):  # compile, cudagraph warm-up and record
             one()
         _sync(dev)
-        times = []
+        times, host = [], []
         for _ in range(iters):
             if barrier:
                 dist.barrier()
             t0 = time.perf_counter()
             one()
+            t1 = time.perf_counter()
             _sync(dev)
             times.append((time.perf_counter() - t0) * 1e6)
+            host.append((t1 - t0) * 1e6)
+        if extra is not None:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                one()
+            _sync(dev)
+            extra.update(host_us=statistics.median(host), b2b_us=(time.perf_counter() - t0) * 1e6 / iters)
         if profile and dev.type == "cuda" and not barrier:
             _profile(one, name, profile)
     return statistics.median(times)
@@ -212,8 +223,10 @@ def main() -> None:
             cache = _cache(model, batch, context, dev, dtype)
             torch._dynamo.reset()
             fwd = torch.compile(model.forward, mode="reduce-overhead")
+            extra: dict = {}
             row["one_gpu_us"] = _decode_steps(fwd, ids, cache, context, args.iters, barrier=False,
-                                              profile=args.profile, name=f"one GPU {batch}x{context}")
+                                              profile=args.profile, name=f"one GPU {batch}x{context}", extra=extra)
+            row.update({f"one_gpu_{k}": v for k, v in extra.items()})
             kv = _kv_bytes(cache)
             del cache, fwd
             # the backend with no options at all: a user's first try (issue 36)
@@ -221,16 +234,21 @@ def main() -> None:
             model = _model(cfg, dev, dtype)
             cache = _cache(model, batch, context, dev, dtype)
             model.forward = torch.compile(model.forward, backend="afd")
+            extra = {}
             row["one_gpu_default_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=False,
-                                                      name=f"one GPU afd default {batch}x{context}")
+                                                      name=f"one GPU afd default {batch}x{context}", extra=extra)
+            row.update({f"one_gpu_default_{k}": v for k, v in extra.items()})
             del cache
             if "flex" in args.decode_attention.split(","):
                 torch._dynamo.reset()
                 model = _model(cfg, dev, dtype)
                 cache = _cache(model, batch, context, dev, dtype)
                 model.forward = torch.compile(model.forward, backend="afd", options={"decode_attention": "flex"})
+                extra = {}
                 row["one_gpu_flex_us"] = _decode_steps(model, ids, cache, context, args.iters, barrier=False,
-                                                       profile=args.profile, name=f"one GPU flex {batch}x{context}")
+                                                       profile=args.profile, name=f"one GPU flex {batch}x{context}",
+                                                       extra=extra)
+                row.update({f"one_gpu_flex_{k}": v for k, v in extra.items()})
                 del cache
         dist.barrier()
         for attn in args.decode_attention.split(",") if world == 2 else ():
@@ -304,6 +322,14 @@ def main() -> None:
                   f"{r['one_gpu_us']:.0f} | {us(r, 'one_gpu_default_us')} | {us(r, 'one_gpu_flex_us')} | {r['floor_tp2_us']:.0f} | {us(r, 'afd_tp2_us')} | {us(r, 'afd_tp2_flex_us')} | "
                   f"{r['floor_afd_us']:.0f} | {us(r, 'afd_1a1f_us')} | {us(r, 'afd_1a1f_flex_us')} |"
                   + "".join(f" {us(r, key + '_us')} |" for key in staged))
+        print("one GPU, per step (us): wall (synchronised each step) / host (until the call returns) / back to back "
+              "(steps queued, one synchronisation)")
+        print("| B x C | reduce-overhead | afd default | afd flex |")
+        print("|---|---|---|---|")
+        for r in rows:
+            cols = [" / ".join(f"{r[f'{p}_{k}']:.0f}" if f"{p}_{k}" in r else "-" for k in ("us", "host_us", "b2b_us"))
+                    for p in ("one_gpu", "one_gpu_default", "one_gpu_flex")]
+            print(f"| {r['batch']} x {r['context']} | " + " | ".join(cols) + " |")
         if any(r.get("fell_back_flex") for r in rows):
             print("* Inductor could not compile the FlexAttention kernel for some shape: it ran masked SDPA "
                   "(the warning above names the error)")

@@ -234,10 +234,10 @@ def _ids(runs: list) -> list[str]:
 def test_compiled_matches_eager_on_gloo_ranks(n, args):
     proc = _run(n, *args)
     _check(proc, n, "--check-cache" in args)
-    if "--stages" in args:  # the peers swap batch sizes 2 | 3 between steps: the FFN rank's totals per stage
-        # stay, its tokens per stage and peer change, and a CUDA graph replays the per-peer receive
-        # sizes it captured: one program per tokens of each stage and peer (2 here, not 1; and the
-        # one --check-cache compiles again)
+    if "--stages" in args:  # the peers swap batch sizes 2 | 3 between steps: an FFN rank's own tokens per
+        # stage change (its group's totals stay). A program not captured in a CUDA graph (gloo, CPU) is
+        # compiled per carrier sizes (its exchange reads the per-peer sizes when it runs): 2 here (and
+        # the one --check-cache compiles again)
         want = 2 + ("--check-cache" in args)
         assert re.search(rf"^rank 0: .* layouts_compiled={want} ", proc.stdout, flags=re.M), proc.stdout
 

@@ -330,7 +330,7 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
 
         group = process_group(range(world), opts.timeout_s)
     worker = make_worker(ep.module(), layout, rank, config, device=device, group=group, check_wire=check,
-                         stages=opts.stages, symm_mem=opts.symm_mem)
+                         stages=opts.stages, symm_mem=opts.symm_mem, buckets=opts.token_buckets)
     if isinstance(worker, AttentionWorker):
         _decode_attention(worker.program, opts, f"rank {rank} attention", device)
         worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called
@@ -345,14 +345,14 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
 
     SERVE_AT_SHUTDOWN.append(worker)  # runtime.shutdown() hears the peers stop
     compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
-    # one compiled program per per-peer counts (and, in an FFN TP group, the group's counts)
-    worker.run_program = lambda counts, *slots: compiled_ffn((counts, worker.group_counts), *slots)  # type: ignore[attr-defined]
+    # captured in a CUDA graph: one program per per-peer counts (staged: of each stage and peer;
+    # in an FFN TP group with the group's), since a graph replays the receive sizes it captured;
+    # not captured: one per carrier sizes (the exchange reads the per-peer sizes when it runs)
+    worker.run_program = lambda counts, *slots: compiled_ffn(_ffn_key(compiled_ffn, worker, slots), *slots)  # type: ignore[attr-defined]
 
     def wrap_ffn(prog: fx.GraphModule) -> Callable[..., Any]:
-        # staged: one compiled program per tokens of each stage and peer (not only per stage:
-        # a CUDA graph replays the per-peer receive sizes it captured)
         compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
-        return lambda *slots: compiled(worker.step_counts, *slots)
+        return lambda *slots: compiled(_ffn_key(compiled, worker, slots), *slots)
 
     worker.wrap = wrap_ffn
     outs = [n for n in (gm or ep.graph_module).graph.nodes if n.op == "output"][0].args[0]
@@ -365,6 +365,14 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
 
     serve_one.worker = worker  # type: ignore[attr-defined]
     return serve_one
+
+
+def _ffn_key(compiled: PerLayout, worker: Any, carriers: Sequence[torch.Tensor]) -> tuple:
+    """What an FFN program is compiled per: the step's per-peer counts when it is captured in a
+    CUDA graph (its receives replay the sizes they captured), else the sizes of its carriers."""
+    if compiled.cudagraphs:
+        return ("peers", worker.step_counts)
+    return ("carriers", tuple(int(c.shape[0]) for c in carriers))
 
 
 def _ffn_export(model: torch.nn.Module, example_inputs: tuple | None,

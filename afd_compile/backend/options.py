@@ -46,7 +46,20 @@ _OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ffn_ep": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "attn_tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "symm_mem": (lambda v: isinstance(v, bool), "a bool"),
+    "buckets": (lambda v: _buckets_ok(v), "'default', 'off', a bool, or an ascending list of token counts >= 1"),
 }
+
+
+def _buckets_ok(value: Any) -> bool:
+    from ..buckets import BucketError, TokenBuckets
+
+    if not isinstance(value, (str, bool, list, tuple)):
+        return False
+    try:
+        TokenBuckets.parse(value)
+    except BucketError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,17 @@ class BackendOptions:
     ffn_ep: int = 1
     attn_tp: int = 1
     symm_mem: bool = True
+    #: token buckets of an AFD layout's attention ranks (buckets.py): "default", "off" / False, or
+    #: the sizes; each attention rank's tokens cross the wire padded to a bucket, so an FFN rank
+    #: compiles one program per bucket tuple of its peers, not per exact count
+    buckets: str | bool | tuple[int, ...] = "default"
+
+    @property
+    def token_buckets(self) -> Any:
+        """The parsed :class:`~afd_compile.buckets.TokenBuckets` (None: off)."""
+        from ..buckets import TokenBuckets
+
+        return TokenBuckets.parse(self.buckets)
 
     @staticmethod
     def parse(options: dict[str, Any] | None) -> BackendOptions:
@@ -85,6 +109,8 @@ class BackendOptions:
             ok, what = _OPTION_TYPES[name]
             if not ok(value):
                 raise BackendOptionError(f"afd backend: option {name}={value!r} ({type(value).__name__}) must be {what}")
+        if isinstance(options.get("buckets"), list):
+            options["buckets"] = tuple(options["buckets"])
         opts = BackendOptions(**options)
         if opts.tp > 1 and (opts.attention or opts.ffn):
             raise BackendOptionError("afd backend: give either a TP layout (tp, attn_dp) or an AFD layout "
@@ -104,6 +130,9 @@ class BackendOptions:
             if getattr(opts, name) > 1 and not opts.attention:
                 raise BackendOptionError(f"afd backend: {name}={getattr(opts, name)} applies to an AFD layout "
                                          "(attention, ffn) only")
+        if "buckets" in options and not opts.attention:
+            raise BackendOptionError(f"afd backend: buckets={options['buckets']!r} applies to an AFD layout "
+                                     "(attention, ffn) only: it sets the wire slots of the attention ranks")
         if opts.stages > 1 and not opts.attention:
             raise BackendOptionError(f"afd backend: stages={opts.stages} applies to an AFD layout (attention, ffn) only")
         from ..passes.roles import POLICIES

@@ -14,6 +14,7 @@ included) is built before, by :mod:`afd_compile.deploy`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from ..buckets import TokenBuckets
 from ..comm import AFDCommunicator
 from ..errors import AFDCompileError
 from ..layout import micro_batches
@@ -139,6 +141,19 @@ class AttentionWorker:
     #: how a program runs (the compile backend compiles it): applied once per program
     wrap: Callable[[fx.GraphModule], Callable[..., Any]] | None = None
     runners: dict[int, Callable[..., Any]] = field(default_factory=dict)
+    #: token buckets (buckets.py): this rank's tokens cross the wire in a slot of
+    #: ``slot_unit * buckets.slot(n / slot_unit)`` rows, so its FFN rank sees bucketed sizes only;
+    #: None: the exact count (also for a static token count, which never changes)
+    buckets: TokenBuckets | None = None
+    #: the granularity of the token count (its static factor: a static batch of a static cache);
+    #: the FFN program views the tokens in groups of it
+    slot_unit: int = 1
+
+    def slot(self, n: int) -> int:
+        """The rows ``n`` tokens take on the wire this step."""
+        if self.buckets is None or self.static or n == 0:
+            return n
+        return self.slot_unit * self.buckets.slot(-(-n // self.slot_unit))
 
     def program_for(self, k: int) -> Callable[..., Any]:
         """The program of ``k`` micro-batches (1: the unstaged one), as it runs."""
@@ -163,8 +178,9 @@ class AttentionWorker:
         total = slice_of.total(inputs) if slice_of is not None else self.count_tokens(inputs)
         n = slice_of.of(total) if slice_of is not None else total
         if self.stages == 1:
-            send_control(self.comm, n)
-            self.comm.set_step({self.stage: (n,)})
+            slot = self.slot(n)
+            send_control(self.comm, slot)
+            self.comm.set_step({self.stage: (n,)}, {self.stage: slot})
             return self.program_for(1)(*inputs) if total else None
         assert self.batch_dim is not None
         batch = int(inputs[self.batch_dim[0]].shape[self.batch_dim[1]])
@@ -172,9 +188,11 @@ class AttentionWorker:
         rows = [end - start for start, end in micro_batches([per_seq] * batch, self.stages)]
         # this rank's tokens per stage: with attention TP its slice of each micro-batch's tokens
         counts = tuple(r * per_seq if slice_of is None else slice_of.of(r * per_seq) for r in rows)
-        n = sum(counts)  # (with attention TP: the sum of its slices, each micro-batch split over the group apart)
-        send_control(self.comm, n, counts)
-        self.comm.set_step({s: (c,) for s, c in enumerate(counts)})
+        # (with attention TP: its slices, each micro-batch split over the group apart); on the wire
+        # each stage takes its bucket slot
+        slots = tuple(self.slot(c) for c in counts)
+        send_control(self.comm, sum(slots), slots)
+        self.comm.set_step({s: (c,) for s, c in enumerate(counts)}, dict(enumerate(slots)))
         if total == 0:
             return None
         rows = [r for r in rows if r]
@@ -275,6 +293,16 @@ class FFNWorker:
     #: the static batch of the attention peers (a static KV cache), whose micro-batches are fixed
     #: (passes/stages.static_rows); None: a dynamic batch
     static_batch: int | None = None
+    #: every token layout a program ran for (per stage and peer, and the group's): what a compiling
+    #: runner compiles one program for (a CUDA graph captures the per-peer receive sizes)
+    layouts: set[tuple] = field(default_factory=set)
+    #: every tuple of carrier sizes a program ran on (the tokens of each stage, and the group's):
+    #: what a compiled program that is not captured in a CUDA graph depends on (the per-peer sizes
+    #: are read when the exchange runs)
+    carriers: set[tuple[int, ...]] = field(default_factory=set)
+    #: messages read on the host since this worker was made (control messages, stage counts, the
+    #: FFN group's counts): on NCCL each is a device-to-host wait on the step path
+    host_reads: int = 0
 
     def program_for(self, k: int) -> Callable[..., Any]:
         """The program of ``k`` micro-batch stages (1: the unstaged one), as it runs."""
@@ -309,6 +337,7 @@ class FFNWorker:
         for b, p in zip(bufs, live, strict=True):
             dist.recv(b, p, group=self.comm.group)
         got = dict(zip(live, ([int(v) for v in b.tolist()] for b in bufs), strict=True))
+        self.host_reads += len(live)
         counts = self._check_control(got)
         per_stage = self._stage_counts(counts, dev) if self.stages > 1 and counts is not None else None
         if self.group_size > 1:
@@ -328,13 +357,13 @@ class FFNWorker:
                 self.step_counts = (tuple(per_stage[:k]), self.group_stage_counts)
                 own = [torch.empty(sum(per_stage[s]), 0, device=self.device) for s in range(k)]
                 group = [torch.empty(sum(c), 0, device=self.device) for c in self.group_stage_counts]
-                self.program_for(k)(*own, *(group if self.group_input else ()))
+                self._launch(self.program_for(k), [*own, *(group if self.group_input else ())])
             return counts
         if sum(counts):
             if self.stages > 1:
                 live = [sum(c) for c in per_stage if sum(c)]
                 self.step_counts = tuple(c for c in per_stage if sum(c))
-                self.program_for(len(live))(*(torch.empty(t, 0, device=self.device) for t in live))
+                self._launch(self.program_for(len(live)), [torch.empty(t, 0, device=self.device) for t in live])
                 return counts
             self._run(counts)
         elif self.group_size > 1 and sum(self.group_counts):  # no token here, some in the group: join its collectives
@@ -347,10 +376,17 @@ class FFNWorker:
         slots = [torch.empty(sum(counts), 0, device=self.device)]
         if self.group_input:
             slots.append(torch.empty(sum(self.group_counts), 0, device=self.device))
+        self.step_counts = (counts, self.group_counts)
         if self.run_program is not None:
-            self.run_program(counts, *slots)
+            self._launch(functools.partial(self.run_program, counts), slots)
         else:
-            self.program(*slots)
+            self._launch(self.program, slots)
+
+    def _launch(self, program: Callable[..., Any], carriers: list[torch.Tensor]) -> None:
+        """Run a step's program on its token carriers, recording the step's layouts."""
+        self.layouts.add(self.step_counts)
+        self.carriers.add(tuple(int(c.shape[0]) for c in carriers))
+        program(*carriers)
 
     def _stage_counts(self, counts: tuple[int, ...], dev: str) -> list[tuple[int, ...]]:
         """Each live peer's tokens per stage (sent after its control message), checked against its
@@ -363,6 +399,7 @@ class FFNWorker:
             b = torch.empty(self.stages, dtype=torch.int64, device=dev)
             dist.recv(b, p, group=self.comm.group)
             by_peer[p] = [int(v) for v in b.tolist()]
+            self.host_reads += 1
             if sum(by_peer[p]) != n or min(by_peer[p]) < 0:
                 raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {p} announced {n} tokens but "
                                    f"stage counts {by_peer[p]}")
@@ -387,6 +424,7 @@ class FFNWorker:
         parts = [torch.empty_like(mine) for _ in range(self.group_size)]
         dist.all_gather(parts, mine, group=self.ffn_group)
         got = [[int(v) for v in p.tolist()] for p in parts]
+        self.host_reads += 1
         if all(g[0] < 0 for g in got):
             return None
         self.group_counts = tuple(max(g[0], 0) for g in got)

@@ -1,0 +1,117 @@
+"""Token buckets: the slot an attention rank's tokens take on the wire.
+
+A serving engine's batch changes every step. An FFN rank runs (and, on CUDA, captures) one program
+per tuple of per-peer transfer sizes, because a CUDA graph replays the receive sizes it captured.
+With buckets an attention rank sends its ``n`` tokens in a **slot** of ``slot(n)`` rows (the next
+bucket; the rows past ``n`` are zeros), so the FFN rank sees only the slots: the programs it
+compiles are bounded by the buckets its peers touch, not by their exact counts.
+
+Padded rows change no result: an FFN program is per token (a program that mixes tokens is refused
+when it is split), so the padded rows compute beside the real ones and the attention rank drops
+them when the FFN output comes back (:func:`afd_compile.ops.p2p_recv` returns the first ``n``
+rows). They cost FFN work: at most the gap to the next bucket.
+
+The default list is vLLM's CUDA-graph capture sizes: 1, 2, 4, then every multiple of 8 up to 256,
+every multiple of 16 up to 512; past the last bucket a slot is the next multiple of 256 (a long
+prefill pads at most 255 rows).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import AFDCompileError
+
+#: vLLM's capture sizes (``cuda_graph_sizes``): 1, 2, 4, 8..256 by 8, 272..512 by 16
+DEFAULT_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 257, 8), *range(272, 513, 16))
+#: past the last bucket, slots are multiples of this
+DEFAULT_CHUNK = 256
+
+
+class BucketError(AFDCompileError):
+    """A bucket list that cannot be used (not ascending, not positive, not integers)."""
+
+
+@dataclass(frozen=True)
+class TokenBuckets:
+    """Ascending slot sizes; past the last one, multiples of ``chunk``."""
+
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    chunk: int = DEFAULT_CHUNK
+
+    def __post_init__(self) -> None:
+        if not self.sizes:
+            raise BucketError("token buckets: the list is empty; give at least one size, or 'off'")
+        if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in self.sizes):
+            raise BucketError(f"token buckets {list(self.sizes)}: every size must be an integer >= 1")
+        if any(a >= b for a, b in zip(self.sizes, self.sizes[1:], strict=False)):
+            raise BucketError(f"token buckets {list(self.sizes)}: sizes must be strictly ascending")
+        if not isinstance(self.chunk, int) or self.chunk < 1:
+            raise BucketError(f"token buckets: chunk {self.chunk!r} must be an integer >= 1")
+
+    def slot(self, n: int) -> int:
+        """The rows ``n`` tokens take: 0 for none, else the first bucket >= n, past the last one
+        the next multiple of ``chunk`` (at least the last bucket)."""
+        if n < 0:
+            raise BucketError(f"token buckets: a token count is >= 0, got {n}")
+        if n == 0:
+            return 0
+        i = bisect.bisect_left(self.sizes, n)
+        if i < len(self.sizes):
+            return self.sizes[i]
+        return max(-(-n // self.chunk) * self.chunk, self.sizes[-1])
+
+    def __str__(self) -> str:
+        s = self.sizes
+        head = ",".join(map(str, s)) if len(s) <= 6 else f"{s[0]},{s[1]},...,{s[-1]} ({len(s)} sizes)"
+        return f"{head}; then multiples of {self.chunk}"
+
+    @staticmethod
+    def parse(value: str | Sequence[int] | bool | None) -> TokenBuckets | None:
+        """``None`` / ``True`` / ``"default"`` / ``"on"``: the default list; ``False`` / ``"off"`` /
+        ``"none"``: no buckets (each step's exact counts); a list, or a comma-separated string of
+        sizes (``"1,2,4,8,16"``; past the last, multiples of the last)."""
+        if value is None or value is True:
+            return TokenBuckets()
+        if value is False:
+            return None
+        if isinstance(value, TokenBuckets):
+            return value
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text in ("default", "on", "true", "1"):
+                return TokenBuckets()
+            if text in ("off", "none", "false", "0", "exact"):
+                return None
+            try:
+                sizes = [int(x) for x in text.split(",") if x.strip()]
+            except ValueError:
+                raise BucketError(f"token buckets {value!r}: give 'default', 'off' or ascending sizes such as "
+                                  "'1,2,4,8,16,32,64'") from None
+        else:
+            sizes = list(value)
+            if any(not isinstance(x, int) or isinstance(x, bool) for x in sizes):
+                raise BucketError(f"token buckets {sizes}: every size must be an integer >= 1")
+        if not sizes:
+            raise BucketError(f"token buckets {value!r}: no sizes; give 'default', 'off' or ascending sizes")
+        return TokenBuckets(tuple(sizes), chunk=sizes[-1])
+
+
+BUCKETS_HELP = ("AFD: token buckets, the wire slots of the attention ranks: 'default' (1,2,4, multiples of 8 to 256, "
+                "of 16 to 512, then of 256), 'off' (exact counts), or ascending sizes '1,2,4,8,16'; an attention "
+                "rank's tokens cross the wire padded to the next bucket, so an FFN rank runs one program per bucket "
+                "tuple of its peers; not with --tp")
+
+
+def buckets_flag(text: str) -> str:
+    """The CLI's ``--buckets``: checked when the arguments are parsed (argparse's one-line error,
+    exit 2), parsed with :meth:`TokenBuckets.parse` where it is used."""
+    import argparse
+
+    try:
+        TokenBuckets.parse(text)
+    except BucketError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

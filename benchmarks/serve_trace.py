@@ -1,0 +1,93 @@
+"""Serving a changing batch (issue 35): what a request trace costs an FFN rank, with and without
+token buckets, on CPU (gloo).
+
+A seeded trace of per-peer batch sizes drawn between 0 and ``--max-batch`` (default 64) sequences
+of one token (a decode step) runs through AFD 2A1F and 3A1F, one and two micro-batch stages, each
+with exact counts on the wire (``buckets=off``) and with the default buckets. Each run is a
+``verify`` run: every step of every attention rank is compared with the unsplit model (fp32), so
+the table is also a numerics check. Per run it reports:
+
+- ``programs, captured``: the token layouts the FFN rank ran a program for (per stage and peer):
+  what the backend compiles and captures one program for when it captures CUDA graphs (a graph
+  replays the receive sizes it captured); each first sight is a step that forced a compile;
+- ``programs, not captured``: the carrier sizes (tokens per stage) it ran on: what the backend
+  compiles one program for without CUDA graphs (gloo, CPU: the exchange reads per-peer sizes when
+  it runs);
+- ``host reads / step``: messages the FFN rank read on the host per step (control messages, stage
+  counts): on NCCL each is a device-to-host wait on the step path; token buckets do not change it
+  yet (the per-step control message stays; see BENCHMARKS.md);
+- ``max rel err``: the worst error of any compared output.
+
+    python benchmarks/serve_trace.py --json $OUT/serve_trace.json          # 200 steps (~2 min)
+    python benchmarks/serve_trace.py --steps 20 --max-batch 16             # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--max-batch", type=int, default=64, help="largest batch (sequences) a peer draws")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
+    args = ap.parse_args()
+
+    import torch
+
+    from afd_compile.buckets import TokenBuckets
+    from afd_compile.layout import AFDLayout
+    from afd_compile.models import build_hf, export_lm
+    from afd_compile.verify import Case, run_cases
+
+    rng = random.Random(args.seed)
+    # one trace; peer a at step s takes trace[(a + s) % len]: each peer its own phase of it
+    trace = tuple(rng.randint(0, args.max_batch) for _ in range(args.steps))
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "llama_decode.pt2")
+        torch.export.save(export_lm(build_hf("llama", num_layers=2), batch=3, seq=1), path)
+        runs = [(a, s, b) for a in (2, 3) for s in (1, 2) for b in ("off", "default")]
+        cases = [Case(path, AFDLayout(a, 1), trace, steps=args.steps, stages=s, buckets=TokenBuckets.parse(b))
+                 for a, s, b in runs]
+        results = run_cases(cases, timeout_s=600)
+    rows = []
+    for (a, s, b), res in zip(runs, results, strict=True):
+        ffn = res[0]
+        att = [v for v in res.values() if v["role"] == "attention"]
+        rows.append({"layout": f"{a}A1F", "stages": s, "buckets": b, "steps": args.steps,
+                     "programs_captured": len(ffn["layouts"]), "programs_not_captured": len(ffn["carriers"]),
+                     "host_reads_per_step": ffn["host_reads"] / max(ffn["steps"], 1),
+                     "compared": sum(v["compared"] for v in att),
+                     "max_rel_err": max(v["max_rel_err"] for v in att)})
+    print(f"serve_trace: {args.steps} steps, per-peer batch drawn from 0..{args.max_batch} (seed {args.seed}), "
+          f"one token per sequence; {time.perf_counter() - t0:.0f} s")
+    print("| layout | S | buckets | FFN programs, captured | FFN programs, not captured | host reads / step | "
+          "max rel err |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layout']} | {r['stages']} | {r['buckets']} | {r['programs_captured']} | "
+              f"{r['programs_not_captured']} | {r['host_reads_per_step']:.2f} | {r['max_rel_err']:.2g} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"steps": args.steps, "max_batch": args.max_batch, "seed": args.seed, "trace": trace,
+                       "rows": rows}, f, indent=1)
+    bad = [r for r in rows if not r["max_rel_err"] <= 1e-5 or not r["compared"]]
+    if bad:
+        print(f"serve_trace: FAIL: {bad}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Token buckets (issue 35): the slot of a token count, and a batch that changes every step through
+AFD: exact numerics, and an FFN rank that runs one program per bucket tuple of its peers."""
+
+from __future__ import annotations
+
+import pytest
+
+from afd_compile.buckets import BucketError, TokenBuckets
+from afd_compile.comm import AFDCommunicator
+from afd_compile.layout import AFDLayout
+from afd_compile.verify import Case, run_cases
+
+
+@pytest.mark.parametrize("n, slot", [(0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (17, 24),
+                                     (256, 256), (257, 272), (512, 512), (513, 768), (1000, 1024)])
+def test_default_slot_is_the_next_bucket_then_a_multiple_of_256(n: int, slot: int) -> None:
+    assert TokenBuckets().slot(n) == slot
+
+
+def test_a_given_list_pads_past_its_last_size_to_multiples_of_it() -> None:
+    b = TokenBuckets.parse("4,16")
+    assert [b.slot(n) for n in (0, 1, 4, 5, 16, 17, 33)] == [0, 4, 4, 16, 16, 32, 48]
+    assert TokenBuckets.parse([1, 8]).sizes == (1, 8)
+
+
+@pytest.mark.parametrize("value", [None, True, "default", "on"])
+def test_default_and_on_give_the_default_list(value: object) -> None:
+    assert TokenBuckets.parse(value) == TokenBuckets()
+
+
+@pytest.mark.parametrize("value", [False, "off", "none", "exact"])
+def test_off_gives_exact_counts(value: object) -> None:
+    assert TokenBuckets.parse(value) is None
+
+
+@pytest.mark.parametrize("value, message", [("4,2", "strictly ascending"), ("0,4", "integer >= 1"),
+                                            ("a,b", "give 'default', 'off'"), ("", "no sizes"),
+                                            ([1, 2.5], "integer >= 1"), ([], "no sizes")])
+def test_a_bad_list_is_refused_naming_why(value: object, message: str) -> None:
+    with pytest.raises(BucketError, match=message):
+        TokenBuckets.parse(value)
+
+
+def test_a_negative_count_and_a_slot_smaller_than_the_count_are_refused() -> None:
+    with pytest.raises(BucketError, match="a token count is >= 0"):
+        TokenBuckets().slot(-1)
+    comm = AFDCommunicator("attention", 3, (0,))
+    with pytest.raises(ValueError, match="attention rank 3, stage 0: a wire slot of 4 rows cannot hold 5 tokens"):
+        comm.set_step({0: (5,)}, {0: 4})
+    comm.set_step({0: (5,)}, {0: 8})
+    assert comm.slot(0, 5) == 8 and comm.slot(1, 3) == 3
+
+
+def test_backend_option_buckets_is_checked() -> None:
+    from afd_compile.backend import BackendOptionError, BackendOptions
+
+    assert BackendOptions.parse({"attention": 2, "ffn": 1}).token_buckets == TokenBuckets()
+    assert BackendOptions.parse({"attention": 2, "ffn": 1, "buckets": "off"}).token_buckets is None
+    assert BackendOptions.parse({"attention": 2, "ffn": 1, "buckets": [8, 64]}).token_buckets.sizes == (8, 64)
+    with pytest.raises(BackendOptionError, match=r"buckets=\[4, 2\] \(list\) must be"):
+        BackendOptions.parse({"attention": 2, "ffn": 1, "buckets": [4, 2]})
+    with pytest.raises(BackendOptionError, match="buckets='off' applies to an AFD layout"):
+        BackendOptions.parse({"tp": 2, "buckets": "off"})
+
+
+#: sequences per attention rank, step after step (rank a at step s takes TRACE[(a + s) % 7]); the
+#: models are traced with 5 tokens a sequence
+TRACE = (0, 1, 2, 3, 4, 6, 7)
+COARSE = TokenBuckets((16, 64))
+
+
+def _slot_tuples(peers: int, steps: int, buckets: TokenBuckets | None) -> set[tuple[int, ...]]:
+    """The per-peer wire sizes of every step that has a token (what an FFN rank runs a program for)."""
+    slot = buckets.slot if buckets is not None else (lambda n: n)
+    tuples = {tuple(slot(5 * TRACE[(a + s) % len(TRACE)]) for a in range(peers)) for s in range(steps)}
+    return {t for t in tuples if sum(t)}
+
+
+def test_a_changing_batch_runs_one_ffn_program_per_bucket_tuple_and_stays_exact(exported) -> None:
+    llama, moe = exported("llama2")[1], exported("qwen3moe2")[1]
+    steps = len(TRACE)
+    cases = [Case(llama, AFDLayout(2, 1), TRACE, steps=steps, buckets=None),
+             Case(llama, AFDLayout(2, 1), TRACE, steps=steps, buckets=COARSE),
+             Case(llama, AFDLayout(2, 1), TRACE, steps=steps),  # the default list
+             # 3 peers over an FFN TP group of 2 (uneven blocks), an MoE model: padded rows go
+             # through the router and the experts and are dropped; and two micro-batch stages
+             Case(moe, AFDLayout(3, 2, ffn_tp=2), TRACE, steps=steps, buckets=COARSE),
+             Case(llama, AFDLayout(3, 1), TRACE, steps=steps, stages=2, buckets=COARSE)]
+    results = run_cases(cases)
+    for case, res in zip(cases, results, strict=True):
+        att = [v for v in res.values() if v["role"] == "attention"]
+        assert len(att) == case.layout.attention_ranks, (case, res)
+        assert sum(v["compared"] for v in att) >= steps, (case, res)  # (a rank with no tokens compares nothing)
+        assert max(v["max_rel_err"] for v in att) <= 1e-5, (case, res)
+    exact, coarse, default = (len(results[i][0]["layouts"]) for i in range(3))
+    assert exact == len(_slot_tuples(2, steps, None)) == 7
+    assert coarse == len(_slot_tuples(2, steps, COARSE)) == 5  # (per peer 0, 16 or 64)
+    assert default == len(_slot_tuples(2, steps, TokenBuckets())) <= exact
+    # an FFN rank of the group serves a program per tuple of its own peers' slots and its group's
+    for f in (0, 1):
+        assert len(results[3][f]["layouts"]) <= len(_slot_tuples(3, steps, COARSE)), results[3]
+    assert len(results[4][0]["layouts"]) < len(_slot_tuples(3, steps, None)) * 2, results[4]
