@@ -296,12 +296,12 @@ def _shards_summary(shards, listed: bool = False) -> str:
 def cmd_plan_tp(args: argparse.Namespace) -> int:
     import json
 
-    from .passes.tp_rewrite import shard_for_rank
+    from .deploy import tp_rank_program
 
     with _progress(args).phase(f"loaded and sharded {args.model} (rank 0)"):
         layout, gm, _ = _tp_graph(args)
         # shard rank 0 as verify and rewrite do: a layout the model cannot take is refused here too
-        prog = shard_for_rank(gm, layout, 0, graph_name=args.model)
+        prog = tp_rank_program(gm, layout, 0, prepared=True, graph_name=args.model)
     from .passes.graph_utils import state_bytes, written_attrs
 
     cache = None
@@ -384,10 +384,10 @@ def _export_tp_rank(gm, layout, rank: int, model: str, inputs: list):
     """(rank's TPProgram, its re-exported program)."""
     import torch
 
-    from .passes.tp_rewrite import shard_for_rank
+    from .deploy import tp_rank_program
     from .programs import dynamic_shapes_of
 
-    prog = shard_for_rank(gm, layout, rank, graph_name=model)
+    prog = tp_rank_program(gm, layout, rank, prepared=True, graph_name=model)
     x = tuple(inputs)
     if layout.attn_dp > 1:  # the carrier of all DP groups' tokens (equal groups in the example)
         x = (*x, torch.empty(layout.attn_dp * int(inputs[0].numel()), 0))
@@ -513,14 +513,14 @@ def _verdict(run: Callable[[], object]) -> int:
 
 
 def cmd_verify_tp(args: argparse.Namespace) -> int:
-    from .passes.tp_rewrite import shard_for_rank
+    from .deploy import tp_rank_program
     from .verify import verify_tp
 
     batches = _tokens(args)
     progress = _progress(args)
     with progress.phase(f"loaded and sharded {args.model} (rank 0)"):
         layout, gm, ep = _tp_graph(args)
-        prog = shard_for_rank(gm, layout, 0, graph_name=args.model)  # fail fast, before spawning
+        prog = tp_rank_program(gm, layout, 0, prepared=True, graph_name=args.model)  # fail fast, before spawning
     print(prog.plan.table())
     _print_timings(args, prog.timings)
     print(f"verify: {len(prog.shards.weights)} weights sharded, {len(prog.shards.arg_fixes)} head counts divided")

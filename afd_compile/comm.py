@@ -82,6 +82,9 @@ class AFDCommunicator:
     #: an attention rank's wire slot per stage this step (token buckets, buckets.py): its tokens
     #: cross the wire padded to this many rows; absent: the exact count
     step_slots: dict[int, int] = field(default_factory=dict)
+    #: an FFN rank's program rows per stage this step (token buckets): its peers' tokens padded
+    #: with zero rows; absent: the tokens exactly
+    step_rows: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.role not in ("attention", "ffn"):
@@ -109,10 +112,23 @@ class AFDCommunicator:
         token buckets): per stage the rows its tokens take on the wire (>= its count)."""
         self.step_seq_lens = {s: tuple(int(n) for n in v) for s, v in seq_lens_per_stage.items()}
         self.step_slots = {s: int(n) for s, n in (slots or {}).items()}
+        self.step_rows = {}
         for s, n in self.step_slots.items():
             if n < sum(self.step_seq_lens.get(s, ())):
                 raise ValueError(f"afd: {self.role} rank {self.rank}, stage {s}: a wire slot of {n} rows cannot hold "
                                  f"{sum(self.step_seq_lens[s])} tokens")
+
+    def received_tokens(self, stage_idx: int, rows: int, where: str) -> int:
+        """An FFN rank's tokens at ``stage_idx`` when its program runs ``rows`` rows: the sum of
+        the peers' counts when the runtime padded the rows to a bucket (``step_rows``), else
+        ``rows`` itself."""
+        padded = self.step_rows.get(stage_idx)
+        if padded is None or padded == sum(self.step_seq_lens.get(stage_idx, ())):
+            return rows
+        if rows != padded:
+            raise ValueError(f"{where}: shape mismatch: the program runs {rows} rows but this step's rows are "
+                             f"{padded} (its peers' {sum(self.step_seq_lens[stage_idx])} tokens padded to a bucket)")
+        return sum(self.step_seq_lens[stage_idx])
 
     def slot(self, stage_idx: int, tokens: int) -> int:
         """The rows ``tokens`` take on the wire at ``stage_idx`` this step (an attention rank's

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
@@ -29,7 +31,11 @@ from .passes.stages import (
 )
 from .passes.symbolic import sym_expr
 from .runtime import AttentionWorker, FFNWorker, GroupSlice, TokenCount, process_group
+from .scatter import TPLayout
 from .split_api import SplitConfig, split_graph_module
+
+if TYPE_CHECKING:
+    from .passes.tp_rewrite import TPProgram
 
 #: token buckets are on by default (a serving user should not have to know)
 DEFAULT_BUCKETS = TokenBuckets()
@@ -102,6 +108,50 @@ def staged_pair(attention: fx.GraphModule, ffn: fx.GraphModule, layout: AFDLayou
     return staged[0], staged[1], schedule
 
 
+@dataclass
+class RankProgram:
+    """What rank ``rank`` of a layout runs: an AFD ``worker`` (attention or FFN, its programs of
+    every stage count built) or a TP rank's program (``tp``: the sharded program and its plans)."""
+
+    rank: int
+    role: str  # "attention", "ffn" or "tp"
+    worker: AttentionWorker | FFNWorker | None = None
+    tp: TPProgram | None = None
+
+
+def build_rank(gm: fx.GraphModule, layout: AFDLayout | TPLayout, rank: int, config: SplitConfig | None = None,
+               **afd_options: Any) -> RankProgram:
+    """The one answer to "what does rank ``rank`` of ``layout`` run": an AFD layout's worker
+    (:func:`make_worker`, ``afd_options`` its keyword arguments) or a TP layout's rank program
+    (:func:`tp_rank_program`)."""
+    if isinstance(layout, TPLayout):
+        if afd_options:
+            raise TypeError(f"build_rank: options {sorted(afd_options)} apply to an AFD layout, not {layout}")
+        return RankProgram(rank, "tp", tp=tp_rank_program(gm, layout, rank, config))
+    worker = make_worker(gm, layout, rank, config, **afd_options)
+    return RankProgram(rank, "ffn" if isinstance(worker, FFNWorker) else "attention", worker=worker)
+
+
+def tp_rank_program(gm: fx.GraphModule, layout: TPLayout, rank: int, config: SplitConfig | None = None, *,
+                    prepared: bool = False, fuse_norm: bool = True, graph_name: str | None = None) -> TPProgram:
+    """Rank ``rank`` of a TP layout: ``gm``'s MoE blocks recognised (strictly: TP shards the
+    experts) and its roles annotated, in place (skipped when ``prepared``: the caller did it once
+    for several ranks), then the sharded program (``passes/tp_rewrite.shard_for_rank``).
+    ``graph_name``: the name messages give the graph (default: the config's)."""
+    import dataclasses
+
+    from .passes.prepare import prepare_graph
+    from .passes.tp_rewrite import shard_for_rank
+
+    config = config or SplitConfig()
+    if graph_name is not None:
+        config = dataclasses.replace(config, graph_name=graph_name)
+    if not prepared:
+        prepare_graph(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
+                      graph_name=config.graph_name, strict=True)
+    return shard_for_rank(gm, layout, rank, graph_name=config.graph_name, fuse_norm=fuse_norm)
+
+
 def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig | None = None,
                 device: torch.device | None = None, group: dist.ProcessGroup | None = None,
                 check_wire: bool | None = None, stages: int = 1, symm_mem: bool = True,
@@ -158,6 +208,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
         # (a group's program: staged again, with its group inputs and collectives)
         built = {stages_built: staged[1]} if stages_built != 1 and size == 1 else {}
         worker.staged = {k: p.to(device) for k, p in staged_programs(ffn, "ffn", stages, batch, built).items()}
+        use_ffn_buckets(worker, ffn, buckets)
         return worker
     # one communicator per comm id, shared by every graph of this rank (prefill, decode)
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id)
@@ -169,6 +220,20 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     worker.staged = {k: p.to(device) for k, p in staged_programs(attention, "attention", stages, batch, built).items()}
     use_buckets(worker, buckets)
     return worker
+
+
+def use_ffn_buckets(worker: FFNWorker, program: fx.GraphModule, buckets: TokenBuckets | None) -> None:
+    """Token buckets for an FFN worker whose program takes any token count (a symbolic carrier):
+    each stage's rows are its tokens padded to a bucket, in units of what every token count of the
+    program is a multiple of. A program of static tokens keeps its exact rows."""
+    from .passes.split import TOKEN_MULTIPLE
+
+    ph = next((n for n in program.graph.nodes if n.op == "placeholder"), None)
+    val = ph.meta.get("val") if ph is not None else None
+    if buckets is None or not isinstance(val, torch.Tensor) or isinstance(val.shape[0], int):
+        return
+    unit = program.meta.get(TOKEN_MULTIPLE) or int(sym_expr(val.shape[0]).as_coeff_Mul()[0])
+    worker.buckets, worker.token_unit = buckets, max(int(unit), 1)
 
 
 def use_buckets(worker: AttentionWorker, buckets: TokenBuckets | None) -> None:
@@ -205,9 +270,6 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
     from .passes.prepare import prepare_graph
     from .passes.roles import annotate_roles
     from .passes.split import build_attention_program, plan_split
-    from .passes.tp_rewrite import shard_for_rank
-    from .scatter import TPLayout
-
     prepare_graph(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
                   graph_name=config.graph_name)
     moe = sorted({n.meta["afd.role"].layer for n in gm.graph.nodes if n.target == torch.ops.aten.topk.default
@@ -215,8 +277,8 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
     if moe:
         raise LayoutError(f"AFD layout {layout}: attention TP with MoE layers ({moe}: top-k routing) is not supported "
                           "yet; use attn_tp=1 (the FFN side can still be ffn_tp / ffn_ep)")
-    tp = shard_for_rank(gm, TPLayout(layout.attn_tp, dense_dp=True), idx % layout.attn_tp, config.graph_name,
-                        fuse_norm=False)
+    tp = tp_rank_program(gm, TPLayout(layout.attn_tp, dense_dp=True), idx % layout.attn_tp, config, prepared=True,
+                         fuse_norm=False)
     for gid in (GROUP_TP, GROUP_ATTN_TP):
         register_group(gid, group)
     propagate_meta_fresh(tp.program)  # the MLPs now run on this rank's slice: their shapes change
@@ -256,8 +318,10 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
         register_communicator(comm, comm_id)
         program = load_program(plan.path("ffn")).module().to(device)
         batch = plan.get("static_batch")
-        return FFNWorker(program, comm, device, stages=stages, static_batch=batch,
-                         staged=staged_programs(program, "ffn", stages, batch))
+        ffn_worker = FFNWorker(program, comm, device, stages=stages, static_batch=batch,
+                               staged=staged_programs(program, "ffn", stages, batch))
+        use_ffn_buckets(ffn_worker, program, buckets)
+        return ffn_worker
     comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),))
     register_communicator(comm, comm_id)
     program = load_program(plan.path("attention")).module().to(device)

@@ -287,7 +287,8 @@ def p2p_recv_group(
     where = _where("p2p_recv_group", comm, layer_idx, stage_idx)
     wspec = _spec(spec)
     meta = comm.metadata(layer_idx, stage_idx)
-    sizes = split_sizes(total_tokens, meta.seq_lens, len(comm.peers), where)
+    tokens = comm.received_tokens(stage_idx, total_tokens, where)  # (< total_tokens: rows padded to a bucket)
+    sizes = split_sizes(tokens, meta.seq_lens, len(comm.peers), where)
     per_peer = [
         [torch.empty(w.shape(n), dtype=w.dtype, device=dep.device) for w in wspec.tensors]
         for n in sizes
@@ -295,9 +296,10 @@ def p2p_recv_group(
     comm.exchange([], [(t, p, w.kind) for p, ts in zip(comm.peers, per_peer, strict=True)
                        for t, w in zip(ts, wspec.tensors, strict=True)],
                   layer_idx=layer_idx, stage_idx=stage_idx, where=where)
-    if len(per_peer) == 1:
+    pad = [[t.new_zeros((total_tokens - tokens, *t.shape[1:])) for t in per_peer[0]]] if total_tokens > tokens else []
+    if len(per_peer) == 1 and not pad:
         return per_peer[0]
-    return [torch.cat([ts[i] for ts in per_peer], dim=0) for i in range(len(wspec.tensors))]
+    return [torch.cat([ts[i] for ts in per_peer + pad], dim=0) for i in range(len(wspec.tensors))]
 
 
 @p2p_recv_group.register_fake
@@ -316,7 +318,9 @@ def p2p_send_group(
     where = _where("p2p_send_group", comm, layer_idx, stage_idx)
     wspec = _spec(spec)
     meta = comm.metadata(layer_idx, stage_idx)
-    total = tensors[0].shape[0]
+    total = comm.received_tokens(stage_idx, tensors[0].shape[0], where)
+    if total < tensors[0].shape[0]:  # rows padded to a bucket: the padding goes to no peer
+        tensors = [t[:total] for t in tensors]
     sizes = split_sizes(total, meta.seq_lens, len(comm.peers), where)
     if not torch.compiler.is_compiling():
         check_wire_tensors(tensors, wspec, None, comm, where)

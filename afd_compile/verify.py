@@ -313,8 +313,7 @@ class TPCase:
 
 def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
     from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
-    from .passes.prepare import prepare_graph
-    from .passes.tp_rewrite import shard_for_rank
+    from .deploy import tp_rank_program
 
     ep, original, inputs, spec = _loaded(case.path, cache)
     lay = case.layout
@@ -333,8 +332,7 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
         program, sharded = load_program(saved.path(f"rank{rank}")).module(), None
     else:
         gm = fresh_module(ep)
-        prepare_graph(gm, POLICIES[case.policy], graph_name=case.path, strict=True)
-        prog = shard_for_rank(gm, lay, rank, graph_name=case.path)
+        prog = tp_rank_program(gm, lay, rank, SplitConfig(policy=POLICIES[case.policy], graph_name=case.path))
         program, sharded = prog.program, len(prog.shards.weights)
     _, dims = batch_symbol_dims(original)
     tally, seen = Tally(), []

@@ -13,6 +13,8 @@ the table is also a numerics check. Per run it reports:
 - ``programs, not captured``: the carrier sizes (tokens per stage) it ran on: what the backend
   compiles one program for without CUDA graphs (gloo, CPU: the exchange reads per-peer sizes when
   it runs);
+- ``row counts touched``: the distinct row counts of any stage (with buckets: the buckets the
+  FFN rank's totals touched, the issue's target for the programs not captured);
 - ``host reads / step``: messages the FFN rank read on the host per step (control messages, stage
   counts): on NCCL each is a device-to-host wait on the step path; token buckets do not change it
   yet (the per-step control message stays; see BENCHMARKS.md);
@@ -67,17 +69,19 @@ def main() -> int:
         att = [v for v in res.values() if v["role"] == "attention"]
         rows.append({"layout": f"{a}A1F", "stages": s, "buckets": b, "steps": args.steps,
                      "programs_captured": len(ffn["layouts"]), "programs_not_captured": len(ffn["carriers"]),
+                     "buckets_touched": len({v for c in ffn["carriers"] for v in c}),
                      "host_reads_per_step": ffn["host_reads"] / max(ffn["steps"], 1),
                      "compared": sum(v["compared"] for v in att),
                      "max_rel_err": max(v["max_rel_err"] for v in att)})
     print(f"serve_trace: {args.steps} steps, per-peer batch drawn from 0..{args.max_batch} (seed {args.seed}), "
           f"one token per sequence; {time.perf_counter() - t0:.0f} s")
-    print("| layout | S | buckets | FFN programs, captured | FFN programs, not captured | host reads / step | "
-          "max rel err |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layout | S | buckets | FFN programs, captured | FFN programs, not captured | row counts touched | "
+          "host reads / step | max rel err |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layout']} | {r['stages']} | {r['buckets']} | {r['programs_captured']} | "
-              f"{r['programs_not_captured']} | {r['host_reads_per_step']:.2f} | {r['max_rel_err']:.2g} |")
+              f"{r['programs_not_captured']} | {r['buckets_touched']} | {r['host_reads_per_step']:.2f} | "
+              f"{r['max_rel_err']:.2g} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"steps": args.steps, "max_batch": args.max_batch, "seed": args.seed, "trace": trace,

@@ -223,3 +223,37 @@ def test_the_runtime_imports_no_pass_and_composes_nothing():
     bad = [(m, t) for m, deps in _imports_cache.items() if m.startswith("afd_compile.runtime")
            for t, _ in deps if t.startswith(("afd_compile.passes", "afd_compile.deploy", "afd_compile.split_api"))]
     assert not bad, bad
+
+
+#: the functions that compose a rank's program out of passes, and the modules allowed to call them:
+#: deploy (what rank r of a layout runs) and the Python API (split, for the whole split at once)
+COMPOSERS = {"shard_for_rank": {"afd_compile.deploy"}, "split_graph_module": {"afd_compile.deploy",
+                                                                              "afd_compile.split_api"}}
+
+
+def test_one_module_composes_a_ranks_program():
+    # issue 33: "what does rank r of layout L run" is answered by afd_compile.deploy (build_rank,
+    # make_worker, tp_rank_program); the CLI, verify and the backend call it, never the passes
+    calls = []
+    for path in PKG.rglob("*.py"):
+        mod = _module(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in COMPOSERS and mod not in COMPOSERS[name]:
+                    calls.append((mod, name, node.lineno))
+    assert not calls, f"a rank's program composed outside afd_compile.deploy: {calls}"
+
+
+def test_build_rank_answers_for_a_tp_layout_and_refuses_afd_options_there(exported):
+    from afd_compile.deploy import build_rank
+    from afd_compile.programs import fresh_module
+    from afd_compile.scatter import TPLayout
+    from afd_compile.split_api import SplitConfig
+
+    ep = exported("llama2")[0]
+    built = build_rank(fresh_module(ep), TPLayout(2), 1, SplitConfig(graph_name="llama2"))
+    assert built.role == "tp" and built.worker is None and built.tp is not None
+    assert built.tp.shards.weights  # the rank's slices of the projections
+    with pytest.raises(TypeError, match=r"options \['stages'\] apply to an AFD layout"):
+        build_rank(fresh_module(ep), TPLayout(2), 0, stages=2)

@@ -96,6 +96,12 @@ def test_a_changing_batch_runs_one_ffn_program_per_bucket_tuple_and_stays_exact(
     assert exact == len(_slot_tuples(2, steps, None)) == 7
     assert coarse == len(_slot_tuples(2, steps, COARSE)) == 5  # (per peer 0, 16 or 64)
     assert default == len(_slot_tuples(2, steps, TokenBuckets())) <= exact
+    # not captured in a CUDA graph, a program is compiled per carrier: the FFN rank pads its peers'
+    # slots to a bucket too, so it runs one program per bucket its totals touch
+    for i, buckets in ((1, COARSE), (2, TokenBuckets())):
+        carriers = {(buckets.slot(sum(t)),) for t in _slot_tuples(2, steps, buckets)}
+        assert {tuple(c) for c in results[i][0]["carriers"]} == carriers, results[i][0]
+    assert len(results[0][0]["carriers"]) == len({sum(t) for t in _slot_tuples(2, steps, None)})
     # an FFN rank of the group serves a program per tuple of its own peers' slots and its group's
     for f in (0, 1):
         assert len(results[3][f]["layouts"]) <= len(_slot_tuples(3, steps, COARSE)), results[3]

@@ -263,12 +263,13 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
                cudagraphs: bool | None, device: torch.device, static: Sequence[int] = (),
                examples: Sequence[Any] = ()) -> Callable[..., Any]:
     from ..comm import GROUP_ATTN_TP, GROUP_TP, register_group
+    from ..deploy import tp_rank_program
     from ..passes.local_state import hold_local_states
-    from ..passes.prepare import prepare_graph
     from ..passes.roles import POLICIES
-    from ..passes.tp_rewrite import check_any_token_total, shard_for_rank
+    from ..passes.tp_rewrite import check_any_token_total
     from ..runtime import dp_step_counts, tp_groups
     from ..scatter import TPLayout
+    from ..split_api import SplitConfig
     from ..state_store import bind_inputs, bind_outputs
     from ..symm_mem import prepare_groups
 
@@ -280,9 +281,8 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     prepare_groups({GROUP_TP: groups[("tp", layout.tp)], GROUP_ATTN_TP: groups[("attn", layout.attn_tp_group(rank))]},
                    device, opts.symm_mem)
     gm = ep.module()
-    prepare_graph(gm, POLICIES[opts.policy], graph_name="dynamo", strict=True)
     t0 = time.perf_counter()
-    tp = shard_for_rank(gm, layout, rank, graph_name="dynamo")
+    tp = tp_rank_program(gm, layout, rank, SplitConfig(policy=POLICIES[opts.policy], graph_name="dynamo"))
     prog = tp.program.to(device)
     if layout.attn_dp > 1:
         check_any_token_total(prog, list(examples), f"rank {rank}")

@@ -300,9 +300,22 @@ class FFNWorker:
     #: what a compiled program that is not captured in a CUDA graph depends on (the per-peer sizes
     #: are read when the exchange runs)
     carriers: set[tuple[int, ...]] = field(default_factory=set)
+    #: token buckets of the program's rows (buckets.py): each stage's tokens (the sum of its peers'
+    #: slots) run padded to ``token_unit * buckets.slot(t / token_unit)`` rows, so a program not
+    #: captured in a CUDA graph (compiled per carrier sizes) is one per bucket; None: exact rows
+    buckets: TokenBuckets | None = None
+    #: what every token count of the program is a multiple of (passes/split.TOKEN_MULTIPLE)
+    token_unit: int = 1
     #: messages read on the host since this worker was made (control messages, stage counts, the
     #: FFN group's counts): on NCCL each is a device-to-host wait on the step path
     host_reads: int = 0
+
+    def rows(self, tokens: int) -> int:
+        """The rows a program runs for ``tokens`` received tokens (padded to a bucket, zeros that
+        :func:`afd_compile.ops.p2p_recv_group` appends and ``p2p_send_group`` drops)."""
+        if self.buckets is None or self.static_batch or tokens == 0:
+            return tokens
+        return self.token_unit * self.buckets.slot(-(-tokens // self.token_unit))
 
     def program_for(self, k: int) -> Callable[..., Any]:
         """The program of ``k`` micro-batch stages (1: the unstaged one), as it runs."""
@@ -348,20 +361,22 @@ class FFNWorker:
             per_stage = [counts]
         elif per_stage is None:  # this rank's peers have all left; its group still runs
             per_stage = [counts] * self.stages
-        self.comm.set_step({s: c for s, c in enumerate(per_stage)} if self.stages > 1 else {self.stage: counts})
+        per = {s: c for s, c in enumerate(per_stage)} if self.stages > 1 else {self.stage: counts}
+        self.comm.set_step(per)
+        self.comm.step_rows = {s: self.rows(sum(c)) for s, c in per.items()}
         if on_step:
             on_step(counts)
         if self.stages > 1 and self.group_size > 1:  # the group's stages, in lockstep (some maybe empty here)
             k = len(self.group_stage_counts)
             if k:
                 self.step_counts = (tuple(per_stage[:k]), self.group_stage_counts)
-                own = [torch.empty(sum(per_stage[s]), 0, device=self.device) for s in range(k)]
+                own = [torch.empty(self.rows(sum(per_stage[s])), 0, device=self.device) for s in range(k)]
                 group = [torch.empty(sum(c), 0, device=self.device) for c in self.group_stage_counts]
                 self._launch(self.program_for(k), [*own, *(group if self.group_input else ())])
             return counts
         if sum(counts):
             if self.stages > 1:
-                live = [sum(c) for c in per_stage if sum(c)]
+                live = [self.rows(sum(c)) for c in per_stage if sum(c)]
                 self.step_counts = tuple(c for c in per_stage if sum(c))
                 self._launch(self.program_for(len(live)), [torch.empty(t, 0, device=self.device) for t in live])
                 return counts
@@ -373,7 +388,7 @@ class FFNWorker:
     def _run(self, counts: tuple[int, ...]) -> None:
         """The unstaged program on this step's ``(T, 0)`` carrier (and, in an FFN TP group, the
         group's ``(total, 0)``)."""
-        slots = [torch.empty(sum(counts), 0, device=self.device)]
+        slots = [torch.empty(self.rows(sum(counts)), 0, device=self.device)]
         if self.group_input:
             slots.append(torch.empty(sum(self.group_counts), 0, device=self.device))
         self.step_counts = (counts, self.group_counts)
@@ -417,10 +432,11 @@ class FFNWorker:
 
         dev = "cuda" if self.comm.device_transport else "cpu"
         # (over a static batch B each stage's tokens are padded to a multiple of B: stages._padded_tokens)
-        pad = (lambda t: -(-t // self.static_batch) * self.static_batch) if self.static_batch else (lambda t: t)
+        # (else each stage's rows: its tokens padded to a bucket, self.rows)
+        pad = (lambda t: -(-t // self.static_batch) * self.static_batch) if self.static_batch else self.rows
         stages = ([pad(sum(c)) for c in per_stage] if per_stage is not None
                   else [0] * self.stages if self.stages > 1 else [])
-        mine = torch.tensor([-1 if counts is None else sum(counts), *stages], dtype=torch.int64, device=dev)
+        mine = torch.tensor([-1 if counts is None else self.rows(sum(counts)), *stages], dtype=torch.int64, device=dev)
         parts = [torch.empty_like(mine) for _ in range(self.group_size)]
         dist.all_gather(parts, mine, group=self.ffn_group)
         got = [[int(v) for v in p.tolist()] for p in parts]
