@@ -1,6 +1,6 @@
 """AFD under torchrun: the same workers the tests and `afd-compile verify` use.
 
-    torchrun --nproc-per-node 3 examples/afd_torchrun.py --attention-ranks 2 --ffn-ranks 1
+    torchrun --nproc-per-node 3 examples/afd_torchrun.py --attention 2 --ffn 1
 
 Every rank builds the same small HF Llama (seeded random weights), exports it, splits it for its
 own role and runs. Attention rank a uses batch size a + 1. Each attention rank compares its output
@@ -21,25 +21,27 @@ import torch.distributed as dist
 
 from afd_compile.compare import max_rel_err
 from afd_compile.deploy import make_worker
+from afd_compile.errors import AFDCompileError
 from afd_compile.layout import AFDLayout
 from afd_compile.models import build_hf, export_lm
 from afd_compile.progress import Progress
-from afd_compile.runtime import AttentionWorker, init_distributed, shutdown
+from afd_compile.runtime import AttentionWorker, check_launch, init_distributed, shutdown
 
 
 def main() -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--attention-ranks", type=int, default=2)
-    parser.add_argument("--ffn-ranks", type=int, default=1)
+    # (the flags the other examples use; the long forms are kept as aliases)
+    parser.add_argument("--attention", "--attention-ranks", dest="attention", type=int, default=2,
+                        help="attention ranks (world ranks F..F+A-1)")
+    parser.add_argument("--ffn", "--ffn-ranks", dest="ffn", type=int, default=1, help="FFN ranks (world ranks 0..F-1)")
     parser.add_argument("--family", default="llama", choices=["llama", "qwen3_moe"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a peer before failing")
     args = parser.parse_args()
-    layout = AFDLayout(args.attention_ranks, args.ffn_ranks)
+    layout = AFDLayout(args.attention, args.ffn)
+    check_launch(layout.world_size, f"layout {layout}", " ".join(["examples/afd_torchrun.py", *sys.argv[1:]]))
     rank, world = init_distributed(timeout_s=args.timeout)
-    if world != layout.world_size:
-        raise SystemExit(f"layout {layout} needs {layout.world_size} processes, torchrun started {world}")
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     progress = Progress("afd_torchrun", quiet=rank != layout.ffn_ranks)  # the first attention rank's lines
     progress.line(f"{world} processes up")
@@ -64,9 +66,10 @@ def main() -> int:
             progress.line(f"step {step + 1}/{args.steps} done")
         worker.stop()
     else:
-        worker.serve()
+        print(f"afd_torchrun: FFN rank {rank}: served {worker.serve()} steps (it compares nothing)", file=sys.stderr)
     errs = [None] * world
-    dist.all_gather_object(errs, err)
+    dist.all_gather_object(errs, err if isinstance(worker, AttentionWorker) else None)
+    errs = [e for e in errs if e is not None]
     ok = max(errs) <= 1e-5
     if rank == layout.ffn_ranks:
         print(f"{'OK' if ok else 'FAIL'} max_rel_err={max(errs):.3g}")
@@ -75,7 +78,12 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except AFDCompileError as e:  # a launch or layout error: one line (from rank 0 only), exit 2
+        if os.environ.get("RANK", "0") == "0":
+            print(f"afd_torchrun.py: error: {e}", file=sys.stderr)
+        code = 2
     # leave without the interpreter's finalisation: gloo's worker threads, still joinable when C++
     # statics are destroyed, abort a process now and then at exit after a clean shutdown()
     # ("terminate called without an active exception", seen under load in CI; pytorch/pytorch#179291)

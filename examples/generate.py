@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 import warnings
@@ -49,8 +50,11 @@ import torch
 import torch.distributed as dist
 
 import afd_compile
+from afd_compile.backend.options import check_options
+from afd_compile.errors import AFDCompileError
 from afd_compile.models import FAMILIES
-from afd_compile.runtime import finish, init_distributed, shutdown
+from afd_compile.progress import Progress
+from afd_compile.runtime import check_launch, finish, init_distributed, shutdown
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
@@ -129,7 +133,12 @@ def main() -> int:
         parser.error("--stages applies to AFD layouts (--attention A --ffn F)")
     if args.stagger and not afd:
         parser.error("--stagger applies to AFD layouts (TP ranks of one step must take the same steps)")
+    # the launch and the options are checked before anything is built (one line, exit 2)
+    needed = args.attention + args.ffn if afd else args.tp if args.tp > 1 else None
+    what = f"layout attention={args.attention} + ffn={args.ffn}" if afd else f"layout tp={args.tp}"
+    check_launch(needed, what, " ".join(["examples/generate.py", *sys.argv[1:]]))
     rank, world = init_distributed(timeout_s=args.timeout)
+    progress = Progress("generate", quiet=rank != (args.ffn if afd else 0))  # the first attention / TP rank
     if not afd and args.tp == 1 and world > 1:
         parser.error(f"{world} processes: give an AFD layout (--attention A --ffn F) or a TP layout (--tp N) "
                      "(no layout runs one process: the backend then applies --decode-attention alone)")
@@ -139,7 +148,10 @@ def main() -> int:
         options.update(attention=args.attention, ffn=args.ffn, stages=args.stages)
     else:
         options.update(tp=args.tp, attn_dp=args.attn_dp)
-    model = build_model(args, device)
+    check_options(options)
+    progress.line(f"{world} process(es) up, options checked")
+    with progress.phase(f"built {args.model or args.family}"):
+        model = build_model(args, device)
     vocab = model.config.vocab_size
 
     if afd and rank < args.ffn:  # an FFN rank: serve until every attention peer finished
@@ -162,12 +174,15 @@ def main() -> int:
         with torch.no_grad():
             # the reference on a model of its own: the compiled model allocates its cache itself
             # (through the backend a TP rank then holds only its KV heads)
-            ref = build_model(args, device).generate(**kw)
+            with progress.phase("reference generate() (uncompiled)"):
+                ref = build_model(args, device).generate(**kw)
             model.forward = torch.compile(model.forward, backend="afd", options=options, dynamic=True)
-            model.generate(**kw)  # compiles the prefill and decode graphs
+            with progress.phase("first compiled generate() (compiles the prefill and decode graphs)"):
+                model.generate(**kw)
             t0 = time.perf_counter()
             out = model.generate(**kw, return_dict_in_generate=True)
             seconds = time.perf_counter() - t0
+            progress.line(f"timed generate() done ({seconds:.1f}s)")
         tokens = out.sequences
         gen, want = tokens[:, ids.shape[1]:], ref[:, ids.shape[1]:]
         same = int((gen == want).sum()) if gen.shape == want.shape else 0
@@ -199,4 +214,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except AFDCompileError as e:  # a launch or option error: one line (from rank 0 only), exit 2
+        if os.environ.get("RANK", "0") == "0":
+            print(f"generate.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -259,10 +259,39 @@ def test_torchrun_launch_uses_the_same_workers():
 
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
     example = os.path.join(os.path.dirname(__file__), "..", "examples", "afd_torchrun.py")
-    proc = subprocess.run([torchrun, "--nproc-per-node", "3", example, "--attention-ranks", "2", "--ffn-ranks", "1"],
+    proc = subprocess.run([torchrun, "--nproc-per-node", "3", example, "--attention", "2", "--ffn", "1"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "AFD_BACKEND": "gloo"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith("OK max_rel_err=")
+    assert "FFN rank 0: served 3 steps (it compares nothing)" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("script, args", [("afd_torchrun.py", ["--attention", "2", "--ffn", "1"]),
+                                          ("compile_backend.py", ["--attention", "2", "--ffn", "1"]),
+                                          ("generate.py", ["--tp", "2"])])
+def test_an_example_started_wrong_says_how_to_start_it_before_building_anything(script, args):
+    import shutil
+    import time
+
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", script)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, example, *args], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    need = str(3 if "--ffn" in args else 2)
+    assert proc.stderr.strip().splitlines() == [
+        f"{script}: error: examples/{script}: start it with torchrun (no RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+        f"in the environment): torchrun --nproc-per-node {need} examples/{script} {' '.join(args)}"], proc.stderr
+    assert time.monotonic() - t0 < 30  # (imports only: no model built)
+    if script != "afd_torchrun.py":
+        return
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--nproc-per-node", "2", example, *args], capture_output=True, text=True,
+                          timeout=120, env={**env, "AFD_BACKEND": "gloo"})
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"{script}: error:")]
+    assert lines == [f"{script}: error: layout 2A1F needs 3 processes, torchrun started 2: torchrun --nproc-per-node 3 "
+                     f"examples/{script} {' '.join(args)}"], proc.stderr
 
 
 def test_plan_tp_json_uses_the_relied_on_names(exported):

@@ -232,8 +232,9 @@ class PerLayout:
             raise
         meta = context.fw_metadata
         self.static_inputs = len(meta.static_input_indices) if meta is not None else None
-        log.info("afd: %s: Inductor compile %.1fs (%s static inputs)", self.name, time.perf_counter() - t0,
-                 self.static_inputs)
+        log.info("afd: %s: Inductor compile %.1fs%s", self.name, time.perf_counter() - t0,
+                 "" if self.static_inputs is None else f" ({self.static_inputs} inputs at static addresses: "
+                 "weights and caches a CUDA graph reads in place)")
         return fn
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..errors import AFDCompileError
 from ..scatter import TPLayout
 
 
@@ -20,11 +21,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class LaunchError(AFDCompileError):
+    """A script started the wrong way: not under torchrun, or with another number of processes
+    than its layout needs."""
+
+
+#: what torchrun sets for every process (env://)
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_launch(needed: int | None, what: str, command: str) -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment, checked before anything is built: a
+    :class:`LaunchError` naming the command to run when the script was not started by torchrun,
+    or when ``needed`` (the processes ``what`` needs; None: any) differs from the world size."""
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
+    n = needed if needed is not None else "N"
+    if missing:
+        raise LaunchError(f"{command.split()[0]}: start it with torchrun (no {', '.join(missing)} in the environment): "
+                          f"torchrun --nproc-per-node {n} {command}")
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise LaunchError(f"RANK={os.environ['RANK']!r} / WORLD_SIZE={os.environ['WORLD_SIZE']!r}: not integers") from None
+    if needed is not None and world != needed:
+        raise LaunchError(f"{what} needs {needed} processes, torchrun started {world}: "
+                          f"torchrun --nproc-per-node {needed} {command}")
+    return rank, world
+
+
 def init_distributed(rank: int | None = None, world_size: int | None = None, backend: str | None = None,
                      timeout_s: float = 120.0) -> tuple[int, int]:
-    """Join the process group (env:// as torchrun sets it). gloo on CPU, NCCL when CUDA is used."""
-    rank = int(os.environ["RANK"]) if rank is None else rank
-    world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+    """Join the process group (env:// as torchrun sets it). gloo on CPU, NCCL when CUDA is used.
+    Outside torchrun (no ``RANK`` / ``WORLD_SIZE`` given or set): :class:`LaunchError`."""
+    if (rank is None or world_size is None) and not dist.is_initialized():
+        import sys
+
+        env_rank, env_world = check_launch(None, "", " ".join(sys.argv) or "SCRIPT")
+        rank = env_rank if rank is None else rank
+        world_size = env_world if world_size is None else world_size
+    rank = dist.get_rank() if rank is None else rank
+    world_size = dist.get_world_size() if world_size is None else world_size
     backend = backend or ("nccl" if torch.cuda.is_available() and os.environ.get("AFD_BACKEND") != "gloo" else "gloo")
     if not dist.is_initialized():
         if backend == "nccl":
