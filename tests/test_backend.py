@@ -220,7 +220,8 @@ def _check(proc, n: int, check_cache: bool) -> None:
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("OK max_rel_err="), lines[-5:]
     errs = [float(m) for m in re.findall(r"^rank \d+: max_rel_err=(\S+)", proc.stdout, flags=re.M)]
-    assert len(errs) == n and max(errs) <= 1e-5
+    ffn = re.findall(r"^rank \d+: ffn \(served its attention peers\)", proc.stdout, flags=re.M)  # (compare nothing)
+    assert errs and len(errs) + len(ffn) == n and max(errs) <= 1e-5, proc.stdout
     if check_cache:  # a second compile after torch._dynamo.reset() was served by the FX graph cache
         hits = re.findall(r"fx_graph_cache_hits_on_recompile=(\d+)", proc.stdout)
         assert len(hits) == n and all(int(h) > 0 for h in hits), hits
