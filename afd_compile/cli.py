@@ -7,7 +7,6 @@ structure, impossible layout), printed as one line without a traceback.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -17,7 +16,7 @@ from collections.abc import Callable, Sequence
 from .buckets import BUCKETS_HELP, buckets_flag
 from .errors import AFDCompileError
 from .layout import AFDLayout
-from .limits import MAX_TIMEOUT_S, local_process_override
+from .limits import local_process_override, parse_tokens, positive_seconds
 from .outdir import MARKER, OutputFolder, exit_on_sigterm, save_program
 from .plan_view import (
     AFD_LEGEND,
@@ -49,31 +48,20 @@ def _layout(args: argparse.Namespace, required: bool) -> AFDLayout | None:
                      getattr(args, "attn_tp", 1))
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
-    if v > MAX_TIMEOUT_S:  # torch's timedelta and gloo's milliseconds overflow far above
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT_S:.0f} seconds (a week), got {text!r}")
-    return v
 
-
-def _add_layout(p: argparse.ArgumentParser) -> None:
+def _add_layout(p: argparse.ArgumentParser, groups: str = "") -> None:
     g = p.add_argument_group("AFD layout (attention-FFN disaggregation); not with --tp")
     g.add_argument("--attention-ranks", "-A", type=int, metavar="A", help="number of attention ranks")
     g.add_argument("--ffn-ranks", "-F", type=int, metavar="F", help="number of FFN ranks (each fans in a block of attention ranks)")
     g.add_argument("--attn-tp", type=int, default=1, metavar="T",
                    help="attention ranks in tensor-parallel groups of T, each group one data-parallel group (its "
-                   "own sequences); each rank sends its slice of the group's tokens; T divides A (default 1)")
+                   "own sequences); each rank sends its slice of the group's tokens; T divides A (default 1)" + groups)
     g.add_argument("--ffn-tp", type=int, default=1, metavar="P",
                    help="FFN ranks in tensor-parallel groups of P (the MLP weights split over each group; every "
-                   "token still crosses the wire once); P divides F (default 1)")
+                   "token still crosses the wire once); P divides F (default 1)" + groups)
     g.add_argument("--ffn-ep", type=int, default=1, metavar="P",
                    help="FFN ranks in expert-parallel groups of P (an MoE's experts split over each group, tokens "
-                   "routed by all-to-all); P divides F; not with --ffn-tp (default 1)")
+                   "routed by all-to-all); P divides F; not with --ffn-tp (default 1)" + groups)
     g.add_argument("--gate-on-attention", action="store_true",
                    help="compute the MoE router on the attention side and send router logits (compute_gate_on_attention)")
     p.add_argument("--policy", choices=["default", "module_path", "structural"], default="default",
@@ -114,8 +102,10 @@ def _add_stages(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--stages", type=int, default=1, metavar="S", help=f"AFD: {what}; not with --tp")
 
 
-def _add_buckets(p: argparse.ArgumentParser) -> None:
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets", type=buckets_flag, default="default", metavar="LIST", help=BUCKETS_HELP)
+    p.add_argument("--saved", metavar="OUTDIR", help="check the programs `rewrite` wrote into OUTDIR (plan.json and "
+                   "each program's sha256 checked; its layout, router side and stages) against MODEL.pt2")
 
 
 _TP_FLAGS = {"attn_dp": "--attn-dp", "moe_a2a": "--moe-a2a", "dense_dp": "--dense-dp",
@@ -174,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, metavar="OUTDIR",
                    help="a new or empty folder (written into a temporary sibling, then renamed: never half-written)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUTDIR whole (no stale files are kept)")
-    _add_layout(p)
+    _add_layout(p, "; rewrite: not supported yet (exit 2): plan and verify take it, and the backend")
     _add_tp(p)
     p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
                    "planning; TP: rank 0's program)")
@@ -223,9 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "prefill, then N decode steps, comparing the logits at every step (replaces --steps)")
     _add_stages(p, "run each step as S micro-batches (whole sequences) interleaved layer by layer, the "
                 "ping-pong schedule (default 1: one batch); with a KV cache each micro-batch its own cache rows")
-    _add_buckets(p)
+    _add_run_flags(p)
     p.add_argument("--tol", type=float, help="max relative error (default 1e-5 when every output compared is fp32/fp64, 1e-2 otherwise; printed on the verdict line; finite, >= 0)")
-    p.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long a rank waits for a peer before the run fails (default 300); a rank that dies "
                    "or is stopped fails the run at once")
     _add_import(p)
@@ -441,6 +431,7 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
 
     from .deploy import token_count_for_graph
     from .programs import export_split, flat_inputs, positional_module, write_json
+    from .saved import afd_plan_json
 
     if args.attention_ranks is None and args.ffn_ranks is None:
         raise UsageError("give an AFD layout (--attention-ranks/--ffn-ranks) or a TP layout (--tp)")
@@ -456,16 +447,8 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
     original = positional_module(ep)
     with progress.phase("attention and FFN programs re-exported"):
         att, ffn = export_split(result.attention, result.ffn, original, flat_inputs(ep))
-    plan = result.plan.to_json()
-    plan["kind"] = "afd"
-    plan["layout"] = {"attention_ranks": layout.attention_ranks, "ffn_ranks": layout.ffn_ranks,
-                      "ffn_peers": {str(f): list(layout.peers_of_ffn(f)) for f in range(layout.ffn_ranks)}}
-    plan["programs"] = {"attention": "attention.pt2", "ffn": "ffn.pt2"}
-    plan["compute_gate_on_attention"] = args.gate_on_attention
-    plan["token_count"] = token_count_for_graph(original, result.plan.cuts[0].token_dims).to_json()
-    cache = cache_json(result)
-    if cache:
-        plan["cache"] = cache
+    plan = afd_plan_json(result, layout, args.gate_on_attention,
+                         token_count_for_graph(original, result.plan.cuts[0].token_dims).to_json(), cache_json(result))
     schedule = None
     if args.stages != 1:  # refused before anything is written; the role programs are saved unstaged
         staged = _stage_schedule(args, result, layout)
@@ -484,17 +467,6 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
     print(f"rewrite: wrote attention.pt2, ffn.pt2, plan.json to {args.output} "
           f"({time.perf_counter() - t:.1f}s)")
     return EXIT_OK
-
-
-def _tokens(args: argparse.Namespace) -> list[int] | None:
-    if args.tokens is None:
-        return None
-    if not args.tokens.strip():
-        raise UsageError("--tokens is empty: give one batch size per attention rank (or DP group), e.g. --tokens 2,3")
-    try:
-        return [int(t) for t in args.tokens.split(",")]
-    except ValueError:
-        raise UsageError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
 
 
 def _verdict(run: Callable[[], object]) -> int:
@@ -516,7 +488,7 @@ def cmd_verify_tp(args: argparse.Namespace) -> int:
     from .deploy import tp_rank_program
     from .verify import verify_tp
 
-    batches = _tokens(args)
+    batches = parse_tokens(args.tokens)
     progress = _progress(args)
     with progress.phase(f"loaded and sharded {args.model} (rank 0)"):
         layout, gm, ep = _tp_graph(args)
@@ -529,11 +501,28 @@ def cmd_verify_tp(args: argparse.Namespace) -> int:
                                       log=print, on_progress=progress.rank, program=ep))
 
 
+def cmd_verify_saved(args: argparse.Namespace) -> int:
+    from .buckets import TokenBuckets
+    from .verify import verify_saved
+
+    given = [f for f, v in (("-A/-F", args.attention_ranks or args.ffn_ranks), ("--tp", args.tp),
+                            ("--stages", args.stages != 1), ("--gate-on-attention", args.gate_on_attention)) if v]
+    if given:
+        raise UsageError(f"--saved {args.saved}: its plan.json gives the layout, router side and stages; drop "
+                         f"{', '.join(given)}")
+    return _verdict(lambda: verify_saved(args.model, args.saved, batches=parse_tokens(args.tokens), steps=args.steps, tol=args.tol,
+                                         timeout_s=args.timeout, decode_steps=args.decode_steps,
+                                         buckets=TokenBuckets.parse(args.buckets), log=print,
+                                         on_progress=_progress(args).rank))
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.saved is not None:
+        return cmd_verify_saved(args)
     if args.tp is not None:
         return cmd_verify_tp(args)
     layout = _layout(args, required=True)
-    batches = _tokens(args)
+    batches = parse_tokens(args.tokens)
     from .buckets import TokenBuckets
     from .verify import verify_afd  # (after the argument checks: they need no torch)
     progress = _progress(args)

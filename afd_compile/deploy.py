@@ -30,7 +30,7 @@ from .passes.stages import (
     static_rows,
 )
 from .passes.symbolic import sym_expr
-from .runtime import AttentionWorker, FFNWorker, GroupSlice, TokenCount, process_group
+from .runtime import AttentionWorker, FFNWorker, GroupSlice, TokenCount, TPRank, process_group
 from .scatter import TPLayout
 from .split_api import SplitConfig, split_graph_module
 
@@ -305,8 +305,8 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
 
     plan = read_saved_plan(outdir)
     if plan.kind != "afd":
-        raise ProgramLoadError(f"{outdir}: plan.json was written by rewrite --tp (layout {plan['layout']}); "
-                               "load its rank<r>.pt2 with afd_compile.programs.load_program, not as an AFD deployment")
+        raise ProgramLoadError(f"{outdir}: plan.json was written by rewrite --tp (layout {plan['layout']}): load "
+                               "its ranks with afd_compile.deploy.load_rewritten_rank, not as an AFD deployment")
     layout = AFDLayout(plan["layout"]["attention_ranks"], plan["layout"]["ffn_ranks"])
     role, idx = layout.role_of(rank)
     device = device or torch.device("cpu")
@@ -331,3 +331,31 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
                              staged=staged_programs(program, "attention", stages, batch))
     use_buckets(worker, buckets)
     return worker
+
+
+def load_rewritten_rank(outdir: str, rank: int, device: torch.device | None = None,
+                        buckets: TokenBuckets | None = DEFAULT_BUCKETS) -> AttentionWorker | FFNWorker | TPRank:
+    """Rank ``rank`` of what ``afd-compile rewrite`` wrote into ``outdir``, whichever kind:
+    an AFD folder's worker (:func:`load_rewritten_worker`), or a TP folder's rank program with
+    the process groups its collectives name created and registered (every rank of the layout
+    calls this, in the same order: groups are created collectively), run as a
+    :class:`~afd_compile.runtime.TPRank` (with attention DP groups each call first exchanges the
+    groups' token counts). Needs the process group joined (``init_distributed`` or ``run_local``)."""
+    from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
+    from .programs import ProgramLoadError, load_program
+    from .runtime import tp_groups
+    from .saved import read_saved_plan
+
+    plan = read_saved_plan(outdir)
+    if plan.kind == "afd":
+        return load_rewritten_worker(outdir, rank, device, buckets)
+    layout = plan.layout()
+    world = dist.get_world_size() if dist.is_initialized() else None
+    if world is None or world < layout.tp or not 0 <= rank < layout.tp:
+        raise ProgramLoadError(f"{outdir}: a TP layout of {layout.tp} ranks needs rank in [0, {layout.tp}) of a joined "
+                               f"process group of at least {layout.tp} processes (rank {rank}, world {world})")
+    groups = tp_groups(world, [layout])
+    register_group(GROUP_TP, groups[("tp", layout.tp)])
+    register_group(GROUP_ATTN_TP, groups[("attn", layout.attn_tp_group(rank))])
+    program = load_program(plan.path(f"rank{rank}")).module().to(device or torch.device("cpu"))
+    return TPRank(program, layout, rank)

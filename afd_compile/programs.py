@@ -124,8 +124,9 @@ def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
     generic error). A ``.pt2`` is code (torch unpickles its constants): load only files you trust."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        raise ProgramLoadError(f"{path}: is a folder, not a .pt2 file (a rewrite folder: "
-                               "afd_compile.deploy.load_rewritten_worker)")
+        raise ProgramLoadError(f"{path}: is a folder, not a .pt2 file (a rewrite folder: check it with "
+                               f"`afd-compile verify MODEL.pt2 --saved {path}`, run it with "
+                               "afd_compile.deploy.load_rewritten_rank)")
     if not os.path.exists(path):
         raise ProgramLoadError(f"{path}: no such file")
     if not os.path.isfile(path):

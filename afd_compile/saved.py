@@ -53,6 +53,18 @@ class SavedPlan:
     def get(self, key: str, default: Any = None) -> Any:
         return self.plan.get(key, default)
 
+    def layout(self) -> Any:
+        """The layout the folder was written for: an ``AFDLayout`` or a ``TPLayout``."""
+        lay = self.plan["layout"]
+        if self.kind == "afd":
+            from .layout import AFDLayout
+
+            return AFDLayout(lay["attention_ranks"], lay["ffn_ranks"])
+        from .scatter import TPLayout
+
+        return TPLayout(lay["tp"], lay.get("attn_dp", 1), moe_a2a=bool(lay.get("moe_a2a")),
+                        dense_dp=bool(lay.get("dense_dp")), vocab_parallel=bool(lay.get("vocab_parallel")))
+
 
 class _Checker:
     def __init__(self, folder: str, plan: dict) -> None:
@@ -132,3 +144,19 @@ def read_saved_plan(folder: str) -> SavedPlan:
                                    f"{got[:12]}..., plan.json records {sha[name][:12]}... (copied from another "
                                    "rewrite, swapped or edited): rewrite again")
     return SavedPlan(folder, kind, plan, programs)
+
+
+def afd_plan_json(result: Any, layout: Any, gate: bool, token_count: dict, cache: dict | None) -> dict:
+    """plan.json of an AFD rewrite (before its ``stages`` and ``sha256``): the split plan, the
+    layout with each FFN rank's peers, the programs' names, the router side, the token count, the
+    KV cache (``plan_view.cache_json``: when the program has one)."""
+    plan = result.plan.to_json()
+    plan["kind"] = "afd"
+    plan["layout"] = {"attention_ranks": layout.attention_ranks, "ffn_ranks": layout.ffn_ranks,
+                      "ffn_peers": {str(f): list(layout.peers_of_ffn(f)) for f in range(layout.ffn_ranks)}}
+    plan["programs"] = {"attention": "attention.pt2", "ffn": "ffn.pt2"}
+    plan["compute_gate_on_attention"] = gate
+    plan["token_count"] = token_count
+    if cache:
+        plan["cache"] = cache
+    return plan

@@ -20,13 +20,14 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from .buckets import TokenBuckets
 from .compare import Comparison, compare
-from .deploy import DEFAULT_BUCKETS, make_worker
+from .deploy import DEFAULT_BUCKETS, load_rewritten_worker, make_worker
 from .layout import AFDLayout
 from .passes.graph_utils import batch_symbol_dims
 from .passes.roles import POLICIES
@@ -94,6 +95,7 @@ class Case:
     decode_steps: int = 0  # a program with a KV cache: a prefill, then this many decode steps
     stages: int = 1  # micro-batches per step (passes/stages.py)
     buckets: TokenBuckets | None = DEFAULT_BUCKETS  # the attention ranks' wire slots (buckets.py); None: exact
+    saved: str | None = None  # a folder written by ``afd-compile rewrite`` (AFD): run its programs
 
 
 #: programs :func:`preload_programs` loaded in the launcher of a local run, before the ranks
@@ -143,8 +145,11 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
     config = SplitConfig(compute_gate_on_attention=case.gate, policy=POLICIES[case.policy], graph_name=case.path)
     report = progress if rank == case.layout.ffn_ranks else (lambda _text: None)  # the first attention rank
     report(f"{case.layout.world_size} processes up (torch imported, process group formed)")
-    worker = make_worker(fresh_module(ep), case.layout, rank, config, group=group, check_wire=True,
-                         stages=case.stages, buckets=case.buckets)
+    if case.saved is not None:  # what `rewrite` wrote (plan.json and the programs' sha256 checked)
+        worker = load_rewritten_worker(case.saved, rank, buckets=case.buckets)
+    else:
+        worker = make_worker(fresh_module(ep), case.layout, rank, config, group=group, check_wire=True,
+                             stages=case.stages, buckets=case.buckets)
     if not isinstance(worker, AttentionWorker):
         return {"role": "ffn", "steps": worker.serve(), "layouts": sorted(map(repr, worker.layouts)),
                 "carriers": sorted(worker.carriers), "host_reads": worker.host_reads}
@@ -254,7 +259,7 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = 
                timeout_s: float = DEFAULT_TIMEOUT_S, decode_steps: int = 0, stages: int = 1,
                buckets: TokenBuckets | None = DEFAULT_BUCKETS, log: Callable[[str], None] = lambda s: None,
                on_progress: Callable[[int, str], None] | None = None,
-               program: torch.export.ExportedProgram | None = None) -> VerifyReport:
+               program: torch.export.ExportedProgram | None = None, saved: str | None = None) -> VerifyReport:
     """Verify the AFD split of the ``.pt2`` at ``path``; ``batches`` per attention rank (None:
     default sizes 1, 2, 3, ... when the batch dim is dynamic, the saved example otherwise);
     ``stages`` micro-batches per step (passes/stages.py); ``buckets``: the attention ranks' wire
@@ -280,8 +285,12 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = 
         + (_decode_line(spec, decode_steps) if decode_steps else f"{checked.steps} steps")
         + (f", {stages} micro-batch stages" if stages > 1 else "")
         + (f", token buckets {buckets}" if buckets is not None else ", exact token counts (no buckets)"))
+    few = sorted({b for b in checked.batches or () if 0 < b < stages})
+    if few and not decode_steps:  # a step runs as many micro-batches as it has sequences, up to S
+        log(f"verify: note: batch sizes {few} are under --stages {stages}: those steps run "
+            f"{'/'.join(map(str, few))} micro-batch(es), not {stages} (a micro-batch is whole sequences)")
     t = time.perf_counter()
-    case = Case(path, layout, checked.batches, gate, checked.steps, policy, decode_steps, stages, buckets)
+    case = Case(path, layout, checked.batches, gate, checked.steps, policy, decode_steps, stages, buckets, saved)
     results = run_cases([case], timeout_s=timeout_s, on_progress=on_progress)[0]
     for r in sorted(results):
         res = results[r]
@@ -392,7 +401,7 @@ def verify_tp(path: str, layout: TPLayout, *, batches: Sequence[int] | None = No
               tol: float | None = None, policy: str = "default", timeout_s: float = DEFAULT_TIMEOUT_S,
               decode_steps: int = 0, log: Callable[[str], None] = lambda s: None,
               on_progress: Callable[[int, str], None] | None = None,
-              program: torch.export.ExportedProgram | None = None) -> VerifyReport:
+              program: torch.export.ExportedProgram | None = None, saved: str | None = None) -> VerifyReport:
     """Verify the TP sharding of the ``.pt2`` at ``path`` on ``layout.tp`` local processes;
     ``batches`` per attention DP group (None: 1, 2, ... with DP attention, else as saved). The
     same input checks and ``program`` as :func:`verify_afd`."""
@@ -408,8 +417,27 @@ def verify_tp(path: str, layout: TPLayout, *, batches: Sequence[int] | None = No
         f"{list(checked.batches) if checked.batches is not None else 'as saved'}, "
         + (_decode_line(spec, decode_steps) if decode_steps else f"{checked.steps} steps"))
     t = time.perf_counter()
-    case = TPCase(path, layout, checked.batches, checked.steps, policy, decode_steps=decode_steps)
+    case = TPCase(path, layout, checked.batches, checked.steps, policy, saved=saved, decode_steps=decode_steps)
     (results,) = run_tp_cases([case], timeout_s=timeout_s, on_progress=on_progress)
     for r in sorted(results):
         log(f"  rank {r}: batches {results[r]['batches']} max_rel_err={results[r]['max_rel_err']:.3g}")
     return _report(layout, results, checked.tol, time.perf_counter() - t)
+
+
+def verify_saved(path: str, outdir: str, **options: Any) -> VerifyReport:
+    """Verify the programs ``afd-compile rewrite`` wrote into ``outdir`` against the original
+    ``.pt2`` at ``path``: plan.json checked field by field and each program against its sha256
+    (:func:`afd_compile.saved.read_saved_plan`), then the folder's own layout (and, AFD, its
+    router side and micro-batch stages) run as :func:`verify_afd` / :func:`verify_tp` run a
+    layout, each rank its saved program. ``options``: theirs (batches, steps, tol, ...)."""
+    from .saved import read_saved_plan
+
+    plan = read_saved_plan(outdir)
+    layout = plan.layout()
+    options.get("log", lambda _s: None)(f"verify: the programs of {outdir} (plan.json and each program's sha256 checked), "
+                              f"layout {layout}, against {path}")
+    if plan.kind == "tp":
+        options.pop("buckets", None)
+        return verify_tp(path, layout, saved=outdir, **options)
+    return verify_afd(path, layout, gate=bool(plan.get("compute_gate_on_attention")), stages=int(plan.get("stages", 1)),
+                      saved=outdir, **options)

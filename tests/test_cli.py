@@ -411,3 +411,68 @@ def test_version_and_the_top_level_help_name_both_modes():
     assert res.returncode == 0 and res.stdout.startswith("afd-compile "), res
     helptext = "".join(_run("--help").stdout.split())  # (argparse wraps the description, at hyphens too)
     assert "attention-FFNdisaggregation,-A/-F" in helptext and "tensor-parallel(--tp)" in helptext
+
+
+def _doc_script(name: str) -> str:
+    """The python block of docs/cli.md whose first line is ``# <name>``."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "cli.md")).read()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    (block,) = [b for b in blocks if b.startswith(f"# {name}")]
+    return block
+
+
+def test_saved_folders_run_and_verify_as_the_docs_say(exported, tmp_path):
+    # issue 37: from `rewrite` to running and checking the saved programs by following docs/cli.md
+    import shutil
+
+    model = exported("llama2")[1]
+    afd, tp = str(tmp_path / "out_afd"), str(tmp_path / "out_tp")
+    assert _run("rewrite", model, "-o", afd, "-A", "2", "-F", "1", "-q").returncode == 0
+    assert _run("rewrite", model, "-o", tp, "--tp", "2", "-q").returncode == 0
+    script = tmp_path / "run_saved.py"
+    script.write_text(_doc_script("run_saved.py"))
+    env = {**os.environ, "AFD_BACKEND": "gloo"}
+    # the AFD folder on local processes (run_local), the TP folder under torchrun
+    proc = subprocess.run([sys.executable, str(script), model, afd, "3"], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "rank 0: FFN, served 1 steps", lines
+    assert [float(ln.split("=")[1]) <= 1e-5 for ln in lines[1:]] == [True, True], lines
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--nproc-per-node", "2", str(script), model, tp], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    errs = [float(ln.split("=")[1]) for ln in proc.stdout.splitlines() if "max_rel_err=" in ln]
+    assert len(errs) == 2 and max(errs) <= 1e-5, proc.stdout
+    # verify --saved: both kinds against the original, the folder's layout from its plan.json
+    for folder, layout in ((afd, "2A1F"), (tp, "tp=2")):
+        res = _run("verify", model, "--saved", folder, "-q")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"layout {layout}" in res.stdout and res.stdout.strip().splitlines()[-1].startswith("verify: OK"), \
+            res.stdout
+    res = _run("verify", model, "--saved", afd, "-A", "2", "-F", "1")
+    assert res.returncode == 2 and "its plan.json gives the layout" in res.stderr, res.stderr
+    # a tampered plan.json is refused, naming the field
+    plan = json.loads(open(os.path.join(afd, "plan.json")).read())
+    plan["programs"]["ffn"] = "../ffn.pt2"
+    with open(os.path.join(afd, "plan.json"), "w") as f:
+        json.dump(plan, f)
+    res = _run("verify", model, "--saved", afd)
+    assert res.returncode == 2 and "programs.ffn" in res.stderr, res.stderr
+    res = _run("verify", afd, "-A", "2", "-F", "1")  # the folder given as the model: what to do instead
+    assert res.returncode == 2 and f"verify MODEL.pt2 --saved {afd}" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("tokens, message", [("0,0", "every batch size is 0, so nothing would be compared"),
+                                             ("2,-1", "a batch size (sequences) is >= 0")])
+def test_bad_tokens_are_refused_before_the_program_is_loaded(tmp_path, tokens, message):
+    missing = str(tmp_path / "never_loaded.pt2")  # (a load would fail with 'no such file')
+    res = _run("verify", missing, "-A", "2", "-F", "1", "--tokens", tokens)
+    assert res.returncode == 2 and message in res.stderr and "no such file" not in res.stderr, res.stderr
+
+
+def test_fewer_sequences_than_stages_is_said(exported):
+    res = _run("verify", exported("llama2")[1], "-A", "2", "-F", "1", "--stages", "2", "--tokens", "1,1", "-q")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "verify: note: batch sizes [1] are under --stages 2: those steps run 1 micro-batch(es), not 2" in res.stdout

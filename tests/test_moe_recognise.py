@@ -237,3 +237,25 @@ def test_the_backend_with_no_layout_runs_the_op():
         assert max_rel_err(out, model(_ids(2))) <= 1e-5
     assert backend.STATS["layouts_compiled"] == before["layouts_compiled"] + 1
     assert backend.STATS["no_layout"] == before["no_layout"]
+
+
+def test_a_dead_in_place_update_of_a_temporary_is_dropped_and_one_of_state_kept():
+    # transformers 5.17's grouped-MM experts clamp_ their sorted ids in place: once the experts are
+    # one op, sort -> getitem -> clamp_ reads nothing onward (the FFN program kept a 'sort' that the
+    # static-token pass refused under torch 2.11); a write into an input stays
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from afd_compile.passes.graph_utils import drop_dead_writes
+
+    def f(ids: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        order = torch.sort(ids)[1]
+        order.clamp_(max=3)  # read by nothing
+        state.view(-1).add_(1)  # state: kept
+        return ids + 1
+
+    gm = make_fx(f)(torch.tensor([3, 1, 2]), torch.zeros(2, 2))
+    targets = lambda: [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]  # noqa: E731
+    assert "aten.sort.default" in targets() and "aten.clamp_.default" in targets()
+    erased = drop_dead_writes(gm.graph)
+    assert "aten.sort.default" not in targets() and "aten.clamp_.default" not in targets(), (erased, targets())
+    assert "aten.add_.Tensor" in targets() or "aten.add_.Scalar" in targets(), targets()

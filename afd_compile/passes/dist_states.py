@@ -41,6 +41,18 @@ class TPPlan:
     layout: TPLayout
     layers: tuple[tuple[LayerModes, JunctionPlan], ...]
     head: HeadPlan | None = None  # the LM head's vocabulary split (vocab_head.py); None: no head found
+    #: bytes of one token's hidden state (the residual stream's row: what each collective moves
+    #: per token); None when the graph holds no shape for it
+    hidden_bytes: int | None = None
+
+    def collective_bytes(self, m: LayerModes, j: JunctionPlan) -> dict[str, int] | None:
+        """Per junction of a layer, the bytes its collectives move per token: one hidden row per
+        token and collective (an all-reduce's ring moves it twice over the wire; an MoE's
+        all-to-all sends a row to each rank among its top-k experts' ranks: counted once here)."""
+        if self.hidden_bytes is None:
+            return None
+        names = {**j.names(), "inside_mlp": self.inside_mlp(m)}
+        return {k: len(v) * self.hidden_bytes for k, v in names.items() if v}
 
     def to_json(self) -> dict:
         return {
@@ -49,7 +61,9 @@ class TPPlan:
                        "moe_a2a": self.layout.moe_a2a, "dense_dp": self.layout.dense_dp,
                        "vocab_parallel": self.layout.vocab_parallel},
             "layers": [{"layer": m.index, "kind": m.kind, "modes": m.modes(), "junctions": j.names(),
-                        "inside_mlp": self.inside_mlp(m)} for m, j in self.layers],
+                        "inside_mlp": self.inside_mlp(m), "bytes_per_token": self.collective_bytes(m, j)}
+                       for m, j in self.layers],
+            "hidden_bytes_per_token": self.hidden_bytes,
             "head": None if self.head is None else self.head.to_json(),
         }
 
@@ -72,7 +86,12 @@ class TPPlan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         head = [str(self.head)] if self.head is not None else []
-        return "\n".join([f"plan: {self.graph_name}: {self.layout} (attn_tp={self.layout.attn_tp})", *lines, *head])
+        per_layer = [sum((self.collective_bytes(m, j) or {}).values()) for m, j in self.layers]
+        traffic = ([f"collective traffic: {self.hidden_bytes} B per token and collective (one hidden row); per step "
+                    f"{sum(per_layer)} B per token over {len(per_layer)} layers (per layer: "
+                    f"{', '.join(map(str, per_layer))})"] if self.hidden_bytes is not None else [])
+        return "\n".join([f"plan: {self.graph_name}: {self.layout} (attn_tp={self.layout.attn_tp})", *lines, *head,
+                          *traffic])
 
 
 def layer_kinds(gm: fx.GraphModule) -> list[str]:
@@ -93,7 +112,17 @@ def plan_tp(gm: fx.GraphModule, layout: TPLayout, graph_name: str = "graph") -> 
     modes = infer_layer_modes(layer_kinds(gm), layout)
     last = modes[-1].layer_output if modes else ScatterMode.TP_ATTN_FULL
     return TPPlan(graph_name, layout, tuple((m, plan_junctions(m, layout)) for m in modes),
-                  plan_head(gm, layout, last))
+                  plan_head(gm, layout, last), _hidden_bytes(gm))
+
+
+def _hidden_bytes(gm: fx.GraphModule) -> int | None:
+    """Bytes of one token's row of the residual stream: the first layer's FFN output's last dim."""
+    for layer in layers_of(gm).values():
+        out = layer.ffn_output
+        val = out.meta.get("val") if out is not None else None
+        if val is not None and hasattr(val, "shape") and val.dim():
+            return int(val.shape[-1]) * val.element_size()
+    return None
 
 
 def annotate_dist_states(gm: fx.GraphModule, plan: TPPlan) -> None:

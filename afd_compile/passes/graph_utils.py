@@ -234,6 +234,64 @@ def aliases_first_arg(n: fx.Node) -> bool:
     return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
 
 
+def drop_dead_writes(graph: fx.Graph) -> list[str]:
+    """Erase in-place updates nothing reads of temporaries nothing else reads, then the pure nodes
+    that only fed them; returns the erased names. What a rewrite leaves behind: transformers
+    5.17's grouped-MM experts ``clamp_`` the sorted expert ids in place, and once the experts are
+    one op, ``sort -> getitem -> clamp_`` reads nothing onward, yet an in-place op is impure to
+    ``eliminate_dead_code``. A write into an input or an attribute (state), or through a view of
+    one, or into a tensor another node reads, is kept.
+
+    Before::
+
+        sort = aten.sort(ids); getitem = sort[1]; clamp_ = aten.clamp_(getitem, None, 3)   # no users
+
+    After: nothing (the three nodes erased)."""
+    import operator
+
+    def storage_root(n: fx.Node) -> fx.Node | None:
+        """The node whose storage ``n`` is, along single-reader aliases; None when another node
+        reads it on the way (the write would be seen)."""
+        while n.op == "call_function":
+            src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+            if n.target is operator.getitem and src is not None:
+                if not (src.op == "call_function" and aliases_first_arg(src)):
+                    return src  # an output of a multi-output op that makes new tensors (sort)
+                n = src.args[0]
+            elif src is not None and (aliases_first_arg(n) or writes_first_arg(n)):
+                n = src
+            else:
+                return n
+            if len(n.users) > 1:
+                return None
+        return n
+
+    erased: list[str] = []
+    for n in reversed(list(graph.nodes)):
+        if n.op != "call_function" or n.users or not writes_first_arg(n) or not isinstance(n.args[0], fx.Node):
+            continue
+        target = n.args[0]
+        if len(target.users) != 1:
+            continue
+        root = storage_root(target)
+        if root is None or root.op in ("placeholder", "get_attr"):
+            continue
+        feeds = [a for a in n.all_input_nodes]
+        erased.append(n.name)
+        graph.erase_node(n)
+        while feeds:  # the pure nodes that only fed it
+            a = feeds.pop()
+            for u in [u for u in a.users if u.target is operator.getitem and not u.users]:  # (sort's other output)
+                erased.append(u.name)
+                graph.erase_node(u)
+            if a.users or a.op != "call_function" or a.is_impure():
+                continue
+            feeds.extend(a.all_input_nodes)
+            erased.append(a.name)
+            graph.erase_node(a)
+    return erased
+
+
 def written_attrs(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     """The attributes (buffers) ``gm`` updates in place, directly or through a view or alias
     (a KV cache and its write position: ``key_cache_0.index_copy_(2, pos, k)``), with the

@@ -36,6 +36,7 @@ from .protocol import (
     FFNWorker,
     GroupSlice,
     TokenCount,
+    TPRank,
     dp_step_counts,
     finish,
     send_control,
@@ -43,7 +44,7 @@ from .protocol import (
 )
 
 __all__ = [
-    "LaunchError", "check_launch",
+    "LaunchError", "TPRank", "check_launch",
     "LOCAL_PROCESS_BYTES", "LOCAL_PROCESS_LIMIT_RULE", "PEER_GONE", "SERVE_AT_SHUTDOWN", "STOP", "WORKER_PRELOAD",
     "WORKER_PRELOAD_IF_IMPORTED", "AttentionWorker", "ControlError", "FFNWorker", "GroupSlice", "LauncherFailure",
     "RankFailure", "RunFault", "TokenCount", "dp_step_counts", "finish", "free_port", "init_distributed",

@@ -518,3 +518,21 @@ def dp_step_counts(x: Sequence[torch.Tensor], lay: TPLayout, rank: int) -> tuple
             raise RuntimeError(f"ranks of attention DP group {lay.attn_dp_rank(r)} disagree on tokens: {per_rank}")
     set_tp_step(TPStep(lay.attn_dp_rank(rank), tuple(groups)))
     return tuple(groups)
+
+
+@dataclass
+class TPRank:
+    """A TP rank's program as it runs: with attention DP groups every step first exchanges the
+    groups' token counts (:func:`dp_step_counts`) and passes the program its carrier of the
+    total; else the program alone. The process groups its collectives name are registered first
+    (:func:`afd_compile.deploy.load_rewritten_rank` does)."""
+
+    program: Callable[..., Any]
+    layout: TPLayout
+    rank: int
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        if self.layout.attn_dp > 1:
+            counts = dp_step_counts(inputs, self.layout, self.rank)
+            return self.program(*inputs, torch.empty(sum(counts), 0, device=inputs[0].device))
+        return self.program(*inputs)

@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from ... import moe as _moe  # noqa: F401  (registers afd::moe_experts)
 from ...errors import AFDCompileError
-from ..graph_utils import del_attr_path, get_attr_path, writes_first_arg
+from ..graph_utils import del_attr_path, drop_dead_writes, get_attr_path, writes_first_arg
 from .block import Block, find_blocks
 from .match import Match, match_block
 
@@ -160,6 +160,7 @@ def _rewrite(gm: fx.GraphModule, block: Block, match: Match, j: int) -> fx.Node:
             out = node(aten.to.dtype, (op, block.end.meta["val"].dtype))
     _redirect(graph, block, out)
     _erase(graph, block)
+    drop_dead_writes(graph)  # (an in-place update of a temporary only the experts read, outside the block)
     return op
 
 
