@@ -3,13 +3,15 @@
 A serving engine's batch changes every step. An FFN rank runs (and, on CUDA, captures) one program
 per tuple of per-peer transfer sizes, because a CUDA graph replays the receive sizes it captured.
 With buckets an attention rank sends its ``n`` tokens in a **slot** of ``slot(n)`` rows (the next
-bucket; the rows past ``n`` are zeros), so the FFN rank sees only the slots: the programs it
+bucket; the rows past ``n`` repeat its last row), so the FFN rank sees only the slots: the programs it
 compiles are bounded by the buckets its peers touch, not by their exact counts.
 
-Padded rows change no result: an FFN program is per token (a program that mixes tokens is refused
-when it is split), so the padded rows compute beside the real ones and the attention rank drops
-them when the FFN output comes back (:func:`afd_compile.ops.p2p_recv` returns the first ``n``
-rows). They cost FFN work: at most the gap to the next bucket.
+Padded rows change no result: an MLP or MoE block works per token, so the padded rows compute
+beside the real ones and the attention rank drops them when the FFN output comes back
+(:func:`afd_compile.ops.p2p_recv` returns the first ``n`` rows; an FFN region that mixes tokens is
+wrong under fan-in already, and ``verify`` reports it). They cost FFN rows, at most the gap to the
+next bucket, and, repeating a real row, no expert weights an MoE would not read anyway. An FFN
+rank pads the sum of its peers' slots to a bucket the same way (``FFNWorker.rows``).
 
 The default list is vLLM's CUDA-graph capture sizes: 1, 2, 4, then every multiple of 8 up to 256,
 every multiple of 16 up to 512; past the last bucket a slot is the next multiple of 256 (a long

@@ -83,7 +83,7 @@ class AFDCommunicator:
     #: cross the wire padded to this many rows; absent: the exact count
     step_slots: dict[int, int] = field(default_factory=dict)
     #: an FFN rank's program rows per stage this step (token buckets): its peers' tokens padded
-    #: with zero rows; absent: the tokens exactly
+    #: with repeated rows (ops.pad_rows); absent: the tokens exactly
     step_rows: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -123,15 +123,21 @@ def _attention_sends(tensors: list[torch.Tensor], comm_id: int, layer_idx: int, 
 
 
 def padded_to_slot(tensors: Sequence[torch.Tensor], slot: int) -> list[torch.Tensor]:
-    """``tensors`` (token-aligned) with zero rows appended up to ``slot`` rows: what crosses the
-    wire under token buckets (buckets.py); unchanged when they already have ``slot`` rows."""
-    out = []
-    for t in tensors:
-        n = int(t.shape[0])
-        if slot > n:
-            t = torch.cat([t, t.new_zeros((slot - n, *t.shape[1:]))], dim=0)
-        out.append(t)
-    return out
+    """``tensors`` (token-aligned) padded up to ``slot`` rows: what crosses the wire under token
+    buckets (buckets.py); unchanged when they already have ``slot`` rows. The padding repeats the
+    last row (:func:`pad_rows`)."""
+    return [pad_rows(t, slot) for t in tensors]
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with its last row repeated up to ``rows`` rows (zeros when it has none). A repeated
+    real row makes an MoE route the padding to experts the step reads anyway: no expert weights
+    are read for it (zero rows would choose experts of their own); its results are dropped."""
+    n = int(t.shape[0])
+    if rows <= n:
+        return t
+    fill = t[-1:].expand(rows - n, *t.shape[1:]) if n else t.new_zeros((rows, *t.shape[1:]))
+    return torch.cat([t, fill], dim=0)
 
 
 def _attention_recv_buffers(dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int,
@@ -296,10 +302,10 @@ def p2p_recv_group(
     comm.exchange([], [(t, p, w.kind) for p, ts in zip(comm.peers, per_peer, strict=True)
                        for t, w in zip(ts, wspec.tensors, strict=True)],
                   layer_idx=layer_idx, stage_idx=stage_idx, where=where)
-    pad = [[t.new_zeros((total_tokens - tokens, *t.shape[1:])) for t in per_peer[0]]] if total_tokens > tokens else []
-    if len(per_peer) == 1 and not pad:
+    if len(per_peer) == 1 and total_tokens == tokens:
         return per_peer[0]
-    return [torch.cat([ts[i] for ts in per_peer + pad], dim=0) for i in range(len(wspec.tensors))]
+    # (rows padded to a bucket: the last real row repeated, see pad_rows)
+    return [pad_rows(torch.cat([ts[i] for ts in per_peer], dim=0), total_tokens) for i in range(len(wspec.tensors))]
 
 
 @p2p_recv_group.register_fake

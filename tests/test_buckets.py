@@ -106,3 +106,16 @@ def test_a_changing_batch_runs_one_ffn_program_per_bucket_tuple_and_stays_exact(
     for f in (0, 1):
         assert len(results[3][f]["layouts"]) <= len(_slot_tuples(3, steps, COARSE)), results[3]
     assert len(results[4][0]["layouts"]) < len(_slot_tuples(3, steps, None)) * 2, results[4]
+
+
+def test_padding_repeats_the_last_row_so_an_moe_reads_no_new_expert():
+    import torch
+
+    from afd_compile.ops import pad_rows, padded_to_slot
+
+    x = torch.arange(6.0).view(3, 2)
+    assert torch.equal(pad_rows(x, 5), torch.tensor([[0.0, 1], [2, 3], [4, 5], [4, 5], [4, 5]]))
+    assert pad_rows(x, 3) is x and torch.equal(pad_rows(x[:0], 2), torch.zeros(2, 2))
+    ids = torch.tensor([7, 9], dtype=torch.int32)  # token ids and router logits pad the same way
+    hidden, tok = padded_to_slot([x, torch.tensor([7, 8, 9], dtype=torch.int32)], 4)
+    assert hidden.shape == (4, 2) and tok.tolist() == [7, 8, 9, 9] and tok.dtype == ids.dtype

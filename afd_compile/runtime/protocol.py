@@ -311,7 +311,7 @@ class FFNWorker:
     host_reads: int = 0
 
     def rows(self, tokens: int) -> int:
-        """The rows a program runs for ``tokens`` received tokens (padded to a bucket, zeros that
+        """The rows a program runs for ``tokens`` received tokens (padded to a bucket: rows that
         :func:`afd_compile.ops.p2p_recv_group` appends and ``p2p_send_group`` drops)."""
         if self.buckets is None or self.static_batch or tokens == 0:
             return tokens
