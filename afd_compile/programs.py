@@ -173,7 +173,18 @@ def _load_cause(e: BaseException, logged: list[str]) -> str:
         return (f"the program uses the custom op {op.group(1)}::{op.group(2)}, which nothing imported in this process "
                 "registers: import the library that registers it before loading (--import MODULE, or "
                 f"{IMPORTS_ENV}=MODULE)")
+    pytree = _UNREGISTERED_PYTREE.search(text)
+    if pytree:  # a model output type (transformers' CausalLMOutputWithPast) its library registers on import
+        module, _, name = pytree.group(1).rpartition(".")
+        return (f"the program's inputs or outputs are {name}, a pytree type {module or 'its library'} registers when it "
+                f"is imported: import it before loading (--import {module or 'MODULE'}, or {IMPORTS_ENV}="
+                f"{module or 'MODULE'}), or export the model to return plain tensors (a transformers causal LM: "
+                "afd_compile.models.export_lm)")
     return "; ".join(c if len(c) <= 400 else c[:400] + "..." for c in causes)
+
+
+#: a type torch's pytree could not rebuild ("Deserializing transformers.modeling_outputs.X in pytree is not registered")
+_UNREGISTERED_PYTREE = re.compile(r"Deserializing ([\w.]+) in pytree is not registered")
 
 
 def flat_inputs(ep: torch.export.ExportedProgram) -> tuple[Any, ...]:

@@ -476,3 +476,22 @@ def test_fewer_sequences_than_stages_is_said(exported):
     res = _run("verify", exported("llama2")[1], "-A", "2", "-F", "1", "--stages", "2", "--tokens", "1,1", "-q")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "verify: note: batch sizes [1] are under --stages 2: those steps run 1 micro-batch(es), not 2" in res.stdout
+
+
+def test_a_raw_hf_export_says_which_module_to_import_and_then_loads(tmp_path):
+    # the output type (CausalLMOutputWithPast) is a pytree node only once transformers' module
+    # defining it is imported: a fresh process must be told which, and --import fixes it
+    from afd_compile.models import build_hf
+
+    model = build_hf("llama", num_layers=1).model  # the HF model itself, not our logits wrapper
+    ids = torch.randint(0, 128, (2, 5))
+    path = str(tmp_path / "raw.pt2")
+    torch.export.save(torch.export.export(model, (ids,), {"attention_mask": torch.ones_like(ids), "use_cache": False}),
+                      path)
+    cmd = [sys.executable, "-m", "afd_compile.cli", "plan", path, "-q"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--import transformers.modeling_outputs" in proc.stderr and "export_lm" in proc.stderr, proc.stderr
+    proc = subprocess.run([*cmd, "--import", "transformers.modeling_outputs"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
