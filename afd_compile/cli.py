@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from .buckets import BUCKETS_HELP, buckets_flag
 from .errors import AFDCompileError
+from .figures import mermaid_flag
 from .layout import AFDLayout
 from .limits import local_process_override, parse_tokens, positive_seconds
 from .outdir import MARKER, OutputFolder, exit_on_sigterm, save_program
@@ -182,9 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "planning; TP: rank 0's program)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
-    out.add_argument("--mermaid", type=int, nargs="?", const=0, metavar="LAYER",
+    out.add_argument("--mermaid", type=mermaid_flag, nargs="?", const=0, metavar="LAYER|ranks",
                    help="print one layer (default 0) as a Mermaid flowchart instead of the table: the AFD split "
-                   "(both programs, what crosses the wire) or the TP junctions (states, collectives)")
+                   "(both programs, what crosses the wire) or the TP junctions (states, collectives); 'ranks': "
+                   "the whole layout (ranks, groups, peers, bytes per token on each link)")
     p.add_argument("--shards", action="store_true", help="with --tp: list every sharding record of rank 0's "
                    "program (each weight split column/row-parallel and its blocks, KV cache states, tensors "
                    "read in slices, biases kept on one rank, means all-reduced, size arguments divided); "

@@ -15,8 +15,23 @@ def _q(text: str) -> str:
     return '"' + text.replace('"', "'") + '"'
 
 
-def afd_mermaid(result: Any, layout: AFDLayout | None, layer: int = 0) -> str:
-    """One layer of the AFD split (``result``: :class:`afd_compile.split_api.SplitResult`)."""
+def mermaid_flag(text: str) -> int | str:
+    """``plan --mermaid``'s value: a layer index, or ``ranks`` (the whole layout)."""
+    import argparse
+
+    if text == "ranks":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give a layer index or 'ranks', got {text!r}") from None
+
+
+def afd_mermaid(result: Any, layout: AFDLayout | None, layer: int | str = 0) -> str:
+    """One layer of the AFD split (``result``: :class:`afd_compile.split_api.SplitResult`), or
+    with ``layer="ranks"`` the whole layout (:func:`afd_ranks_mermaid`)."""
+    if layer == "ranks":
+        return afd_ranks_mermaid(result, layout or AFDLayout(1, 1))
     cuts = {c.layer: c for c in result.plan.cuts}
     if layer not in cuts:
         raise ValueError(f"--mermaid: no layer {layer} in the plan (layers {sorted(cuts)})")
@@ -43,9 +58,55 @@ def afd_mermaid(result: Any, layout: AFDLayout | None, layer: int = 0) -> str:
     return "\n".join(lines)
 
 
-def tp_mermaid(plan: Any, layer: int = 0) -> str:
+def afd_ranks_mermaid(result: Any, layout: AFDLayout) -> str:
+    """Every rank of an AFD layout: the attention ranks (in their TP groups), the FFN ranks (in
+    their TP / EP groups), and per link what crosses it per token and step (every layer's wire,
+    both ways)."""
+    cuts = result.plan.cuts
+    to_ffn = sum(w.bytes_per_token for c in cuts for w in c.wire_in.tensors)
+    back = sum(w.bytes_per_token for c in cuts for w in c.wire_out.tensors)
+    lines = ["flowchart LR"]
+    groups = layout.attention_groups() or [(r,) for r in range(layout.ffn_ranks, layout.world_size)]
+    for g in groups:
+        label = f"attention TP group {list(g)}" if len(g) > 1 else f"attention rank {g[0]}"
+        lines.append(f"  subgraph A{g[0]}[{_q(label + ': its own sequences and KV cache')}]")
+        lines += [f"    r{r}[{_q(f'rank {r}: attention')}]" for r in g]
+        lines.append("  end")
+    kind = "TP" if layout.ffn_tp > 1 else "EP"
+    for g in layout.ffn_groups() or [(f,) for f in range(layout.ffn_ranks)]:
+        label = f"FFN {kind} group {list(g)}" if len(g) > 1 else f"FFN rank {g[0]}"
+        lines.append(f"  subgraph F{g[0]}[{_q(label)}]")
+        lines += [f"    r{f}[{_q(f'rank {f}: FFN, fans in {list(layout.peers_of_ffn(f))}')}]" for f in g]
+        lines.append("  end")
+    for f in range(layout.ffn_ranks):
+        for a in layout.peers_of_ffn(f):
+            lines.append(f"  r{a} <-- {_q(f'{to_ffn} + {back} B/token per step ({len(cuts)} layers)')} --> r{f}")
+    return "\n".join(lines)
+
+
+def tp_ranks_mermaid(plan: Any) -> str:
+    """Every rank of a TP layout: the attention TP groups (each a DP group with its own tokens)
+    inside the TP group, and the collectives of a step with their bytes per token."""
+    lay = plan.layout
+    per_layer = [sum((plan.collective_bytes(m, j) or {}).values()) for m, j in plan.layers]
+    kinds = sorted({t for m, j in plan.layers for v in {**j.names(), "x": plan.inside_mlp(m)}.values() for t in v})
+    lines = ["flowchart LR",
+             f"  subgraph TP[{_q(f'TP group of {lay.tp}: ' + (', '.join(kinds) or 'no collective') + f'; {sum(per_layer)} B/token per step')}]"]
+    for g in range(lay.attn_dp):
+        ranks = list(range(g * lay.attn_tp, (g + 1) * lay.attn_tp))
+        lines.append(f"    subgraph D{g}[{_q(f'attention TP group {ranks}: DP group {g}, its own tokens')}]")
+        lines += [f"      r{r}[{_q(f'rank {r}')}]" for r in ranks]
+        lines.append("    end")
+    lines.append("  end")
+    return "\n".join(lines)
+
+
+def tp_mermaid(plan: Any, layer: int | str = 0) -> str:
     """One layer of a TP plan (``plan``: :class:`afd_compile.passes.dist_states.TPPlan`): the five
-    distribution states and the collectives of its three junctions."""
+    distribution states and the collectives of its three junctions; ``layer="ranks"``: the ranks
+    (:func:`tp_ranks_mermaid`)."""
+    if layer == "ranks":
+        return tp_ranks_mermaid(plan)
     layers = {m.index: (m, j) for m, j in plan.layers}
     if layer not in layers:
         raise ValueError(f"--mermaid: no layer {layer} in the plan (layers {sorted(layers)})")

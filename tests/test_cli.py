@@ -495,3 +495,18 @@ def test_a_raw_hf_export_says_which_module_to_import_and_then_loads(tmp_path):
     proc = subprocess.run([*cmd, "--import", "transformers.modeling_outputs"], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_plan_mermaid_ranks_draws_the_whole_layout(exported):
+    path = exported("llama2")[1]
+    res = _run("plan", path, "-A", "4", "--attn-tp", "2", "-F", "2", "--ffn-tp", "2", "--mermaid", "ranks", "-q")
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    assert text.startswith("flowchart LR") and 'subgraph A2["attention TP group [2, 3]' in text
+    assert 'subgraph F0["FFN TP group [0, 1]"]' in text and 'r1["rank 1: FFN, fans in [4, 5]"]' in text
+    # hidden 64 fp32 = 256 B per token and direction per layer, 2 layers
+    assert text.count('<-- "512 + 512 B/token per step (2 layers)" -->') == 4, text
+    res = _run("plan", path, "--tp", "4", "--attn-dp", "2", "--mermaid", "ranks", "-q")
+    assert res.returncode == 0 and "TP group of 4: all_gather, reduce_scatter; 1024 B/token per step" in res.stdout
+    res = _run("plan", path, "--mermaid", "all")
+    assert res.returncode == 2 and "give a layer index or 'ranks'" in res.stderr, res.stderr
