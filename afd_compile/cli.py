@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
                    "planning; TP: rank 0's program)")
     p.add_argument("--tokens", metavar="N1,N2,...",
-                   help="batch size per attention rank (default: 1,2,3,... when the batch dim is dynamic); "
+                   help="batch size (sequences, not tokens) per attention rank (default: 1,2,3,... when the batch "
+                   "dim is dynamic); each >= 0, not all 0; "
                    "with --tp: one batch size per attention DP group (default 1,2,...; as saved when attn_dp=1)")
     p.add_argument("--steps", type=int, default=None, help="steps per rank (default 2, at least 1; not with "
                    "--decode-steps, which sets the steps)")
