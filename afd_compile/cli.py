@@ -148,6 +148,14 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+TOKENS_HELP = ("batch size (sequences, not tokens) per attention rank (default: 1,2,3,... when the batch dim is "
+               "dynamic); each >= 0, not all 0; with --tp: one batch size per attention DP group (default 1,2,...; "
+               "as saved when attn_dp=1)")
+MERMAID_HELP = ("print one layer (default 0) as a Mermaid flowchart instead of the table: the AFD split (both "
+                "programs, what crosses the wire) or the TP junctions (states, collectives); 'ranks': the whole "
+                "layout (ranks, groups, peers, bytes per token on each link)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="afd-compile",
@@ -183,10 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "planning; TP: rank 0's program)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
-    out.add_argument("--mermaid", type=mermaid_flag, nargs="?", const=0, metavar="LAYER|ranks",
-                   help="print one layer (default 0) as a Mermaid flowchart instead of the table: the AFD split "
-                   "(both programs, what crosses the wire) or the TP junctions (states, collectives); 'ranks': "
-                   "the whole layout (ranks, groups, peers, bytes per token on each link)")
+    out.add_argument("--mermaid", type=mermaid_flag, nargs="?", const=0, metavar="LAYER|ranks", help=MERMAID_HELP)
     p.add_argument("--shards", action="store_true", help="with --tp: list every sharding record of rank 0's "
                    "program (each weight split column/row-parallel and its blocks, KV cache states, tensors "
                    "read in slices, biases kept on one rank, means all-reduced, size arguments divided); "
@@ -203,10 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tp(p)
     p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
                    "planning; TP: rank 0's program)")
-    p.add_argument("--tokens", metavar="N1,N2,...",
-                   help="batch size (sequences, not tokens) per attention rank (default: 1,2,3,... when the batch "
-                   "dim is dynamic); each >= 0, not all 0; "
-                   "with --tp: one batch size per attention DP group (default 1,2,...; as saved when attn_dp=1)")
+    p.add_argument("--tokens", metavar="N1,N2,...", help=TOKENS_HELP)
     p.add_argument("--steps", type=int, default=None, help="steps per rank (default 2, at least 1; not with "
                    "--decode-steps, which sets the steps)")
     p.add_argument("--decode-steps", type=int, default=0, metavar="N",
