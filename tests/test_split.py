@@ -165,3 +165,23 @@ def test_transfers_appear_in_order_filecheck_style(exported):
     ffn_lines = graph_text(result.ffn).splitlines()
     assert ffn_lines[0].startswith("token_slots = input [")
     assert ffn_lines[-1].startswith("return v")
+
+
+def test_a_view_of_the_hidden_state_the_ffn_also_reads_is_rebuilt_not_sent():
+    # the router moved to the attention side reads view(h, [T, H]) (and a cast of it), the shared
+    # expert reads h itself: one tensor crosses, the FFN program rebuilds the view and the cast
+    from afd_compile.passes.split import _one_hidden
+
+    g = torch.fx.Graph()
+    h = g.placeholder("h")
+    flat = g.call_function(torch.ops.aten.view.default, (h, [6, 4]))
+    cast = g.call_function(torch.ops.aten._to_copy.default, (flat,), {"dtype": torch.float64})
+    moved = g.call_function(torch.ops.aten._to_copy.default, (flat,), {"device": torch.device("meta")})
+    other = g.placeholder("other")
+    h.meta["val"], other.meta["val"] = torch.empty(2, 3, 4), torch.empty(2, 3, 4)
+    flat.meta["val"], cast.meta["val"] = torch.empty(6, 4), torch.empty(6, 4, dtype=torch.float64)
+    moved.meta["val"] = torch.empty(6, 4)
+    assert _one_hidden([flat, h, cast]) is h
+    assert _one_hidden([h]) is h
+    assert _one_hidden([h, other]) is None  # two different tensors: refused
+    assert _one_hidden([h, moved]) is None  # a device move is not a cast

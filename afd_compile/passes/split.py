@@ -68,6 +68,9 @@ class LayerCut:
     wire_in: WireSpec
     wire_out: WireSpec
     token_dims: tuple[str, ...]
+    #: other views (or casts) of the hidden state the FFN region reads, rebuilt from the received
+    #: one on the FFN side (a router moved to the attention side reads a flat view of the same rows)
+    hidden_views: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return (
@@ -82,7 +85,8 @@ class LayerCut:
             "layer": self.layer,
             "ffn_nodes": list(self.ffn_nodes),
             "attention_side": {"hidden": self.hidden, "router_logits": self.router_logits,
-                               "token_ids": self.token_ids, "ffn_output": self.output},
+                               "token_ids": self.token_ids, "ffn_output": self.output,
+                               **({"hidden_views": list(self.hidden_views)} if self.hidden_views else {})},
             "params": list(self.params),
             "wire": {
                 "to_ffn": [{"kind": w.kind, "dtype": str(w.dtype).removeprefix("torch."),
@@ -168,15 +172,45 @@ def _crossing(ffn: list[fx.Node], placeholders: list[fx.Node], where: str) -> tu
     ids = [a for a in tensors if a in placeholders and isinstance(_val(a), torch.Tensor)
            and not _val(a).is_floating_point()]
     hidden = [a for a in tensors if a not in router and a not in ids]
-    if len(hidden) != 1:
+    base = _one_hidden(hidden)
+    if base is None:
         raise SplitError(
             f"{where}: the FFN region must read exactly one hidden-state tensor from the attention "
-            f"side, it reads {[a.name for a in hidden]} (FFN nodes start at {ffn[0].name}); "
-            "only hidden states, router logits and token ids may cross"
+            f"side (or views and casts of one), it reads {[a.name for a in hidden]} (FFN nodes start at "
+            f"{ffn[0].name}); only hidden states, router logits and token ids may cross"
         )
-    if not isinstance(_val(hidden[0]), torch.Tensor) or _val(hidden[0]).dim() < 1:
-        raise SplitError(f"{where}: FFN input {hidden[0].name} has no tensor metadata (meta['val'])")
-    return params, syms, router, ids, hidden
+    if not isinstance(_val(base), torch.Tensor) or _val(base).dim() < 1:
+        raise SplitError(f"{where}: FFN input {base.name} has no tensor metadata (meta['val'])")
+    return params, syms, router, ids, [base], [a for a in hidden if a is not base]
+
+
+#: ops that keep a tensor's rows in order (views, copies, dtype casts): what the FFN side can
+#: rebuild from the received hidden state as a view of it, then a cast
+_SAME_ROWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+              aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.alias.default,
+              aten.contiguous.default, aten.clone.default, aten.to.dtype, aten._to_copy.default}
+
+
+def _one_hidden(hidden: list[fx.Node]) -> fx.Node | None:
+    """The one hidden state the FFN region reads: ``hidden``'s only tensor, or the one every other
+    is made from by :data:`_SAME_ROWS` ops with the same width and as many rows (a router on the
+    attention side reading ``view(h, [T, H])`` beside experts reading ``h``); None if there is none."""
+    def made_from(v: fx.Node, base: fx.Node) -> bool:
+        n = v
+        while n is not base:
+            if n.op != "call_function" or n.target not in _SAME_ROWS or not n.args or not isinstance(n.args[0], fx.Node):
+                return False
+            if n.target == aten._to_copy.default and set(n.kwargs) - {"dtype"}:
+                return False  # (a device or layout change is not a cast)
+            n = n.args[0]
+        bv, vv = _val(base), _val(v)
+        return (isinstance(vv, torch.Tensor) and isinstance(bv, torch.Tensor) and vv.dim() >= 1
+                and vv.shape[-1] == bv.shape[-1] and sympy_prod(list(vv.shape)) == sympy_prod(list(bv.shape)))
+
+    for cand in hidden:
+        if all(v is cand or made_from(v, cand) for v in hidden):
+            return cand
+    return None
 
 
 def _ffn_output(ffn: list[fx.Node], layer: int, h: fx.Node, where: str) -> fx.Node:
@@ -239,7 +273,7 @@ def _wire_in(h: fx.Node, router: list[fx.Node], ids: list[fx.Node], token_dims: 
 def _cut_layer(layer: int, ffn: list[fx.Node], placeholders: list[fx.Node], where: str,
                attention_only: bool) -> tuple[LayerCut, int | None]:
     """The cut of one layer and, when its tokens are static, their count."""
-    params, syms, router, ids, (h,) = _crossing(ffn, placeholders, where)
+    params, syms, router, ids, (h,), views = _crossing(ffn, placeholders, where)
     out = _ffn_output(ffn, layer, h, where)
     hval, oval = _val(h), _val(out)
     token_dims = list(hval.shape[:-1])
@@ -255,6 +289,7 @@ def _cut_layer(layer: int, ffn: list[fx.Node], placeholders: list[fx.Node], wher
         wire_in=_wire_in(h, router, ids, token_dims, where),
         wire_out=WireSpec((WireTensor("ffn_out", oval.dtype, int(hval.shape[-1])),)),
         token_dims=tuple(str(sym_expr(d)) for d in token_dims),
+        hidden_views=tuple(v.name for v in views),
     )
     return cut, (binding.coeff if binding is not None and binding.sigma is None else None)
 
@@ -349,8 +384,13 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
             return [emit_expr(graph, _b.substitute(sym_expr(d)), _b.sigma, _s) for d in shape]
 
         env: dict[fx.Node, object] = {}
-        env[h] = graph.call_function(aten.view.default,
-                                     (graph.call_function(operator.getitem, (recv, 0)), sizes(tuple(hval.shape))))
+        got_h = graph.call_function(operator.getitem, (recv, 0))
+        env[h] = graph.call_function(aten.view.default, (got_h, sizes(tuple(hval.shape))))
+        for name in cut.hidden_views:  # the same rows in another shape (and dtype): rebuilt, not sent
+            v = src[name]
+            env[v] = graph.call_function(aten.view.default, (got_h, sizes(tuple(v.meta["val"].shape))))
+            if v.meta["val"].dtype != hval.dtype:
+                env[v] = graph.call_function(aten.to.dtype, (env[v], v.meta["val"].dtype))
         idx = 1
         if cut.router_logits:
             r = src[cut.router_logits]
