@@ -25,7 +25,13 @@ from afd_compile.errors import AFDCompileError
 from afd_compile.layout import AFDLayout
 from afd_compile.models import build_hf, export_lm
 from afd_compile.progress import Progress
-from afd_compile.runtime import AttentionWorker, check_launch, init_distributed, shutdown
+from afd_compile.runtime import (
+    AttentionWorker,
+    check_launch,
+    init_distributed,
+    report_launch_error,
+    shutdown,
+)
 
 
 def main() -> int:
@@ -81,9 +87,7 @@ if __name__ == "__main__":
     try:
         code = main()
     except AFDCompileError as e:  # a launch or layout error: one line (from rank 0 only), exit 2
-        if os.environ.get("RANK", "0") == "0":
-            print(f"afd_torchrun.py: error: {e}", file=sys.stderr)
-        code = 2
+        code = report_launch_error("afd_torchrun.py", e)
     # leave without the interpreter's finalisation: gloo's worker threads, still joinable when C++
     # statics are destroyed, abort a process now and then at exit after a clean shutdown()
     # ("terminate called without an active exception", seen under load in CI; pytorch/pytorch#179291)

@@ -38,7 +38,7 @@ from afd_compile.compare import max_rel_err
 from afd_compile.errors import AFDCompileError
 from afd_compile.models import FAMILIES, build_hf
 from afd_compile.progress import Progress
-from afd_compile.runtime import check_launch, init_distributed, shutdown
+from afd_compile.runtime import check_launch, init_distributed, report_launch_error, shutdown
 
 
 def _graphs_recorded(device: torch.device) -> int | None:
@@ -209,6 +209,4 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except AFDCompileError as e:  # a launch or option error: one line (from rank 0 only), exit 2
-        if os.environ.get("RANK", "0") == "0":
-            print(f"compile_backend.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report_launch_error("compile_backend.py", e))

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 import warnings
@@ -54,7 +53,13 @@ from afd_compile.backend.options import check_options
 from afd_compile.errors import AFDCompileError
 from afd_compile.models import FAMILIES
 from afd_compile.progress import Progress
-from afd_compile.runtime import check_launch, finish, init_distributed, shutdown
+from afd_compile.runtime import (
+    check_launch,
+    finish,
+    init_distributed,
+    report_launch_error,
+    shutdown,
+)
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
@@ -217,6 +222,4 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except AFDCompileError as e:  # a launch or option error: one line (from rank 0 only), exit 2
-        if os.environ.get("RANK", "0") == "0":
-            print(f"generate.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report_launch_error("generate.py", e))

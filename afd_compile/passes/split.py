@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -386,11 +387,7 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
         env: dict[fx.Node, object] = {}
         got_h = graph.call_function(operator.getitem, (recv, 0))
         env[h] = graph.call_function(aten.view.default, (got_h, sizes(tuple(hval.shape))))
-        for name in cut.hidden_views:  # the same rows in another shape (and dtype): rebuilt, not sent
-            v = src[name]
-            env[v] = graph.call_function(aten.view.default, (got_h, sizes(tuple(v.meta["val"].shape))))
-            if v.meta["val"].dtype != hval.dtype:
-                env[v] = graph.call_function(aten.to.dtype, (env[v], v.meta["val"].dtype))
+        env.update(_rebuilt_views(graph, [src[name] for name in cut.hidden_views], got_h, sizes, hval.dtype))
         idx = 1
         if cut.router_logits:
             r = src[cut.router_logits]
@@ -438,6 +435,18 @@ def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
     ffn.meta[TOKEN_MULTIPLE] = multiple
     propagate_ffn_meta(ffn, plan.static_tokens, multiple)
     return ffn
+
+
+def _rebuilt_views(graph: fx.Graph, views: list[fx.Node], got: fx.Node, sizes: Callable[[tuple], list],
+                   dtype: torch.dtype) -> dict[fx.Node, fx.Node]:
+    """The hidden state's other views the FFN region reads (``LayerCut.hidden_views``), rebuilt
+    from the received rows: a view to each one's shape, then its dtype."""
+    out = {}
+    for v in views:
+        out[v] = graph.call_function(aten.view.default, (got, sizes(tuple(v.meta["val"].shape))))
+        if v.meta["val"].dtype != dtype:
+            out[v] = graph.call_function(aten.to.dtype, (out[v], v.meta["val"].dtype))
+    return out
 
 
 #: ffn.meta key: what every token count of the FFN program is a multiple of (a static batch B: the

@@ -14,7 +14,15 @@ calls :func:`shutdown`.
 
 from __future__ import annotations
 
-from .dist import LaunchError, check_launch, free_port, init_distributed, process_group, tp_groups
+from .dist import (
+    LaunchError,
+    check_launch,
+    free_port,
+    init_distributed,
+    process_group,
+    report_launch_error,
+    tp_groups,
+)
 from .launch import (
     LOCAL_PROCESS_BYTES,
     LOCAL_PROCESS_LIMIT_RULE,
@@ -44,7 +52,7 @@ from .protocol import (
 )
 
 __all__ = [
-    "LaunchError", "TPRank", "check_launch",
+    "LaunchError", "TPRank", "check_launch", "report_launch_error",
     "LOCAL_PROCESS_BYTES", "LOCAL_PROCESS_LIMIT_RULE", "PEER_GONE", "SERVE_AT_SHUTDOWN", "STOP", "WORKER_PRELOAD",
     "WORKER_PRELOAD_IF_IMPORTED", "AttentionWorker", "ControlError", "FFNWorker", "GroupSlice", "LauncherFailure",
     "RankFailure", "RunFault", "TokenCount", "dp_step_counts", "finish", "free_port", "init_distributed",

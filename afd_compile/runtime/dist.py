@@ -49,6 +49,20 @@ def check_launch(needed: int | None, what: str, command: str) -> tuple[int, int]
     return rank, world
 
 
+def report_launch_error(script: str, error: Exception) -> int:
+    """A script's launch or option error, said once: rank 0 (or a process outside torchrun) prints
+    ``<script>: error: ...`` on stderr; the other ranks wait a little first, so torchrun ends them
+    when rank 0 exits rather than ending rank 0 before it printed. Returns the exit status, 2."""
+    import sys
+    import time
+
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{script}: error: {error}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(5)
+    return 2
+
+
 def init_distributed(rank: int | None = None, world_size: int | None = None, backend: str | None = None,
                      timeout_s: float = 120.0) -> tuple[int, int]:
     """Join the process group (env:// as torchrun sets it). gloo on CPU, NCCL when CUDA is used.
