@@ -65,13 +65,18 @@ class TokenBuckets:
             return self.sizes[i]
         return max(-(-n // self.chunk) * self.chunk, self.sizes[-1])
 
+    def padded(self, n: int, unit: int = 1) -> int:
+        """The rows ``n`` tokens take in units of ``unit`` tokens (what a program's token count
+        is a multiple of): ``unit * slot(ceil(n / unit))``; 0 for none."""
+        return unit * self.slot(-(-n // unit)) if n else 0
+
     def __str__(self) -> str:
         s = self.sizes
         head = ",".join(map(str, s)) if len(s) <= 6 else f"{s[0]},{s[1]},...,{s[-1]} ({len(s)} sizes)"
         return f"{head}; then multiples of {self.chunk}"
 
     @staticmethod
-    def parse(value: str | Sequence[int] | bool | None) -> TokenBuckets | None:
+    def parse(value: str | Sequence[int] | bool | TokenBuckets | None) -> TokenBuckets | None:
         """``None`` / ``True`` / ``"default"`` / ``"on"``: the default list; ``False`` / ``"off"`` /
         ``"none"``: no buckets (each step's exact counts); a list, or a comma-separated string of
         sizes (``"1,2,4,8,16"``; past the last, multiples of the last)."""

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx as fx
 
 from .buckets import TokenBuckets
 from .compare import Comparison, compare
@@ -34,7 +33,7 @@ from .passes.roles import POLICIES
 from .programs import flat_inputs, fresh_module, load_program, positional_module
 from .runtime import (
     AttentionWorker,
-    dp_step_counts,
+    TPRank,
     progress,
     run_local,
     tp_groups,
@@ -360,7 +359,7 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
             x = resize_inputs(inputs, dims, 1, salt=0)
         with torch.no_grad():
             if lay.attn_dp > 1:
-                out = _dp_step(program, x, lay, rank)
+                out = TPRank(program, lay, rank)(*x)
             else:
                 out = program(*x)
             if not empty:
@@ -368,12 +367,6 @@ def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
         seen.append(0 if empty else int(x[0].shape[0]))
         report(f"step {step + 1}/{steps} done")
     return {"sharded_weights": sharded, "batches": seen, **tally.to_json()}
-
-
-def _dp_step(program: fx.GraphModule, x: tuple, lay: TPLayout, rank: int) -> object:
-    """One DP-attention step: exchange token counts, then run with a carrier of the total."""
-    groups = dp_step_counts(x, lay, rank)
-    return program(*x, torch.empty(sum(groups), 0))
 
 
 def _verify_tp_cases(rank: int, world: int, cases: Sequence[TPCase]) -> list[dict | None]:

@@ -119,3 +119,9 @@ def test_padding_repeats_the_last_row_so_an_moe_reads_no_new_expert():
     ids = torch.tensor([7, 9], dtype=torch.int32)  # token ids and router logits pad the same way
     hidden, tok = padded_to_slot([x, torch.tensor([7, 8, 9], dtype=torch.int32)], 4)
     assert hidden.shape == (4, 2) and tok.tolist() == [7, 8, 9, 9] and tok.dtype == ids.dtype
+
+
+def test_padded_counts_in_units_of_the_programs_token_multiple():
+    b = TokenBuckets((16, 64))
+    assert [b.padded(n, 3) for n in (0, 1, 5, 48, 49)] == [0, 48, 48, 48, 192]
+    assert [b.padded(n) for n in (0, 7, 17)] == [0, 16, 64]

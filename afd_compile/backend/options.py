@@ -8,9 +8,12 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import AFDCompileError
+
+if TYPE_CHECKING:
+    from ..buckets import TokenBuckets
 
 
 class BackendOptionError(AFDCompileError):
@@ -19,6 +22,18 @@ class BackendOptionError(AFDCompileError):
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _buckets_ok(value: Any) -> bool:
+    from ..buckets import BucketError, TokenBuckets
+
+    if not isinstance(value, (str, bool, list, tuple)):
+        return False
+    try:
+        TokenBuckets.parse(value)
+    except BucketError:
+        return False
+    return True
 
 
 #: per option: (check, what it must be)
@@ -46,20 +61,8 @@ _OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ffn_ep": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "attn_tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "symm_mem": (lambda v: isinstance(v, bool), "a bool"),
-    "buckets": (lambda v: _buckets_ok(v), "'default', 'off', a bool, or an ascending list of token counts >= 1"),
+    "buckets": (_buckets_ok, "'default', 'off', a bool, or an ascending list of token counts >= 1"),
 }
-
-
-def _buckets_ok(value: Any) -> bool:
-    from ..buckets import BucketError, TokenBuckets
-
-    if not isinstance(value, (str, bool, list, tuple)):
-        return False
-    try:
-        TokenBuckets.parse(value)
-    except BucketError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ class BackendOptions:
     buckets: str | bool | tuple[int, ...] = "default"
 
     @property
-    def token_buckets(self) -> Any:
+    def token_buckets(self) -> TokenBuckets | None:
         """The parsed :class:`~afd_compile.buckets.TokenBuckets` (None: off)."""
         from ..buckets import TokenBuckets
 

@@ -151,9 +151,7 @@ class AttentionWorker:
 
     def slot(self, n: int) -> int:
         """The rows ``n`` tokens take on the wire this step."""
-        if self.buckets is None or self.static or n == 0:
-            return n
-        return self.slot_unit * self.buckets.slot(-(-n // self.slot_unit))
+        return n if self.buckets is None or self.static else self.buckets.padded(n, self.slot_unit)
 
     def program_for(self, k: int) -> Callable[..., Any]:
         """The program of ``k`` micro-batches (1: the unstaged one), as it runs."""
@@ -313,9 +311,7 @@ class FFNWorker:
     def rows(self, tokens: int) -> int:
         """The rows a program runs for ``tokens`` received tokens (padded to a bucket: rows that
         :func:`afd_compile.ops.p2p_recv_group` appends and ``p2p_send_group`` drops)."""
-        if self.buckets is None or self.static_batch or tokens == 0:
-            return tokens
-        return self.token_unit * self.buckets.slot(-(-tokens // self.token_unit))
+        return tokens if self.buckets is None or self.static_batch else self.buckets.padded(tokens, self.token_unit)
 
     def program_for(self, k: int) -> Callable[..., Any]:
         """The program of ``k`` micro-batch stages (1: the unstaged one), as it runs."""
