@@ -173,6 +173,24 @@ def time_us(fn, x: torch.Tensor, iters: int) -> float:
     return statistics.median(times)
 
 
+def profile(fn, x: torch.Tensor, steps: int = 10) -> dict[str, float]:
+    """CUDA µs per step of each kernel of ``fn(x)`` (the largest first), printed and returned."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch.no_grad(), torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn(x)
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total / steps) for e in prof.key_averages() if e.device_time_total > 0),
+                  key=lambda r: -r[1])
+    total = sum(us for _, us in rows)
+    print(f"moe_ffn: T={x.shape[0]} kernels, {total:.1f} us CUDA time per step:", file=sys.stderr)
+    for key, us in rows[:14]:
+        print(f"  {us:8.1f} us  {key[:110]}", file=sys.stderr)
+    return {key: round(us, 1) for key, us in rows}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="8,64,256,1024")
@@ -180,6 +198,8 @@ def main() -> int:
                         "rec_batched_mm,rec_loop")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="also print where the afd_op column's step goes (CUDA time per kernel, torch.profiler)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("moe_ffn: needs a CUDA GPU", file=sys.stderr)
@@ -224,6 +244,8 @@ def main() -> int:
             err = float((out - ref).abs().max() / ref.abs().max())
             us = time_us(fn, x, args.iters)
             os.environ["AFD_MOE_IMPL"] = "auto"
+            if args.profile and name in ("afd_op", "grouped_mm"):
+                row[f"{name} kernels"] = profile(fn, x)
             row[name] = {"us": round(us, 1), "x_floor": round(us / floor, 2), "max_rel_err": round(err, 5)}
             print(f"moe_ffn: T={t} {name}: {us:.1f} us ({us / floor:.2f}x floor), rel err {err:.2e}", file=sys.stderr)
         rows.append(row)

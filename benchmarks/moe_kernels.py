@@ -112,10 +112,12 @@ def case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.Genera
 #: per-kernel tile variants of ``--split`` (BLOCK_N, BLOCK_K, num_warps, num_stages), each BLOCK_M
 SPLIT_M = (16, 32, 64, 128)
 SPLIT_TILES = [(64, 128, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (64, 64, 4, 5),
-               (128, 32, 4, 6), (64, 256, 4, 3)]
+               (128, 32, 4, 6), (64, 256, 4, 3), (128, 128, 4, 3), (256, 128, 8, 3), (64, 128, 4, 3),
+               (128, 64, 4, 3)]
 
 
-def split_case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.Generator) -> dict:
+def split_case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.Generator,
+               block_m: tuple[int, ...] = SPLIT_M) -> dict:
     """Each fused kernel alone (``--split``): gate/up and down over the same aligned rows, per tile
     variant, against that projection's floor; and the per-token sum."""
     from afd_compile.moe_triton import align, down, up
@@ -131,7 +133,7 @@ def split_case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.
     y = torch.randn(t * TOP_K, HIDDEN, device=dev, dtype=torch.bfloat16, generator=g)
     row["sum over K"] = {"us": round(time_us(graphed(
         lambda: y.view(t, TOP_K, HIDDEN).sum(dim=1, dtype=torch.float32).to(torch.bfloat16))), 1)}
-    for m in SPLIT_M:
+    for m in block_m:
         rows, block_expert = align(ids, EXPERTS, m)
         for n, k, w, st in SPLIT_TILES:
             cfg = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
@@ -163,6 +165,7 @@ def main() -> int:
     parser.add_argument("--tokens", default="8,64,256,1024")
     parser.add_argument("--json", default=None)
     parser.add_argument("--split", action="store_true", help="time each fused kernel alone over tile variants")
+    parser.add_argument("--block-m", default=",".join(map(str, SPLIT_M)), help="--split: the BLOCK_M values tried")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("moe_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -175,7 +178,8 @@ def main() -> int:
     wgu = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=dev, generator=g) * 0.02).bfloat16()
     wd = (torch.randn(EXPERTS, HIDDEN, INTER, device=dev, generator=g) * 0.02).bfloat16()
     if args.split:
-        rows = [split_case(int(t), wgu, wd, bw, g) for t in args.tokens.split(",")]
+        block_m = tuple(int(m) for m in args.block_m.split(","))
+        rows = [split_case(int(t), wgu, wd, bw, g, block_m) for t in args.tokens.split(",")]
         print(f"each fused kernel alone, bf16, CUDA graphs; HBM copy bandwidth {bw / 1e12:.2f} TB/s; best 6 per kernel")
         print_split(rows)
         if args.json:

@@ -246,6 +246,55 @@ def per_head_norm_manual() -> GQADecoder:
     return model
 
 
+class GroupedQKVAttention(nn.Module):
+    """q/k/v in one biased linear laid out per KV group (each group's query heads, then its K head,
+    then its V head: Falcon's new decoder architecture), taken apart by slicing a ``[B, S, G, Q + 2,
+    D]`` view; the K/V heads expanded to the query heads. ``groups=1``: multi-query attention.
+    ``form``: ``"slice"`` (as above), ``"index"`` (K and V picked by ``[..., [-2]]``), ``"split"`` (one group, ``split([Q, 1, 1])`` of a ``[B, S, Q +
+    2, D]`` view: Falcon's old multi-query layout) or ``"unbind"`` (``[q_h, k_h, v_h]`` per head,
+    ``unflatten(-2, (H, 3)).unbind(-2)``: Falcon's old multi-head layout)."""
+
+    def __init__(self, hidden: int = 64, heads: int = 4, groups: int = 1, form: str = "slice") -> None:
+        super().__init__()
+        self.form = form
+        self.groups, self.per_group, self.head_dim = groups, heads // groups, hidden // heads
+        width = 3 * heads if form == "unbind" else groups * (self.per_group + 2)
+        self.qkv = nn.Linear(hidden, width * self.head_dim)
+        self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, s, _ = x.shape
+        g, n, d = self.groups, self.per_group, self.head_dim
+        if self.form == "unbind":
+            return self.qkv(x).view(b, s, 3 * n * g, d).unflatten(-2, (n * g, 3)).unbind(-2)
+        if self.form == "split":
+            q, k, v = self.qkv(x).view(b, s, n + 2, d).split([n, 1, 1], dim=-2)
+            return q, k.expand(b, s, n, d), v.expand(b, s, n, d)
+        qkv = self.qkv(x).view(b, s, g, n + 2, d)
+        if self.form == "index":  # (transformers 5.24's Falcon: K and V picked by a list index)
+            q = qkv[:, :, :, :-2]
+            k, v = (torch.broadcast_to(t, q.shape).flatten(2, 3) for t in (qkv[:, :, :, [-2]], qkv[:, :, :, [-1]]))
+            return q.flatten(2, 3), k, v
+        q = qkv[:, :, :, :n].reshape(b, s, g * n, d)
+        k, v = (t.expand(b, s, g, n, d).reshape(b, s, g * n, d) for t in (qkv[:, :, :, n:n + 1], qkv[:, :, :, n + 1:]))
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self._heads(x))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def grouped_qkv(groups: int = 1, form: str = "slice") -> GQADecoder:
+    """A fused q/k/v packed per KV group, by default with one group (multi-query attention: fewer
+    KV heads than any TP layout's ranks)."""
+    model = GQADecoder()
+    for block in model.layers:
+        block.attn = GroupedQKVAttention(groups=groups, form=form)
+    return model
+
+
 class BatchMixingMLP(nn.Module):
     """An MLP that is not per token: it adds the mean over the batch (sequences mix)."""
 
@@ -654,7 +703,7 @@ def torch_postnorm_fastpath_off() -> TorchPostNorm:
 
 MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "einsum_moe": einsum_moe, "put_moe": put_moe,
           "sort_moe": sort_moe, "top1_moe": top1_moe, "lib_moe": lib_moe,
-          "per_head_norm": per_head_norm, "per_head_norm_manual": per_head_norm_manual,
+          "per_head_norm": per_head_norm, "per_head_norm_manual": per_head_norm_manual, "grouped_qkv": grouped_qkv,
           "nanogpt": NanoGPT, "flat": Flat,
           "meta_llama": MetaLlama, "torch_postnorm": TorchPostNorm, "parallel": parallel, "einsum": einsum,
           "shared": SharedBlock}

@@ -186,22 +186,25 @@ RUNS = [  # (processes, example arguments)
     # a higher-order op whose re-exported node keeps no module path of its own), AFD 2A1F
     (3, ("--attention", "2", "--ffn", "1", "--no-inductor",
          "--model", os.path.join(os.path.dirname(__file__), "handwritten.py:lib_moe"))),
+    # q/k/v packed per KV group, one group (multi-query) over 2 TP ranks: unpacked into blocks first
+    (2, ("--tp", "2", "--no-inductor", "--model", os.path.join(os.path.dirname(__file__), "handwritten.py:grouped_qkv"))),
     # a hand-written MoE looping over its experts (data-dependent token counts per expert); under
     # real torchrun (no transformers import: the cheapest launch)
     (2, ("--attention", "1", "--ffn", "1", "--dynamic-output-shapes",
          "--model", os.path.join(os.path.dirname(__file__), "handwritten.py:loop_moe"))),
 ]
 #: the backend matrix mirroring the CLI's: every family x AFD 2A1F (prefill and a decode step),
-#: TP 2 and TP 4 with attn_dp 2 (Falcon: 2 KV groups, TP 2 only), and the hand-written decoders
+#: TP 2 and TP 4 with attn_dp 2, and the hand-written decoders
 _FAMILIES = ["llama", "qwen3_moe", "phi3", "gemma2", "gpt2", "olmo2", "granite", "gptj", "nemotron", "falcon",
              "deepseek_v3", "gpt_bigcode", "bloom", "mpt", "gpt_oss", "bitnet", "phimoe"]
 _HANDWRITTEN = [os.path.join(os.path.dirname(__file__), f"handwritten.py:{f}")
                 for f in ("GQADecoder", "bmm_moe", "loop_moe", "NanoGPT", "Flat", "MetaLlama",
-                          "torch_postnorm_fastpath_off", "parallel", "einsum", "SharedBlock", "per_head_norm")]
+                          "torch_postnorm_fastpath_off", "parallel", "einsum", "SharedBlock", "per_head_norm",
+                          "grouped_qkv")]
 _LAYOUTS = [(3, ("--attention", "2", "--ffn", "1")), (3, ("--attention", "2", "--ffn", "1", "--seq", "1")),
             (2, ("--tp", "2")), (4, ("--tp", "4", "--attn-dp", "2"))]
 SLOW_RUNS = [(n, (*lay, "--family", fam)) for fam in _FAMILIES for n, lay in _LAYOUTS
-             if not (fam == "falcon" and n == 4) and (n, (*lay, "--family", fam)) not in RUNS]
+             if (n, (*lay, "--family", fam)) not in RUNS]
 SLOW_RUNS += [(2, ("--tp", "2", "--seq", "1", "--check-cache")),
               (2, ("--tp", "2", "--attn-dp", "2", "--family", "qwen3_moe")),
               (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "3")),

@@ -131,7 +131,7 @@ def more_paths(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("handwritten")
     paths = {}
     for name in ("nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "parallel", "einsum", "shared",
-                 "per_head_norm", "per_head_norm_manual"):
+                 "per_head_norm", "per_head_norm_manual", "grouped_qkv"):
         paths[name] = str(folder / f"{name}.pt2")
         torch.export.save(export(MODELS[name]()), paths[name])
     return paths
@@ -161,9 +161,11 @@ MORE_TP = [("nanogpt", 2, 1, None), ("loop_moe", 2, 1, None), ("flat", 2, 1, Non
            ("torch_postnorm", 4, 2, (1, 2)),  # nn.MultiheadAttention: heads folded into the batch for SDPA
            ("shared", 2, 1, None),  # one block as every layer: its weights sliced once
            # per-head q/k norms ([H, D] affine: sliced with the heads, KV's replicated at tp 4), keys by .mT
-           ("per_head_norm", 2, 1, None), ("per_head_norm", 4, 2, (1, 2)), ("per_head_norm_manual", 2, 1, None)]
+           ("per_head_norm", 2, 1, None), ("per_head_norm", 4, 2, (1, 2)), ("per_head_norm_manual", 2, 1, None),
+           # q/k/v packed per KV group, one group: the query heads split, K/V replicated (grouped_qkv.py)
+           ("grouped_qkv", 2, 1, None), ("grouped_qkv", 4, 2, (1, 2))]
 MORE_AFD = ["nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "einsum", "shared",
-            "per_head_norm"]  # (parallel: as GPT-J's)
+            "per_head_norm", "grouped_qkv"]  # (parallel: as GPT-J's)
 
 
 def test_more_hand_written_decoders_shard_and_split_and_match(more_paths):

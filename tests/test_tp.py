@@ -341,7 +341,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("qwen3moe2", 4, 4, (2, 0, 3, 1), A2A),  # attn_tp == 1: a2a only; a group with zero tokens
     ("llama3", 4, 2, (3, 0), DDP),       # SCATTERED residual in attention-TP groups; zero-token group
     ("nemotron", 2, 1, (2,)),            # relu^2 MLP (square), LayerNorm1P
-    ("falcon", 2, 2, (2, 1)),            # qkv packed per KV group; parallel attention; attn_tp == 1
+    ("falcon", 4, 2, (2, 1)),            # qkv packed per KV group, 2 groups over 4 ranks: unpacked, K/V replicated
     ("deepseek_v3", 2, 1, (2,)),         # MLA; a dense layer, then MoE with group-limited routing
     ("gpt_bigcode", 4, 1, (2,)),         # multi-query: K/V replicated whole
     ("llama2_v127", 2, 1, (2,), VP),     # vocab-parallel head: vocab 127 over 2 ranks, slices zero-padded
@@ -364,6 +364,7 @@ NUMERICS_SLOW = [
     ("llama2_mha", 4, 2, (0, 2)),
     ("gptj", 4, 1, (2,)),
     ("falcon", 2, 1, (3,)),
+    ("falcon", 2, 2, (2, 1)),            # parallel attention; attn_tp == 1
     ("deepseek_v3", 4, 2, (1, 2)),
     ("gemma2", 4, 2, (1, 2), DDP),       # norm after o_proj on the SCATTERED rows
     ("gpt_oss", 4, 2, (2, 3)),
@@ -469,17 +470,19 @@ def test_gpt_oss_sinks_interleaved_gate_up_and_expert_biases(exported):
     assert not ranks[1].program.get_parameter(bias).any()
 
 
-def test_falcon_qkv_packed_per_kv_group_shards_whole_groups(exported):
-    # [kv groups, q per group + 2, head_dim]: each rank takes whole groups (q heads with their K
-    # and V), so the K/V broadcast to the q heads of each group keeps its q-per-group count and
-    # has its group count divided (2 groups -> 1 per rank). Where the group dim sits in that
-    # broadcast depends on the transformers version (5.24: broadcast_to [b, s, 2, 2, 16]; 5.25:
-    # expand [b, 2, 2, s, 16]), so each is compared with the same node of the unsharded program.
+def test_falcon_qkv_packed_per_kv_group_is_unpacked_into_blocks(exported):
+    # [kv groups, q per group + 2, head_dim]: prepare_graph unpacks the fused weight into [all q |
+    # all k | all v] blocks (passes/grouped_qkv.py), so each rank holds its query heads and the K/V
+    # of their group: at TP 2 (2 groups) rank 1 holds group 1 whole, the original rows 64..127 in
+    # their order; the K/V broadcast to the q heads of each group has its group count divided
+    # (where that broadcast sits depends on the transformers version: each is compared with the
+    # same node of the unsharded program)
     prog = _program(exported, "falcon", TPLayout(2), rank=1, fuse_norm=False)
-    qkv = next(w for w in prog.shards.weights if w.target.endswith("h.0.self_attention.query_key_value.weight"))
-    assert (qkv.dim, qkv.kind, qkv.blocks) == (0, "column", ())
+    qkv = next(w for w in prog.shards.weights if w.target.endswith("h_0_self_attention_query_key_value_weight"))
+    assert qkv.target.startswith("afd_unpacked_")
+    assert (qkv.dim, qkv.kind, qkv.blocks, qkv.replicate) == (0, "column", (64, 32, 32), ())
     unsharded = exported("falcon")[0].module()
-    full = unsharded.get_parameter(qkv.target)
+    full = unsharded.get_parameter("model.transformer.h.0.self_attention.query_key_value.weight")
     assert torch.equal(prog.program.get_parameter(qkv.target), full[64:])
     before = {n.name: n for n in unsharded.graph.nodes}
     b = [n for n in prog.program.graph.nodes
@@ -487,11 +490,11 @@ def test_falcon_qkv_packed_per_kv_group_shards_whole_groups(exported):
     changed = [[(old, new) for old, new in zip(before[n.name].args[1], n.args[1], strict=True)
                 if isinstance(old, int) and old != new] for n in b]  # (sizes read off the input: other graphs' nodes)
     assert len(b) == 4 and changed == [[(2, 1)]] * 4, changed
-    # 2 KV groups, 4 ranks: refused where the replicated groups meet the split heads (5.24: the
-    # row-parallel dense; 5.25: SDPA, the K/V broadcast to the q heads having moved after the head split)
-    with pytest.raises(ShardError, match=r"reads heads replicated over 2 ranks|different numbers of heads per rank "
-                                         r"\(\[2, 4\]\): heads replicated over ranks"):
-        _program(exported, "falcon", TPLayout(4))
+    # 2 KV groups over 4 ranks: each rank one query head, its group's K/V replicated on 2 ranks
+    prog = _program(exported, "falcon", TPLayout(4), rank=3, fuse_norm=False)
+    qkv = next(w for w in prog.shards.weights if w.target.endswith("h_0_self_attention_query_key_value_weight"))
+    assert (qkv.blocks, qkv.replicate) == ((64, 32, 32), (1, 2, 2))
+    assert torch.equal(prog.program.get_parameter(qkv.target), torch.cat([full[80:96], full[96:128]]))
 
 
 def test_mla_shards_the_up_projections_and_keeps_the_low_rank_ones(exported):

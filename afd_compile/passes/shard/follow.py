@@ -24,16 +24,15 @@ from .rules import (
     VIEW_OPS,
     Replicate,
     ShardRule,
+    expands_single_head,
     folded_view,
     ndim,
     shape_of,
 )
-from .types import (
-    ArgFix,
-    ShardError,
-)
+from .types import ArgFix, ShardError
 
 aten = torch.ops.aten
+EXPANDS = (aten.expand.default, aten.broadcast_to.default)
 
 @dataclass
 class _Track:
@@ -552,7 +551,10 @@ def _reshape(n: fx.Node, src0: fx.Node, rule: ShardRule, f: int, origins: set, w
         want = sym_expr(src0.meta["val"].shape[m]) * sym_expr(src0.meta["val"].shape[m + 1])
         if sympy.simplify(sym_expr(n.meta["val"].shape[j]) - want) != 0:
             raise ShardError(f"{where}: {n.name} does not merge the replicated KV heads back into one dim")
-    elif n.target == aten.expand.default and f < parts:
+    elif n.target in EXPANDS and f == 1 and expands_single_head(n, src0, sdim[n], parts):
+        fixes.append(ArgFix(n.name, sdim[n], n.args[1][sdim[n]], n.args[1][sdim[n]] // parts))
+        f = parts
+    elif n.target in EXPANDS and f < parts:
         d = sdim[n]
         arg = n.args[1][d + 1] if d + 1 < len(n.args[1]) else None
         insize = shape_of(src0)[d + 1 - (ndim(n) - ndim(src0))] if d + 1 < ndim(n) else None
@@ -578,7 +580,8 @@ def _apply_rule(n: fx.Node, src0: fx.Node, rule: ShardRule, f: int, sliced: dict
             if x not in sdim and isinstance(x, fx.Node):
                 _broadcast_heads(x, heads, t.factor[q], w.fixes, where)
                 sdim[x], t.factor[x], t.origin[x] = ndim(x) - 3, t.factor[q], None
-    if src0 in w.merged:
+    m = w.merged.get(src0)  # (a flatten of the repeated KV heads' two dims merges them)
+    if m is not None and not (n.target == aten.flatten.using_ints and [a % ndim(src0) for a in n.args[1:3]] == [m, m + 1]):
         raise ShardError(f"{where}: {n.name} ({n.target}) reads repeated KV heads before they are merged")
     sdim[n] = rule.fn(n, {**sdim, **sliced} if sliced else sdim, f, w.fixes)
 

@@ -218,6 +218,8 @@ def _unflatten(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None
     if not isinstance(outer, int) or outer == -1:
         raise ShardError(f"{node.name}: unflatten of the split dim {d} into {sizes}: the outer size must be a constant")
     if outer % parts or outer < parts:
+        if outer > 0 and parts % outer == 0:  # fewer heads than ranks (KV heads): replicated
+            raise Replicate(outer)
         raise ShardError(f"{node.name}: unflatten of the split dim {d} into {sizes}: {parts} ranks cannot divide "
                          f"its outer size {outer}")
     if fixes is not None:
@@ -440,6 +442,14 @@ def _reshape(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None =
         acc *= size
     raise ShardError(f"{node.name}: cannot follow split dim {d} of {tuple(ishape)} into {tuple(oshape)}: no output "
                      "dim starts where it does")
+
+
+def expands_single_head(n: fx.Node, src: fx.Node, d: int, parts: int) -> bool:
+    """``n`` (an expand) broadcasts ``src``'s single head (size 1 at the split dim ``d``) to a
+    head count the ``parts`` ranks divide: multi-query K/V repeated to every query head."""
+    arg = n.args[1][d] if d < len(n.args[1]) else None
+    din = d - (ndim(n) - ndim(src))
+    return din >= 0 and shape_of(src)[din] == 1 and isinstance(arg, int) and arg > 1 and arg % parts == 0
 
 
 VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
