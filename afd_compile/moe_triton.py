@@ -12,8 +12,10 @@ else twice:
 2. **up** kernel, per (block, tile of the intermediate size): the block's token rows of ``x``
    (gathered in the kernel) times the expert's gate and up rows, both accumulated in fp32, the
    bias, the routing weight (when the model applies it first), the activation, one store.
-3. **down** kernel, per (block, tile of the hidden size): the activated rows times the expert's
-   down projection, the bias, the routing weight, one fp32 store per (token, expert) pair.
+3. **down** kernel, per (block, ``TILES`` tiles of the hidden size in one flat loop, so the next
+   tile's loads overlap this one's store: its reduction dim, the intermediate size, is short): the
+   activated rows times the expert's down projection, the bias, the routing weight, one store per
+   (token, expert) pair.
 4. each token's ``K`` rows summed in fp32 (torch), cast to ``x``'s dtype: deterministic, no
    atomics in the sums.
 
@@ -33,8 +35,9 @@ ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4}
 
 def config(pairs: int, num_experts: int) -> dict:
     """Tile sizes by rows per expert (``pairs / E``): decode's few rows take ``BLOCK_M = 16``; the
-    ``"down"`` entry, the second kernel's own tiles (its K is the intermediate size). Read from
-    ``benchmarks/moe_kernels.py --split`` on an H200 (BENCHMARKS.md, session 20)."""
+    ``"down"`` entry, the second kernel's own tiles (its K is the intermediate size; ``TILES``
+    output tiles per program). Read from ``benchmarks/moe_kernels.py --split`` on an H200
+    (BENCHMARKS.md, sessions 20 and 23)."""
     per_expert = pairs / max(num_experts, 1)
     if per_expert <= 8:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
@@ -44,7 +47,7 @@ def config(pairs: int, num_experts: int) -> dict:
     if per_expert <= 48:
         return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4,
-            "down": {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}}
+            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "TILES": 8}}
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +185,9 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, rows_ptr, block_expert_ptr, rw_ptr, out_ptr,
 def _down_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, block_expert_ptr, rw_ptr, out_ptr,
                  pairs, stride_h, stride_we, stride_wn, stride_be, stride_o,
                  hidden: tl.constexpr, inter: tl.constexpr, num_experts: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_FIRST: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr):
+    # one flat loop over TILES output tiles x the K steps of each: the loads of the next tile start
+    # while this one is stored (the reduction dim, the intermediate size, is short)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -192,26 +197,29 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, rows_ptr, block_expert_ptr, rw_ptr, out_pt
     pair = tl.load(rows_ptr + offs_m)
     valid = pair < pairs
     safe = tl.where(valid, pair, 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + safe[:, None] * stride_h + offs_k[None, :]
-    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    k_steps: tl.constexpr = (inter + BLOCK_K - 1) // BLOCK_K
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    rw = tl.load(rw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k_ok = offs_k < inter - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    for i in range(0, TILES * k_steps):
+        kk = i % k_steps
+        offs_n = (pid_n * TILES + i // k_steps) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hidden
+        k_ok = offs_k < inter - kk * BLOCK_K
+        a = tl.load(h_ptr + safe[:, None] * stride_h + kk * BLOCK_K + offs_k[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + kk * BLOCK_K + offs_k[:, None],
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if not WEIGHT_FIRST:
-        rw = tl.load(rw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
-        acc = acc * rw[:, None]
-    o_ptrs = out_ptr + safe[:, None] * stride_o + offs_n[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+        if kk == k_steps - 1:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if not WEIGHT_FIRST:
+                acc = acc * rw[:, None]
+            o_ptrs = out_ptr + safe[:, None] * stride_o + offs_n[None, :]
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
 def fused(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activation, gated, weight_first,
@@ -255,14 +263,16 @@ def up(x, w_gate_up, b_gate_up, rows, block_expert, rw, top_k, activation, gated
 
 def down(h, w_down, b_down, rows, block_expert, rw, weight_first, cfg: dict) -> torch.Tensor:
     """The second kernel: ``y [T K, H]``, each pair's down projection (times its routing weight
-    unless ``weight_first``), in ``h``'s dtype (rounded as the reference rounds)."""
+    unless ``weight_first``), in ``h``'s dtype (rounded as the reference rounds); ``cfg["TILES"]``
+    output tiles per program (default 1)."""
     pairs, inter = h.shape
     num_experts, hidden = w_down.shape[0], w_down.shape[1]
     y = torch.empty(pairs, hidden, dtype=h.dtype, device=h.device)
     bd = b_down.contiguous() if b_down is not None else w_down
-    _down_kernel[(block_expert.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]))](
+    tiles = cfg.get("TILES", 1)
+    _down_kernel[(block_expert.shape[0], triton.cdiv(triton.cdiv(hidden, cfg["BLOCK_N"]), tiles))](
         h, w_down, bd, rows, block_expert, rw, y, pairs, h.stride(0), w_down.stride(0), w_down.stride(1),
         bd.stride(0) if b_down is not None else 0, y.stride(0), hidden=hidden, inter=inter, num_experts=num_experts,
         HAS_BIAS=b_down is not None, WEIGHT_FIRST=weight_first, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], **_launch(cfg))
+        BLOCK_K=cfg["BLOCK_K"], TILES=tiles, **_launch(cfg))
     return y

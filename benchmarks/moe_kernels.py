@@ -116,6 +116,10 @@ SPLIT_TILES = [(64, 128, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 
                (128, 64, 4, 3)]
 
 
+#: ``TILES`` (output tiles per program) tried for the down kernel under ``--split``
+SPLIT_DOWN_TILES = (2, 4, 8)
+
+
 def split_case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.Generator,
                block_m: tuple[int, ...] = SPLIT_M) -> dict:
     """Each fused kernel alone (``--split``): gate/up and down over the same aligned rows, per tile
@@ -148,6 +152,16 @@ def split_case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.
                     print(f"moe_kernels: T={t} {name}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
                     continue
                 row[name] = {"us": round(us, 1), "x_floor": round(us / floors[kernel], 2)}
+        for n, k, w, st in SPLIT_TILES[:4] + SPLIT_TILES[-4:]:  # the down kernel over several tiles per program
+            for tiles in SPLIT_DOWN_TILES:
+                cfg = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, TILES=tiles)
+                name = f"down M{m} N{n} K{k} w{w} s{st} t{tiles}"
+                try:
+                    us = time_us(graphed(lambda cfg=cfg, r=rows, b=block_expert: down(h, wd, None, r, b, rw, False, cfg)))
+                except Exception as e:  # noqa: BLE001
+                    print(f"moe_kernels: T={t} {name}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
+                    continue
+                row[name] = {"us": round(us, 1), "x_floor": round(us / floors["down"], 2)}
     return row
 
 

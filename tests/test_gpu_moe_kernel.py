@@ -58,3 +58,16 @@ def test_a_cuda_graph_captures_it_and_replays_new_routing():
             buf.copy_(new)
         graph.replay()
         assert torch.equal(out, moe_experts(nx, nids, nw, gu, dn))
+
+
+@pytest.mark.parametrize("t", [7, 300])
+@pytest.mark.parametrize("tiles", [2, 3])
+def test_the_down_kernel_over_several_tiles_per_program_is_the_same(t, tiles):
+    # (3 does not divide the tile count: the last program's extra tiles are masked off)
+    from afd_compile.moe_triton import config, fused
+
+    x, ids, w, gu, dn, bgu, bdn = _operands(t, True, True)
+    cfg = config(t * K, E)
+    many = {**cfg, "down": {**cfg.get("down", {}), "TILES": tiles}}
+    assert torch.equal(fused(x, ids, w, gu, dn, bgu, bdn, "silu", True, False, cfg=many),
+                       fused(x, ids, w, gu, dn, bgu, bdn, "silu", True, False, cfg=cfg))
