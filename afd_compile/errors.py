@@ -18,3 +18,17 @@ class SplitError(AFDCompileError):
 
 class TPRewriteError(AFDCompileError):
     """A TP layout's rewrite cannot be built for this graph; the message names the layer."""
+
+
+def refusal(error: BaseException) -> AFDCompileError | None:
+    """The :class:`AFDCompileError` behind ``error``, or None: itself, or one it wraps (what
+    ``torch.compile`` raises when the ``afd`` backend refuses a graph is dynamo's
+    ``BackendCompilerFailed``, holding ours as ``inner_exception``; a cause or context chain)."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, AFDCompileError):
+            return e
+        seen.add(id(e))
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
+    return None

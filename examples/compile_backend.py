@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from afd_compile.backend.options import check_options
 from afd_compile.compare import max_rel_err
-from afd_compile.errors import AFDCompileError
+from afd_compile.errors import refusal
 from afd_compile.models import FAMILIES, build_hf
 from afd_compile.progress import Progress
 from afd_compile.runtime import check_launch, init_distributed, report_launch_error, shutdown
@@ -208,5 +208,7 @@ def main() -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except AFDCompileError as e:  # a launch or option error: one line (from rank 0 only), exit 2
-        sys.exit(report_launch_error("compile_backend.py", e))
+    except Exception as e:  # a launch, option or graph the backend refuses: one line, exit 2
+        if refusal(e) is None:
+            raise
+        sys.exit(report_launch_error("compile_backend.py", refusal(e)))

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 import afd_compile
 from afd_compile.backend.options import check_options
-from afd_compile.errors import AFDCompileError
+from afd_compile.errors import refusal
 from afd_compile.models import FAMILIES
 from afd_compile.progress import Progress
 from afd_compile.runtime import (
@@ -221,5 +221,7 @@ def main() -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except AFDCompileError as e:  # a launch or option error: one line (from rank 0 only), exit 2
-        sys.exit(report_launch_error("generate.py", e))
+    except Exception as e:  # a launch, option or graph the backend refuses: one line, exit 2
+        if refusal(e) is None:
+            raise
+        sys.exit(report_launch_error("generate.py", refusal(e)))

@@ -373,3 +373,38 @@ def test_pytorchs_fused_encoder_layer_is_refused_with_the_remedy():
         torch.backends.mha.set_fastpath_enabled(fastpath)
     annotate_roles(gm, graph_name="dynamo")
     assert sorted(layers_of(gm)) == [0, 1]
+
+
+def test_a_graph_the_backend_refuses_is_one_line_from_the_example():
+    # GQADecoder's 2 KV heads over 4 ranks, repeated by repeat_interleave: refused at the first
+    # compile; dynamo wraps the refusal (BackendCompilerFailed), the example says it in one line
+    proc = run_torchrun(4, EXAMPLE, "--tp", "4", "--no-inductor", "--model",
+                        os.path.join(os.path.dirname(__file__), "handwritten.py:GQADecoder"), timeout_s=300)
+    said = [ln for ln in proc.stderr.splitlines() if ln.startswith("compile_backend.py: error: ")]
+    assert proc.returncode != 0 and said, proc.stderr[-3000:]
+    assert said[0] == ("compile_backend.py: error: layer 0: scaled_dot_product_attention "
+                       "(aten.scaled_dot_product_attention.default) combines tensors split into different numbers of "
+                       "heads per rank ([2, 4]): heads replicated over ranks (fewer KV heads or groups than the 4 ranks) "
+                       "meet heads split over all of them; the layout must divide the KV head count, or repeat the KV "
+                       "heads to the query heads before they meet")
+    assert not any(ln.startswith("[rank") for ln in proc.stderr.splitlines()), proc.stderr[-3000:]  # (no rank's traceback)
+
+
+def test_refusal_finds_ours_behind_dynamos_wrapper():
+    from afd_compile.errors import SplitError, refusal
+
+    class Wrapper(Exception):  # (dynamo's BackendCompilerFailed keeps the backend's error so)
+        def __init__(self, inner: BaseException) -> None:
+            super().__init__("backend='afd' raised")
+            self.inner_exception = inner
+
+    ours = SplitError("layer 3: no")
+    assert refusal(ours) is ours and refusal(Wrapper(ours)) is ours
+    try:
+        try:
+            raise ours
+        except SplitError as e:
+            raise RuntimeError("while compiling") from e
+    except RuntimeError as e:
+        assert refusal(e) is ours
+    assert refusal(RuntimeError("an internal error")) is None

@@ -50,16 +50,18 @@ def check_launch(needed: int | None, what: str, command: str) -> tuple[int, int]
 
 
 def report_launch_error(script: str, error: Exception) -> int:
-    """A script's launch or option error, said once: rank 0 (or a process outside torchrun) prints
-    ``<script>: error: ...`` on stderr; the other ranks wait a little first, so torchrun ends them
-    when rank 0 exits rather than ending rank 0 before it printed. Returns the exit status, 2."""
+    """A script's launch, option or refused-graph error, said once: rank 0 (or a process outside
+    torchrun) prints ``<script>: error: ...`` on stderr; the other ranks wait a little first, so
+    torchrun ends them when rank 0 exits rather than ending rank 0 before it printed, and print it
+    (``rank r:``) only if still running then (an error of their own that rank 0 did not meet).
+    Returns the exit status, 2."""
     import sys
     import time
 
-    if os.environ.get("RANK", "0") == "0":
-        print(f"{script}: error: {error}", file=sys.stderr, flush=True)
-    else:
+    rank = os.environ.get("RANK", "0")
+    if rank != "0":
         time.sleep(5)
+    print(f"{script}: error: {'' if rank == '0' else f'rank {rank}: '}{error}", file=sys.stderr, flush=True)
     return 2
 
 
