@@ -342,11 +342,11 @@ class FFNWorker:
         others (attention ranks may finish at different steps, e.g. at EOS under ``generate()``)."""
         dev = "cuda" if self.comm.device_transport else "cpu"
         live = [p for p in self.comm.peers if p not in self.left]
-        bufs = [torch.empty(2, dtype=torch.int64, device=dev) for _ in live]
-        for b, p in zip(bufs, live, strict=True):
-            dist.recv(b, p, group=self.comm.group)
-        got = dict(zip(live, ([int(v) for v in b.tolist()] for b in bufs), strict=True))
-        self.host_reads += len(live)
+        bufs = torch.empty(len(live), 2, dtype=torch.int64, device=dev)  # (one host read for all peers)
+        for i, p in enumerate(live):
+            dist.recv(bufs[i], p, group=self.comm.group)
+        got = dict(zip(live, bufs.tolist(), strict=True))
+        self.host_reads += 1
         counts = self._check_control(got)
         per_stage = self._stage_counts(counts, dev) if self.stages > 1 and counts is not None else None
         if self.group_size > 1:
@@ -402,16 +402,14 @@ class FFNWorker:
     def _stage_counts(self, counts: tuple[int, ...], dev: str) -> list[tuple[int, ...]]:
         """Each live peer's tokens per stage (sent after its control message), checked against its
         total; per stage, one count per peer (0 for a peer that left)."""
-        by_peer = {}
+        live = [p for p in self.comm.peers if p not in self.left]
+        bufs = torch.empty(len(live), self.stages, dtype=torch.int64, device=dev)  # (one host read for all)
+        for i, p in enumerate(live):
+            dist.recv(bufs[i], p, group=self.comm.group)
+        by_peer = {p: [0] * self.stages for p in self.left} | dict(zip(live, bufs.tolist(), strict=True))
+        self.host_reads += 1
         for p, n in zip(self.comm.peers, counts, strict=True):
-            if p in self.left:
-                by_peer[p] = [0] * self.stages
-                continue
-            b = torch.empty(self.stages, dtype=torch.int64, device=dev)
-            dist.recv(b, p, group=self.comm.group)
-            by_peer[p] = [int(v) for v in b.tolist()]
-            self.host_reads += 1
-            if sum(by_peer[p]) != n or min(by_peer[p]) < 0:
+            if p not in self.left and (sum(by_peer[p]) != n or min(by_peer[p]) < 0):
                 raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {p} announced {n} tokens but "
                                    f"stage counts {by_peer[p]}")
         return [tuple(by_peer[p][s] for p in self.comm.peers) for s in range(self.stages)]
