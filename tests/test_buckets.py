@@ -106,6 +106,10 @@ def test_a_changing_batch_runs_one_ffn_program_per_bucket_tuple_and_stays_exact(
     for f in (0, 1):
         assert len(results[3][f]["layouts"]) <= len(_slot_tuples(3, steps, COARSE)), results[3]
     assert len(results[4][0]["layouts"]) < len(_slot_tuples(3, steps, None)) * 2, results[4]
+    # the FFN rank reads its peers' control messages on the host once per step, whatever the fan-in
+    # (and the stop at the end), their stage counts once more
+    assert results[2][0]["host_reads"] == results[2][0]["steps"] + 1, results[2][0]
+    assert results[4][0]["host_reads"] == 2 * results[4][0]["steps"] + 1, results[4][0]
 
 
 def test_padding_repeats_the_last_row_so_an_moe_reads_no_new_expert():
