@@ -276,3 +276,36 @@ def down(h, w_down, b_down, rows, block_expert, rw, weight_first, cfg: dict) -> 
         HAS_BIAS=b_down is not None, WEIGHT_FIRST=weight_first, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], TILES=tiles, **_launch(cfg))
     return y
+
+
+@triton.jit
+def _topk_kernel(x_ptr, v_ptr, i_ptr, rows, stride_x, E: tl.constexpr, E_POW2: tl.constexpr, K: tl.constexpr,
+                 BLOCK_T: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, E_POW2)
+    ok_t = offs_t < rows
+    x = tl.load(x_ptr + offs_t[:, None] * stride_x + offs_e[None, :], mask=ok_t[:, None] & (offs_e < E)[None, :],
+                other=float("-inf")).to(tl.float32)
+    key = tl.where(x != x, float("inf"), x)  # (NaN ranks above every number, as torch.topk has it)
+    alive = (offs_e < E)[None, :] & (offs_t >= 0)[:, None]  # (not yet chosen; padding never)
+    for j in tl.static_range(K):
+        m = tl.max(tl.where(alive, key, float("-inf")), axis=1)
+        idx = tl.min(tl.where(alive & (key == m[:, None]), offs_e[None, :], E_POW2), axis=1)  # ties: the lower index
+        chosen = offs_e[None, :] == idx[:, None]
+        value = tl.sum(tl.where(chosen, x, 0.0), axis=1)  # (the chosen score itself, NaN or inf included)
+        tl.store(v_ptr + offs_t * K + j, value.to(v_ptr.dtype.element_ty), mask=ok_t)
+        tl.store(i_ptr + offs_t * K + j, idx.to(tl.int64), mask=ok_t)
+        alive = alive & ~chosen
+
+
+def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(x, k, dim=-1)`` of a 2-D ``x`` (``router_topk.py``): one program per 16 rows."""
+    x = x.contiguous()
+    rows, experts = x.shape
+    values = torch.empty(rows, k, dtype=x.dtype, device=x.device)
+    indices = torch.empty(rows, k, dtype=torch.int64, device=x.device)
+    block = 16
+    if rows:
+        _topk_kernel[(triton.cdiv(rows, block),)](x, values, indices, rows, x.stride(0), E=experts,
+                                                  E_POW2=triton.next_power_of_2(experts), K=k, BLOCK_T=block)
+    return values, indices

@@ -11,7 +11,8 @@ weights) under ``torch.compile(mode="reduce-overhead")`` (one CUDA graph), at T 
 - ``rec_grouped_mm`` / ``rec_batched_mm`` / ``rec_loop``: what afd-compile runs: the FFN side
   exported (``torch.export``, at T) in that form (``rec_loop``: a hand-written loop over 128
   per-expert ``nn.Linear`` triples, tokens picked by ``where``, written back by ``index_add_``),
-  its experts recognised (``passes/moe``: one ``afd::moe_experts`` per layer), then compiled (the op's
+  its experts recognised (``passes/moe``: one ``afd::moe_experts`` per layer) and its routers'
+  top-k given to ``afd::router_topk`` (as the backend does on CUDA), then compiled (the op's
   default implementation);
 - ``afd_op_inline``: the op's grouped path written inline (aten ops Inductor can fuse: what a
   lowering of the op before Inductor would hand it);
@@ -132,15 +133,17 @@ class LoopSide(torch.nn.Module):
 
 
 def recognised(model: torch.nn.Module, x: torch.Tensor) -> torch.nn.Module:
-    """``model`` exported at ``x`` with its experts recognised: what afd-compile compiles."""
+    """``model`` exported at ``x`` with its experts recognised and, as the backend does on CUDA,
+    its routers' top-k given to ``afd::router_topk``: what afd-compile compiles."""
     from afd_compile.passes.moe import recognise_moe
+    from afd_compile.passes.moe.topk import use_router_topk
 
     with torch.no_grad():  # (tokens dynamic, as a served FFN program's: the recognition probes a few rows)
         gm = torch.export.export(model, (x,), dynamic_shapes={"h": {0: torch.export.Dim("tokens", max=4096)}}).module()
     records = recognise_moe(gm)
     if len(records) != LAYERS or not all(r.op for r in records):
         raise SystemExit(f"moe_ffn: recognition found {[str(r) for r in records]}")
-    print(f"moe_ffn: {records[0]}", file=sys.stderr)
+    print(f"moe_ffn: {records[0]}; router top-k as afd::router_topk: {len(use_router_topk(gm))}", file=sys.stderr)
     return gm
 
 

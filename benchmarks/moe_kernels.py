@@ -91,6 +91,11 @@ def case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.Genera
     }
     from afd_compile.moe_triton import align, config, fused
 
+    scores = torch.randn(t, EXPERTS, device=dev, generator=g).softmax(-1)
+    from afd_compile.router_topk import router_topk
+
+    pieces[("router torch.topk", "all")] = lambda: torch.topk(scores, TOP_K, dim=-1)
+    pieces[("router afd::router_topk", "all")] = lambda: router_topk(scores, TOP_K)
     pieces[("fused align", "all")] = lambda: align(ids, EXPERTS, config(t * TOP_K, EXPERTS)["BLOCK_M"])
     for cfg in [None, *SWEEP]:
         name = "fused default" if cfg is None else "fused M{BLOCK_M} N{BLOCK_N} K{BLOCK_K} w{num_warps} s{num_stages}" \

@@ -71,3 +71,29 @@ def test_the_down_kernel_over_several_tiles_per_program_is_the_same(t, tiles):
     many = {**cfg, "down": {**cfg.get("down", {}), "TILES": tiles}}
     assert torch.equal(fused(x, ids, w, gu, dn, bgu, bdn, "silu", True, False, cfg=many),
                        fused(x, ids, w, gu, dn, bgu, bdn, "silu", True, False, cfg=cfg))
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (7, 60, 4), (1024, 128, 8), (300, 256, 8), (33, 512, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_topk_equals_torch_topk(t, e, k, dtype):
+    from afd_compile.router_topk import applies, router_topk
+
+    x = torch.randn(t, e, device="cuda", generator=torch.Generator("cuda").manual_seed(t)).to(dtype)
+    assert applies(x, k)
+    values, indices = router_topk(x, k)
+    want = torch.topk(x, k, dim=-1)
+    assert torch.equal(values, want.values) and indices.dtype == torch.int64
+    assert torch.equal(x.gather(1, indices), values)  # (bf16 may tie: each index holds its value)
+    if dtype == torch.float32:
+        assert torch.equal(indices, want.indices)
+
+
+def test_router_topk_ties_nan_and_masked_scores():
+    from afd_compile.router_topk import router_topk
+
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, 1.0, 1.0, 0.0], [nan, 2.0, 3.0, 3.0], [-inf, -inf, 5.0, -inf]], device="cuda")
+    values, indices = router_topk(x, 3)
+    assert indices.tolist() == [[0, 1, 2], [0, 2, 3], [2, 0, 1]]  # ties to the lower index, NaN first
+    assert values[0].tolist() == [1.0, 1.0, 1.0] and values[1, 1:].tolist() == [3.0, 3.0]
+    assert values[1, 0].isnan() and values[2].tolist() == [5.0, -inf, -inf]

@@ -95,9 +95,21 @@ from .options import BackendOptionError, BackendOptions, check_options
 log = logging.getLogger("afd_compile.backend")
 
 
+def _router_topk(program: fx.GraphModule, name: str, device: torch.device) -> None:
+    """On CUDA, an MoE router's top-k as the small kernel (``passes/moe/topk.py``), logged."""
+    if device.type != "cuda":
+        return
+    from ..passes.moe.topk import use_router_topk
+
+    done = use_router_topk(program)
+    if done:
+        log.info("afd: %s: %d router top-k as afd::router_topk", name, len(done))
+
+
 def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str, device: torch.device) -> None:
     """The decode-attention pass on a rank's program (option ``decode_attention``: "flex", or
-    "auto" on CUDA), logged."""
+    "auto" on CUDA), logged; and the router top-k's kernel on CUDA."""
+    _router_topk(program, name, device)
     if not (opts.decode_attention == "flex" or opts.decode_attention == "auto" and device.type == "cuda"):
         return
     from ..passes.decode_attention import replace_decode_attention
@@ -344,6 +356,7 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     from ..runtime import SERVE_AT_SHUTDOWN
 
     SERVE_AT_SHUTDOWN.append(worker)  # runtime.shutdown() hears the peers stop
+    _router_topk(worker.program, f"rank {rank} ffn", device)
     compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
     # captured in a CUDA graph: one program per per-peer counts (staged: of each stage and peer;
     # in an FFN TP group with the group's), since a graph replays the receive sizes it captured;
@@ -351,6 +364,7 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     worker.run_program = lambda counts, *slots: compiled_ffn(_ffn_key(compiled_ffn, worker, slots), *slots)  # type: ignore[attr-defined]
 
     def wrap_ffn(prog: fx.GraphModule) -> Callable[..., Any]:
+        _router_topk(prog, f"rank {rank} ffn", device)
         compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
         return lambda *slots: compiled(_ffn_key(compiled, worker, slots), *slots)
 
