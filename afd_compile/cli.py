@@ -28,6 +28,7 @@ from .plan_view import (
     plan_table,
     stage_schedule,
     stage_text,
+    unpacked_lines,
 )
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
@@ -313,11 +314,12 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
     elif args.json:
         print(json.dumps({**prog.plan.to_json(), "shards": str(prog.shards).splitlines(),
                           "moe_blocks": [str(r) for r in moe_records(gm)],
+                          **({"unpacked_projections": [ln.strip() for ln in unpacked_lines(gm)[1:]]} if unpacked_lines(gm) else {}),
                           **({"cache": cache} if cache else {})}, indent=2))
     else:
         print(prog.plan.table())
         print(TP_LEGEND)
-        for line in moe_lines(moe_records(gm)):
+        for line in moe_lines(moe_records(gm)) + unpacked_lines(gm):
             print(line)
         print(_shards_summary(prog.shards, listed=args.shards))
         if args.shards:

@@ -99,6 +99,15 @@ def moe_lines(records: tuple) -> list[str]:
         [f"  {r}" for r in records]
 
 
+def unpacked_lines(gm: object) -> list[str]:
+    """What ``plan`` says of the projections ``passes/grouped_qkv.py`` unpacked (none: nothing)."""
+    from .passes.grouped_qkv import RECORDS_KEY
+
+    records = gm.meta.get(RECORDS_KEY, ())
+    return [f"q/k/v packed per KV group: {len(records)} projections unpacked into blocks first"] + \
+        [f"  {r}" for r in records] if records else []
+
+
 def moe_records(gm: object) -> tuple:
     """The records the MoE recognition left on ``gm`` (none for a graph it has not seen)."""
     from .passes.moe import RECORDS_KEY

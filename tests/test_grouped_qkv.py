@@ -65,3 +65,17 @@ def test_every_form_shards_with_fewer_kv_groups_than_ranks(form_paths):
     for case, res in zip(cases, run_tp_cases(cases), strict=True):
         assert res and all(r["compared"] for r in res.values()), (case, res)
         assert max(r["max_rel_err"] for r in res.values()) <= 1e-5, (case, res)
+
+
+def test_plan_says_which_projections_were_unpacked(form_paths, capsys):
+    import json
+
+    from afd_compile.cli import main
+
+    assert main(["plan", form_paths["split1"], "--tp", "2", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "q/k/v packed per KV group: 2 projections unpacked into blocks first" in out
+    assert "layers.0.attn.qkv.weight packed per group (1 group, slots [(0, 4), (4, 5), (5, 6)])" in out
+    assert main(["plan", form_paths["split1"], "--tp", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["unpacked_projections"]) == 2

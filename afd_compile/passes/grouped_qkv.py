@@ -48,6 +48,8 @@ from .graph_utils import del_attr_path, get_attr_path, set_attr_path
 
 aten = torch.ops.aten
 
+#: ``gm.meta`` key of the records of the projections this pass unpacked
+RECORDS_KEY = "afd.unpacked_projections"
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int)
 _TRANSPOSES = (aten.numpy_T.default, aten.t.default)
 _MERGES = (aten.flatten.using_ints, aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -64,8 +66,8 @@ class UnpackedProjection:
     ranges: tuple[tuple[int, int], ...]
 
     def __str__(self) -> str:
-        return (f"{self.node}: {self.weight} packed per group ({self.groups} groups, slots "
-                f"{list(self.ranges)}) unpacked into {len(self.ranges)} blocks")
+        return (f"{self.node}: {self.weight} packed per group ({self.groups} group{'s' * (self.groups != 1)}, "
+                f"slots {list(self.ranges)}) unpacked into {len(self.ranges)} blocks")
 
 
 def _shape(n: fx.Node) -> tuple | None:
@@ -204,7 +206,8 @@ def _call(graph: fx.Graph, mode, target, args: tuple, like: fx.Node) -> fx.Node:
 
 
 def unpack_grouped_projections(gm: fx.GraphModule) -> list[UnpackedProjection]:
-    """Rewrite every projection packed per group (module docstring), in place; the records."""
+    """Rewrite every projection packed per group (module docstring), in place; the records (also
+    added to ``gm.meta[RECORDS_KEY]``)."""
     mode = _fake(gm)
     done: list[UnpackedProjection] = []
     for p in list(gm.graph.nodes):
@@ -225,6 +228,7 @@ def unpack_grouped_projections(gm: fx.GraphModule) -> list[UnpackedProjection]:
     if done:
         gm.graph.lint()
         gm.recompile()
+        gm.meta[RECORDS_KEY] = gm.meta.get(RECORDS_KEY, ()) + tuple(done)
     return done
 
 
