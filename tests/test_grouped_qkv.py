@@ -79,3 +79,22 @@ def test_plan_says_which_projections_were_unpacked(form_paths, capsys):
     assert main(["plan", form_paths["split1"], "--tp", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert len(data["unpacked_projections"]) == 2
+
+
+def test_a_list_index_computed_in_the_graph_is_not_read_as_a_slot():
+    # a slot picked by qkv[..., idx] with idx a graph input (not a constant), beside slots 1..5:
+    # no slot range can be known for it, so the projection is left as the model wrote it
+    class Computed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 6 * 4)
+
+        def forward(self, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            v = self.qkv(x).view(x.shape[0], x.shape[1], 1, 6, 4)
+            return v[:, :, :, idx], v[:, :, :, 1:]
+
+    x, idx = torch.randn(2, 3, 8), torch.tensor([3])
+    gm = torch.export.export(Computed(), (x, idx)).module()
+    want = gm(x, idx)
+    assert unpack_grouped_projections(gm) == []
+    assert all(torch.equal(a, b) for a, b in zip(gm(x, idx), want, strict=True))

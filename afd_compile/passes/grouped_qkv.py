@@ -75,20 +75,19 @@ def _shape(n: fx.Node) -> tuple | None:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def _weight_of(p: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
-    """(the get_attr node, the node reading it, the weight dim of the output features) of a
-    projection ``p``, or None."""
+def _weight_of(p: fx.Node) -> tuple[fx.Node, int] | None:
+    """(the get_attr node, the weight dim of the output features) of a projection ``p``, or None."""
     if p.target == aten.linear.default and len(p.args) >= 2 and isinstance(p.args[1], fx.Node):
         w = p.args[1]
-        return (w, p, 0) if w.op == "get_attr" else None
+        return (w, 0) if w.op == "get_attr" else None
     if p.target not in (aten.matmul.default, aten.mm.default) or not isinstance(p.args[1], fx.Node):
         return None
     w = p.args[1]
     if w.op == "get_attr":
-        return w, p, 1
+        return w, 1
     plain_t = w.target in _TRANSPOSES or (w.target == aten.transpose.int and sorted(w.args[1:]) in ([0, 1], [-2, -1]))
     if plain_t and isinstance(w.args[0], fx.Node) and w.args[0].op == "get_attr" and len(w.users) == 1:
-        return w.args[0], w, 0
+        return w.args[0], 0
     return None
 
 
@@ -131,9 +130,9 @@ def _ranges(gm: fx.GraphModule, view: fx.Node, dim: int) -> list[tuple[int, int,
         elif u.target == aten.select.int:
             out.append((u.args[2] % size, u.args[2] % size + 1, u, False))
         elif u.target == aten.index.Tensor:
-            at = [i % size for i in _constant_index(gm, u) or [size]]
-            if at != list(range(at[0], at[0] + len(at))) or at[-1] >= size:
-                return None
+            at = [i % size for i in _constant_index(gm, u) or []]
+            if not at or at != list(range(at[0], at[0] + len(at))):
+                return None  # (an index computed in the graph, or not one run of slots)
             out.append((at[0], at[-1] + 1, u, True))
         elif all(g.target == operator.getitem for g in u.users):  # a split or an unbind
             sizes = [1] * size if u.target == aten.unbind.int else \
@@ -232,9 +231,9 @@ def unpack_grouped_projections(gm: fx.GraphModule) -> list[UnpackedProjection]:
     return done
 
 
-def _rewrite(gm: fx.GraphModule, mode, p: fx.Node, found: tuple[fx.Node, fx.Node, int], view: fx.Node, dim: int,
-             ranges: list[tuple[int, int, fx.Node]]) -> UnpackedProjection | None:
-    w_node, _, wdim = found
+def _rewrite(gm: fx.GraphModule, mode, p: fx.Node, found: tuple[fx.Node, int], view: fx.Node, dim: int,
+             ranges: list[tuple[int, int, fx.Node, bool]]) -> UnpackedProjection | None:
+    w_node, wdim = found
     shape = _shape(view)
     lead = len(_shape(p)) - 1
     outer, slots, inner = shape[lead:dim], shape[dim], shape[dim + 1:]
