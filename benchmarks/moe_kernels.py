@@ -15,6 +15,7 @@ table, writes JSON (``--json``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -89,14 +90,22 @@ def case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.Genera
         ("sort + gather + offsets", "all"): sort_gather,
         ("whole grouped path", "all"): lambda: grouped(x, ids, w, wgu, wd, None, None, "silu", True, False),
     }
-    from afd_compile.moe_triton import align, config, fused
+    from afd_compile.moe_triton import align, config, fused, token_sum
 
     scores = torch.randn(t, EXPERTS, device=dev, generator=g).softmax(-1)
     from afd_compile.router_topk import router_topk
 
     pieces[("router torch.topk", "all")] = lambda: torch.topk(scores, TOP_K, dim=-1)
     pieces[("router afd::router_topk", "all")] = lambda: router_topk(scores, TOP_K)
+    y = torch.randn(t * TOP_K, HIDDEN, device=dev, dtype=torch.bfloat16, generator=g)
+    pieces[("sum over K, torch (+ cast)", "all")] = lambda: y.view(t, TOP_K, HIDDEN).sum(
+        dim=1, dtype=torch.float32).to(torch.bfloat16)
+    for bh, nw in ((512, 4), (1024, 4), (2048, 8)):
+        pieces[(f"sum over K, Triton H{bh} w{nw}", "all")] = lambda bh=bh, nw=nw: token_sum(y, TOP_K, bh, nw)
     pieces[("fused align", "all")] = lambda: align(ids, EXPERTS, config(t * TOP_K, EXPERTS)["BLOCK_M"])
+    default = config(t * TOP_K, EXPERTS)
+    pieces[("fused default, TMA weights", "all")] = lambda: fused(x, ids, w, wgu, wd, None, None, "silu", True, False,
+                                                                  cfg={**default, "TMA": True})
     for cfg in [None, *SWEEP]:
         name = "fused default" if cfg is None else "fused M{BLOCK_M} N{BLOCK_N} K{BLOCK_K} w{num_warps} s{num_stages}" \
             .format(**cfg)
@@ -126,7 +135,7 @@ SPLIT_DOWN_TILES = (2, 4, 8)
 
 
 def split_case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.Generator,
-               block_m: tuple[int, ...] = SPLIT_M) -> dict:
+               block_m: tuple[int, ...] = SPLIT_M, tma: tuple[bool, ...] = (False,)) -> dict:
     """Each fused kernel alone (``--split``): gate/up and down over the same aligned rows, per tile
     variant, against that projection's floor; and the per-token sum."""
     from afd_compile.moe_triton import align, down, up
@@ -144,13 +153,13 @@ def split_case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.
         lambda: y.view(t, TOP_K, HIDDEN).sum(dim=1, dtype=torch.float32).to(torch.bfloat16))), 1)}
     for m in block_m:
         rows, block_expert = align(ids, EXPERTS, m)
-        for n, k, w, st in SPLIT_TILES:
-            cfg = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
+        for (n, k, w, st), by_tma in itertools.product(SPLIT_TILES, tma):
+            cfg = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, TMA=by_tma)
             for kernel, fn in (("up", lambda cfg=cfg, r=rows, b=block_expert: up(x, wgu, None, r, b, rw, TOP_K, "silu", True,
                                                          False, 1.702, 7.0, cfg)),
                                ("down", lambda cfg=cfg, r=rows, b=block_expert: down(
                                    h, wd, None, r, b, rw, False, cfg))):
-                name = f"{kernel} M{m} N{n} K{k} w{w} s{st}"
+                name = f"{kernel} M{m} N{n} K{k} w{w} s{st}" + (" tma" if by_tma else "")
                 try:
                     us = time_us(graphed(fn))
                 except Exception as e:  # noqa: BLE001  (shared memory / registers this GPU lacks)
@@ -158,9 +167,9 @@ def split_case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.
                     continue
                 row[name] = {"us": round(us, 1), "x_floor": round(us / floors[kernel], 2)}
         for n, k, w, st in SPLIT_TILES[:4] + SPLIT_TILES[-4:]:  # the down kernel over several tiles per program
-            for tiles in SPLIT_DOWN_TILES:
-                cfg = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, TILES=tiles)
-                name = f"down M{m} N{n} K{k} w{w} s{st} t{tiles}"
+            for tiles, by_tma in itertools.product(SPLIT_DOWN_TILES, tma):
+                cfg = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, TILES=tiles, TMA=by_tma)
+                name = f"down M{m} N{n} K{k} w{w} s{st} t{tiles}" + (" tma" if by_tma else "")
                 try:
                     us = time_us(graphed(lambda cfg=cfg, r=rows, b=block_expert: down(h, wd, None, r, b, rw, False, cfg)))
                 except Exception as e:  # noqa: BLE001
@@ -185,6 +194,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--split", action="store_true", help="time each fused kernel alone over tile variants")
     parser.add_argument("--block-m", default=",".join(map(str, SPLIT_M)), help="--split: the BLOCK_M values tried")
+    parser.add_argument("--tma", action="store_true", help="--split: each variant also with TMA weight loads")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("moe_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -198,7 +208,8 @@ def main() -> int:
     wd = (torch.randn(EXPERTS, HIDDEN, INTER, device=dev, generator=g) * 0.02).bfloat16()
     if args.split:
         block_m = tuple(int(m) for m in args.block_m.split(","))
-        rows = [split_case(int(t), wgu, wd, bw, g, block_m) for t in args.tokens.split(",")]
+        tma = (False, True) if args.tma else (False,)
+        rows = [split_case(int(t), wgu, wd, bw, g, block_m, tma) for t in args.tokens.split(",")]
         print(f"each fused kernel alone, bf16, CUDA graphs; HBM copy bandwidth {bw / 1e12:.2f} TB/s; best 6 per kernel")
         print_split(rows)
         if args.json:

@@ -97,3 +97,48 @@ def test_router_topk_ties_nan_and_masked_scores():
     assert indices.tolist() == [[0, 1, 2], [0, 2, 3], [2, 0, 1]]  # ties to the lower index, NaN first
     assert values[0].tolist() == [1.0, 1.0, 1.0] and values[1, 1:].tolist() == [3.0, 3.0]
     assert values[1, 0].isnan() and values[2].tolist() == [5.0, -inf, -inf]
+
+
+@pytest.mark.parametrize("t", [1, 7, 300, 1100])
+def test_align_in_one_program_lays_out_what_three_kernels_do(t):
+    # each path forced by moving the one-program limit
+    from afd_compile import moe_triton
+
+    ids = _operands(t, True, False)[1]
+    for block_m in (16, 64):
+        got = []
+        limit = moe_triton.ALIGN_ONE_MAX
+        for one in (True, False):
+            moe_triton.ALIGN_ONE_MAX = 1 << 30 if one else 0
+            try:
+                got.append(moe_triton.align(ids, E, block_m))
+            finally:
+                moe_triton.ALIGN_ONE_MAX = limit
+        (rows_a, experts_a), (rows_b, experts_b) = got
+        assert torch.equal(experts_a, experts_b)  # each block's expert
+        for e in range(E + 1):  # each expert's pairs (their order within its run follows the atomics)
+            blocks = (experts_a == e).repeat_interleave(block_m)
+            assert torch.equal(rows_a[blocks].sort().values, rows_b[blocks].sort().values)
+
+
+@pytest.mark.parametrize("t", [7, 64, 300])
+def test_tma_weight_loads_give_the_pointer_loads_result(t):
+    from afd_compile.moe_triton import config, fused
+
+    x, ids, w, gu, dn, bgu, bdn = _operands(t, True, True)
+    cfg = config(t * K, E)
+    got = fused(x, ids, w, gu, dn, bgu, bdn, "silu", True, False, cfg={**cfg, "TMA": True}).float()
+    want = fused(x, ids, w, gu, dn, bgu, bdn, "silu", True, False, cfg={**cfg, "TMA": False}).float()
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-2
+
+
+@pytest.mark.parametrize("t,k,h", [(1, 4, 256), (300, 8, 2048), (5, 2, 1000)])
+def test_token_sum_is_torchs_sum_and_cast(t, k, h):
+    from afd_compile.moe_triton import token_sum
+
+    y = torch.randn(t * k, h, device="cuda", generator=torch.Generator("cuda").manual_seed(t)).to(torch.bfloat16)
+    want = y.view(t, k, h).sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
+    got = token_sum(y, k)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-2)  # (fp32 sums in another order: a bf16 ulp)
+    assert torch.equal(got, token_sum(y, k))  # the same bits every run
