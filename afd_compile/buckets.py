@@ -1,10 +1,11 @@
 """Token buckets: the slot an attention rank's tokens take on the wire.
 
-A serving engine's batch changes every step. An FFN rank runs (and, on CUDA, captures) one program
-per tuple of per-peer transfer sizes, because a CUDA graph replays the receive sizes it captured.
-With buckets an attention rank sends its ``n`` tokens in a **slot** of ``slot(n)`` rows (the next
-bucket; the rows past ``n`` repeat its last row), so the FFN rank sees only the slots: the programs it
-compiles are bounded by the buckets its peers touch, not by their exact counts.
+A serving engine's batch changes every step, and an FFN rank compiles (on CUDA, captures) one
+program per row count it runs (per tuple of per-peer sizes if its CUDA graphs hold the exchange:
+backend option ``ffn_capture="all"``). With buckets an attention rank sends its ``n`` tokens in a
+**slot** of ``slot(n)`` rows (the next bucket; the rows past ``n`` repeat its last row), and the FFN
+rank pads its peers' total to a bucket too: the programs it compiles are bounded by the buckets
+its totals touch, not by the exact counts.
 
 Padded rows change no result: an MLP or MoE block works per token, so the padded rows compute
 beside the real ones and the attention rank drops them when the FFN output comes back
@@ -108,8 +109,8 @@ class TokenBuckets:
 
 BUCKETS_HELP = ("AFD: token buckets, the wire slots of the attention ranks: 'default' (1,2,4, multiples of 8 to 256, "
                 "of 16 to 512, then of 256), 'off' (exact counts), or ascending sizes '1,2,4,8,16'; an attention "
-                "rank's tokens cross the wire padded to the next bucket, so an FFN rank runs one program per bucket "
-                "tuple of its peers; not with --tp")
+                "rank's tokens cross the wire padded to the next bucket, and an FFN rank's rows to the bucket of "
+                "their total, so it runs one program per bucket; not with --tp")
 
 
 def buckets_flag(text: str) -> str:

@@ -162,8 +162,9 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     ``stages``: micro-batches per step (passes/stages.py); every rank of the layout the same.
     ``symm_mem``: an FFN or attention TP group on CUDA all-reduces small messages over symmetric
     memory where it can (symm_mem.py); False: NCCL.
-    ``buckets``: an attention rank's tokens cross the wire in bucket slots (buckets.py), so its
-    FFN rank's programs are one per bucket tuple, not per exact count; None: exact counts."""
+    ``buckets``: an attention rank's tokens cross the wire in bucket slots (buckets.py), and an
+    FFN rank's rows are padded to the bucket of their total, so its programs are one per bucket, not
+    per exact count; None: exact counts."""
     config = config or SplitConfig()
     role, idx = layout.role_of(rank)
     # the layout's fan-in constrains the FFN program only: an attention rank's program may have a

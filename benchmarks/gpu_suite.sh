@@ -32,6 +32,7 @@
 #           op's fused Triton path against its reference, and under CUDA graph capture)
 # one:      (only when named; a 1-GPU host) decode attention on one GPU: examples/generate.py with no
 #           layout and --decode-attention flex (Llama, Qwen3-MoE; bf16 tokens against generate()),
+#           tests/test_gpu_partition.py (ops run between the captured pieces of a program),
 #           decode_step.py's one-GPU columns (reduce-overhead vs the afd backend with the pass), and
 #           decode_attention_kernel.py
 # families: the backend (TP=2 and AFD 1A1F, bf16, Inductor + CUDA graphs, --control) on HF families
@@ -143,6 +144,8 @@ if [[ $SECTIONS == *" one "* ]]; then
   TAIL=2 run one_generate_flex_qwen3moe $T1 examples/generate.py --dtype bfloat16 --decode-attention flex --family qwen3_moe
   TAIL=8 run one_decode_step $T1 benchmarks/decode_step.py --shapes 1x1024,8x1024,64x1024,64x4096 --iters 15 --out "$OUT/one_decode_step.json"
   TAIL=8 run one_decode_attention_kernel python3 benchmarks/decode_attention_kernel.py --out "$OUT/one_decode_attention_kernel.json"
+  # issue 35: an FFN program's exchange between its captured pieces (Inductor's graph partition)
+  TAIL=3 run one_partition_tests python3 -m pytest -q -m gpu tests/test_gpu_partition.py
   # one rank: symmetric-memory setup, capture and dispatch of the junction (the sum of one partial)
   TAIL=14 run one_junction $T1 benchmarks/junction.py --tokens 8,64 --out "$OUT/one_junction.json"
 fi

@@ -7,12 +7,13 @@ with exact counts on the wire (``buckets=off``) and with the default buckets. Ea
 ``verify`` run: every step of every attention rank is compared with the unsplit model (fp32), so
 the table is also a numerics check. Per run it reports:
 
-- ``programs, captured``: the token layouts the FFN rank ran a program for (per stage and peer):
-  what the backend compiles and captures one program for when it captures CUDA graphs (a graph
-  replays the receive sizes it captured); each first sight is a step that forced a compile;
-- ``programs, not captured``: the carrier sizes (tokens per stage) it ran on: what the backend
-  compiles one program for without CUDA graphs (gloo, CPU: the exchange reads per-peer sizes when
-  it runs);
+- ``programs, exchange captured``: the token layouts the FFN rank ran a program for (per stage
+  and peer): what the backend compiles and captures one program for with ``ffn_capture="all"``
+  (its CUDA graphs hold the exchange too, and a graph replays the receive sizes it captured);
+  each first sight is a step that forced a compile;
+- ``programs, default``: the carrier sizes (rows per stage) it ran on: what the backend compiles
+  one program for by default (``ffn_capture="compute"``: the exchange runs between the captured
+  pieces and reads each step's per-peer sizes) and without CUDA graphs (gloo, CPU);
 - ``row counts touched``: the distinct row counts of any stage (with buckets: the buckets the
   FFN rank's totals touched, the issue's target for the programs not captured);
 - ``host reads / step``: messages the FFN rank read on the host per step (control messages, stage
@@ -75,7 +76,7 @@ def main() -> int:
                      "max_rel_err": max(v["max_rel_err"] for v in att)})
     print(f"serve_trace: {args.steps} steps, per-peer batch drawn from 0..{args.max_batch} (seed {args.seed}), "
           f"one token per sequence; {time.perf_counter() - t0:.0f} s")
-    print("| layout | S | buckets | FFN programs, captured | FFN programs, not captured | row counts touched | "
+    print("| layout | S | buckets | FFN programs, exchange captured | FFN programs, default | row counts touched | "
           "host reads / step | max rel err |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

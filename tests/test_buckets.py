@@ -1,5 +1,6 @@
 """Token buckets (issue 35): the slot of a token count, and a batch that changes every step through
-AFD: exact numerics, and an FFN rank that runs one program per bucket tuple of its peers."""
+AFD: exact numerics, and an FFN rank that runs one program per bucket of its rows (per bucket tuple
+of its peers when its CUDA graphs hold the exchange)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,50 @@ def test_backend_option_buckets_is_checked() -> None:
         BackendOptions.parse({"attention": 2, "ffn": 1, "buckets": [4, 2]})
     with pytest.raises(BackendOptionError, match="buckets='off' applies to an AFD layout"):
         BackendOptions.parse({"tp": 2, "buckets": "off"})
+
+
+def test_backend_option_ffn_capture_is_checked() -> None:
+    from afd_compile.backend import BackendOptionError, BackendOptions
+
+    assert BackendOptions.parse({"attention": 2, "ffn": 1}).ffn_capture == "compute"
+    assert BackendOptions.parse({"attention": 2, "ffn": 1, "ffn_capture": "all"}).ffn_capture == "all"
+    with pytest.raises(BackendOptionError, match=r"ffn_capture='graph' \(str\) must be 'compute' or 'all'"):
+        BackendOptions.parse({"attention": 2, "ffn": 1, "ffn_capture": "graph"})
+    with pytest.raises(BackendOptionError, match="ffn_capture='all' applies to an AFD layout"):
+        BackendOptions.parse({"tp": 2, "ffn_capture": "all"})
+
+
+def test_an_ffn_program_is_keyed_by_its_rows_unless_its_exchange_is_captured() -> None:
+    # the policy (backend.ffn_key): a CUDA graph that captured the exchange replays its per-peer
+    # sizes, so it is keyed by them; with the exchange between the captured pieces
+    # (ffn_capture="compute", the default), or without graph capture, by the rows alone
+    from types import SimpleNamespace
+
+    import torch
+
+    from afd_compile.backend import ffn_key, ffn_step_ops
+
+    worker = SimpleNamespace(step_counts=((8, 16), ()))
+    rows = [torch.empty(24, 0)]
+    captured_all = SimpleNamespace(cudagraphs=True, eager_ops=())
+    captured_compute = SimpleNamespace(cudagraphs=True, eager_ops=ffn_step_ops())
+    uncaptured = SimpleNamespace(cudagraphs=False, eager_ops=())
+    assert ffn_key(captured_all, worker, rows) == ("peers", ((8, 16), ()))
+    assert ffn_key(captured_compute, worker, rows) == ffn_key(uncaptured, worker, rows) == ("carriers", (24,))
+    ops = ffn_step_ops()
+    assert {"afd::p2p_recv_group", "afd::p2p_send_group", "afd::all_gather_group_tokens"} <= set(ops)
+    assert "afd::all_reduce" not in ops and all(op.startswith("afd::") for op in ops)
+
+
+def test_eager_ops_apply_only_to_a_captured_program() -> None:
+    import torch
+
+    from afd_compile.backend import ffn_step_ops
+    from afd_compile.backend.compiled import PerLayout
+
+    program = torch.fx.symbolic_trace(torch.nn.ReLU())
+    assert PerLayout(program, "k", True, False, "t", eager_ops=ffn_step_ops()).eager_ops == ()
+    assert PerLayout(program, "k", False, None, "t", eager_ops=ffn_step_ops()).eager_ops == ()
 
 
 #: sequences per attention rank, step after step (rank a at step s takes TRACE[(a + s) % 7]); the

@@ -54,6 +54,14 @@ Options (all optional)::
                        above AFD_SYMM_MEM_MAX_BYTES (default 2 MiB) (afd_compile/symm_mem.py); where
                        it is unavailable NCCL, logged once per group with the reason (default True;
                        False: NCCL for every all-reduce)
+    buckets            AFD: token buckets, "default", "off" or ascending sizes (buckets.py): an
+                       attention rank's tokens cross the wire padded to the next bucket, an FFN rank's
+                       rows to the bucket of its peers' total
+    ffn_capture        AFD on CUDA: "compute" (default): an FFN rank's CUDA graphs hold its compute,
+                       and the exchange with its peers and its group's token collectives run between
+                       them (Inductor's graph partition), reading each step's per-peer sizes: one
+                       captured program per bucket of its rows; "all": the exchange captured too (fewer
+                       launches per layer), one program per tuple of its peers' sizes
     check_wire         AFD: a check header ahead of every transfer (default: AFD_CHECK_WIRE; see
                        afd_compile.comm.AFDCommunicator); every rank must agree; not with CUDA graphs
                        (the comparison runs on the host): needs cudagraphs=False on CUDA
@@ -357,16 +365,19 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
 
     SERVE_AT_SHUTDOWN.append(worker)  # runtime.shutdown() hears the peers stop
     _router_topk(worker.program, f"rank {rank} ffn", device)
-    compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
-    # captured in a CUDA graph: one program per per-peer counts (staged: of each stage and peer;
-    # in an FFN TP group with the group's), since a graph replays the receive sizes it captured;
-    # not captured: one per carrier sizes (the exchange reads the per-peer sizes when it runs)
-    worker.run_program = lambda counts, *slots: compiled_ffn(_ffn_key(compiled_ffn, worker, slots), *slots)  # type: ignore[attr-defined]
+    eager = ffn_step_ops() if opts.ffn_capture == "compute" else ()
+    compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn", eager_ops=eager)
+    if compiled_ffn.eager_ops:
+        log.info("afd: rank %d ffn: the exchange with the attention peers (and the FFN group's collectives) runs "
+                 "between CUDA graphs: one captured program per bucket of rows (ffn_capture='all' captures it too: "
+                 "one per tuple of the peers' sizes)", rank)
+    # see ffn_key: what a program is compiled (and captured) per
+    worker.run_program = lambda counts, *slots: compiled_ffn(ffn_key(compiled_ffn, worker, slots), *slots)  # type: ignore[attr-defined]
 
     def wrap_ffn(prog: fx.GraphModule) -> Callable[..., Any]:
         _router_topk(prog, f"rank {rank} ffn", device)
-        compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} ffn")
-        return lambda *slots: compiled(_ffn_key(compiled, worker, slots), *slots)
+        compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} ffn", eager_ops=eager)
+        return lambda *slots: compiled(ffn_key(compiled, worker, slots), *slots)
 
     worker.wrap = wrap_ffn
     outs = [n for n in (gm or ep.graph_module).graph.nodes if n.op == "output"][0].args[0]
@@ -381,10 +392,23 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     return serve_one
 
 
-def _ffn_key(compiled: PerLayout, worker: Any, carriers: Sequence[torch.Tensor]) -> tuple:
-    """What an FFN program is compiled per: the step's per-peer counts when it is captured in a
-    CUDA graph (its receives replay the sizes they captured), else the sizes of its carriers."""
-    if compiled.cudagraphs:
+def ffn_step_ops() -> tuple[str, ...]:
+    """The FFN program's ops that read a step's per-peer (and FFN group) sizes when they run: the
+    exchange with the attention peers and the group collectives that split tokens by rank. With
+    ``ffn_capture="compute"`` they run between the captured pieces."""
+    from ..collectives import COLLECTIVE_OPS
+    from ..ops import AFD_OPS
+
+    fixed = {torch.ops.afd.all_reduce.default, torch.ops.afd.all_gather_last.default}  # (shapes fixed by the input)
+    return tuple(sorted({op._schema.name for op in AFD_OPS + COLLECTIVE_OPS if op not in fixed}))
+
+
+def ffn_key(compiled: PerLayout, worker: Any, carriers: Sequence[torch.Tensor]) -> tuple:
+    """What an FFN program is compiled per: the step's per-peer counts when its exchange is
+    captured in a CUDA graph (the receives replay the sizes they captured), else the sizes of its
+    carriers (the exchange reads the per-peer sizes when it runs: uncaptured, or between the
+    captured pieces), so one per bucket of its rows."""
+    if compiled.cudagraphs and not compiled.eager_ops:
         return ("peers", worker.step_counts)
     return ("carriers", tuple(int(c.shape[0]) for c in carriers))
 

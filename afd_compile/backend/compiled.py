@@ -145,10 +145,15 @@ class PerLayout:
 
     ``cudagraphs``: True / False, or None for "capture unless the program holds an op that
     synchronises with the host" (then capture is off for this program, with a warning naming the
-    node, counted in ``STATS["cudagraphs_off"]``); True with such an op is an error."""
+    node, counted in ``STATS["cudagraphs_off"]``); True with such an op is an error.
+
+    ``eager_ops`` (``"namespace::name"``): ops that run between the captured pieces instead of
+    inside a CUDA graph (Inductor's graph partition): ops reading per-step sizes when they run
+    (an FFN rank's exchange), so one captured program serves every step of the same shapes.
+    Kept in :attr:`eager_ops` only when the program is captured."""
 
     def __init__(self, program: fx.GraphModule, cache_key: str, inductor: bool, cudagraphs: bool | None,
-                 name: str, static: Sequence[int] = ()) -> None:
+                 name: str, static: Sequence[int] = (), eager_ops: Sequence[str] = ()) -> None:
         self.program = program
         self.static = tuple(static)  # program inputs at fixed addresses (a KV cache): static for AOT / CUDA graphs
         self.cache_key = cache_key
@@ -172,6 +177,7 @@ class PerLayout:
                      "place (a KV cache created in a prefill step), which a graph replay would overwrite", name,
                      state[0])
         self.cudagraphs = bool(cudagraphs is not False and not syncs and not state)
+        self.eager_ops = tuple(eager_ops) if self.cudagraphs and inductor else ()
         self.name = name
         self.compiled: dict[tuple, Callable[..., Any]] = {}
         self.compile_id = torch._guards.CompileContext.current_compile_id()  # dynamo's, when built in the backend
@@ -210,6 +216,8 @@ class PerLayout:
 
         t0 = time.perf_counter()
         patches = {"post_grad_custom_post_pass": _custom_pass(self.cache_key), "triton.cudagraphs": self.cudagraphs}
+        if self.eager_ops:  # (pieces between them captured apart; torch >= 2.9 has the option)
+            patches |= {"graph_partition": True, "custom_should_partition_ops": list(self.eager_ops)}
         # fake inputs with a shape env (static: one program per layout) so the FX graph cache applies
         mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in inputs]

@@ -61,6 +61,7 @@ _OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ffn_ep": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "attn_tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "symm_mem": (lambda v: isinstance(v, bool), "a bool"),
+    "ffn_capture": (lambda v: v in ("compute", "all"), "'compute' or 'all'"),
     "buckets": (_buckets_ok, "'default', 'off', a bool, or an ascending list of token counts >= 1"),
 }
 
@@ -90,9 +91,13 @@ class BackendOptions:
     attn_tp: int = 1
     symm_mem: bool = True
     #: token buckets of an AFD layout's attention ranks (buckets.py): "default", "off" / False, or
-    #: the sizes; each attention rank's tokens cross the wire padded to a bucket, so an FFN rank
-    #: compiles one program per bucket tuple of its peers, not per exact count
+    #: the sizes; each attention rank's tokens cross the wire padded to a bucket, an FFN rank's rows
+    #: to the bucket of their total, so it compiles one program per bucket, not per exact count
     buckets: str | bool | tuple[int, ...] = "default"
+    #: what an FFN rank's CUDA graphs hold: "compute" (the exchange with its peers and its group runs
+    #: between the captured pieces, reading each step's per-peer sizes: one program per bucket of its
+    #: rows), "all" (the exchange captured too: one program per tuple of its peers' sizes)
+    ffn_capture: str = "compute"
 
     @property
     def token_buckets(self) -> TokenBuckets | None:
@@ -136,6 +141,9 @@ class BackendOptions:
         if "buckets" in options and not opts.attention:
             raise BackendOptionError(f"afd backend: buckets={options['buckets']!r} applies to an AFD layout "
                                      "(attention, ffn) only: it sets the wire slots of the attention ranks")
+        if "ffn_capture" in options and not opts.attention:
+            raise BackendOptionError(f"afd backend: ffn_capture={opts.ffn_capture!r} applies to an AFD layout "
+                                     "(attention, ffn) only")
         if opts.stages > 1 and not opts.attention:
             raise BackendOptionError(f"afd backend: stages={opts.stages} applies to an AFD layout (attention, ffn) only")
         from ..passes.roles import POLICIES
