@@ -99,25 +99,29 @@ def test_router_topk_ties_nan_and_masked_scores():
     assert values[1, 0].isnan() and values[2].tolist() == [5.0, -inf, -inf]
 
 
-@pytest.mark.parametrize("t", [1, 7, 300, 1100])
-def test_align_in_one_program_lays_out_what_three_kernels_do(t):
+@pytest.mark.parametrize("t,e,k", [(1, E, K), (7, E, K), (300, E, K), (1100, E, K), (1024, 128, 8), (3000, 60, 4)])
+def test_align_in_one_program_lays_out_what_the_three_kernels_do(t, e, k):
     # each path forced by moving the one-program limit
     from afd_compile import moe_triton
 
-    ids = _operands(t, True, False)[1]
-    for block_m in (16, 64):
+    ids = torch.argsort(torch.rand(t, e, device="cuda", generator=torch.Generator("cuda").manual_seed(t)), dim=1)[:, :k]
+    for block_m in (16, 64, 128):
         got = []
         limit = moe_triton.ALIGN_ONE_MAX
         for one in (True, False):
             moe_triton.ALIGN_ONE_MAX = 1 << 30 if one else 0
             try:
-                got.append(moe_triton.align(ids, E, block_m))
+                got.append(moe_triton.align(ids, e, block_m))
             finally:
                 moe_triton.ALIGN_ONE_MAX = limit
         (rows_a, experts_a), (rows_b, experts_b) = got
         assert torch.equal(experts_a, experts_b)  # each block's expert
-        for e in range(E + 1):  # each expert's pairs (their order within its run follows the atomics)
-            blocks = (experts_a == e).repeat_interleave(block_m)
+        for x in range(e + 1):  # each expert's pairs (their order within its run follows the atomics)
+            blocks = (experts_a == x).repeat_interleave(block_m)
+            want = (ids.reshape(-1) == x).nonzero().flatten().int() if x < e else torch.empty(0, dtype=torch.int32,
+                                                                                                device="cuda")
+            real = rows_a[blocks][rows_a[blocks] < t * k]
+            assert torch.equal(real.sort().values, want), (x, block_m)
             assert torch.equal(rows_a[blocks].sort().values, rows_b[blocks].sort().values)
 
 
