@@ -85,6 +85,9 @@ class AFDCommunicator:
     #: an FFN rank's program rows per stage this step (token buckets): its peers' tokens padded
     #: with repeated rows (ops.pad_rows); absent: the tokens exactly
     step_rows: dict[int, int] = field(default_factory=dict)
+    #: the group the per-step control messages travel on as host tensors (runtime.control_group:
+    #: a gloo group beside an NCCL ``group``); None: on ``group``, as device tensors on NCCL
+    control_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("attention", "ffn"):
@@ -98,6 +101,17 @@ class AFDCommunicator:
         if not dist.is_initialized():
             return False
         return dist.get_backend(self.group) == "nccl"
+
+    @property
+    def control_device(self) -> str:
+        """Where a control message lives: ``"cuda"`` when it travels on an NCCL group (reading
+        it on the host waits for the device), else ``"cpu"``."""
+        return "cuda" if self.control_group is None and self.device_transport else "cpu"
+
+    @property
+    def control_peer_group(self) -> dist.ProcessGroup | None:
+        """The group the control messages travel on."""
+        return self.control_group if self.control_group is not None else self.group
 
     def metadata(self, layer_idx: int, stage_idx: int) -> TransferMetadata:
         if stage_idx not in self.step_seq_lens:
@@ -202,16 +216,18 @@ def registered_communicators() -> dict[int, AFDCommunicator]:
 
 
 def communicator_for(role: str, rank: int, peers: Sequence[int], group: dist.ProcessGroup | None,
-                     check_wire: bool, comm_id: int) -> AFDCommunicator:
+                     check_wire: bool, comm_id: int,
+                     control_group: dist.ProcessGroup | None = None) -> AFDCommunicator:
     """The communicator registered under ``comm_id`` when it is this one (same role, rank,
     peers, group, checks, not stopped), else a new one, registered. The backend compiles one
     program per graph (a prefill and a decode graph under ``generate()``); they share one
     communicator, so the per-step token counts the runtime sets are the ones every op reads."""
     old = _REGISTRY.get(comm_id)
-    if (old is not None and not old.stopped and (old.role, old.rank, old.peers, old.group, old.check_wire)
-            == (role, rank, tuple(peers), group, check_wire)):
+    if (old is not None and not old.stopped
+            and (old.role, old.rank, old.peers, old.group, old.check_wire, old.control_group)
+            == (role, rank, tuple(peers), group, check_wire, control_group)):
         return old
-    comm = AFDCommunicator(role, rank, tuple(peers), group, check_wire=check_wire)
+    comm = AFDCommunicator(role, rank, tuple(peers), group, check_wire=check_wire, control_group=control_group)
     register_communicator(comm, comm_id)
     return comm
 
@@ -233,8 +249,9 @@ def get_communicator(comm_id: int) -> AFDCommunicator:
 # --- process groups for the scatter-mode collectives, looked up by integer id ----------------
 
 #: Group ids the TP rewrite uses: the whole TP group, and this rank's attention TP group; and an
-#: AFD FFN rank's FFN TP group (passes/ffn_tp.py).
-GROUP_TP, GROUP_ATTN_TP, GROUP_FFN_TP = 0, 1, 2
+#: AFD FFN rank's FFN TP group (passes/ffn_tp.py); the group the TP ranks' per-step token counts
+#: travel on (runtime.dp_step_counts: a gloo group beside the TP group, runtime.control_group).
+GROUP_TP, GROUP_ATTN_TP, GROUP_FFN_TP, GROUP_TP_CONTROL = 0, 1, 2, 3
 _GROUPS: dict[int, dist.ProcessGroup | None] = {}
 
 

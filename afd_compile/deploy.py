@@ -30,7 +30,16 @@ from .passes.stages import (
     static_rows,
 )
 from .passes.symbolic import sym_expr
-from .runtime import AttentionWorker, FFNWorker, GroupSlice, TokenCount, TPRank, process_group
+from .runtime import (
+    AttentionWorker,
+    FFNWorker,
+    GroupSlice,
+    TokenCount,
+    TPRank,
+    control_group,
+    group_key,
+    process_group,
+)
 from .scatter import TPLayout
 from .split_api import SplitConfig, split_graph_module
 
@@ -172,8 +181,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     result = split_graph_module(gm, config, layout=layout if role == "ffn" else None)
     attention, ffn = result.attention, result.ffn
     size = layout.ffn_group_size
-    groups = [process_group(g) for g in layout.ffn_groups()]  # every rank creates every group, in one order
-    attn_groups = [process_group(g) for g in layout.attention_groups()]
+    groups, attn_groups, control, ffn_controls = layout_groups(layout, *group_key(group))
     batch = static_batch(result.attention) if stages != 1 else None
     check_stage_layout(layout, stages, batch)  # (one stage: the layout alone)
     if role == "attention" and layout.attn_tp > 1:
@@ -193,7 +201,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
         own = attn_groups[idx // layout.attn_tp]
         prepare_groups({GROUP_TP: own, GROUP_ATTN_TP: own}, device, symm_mem)
     if role == "ffn":
-        comm = communicator_for("ffn", rank, layout.peers_of_ffn(idx), group, check, config.comm_id)
+        comm = communicator_for("ffn", rank, layout.peers_of_ffn(idx), group, check, config.comm_id, control)
         worker = FFNWorker(ffn, comm, device, stages=stages, static_batch=batch)
         if size > 1:
             from .comm import GROUP_FFN_TP, register_group
@@ -201,7 +209,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
             from .symm_mem import prepare_groups
 
             ffn_group_program(ffn, layout.ffn_tp, layout.ffn_ep, idx % size)
-            worker.ffn_group = groups[idx // size]
+            worker.ffn_group, worker.ffn_control_group = groups[idx // size], ffn_controls[idx // size]
             register_group(GROUP_FFN_TP, worker.ffn_group)
             prepare_groups({GROUP_FFN_TP: worker.ffn_group}, device, symm_mem)
             worker.group_rank, worker.group_size, worker.group_input = idx % size, size, layout.ffn_tp > 1
@@ -212,7 +220,8 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
         use_ffn_buckets(worker, ffn, buckets)
         return worker
     # one communicator per comm id, shared by every graph of this rank (prefill, decode)
-    comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id)
+    comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id,
+                            control)
     if layout.attn_tp == 1:
         counter = token_count_for_graph(gm, result.plan.cuts[0].token_dims)
     worker = AttentionWorker(attention.to(device), comm, counter, stages=stages,
@@ -221,6 +230,20 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     worker.staged = {k: p.to(device) for k, p in staged_programs(attention, "attention", stages, batch, built).items()}
     use_buckets(worker, buckets)
     return worker
+
+
+def layout_groups(layout: AFDLayout, ranks: Sequence[int], timeout_s: float | None = None) -> tuple[
+        list[dist.ProcessGroup], list[dist.ProcessGroup], dist.ProcessGroup, list[dist.ProcessGroup]]:
+    """Every process group the ranks of ``layout`` use when the group over ``ranks`` (made with
+    ``timeout_s``: runtime.group_key names it) carries the AFD exchange: its FFN groups, its
+    attention TP groups, the gloo group the control messages travel on beside the exchange's
+    (runtime.control_group), and one beside each FFN group for its token counts. Collective:
+    every rank of the world calls it in the same order (each group is made once per process and
+    reused)."""
+    ffn = [process_group(g) for g in layout.ffn_groups()]
+    attn = [process_group(g) for g in layout.attention_groups()]
+    ffn_controls = [control_group(g) for g in layout.ffn_groups()]
+    return ffn, attn, control_group(ranks, timeout_s), ffn_controls
 
 
 def use_ffn_buckets(worker: FFNWorker, program: fx.GraphModule, buckets: TokenBuckets | None) -> None:
@@ -342,9 +365,8 @@ def load_rewritten_rank(outdir: str, rank: int, device: torch.device | None = No
     calls this, in the same order: groups are created collectively), run as a
     :class:`~afd_compile.runtime.TPRank` (with attention DP groups each call first exchanges the
     groups' token counts). Needs the process group joined (``init_distributed`` or ``run_local``)."""
-    from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
     from .programs import ProgramLoadError, load_program
-    from .runtime import tp_groups
+    from .runtime import register_tp_groups, tp_groups
     from .saved import read_saved_plan
 
     plan = read_saved_plan(outdir)
@@ -355,8 +377,6 @@ def load_rewritten_rank(outdir: str, rank: int, device: torch.device | None = No
     if world is None or world < layout.tp or not 0 <= rank < layout.tp:
         raise ProgramLoadError(f"{outdir}: a TP layout of {layout.tp} ranks needs rank in [0, {layout.tp}) of a joined "
                                f"process group of at least {layout.tp} processes (rank {rank}, world {world})")
-    groups = tp_groups(world, [layout])
-    register_group(GROUP_TP, groups[("tp", layout.tp)])
-    register_group(GROUP_ATTN_TP, groups[("attn", layout.attn_tp_group(rank))])
+    register_tp_groups(tp_groups(world, [layout]), layout, rank)
     program = load_program(plan.path(f"rank{rank}")).module().to(device or torch.device("cpu"))
     return TPRank(program, layout, rank)

@@ -26,7 +26,7 @@ import torch
 
 from .buckets import TokenBuckets
 from .compare import Comparison, compare
-from .deploy import DEFAULT_BUCKETS, load_rewritten_worker, make_worker
+from .deploy import DEFAULT_BUCKETS, layout_groups, load_rewritten_worker, make_worker
 from .layout import AFDLayout
 from .passes.graph_utils import batch_symbol_dims
 from .passes.roles import POLICIES
@@ -34,6 +34,8 @@ from .programs import flat_inputs, fresh_module, load_program, positional_module
 from .runtime import (
     AttentionWorker,
     TPRank,
+    group_key,
+    process_group,
     progress,
     run_local,
     tp_groups,
@@ -151,7 +153,8 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
                              stages=case.stages, buckets=case.buckets)
     if not isinstance(worker, AttentionWorker):
         return {"role": "ffn", "steps": worker.serve(), "layouts": sorted(map(repr, worker.layouts)),
-                "carriers": sorted(worker.carriers), "host_reads": worker.host_reads}
+                "carriers": sorted(worker.carriers), "control_reads": worker.control_reads,
+                "device_reads": worker.device_reads}
     a = case.layout.role_of(rank)[1] // case.layout.attn_tp  # an attention TP group shares its tokens
     _, dims = batch_symbol_dims(original)
     tally, sizes = Tally(), []
@@ -179,13 +182,11 @@ def _verify_cases(rank: int, world: int, cases: Sequence[Case]) -> list[dict | N
     import torch.distributed as dist
 
     sizes = sorted({c.layout.world_size for c in cases})
-    groups = {w: (dist.group.WORLD if w == world else dist.new_group(list(range(w)))) for w in sizes}
-    from .runtime import process_group
-
-    for c in cases:  # the FFN groups of every case, made by every rank (new_group is collective)
+    groups = {w: (dist.group.WORLD if w == world else process_group(range(w))) for w in sizes}
+    for c in cases:  # the groups of every case, made by every rank (new_group is collective)
         if isinstance(c.layout, AFDLayout):
-            for ranks in c.layout.ffn_groups() + c.layout.attention_groups():
-                process_group(ranks)
+            w = c.layout.world_size  # (a rank outside the case's group names it as its members do)
+            layout_groups(c.layout, *(group_key(None) if w == world else (tuple(range(w)), None)))
     cache: dict = {}
     out: list[dict | None] = []
     for case in cases:
@@ -320,15 +321,14 @@ class TPCase:
 
 
 def _run_tp_case(rank: int, case: TPCase, groups: dict, cache: dict) -> dict:
-    from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
     from .deploy import tp_rank_program
+    from .runtime import register_tp_groups
 
     ep, original, inputs, spec = _loaded(case.path, cache)
     lay = case.layout
     report = progress if rank == 0 else (lambda _text: None)
     report(f"{lay.tp} processes up (torch imported, process group formed)")
-    register_group(GROUP_TP, groups[("tp", lay.tp)])
-    register_group(GROUP_ATTN_TP, groups[("attn", lay.attn_tp_group(rank))])
+    register_tp_groups(groups, lay, rank)
     if case.saved is not None:  # the saved rank program, re-loaded: what `rewrite --tp` wrote (checked)
         from .programs import load_program
         from .saved import read_saved_plan

@@ -145,7 +145,7 @@ if [[ $SECTIONS == *" one "* ]]; then
   TAIL=8 run one_decode_step $T1 benchmarks/decode_step.py --shapes 1x1024,8x1024,64x1024,64x4096 --iters 15 --out "$OUT/one_decode_step.json"
   TAIL=8 run one_decode_attention_kernel python3 benchmarks/decode_attention_kernel.py --out "$OUT/one_decode_attention_kernel.json"
   # issue 35: an FFN program's exchange between its captured pieces (Inductor's graph partition)
-  TAIL=3 run one_partition_tests python3 -m pytest -q -m gpu tests/test_gpu_partition.py
+  TAIL=3 run one_partition_tests python3 -m pytest -q -m gpu tests/test_gpu_partition.py tests/test_gpu_control.py
   # one rank: symmetric-memory setup, capture and dispatch of the junction (the sum of one partial)
   TAIL=14 run one_junction $T1 benchmarks/junction.py --tokens 8,64 --out "$OUT/one_junction.json"
 fi

@@ -16,9 +16,12 @@ the table is also a numerics check. Per run it reports:
   pieces and reads each step's per-peer sizes) and without CUDA graphs (gloo, CPU);
 - ``row counts touched``: the distinct row counts of any stage (with buckets: the buckets the
   FFN rank's totals touched, the issue's target for the programs not captured);
-- ``host reads / step``: messages the FFN rank read on the host per step (control messages, stage
-  counts): on NCCL each is a device-to-host wait on the step path; token buckets do not change it
-  yet (the per-step control message stays; see BENCHMARKS.md);
+- ``host messages / step``: messages the FFN rank read on the host per step (control messages,
+  stage counts): they travel on a gloo group beside the exchange's (``runtime.control_group``),
+  host to host; token buckets do not change their number (the per-step control message stays:
+  NCCL's receive sizes must match the sends, see docs/backend.md);
+- ``device reads / step``: those of them that waited on the device (an NCCL group; 0 with the
+  control group, which every deployment of ``make_worker`` makes);
 - ``max rel err``: the worst error of any compared output.
 
     python benchmarks/serve_trace.py --json $OUT/serve_trace.json          # 200 steps (~2 min)
@@ -71,18 +74,19 @@ def main() -> int:
         rows.append({"layout": f"{a}A1F", "stages": s, "buckets": b, "steps": args.steps,
                      "programs_captured": len(ffn["layouts"]), "programs_not_captured": len(ffn["carriers"]),
                      "buckets_touched": len({v for c in ffn["carriers"] for v in c}),
-                     "host_reads_per_step": ffn["host_reads"] / max(ffn["steps"], 1),
+                     "host_reads_per_step": ffn["control_reads"] / max(ffn["steps"], 1),
+                     "device_reads_per_step": ffn["device_reads"] / max(ffn["steps"], 1),
                      "compared": sum(v["compared"] for v in att),
                      "max_rel_err": max(v["max_rel_err"] for v in att)})
     print(f"serve_trace: {args.steps} steps, per-peer batch drawn from 0..{args.max_batch} (seed {args.seed}), "
           f"one token per sequence; {time.perf_counter() - t0:.0f} s")
     print("| layout | S | buckets | FFN programs, exchange captured | FFN programs, default | row counts touched | "
-          "host reads / step | max rel err |")
-    print("|---|---|---|---|---|---|---|---|")
+          "host messages / step | device reads / step | max rel err |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layout']} | {r['stages']} | {r['buckets']} | {r['programs_captured']} | "
               f"{r['programs_not_captured']} | {r['buckets_touched']} | {r['host_reads_per_step']:.2f} | "
-              f"{r['max_rel_err']:.2g} |")
+              f"{r['device_reads_per_step']:.2f} | {r['max_rel_err']:.2g} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"steps": args.steps, "max_batch": args.max_batch, "seed": args.seed, "trace": trace,

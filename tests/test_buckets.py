@@ -5,6 +5,7 @@ of its peers when its CUDA graphs hold the exchange)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from afd_compile.buckets import BucketError, TokenBuckets
 from afd_compile.comm import AFDCommunicator
@@ -152,9 +153,11 @@ def test_a_changing_batch_runs_one_ffn_program_per_bucket_tuple_and_stays_exact(
         assert len(results[3][f]["layouts"]) <= len(_slot_tuples(3, steps, COARSE)), results[3]
     assert len(results[4][0]["layouts"]) < len(_slot_tuples(3, steps, None)) * 2, results[4]
     # the FFN rank reads its peers' control messages on the host once per step, whatever the fan-in
-    # (and the stop at the end), their stage counts once more
-    assert results[2][0]["host_reads"] == results[2][0]["steps"] + 1, results[2][0]
-    assert results[4][0]["host_reads"] == 2 * results[4][0]["steps"] + 1, results[4][0]
+    # (and the stop at the end), their stage counts once more; they travel on a gloo group beside
+    # the exchange's (runtime.control_group), so none waits for the device
+    assert results[2][0]["control_reads"] == results[2][0]["steps"] + 1, results[2][0]
+    assert results[4][0]["control_reads"] == 2 * results[4][0]["steps"] + 1, results[4][0]
+    assert all(r[0]["device_reads"] == 0 for r in results), results
 
 
 def test_padding_repeats_the_last_row_so_an_moe_reads_no_new_expert():
@@ -174,3 +177,42 @@ def test_padded_counts_in_units_of_the_programs_token_multiple():
     b = TokenBuckets((16, 64))
     assert [b.padded(n, 3) for n in (0, 1, 5, 48, 49)] == [0, 48, 48, 48, 192]
     assert [b.padded(n) for n in (0, 7, 17)] == [0, 16, 64]
+
+
+def _layout_groups(rank: int, world: int) -> dict:
+    import datetime
+
+    import torch.distributed as dist
+
+    from afd_compile.deploy import layout_groups
+    from afd_compile.runtime import group_key, process_group
+
+    data = process_group(range(world), 17.0)  # the exchange's group, with its own timeout
+    ffn, attn, control, ffn_controls = layout_groups(AFDLayout(2, 2, ffn_tp=2), *group_key(data))
+    again = layout_groups(AFDLayout(2, 2, ffn_tp=2), *group_key(data))  # made once per process: no collective again
+    # the control messages' group carries host tensors between the same ranks as the exchange's
+    peer = (rank + 1) % world
+    works = [dist.isend(torch.tensor([rank]), peer, group=control),
+             dist.irecv(got := torch.zeros(1, dtype=torch.int64), (rank - 1) % world, group=control)]
+    for w in works:
+        w.wait(datetime.timedelta(seconds=30))
+    return {"control": dist.get_process_group_ranks(control), "backend": dist.get_backend(control),
+            "distinct": control is not data, "timeout": control._get_backend(torch.device("cpu")).options._timeout,
+            "ffn_controls": [dist.get_process_group_ranks(g) for g in ffn_controls],
+            "ffn": [dist.get_process_group_ranks(g) for g in ffn], "same": again == (ffn, attn, control, ffn_controls),
+            "got": int(got)}
+
+
+def test_control_messages_travel_on_a_gloo_group_beside_the_exchanges() -> None:
+    """The per-step control messages (and an FFN group's token counts) go on gloo groups over the
+    exchange's ranks with its timeout, host to host: on NCCL reading them waits for no device."""
+    import datetime
+
+    from afd_compile.runtime import run_local
+
+    res = run_local(_layout_groups, 4, timeout_s=60)
+    for rank, r in res.items():
+        assert r["control"] == [0, 1, 2, 3] and r["backend"] == "gloo" and r["distinct"] and r["same"], r
+        assert r["timeout"] == datetime.timedelta(seconds=17), r
+        assert r["ffn_controls"] == r["ffn"] == [[0, 1]], r
+        assert r["got"] == (rank - 1) % 4

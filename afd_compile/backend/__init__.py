@@ -282,12 +282,12 @@ def graph_break_hint() -> str:
 def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
                cudagraphs: bool | None, device: torch.device, static: Sequence[int] = (),
                examples: Sequence[Any] = ()) -> Callable[..., Any]:
-    from ..comm import GROUP_ATTN_TP, GROUP_TP, register_group
+    from ..comm import GROUP_ATTN_TP, GROUP_TP
     from ..deploy import tp_rank_program
     from ..passes.local_state import hold_local_states
     from ..passes.roles import POLICIES
     from ..passes.tp_rewrite import check_any_token_total
-    from ..runtime import dp_step_counts, tp_groups
+    from ..runtime import dp_step_counts, register_tp_groups, tp_groups
     from ..scatter import TPLayout
     from ..split_api import SplitConfig
     from ..state_store import bind_inputs, bind_outputs
@@ -296,8 +296,7 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     layout = TPLayout(opts.tp, opts.attn_dp, moe_a2a=opts.moe_a2a, dense_dp=opts.dense_dp,
                       vocab_parallel=opts.vocab_parallel)
     groups = tp_groups(world, [layout], timeout_s=opts.timeout_s)
-    register_group(GROUP_TP, groups[("tp", layout.tp)])
-    register_group(GROUP_ATTN_TP, groups[("attn", layout.attn_tp_group(rank))])
+    register_tp_groups(groups, layout, rank)
     prepare_groups({GROUP_TP: groups[("tp", layout.tp)], GROUP_ATTN_TP: groups[("attn", layout.attn_tp_group(rank))]},
                    device, opts.symm_mem)
     gm = ep.module()

@@ -17,9 +17,12 @@ from __future__ import annotations
 from .dist import (
     LaunchError,
     check_launch,
+    control_group,
     free_port,
+    group_key,
     init_distributed,
     process_group,
+    register_tp_groups,
     report_launch_error,
     tp_groups,
 )
@@ -56,5 +59,6 @@ __all__ = [
     "LOCAL_PROCESS_BYTES", "LOCAL_PROCESS_LIMIT_RULE", "PEER_GONE", "SERVE_AT_SHUTDOWN", "STOP", "WORKER_PRELOAD",
     "WORKER_PRELOAD_IF_IMPORTED", "AttentionWorker", "ControlError", "FFNWorker", "GroupSlice", "LauncherFailure",
     "RankFailure", "RunFault", "TokenCount", "dp_step_counts", "finish", "free_port", "init_distributed",
-    "max_local_processes", "process_group", "progress", "run_local", "send_control", "shutdown", "tp_groups",
+    "max_local_processes", "process_group", "control_group", "progress", "run_local", "send_control", "shutdown",
+    "tp_groups", "register_tp_groups", "group_key",
 ]

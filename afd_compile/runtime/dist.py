@@ -86,39 +86,90 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, bac
     return rank, world_size
 
 
-#: process groups created by :func:`process_group`, by (ranks, timeout): created once per process
-_GROUPS: dict[tuple[tuple[int, ...], float | None], dist.ProcessGroup] = {}
+#: process groups created by :func:`process_group`, by (ranks, timeout, backend): created once per process
+_GROUPS: dict[tuple[tuple[int, ...], float | None, str | None], dist.ProcessGroup] = {}
 
 
-def process_group(ranks: Sequence[int], timeout_s: float | None = None) -> dist.ProcessGroup:
-    """A process group over ``ranks`` (with ``timeout_s``, else the default timeout), created once
-    per process and reused: the backend compiles per graph, and a new group per compile would
-    open new communicators each time. Every rank must ask in the same order (``new_group`` is
-    collective); :func:`shutdown` forgets them."""
-    key = (tuple(ranks), timeout_s)
+def process_group(ranks: Sequence[int], timeout_s: float | None = None, backend: str | None = None) -> dist.ProcessGroup:
+    """A process group over ``ranks`` (with ``timeout_s``, else the default timeout; ``backend``,
+    else the world's), created once per process and reused: the backend compiles per graph, and a
+    new group per compile would open new communicators each time. Every rank of the world must
+    ask in the same order (``new_group`` is collective); :func:`shutdown` forgets them."""
+    key = (tuple(ranks), timeout_s, backend)
     if key not in _GROUPS:
         kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-        _GROUPS[key] = dist.new_group(list(ranks), **kw)
+        _GROUPS[key] = group = dist.new_group(list(ranks), backend=backend, **kw)
+        if group is not dist.GroupMember.NON_GROUP_MEMBER:  # (one object for every group a rank is not in)
+            _MADE[id(group)] = (tuple(ranks), timeout_s)
     return _GROUPS[key]
+
+
+#: (ranks, timeout) of each group :func:`process_group` made, by id: what :func:`group_key` says
+_MADE: dict[int, tuple[tuple[int, ...], float | None]] = {}
+
+
+def group_key(group: dist.ProcessGroup | None) -> tuple[tuple[int, ...], float | None]:
+    """The world ranks of ``group`` (None: the world) and the timeout it was made with (None:
+    the default): as :func:`process_group` was asked for it, so that every rank, member or not,
+    names it alike; a group made elsewhere is read (this rank must be in it)."""
+    if group is None or group is dist.group.WORLD:
+        pg, ranks = dist.group.WORLD, tuple(range(dist.get_world_size()))
+    elif id(group) in _MADE:
+        return _MADE[id(group)]
+    else:
+        pg, ranks = group, tuple(dist.get_process_group_ranks(group))
+    for device in ("cpu", "cuda"):
+        try:
+            return ranks, pg._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return ranks, None
+
+
+def control_group(ranks: Sequence[int], timeout_s: float | None = None) -> dist.ProcessGroup:
+    """The gloo group over ``ranks`` (with ``timeout_s``) that control messages travel on beside
+    the group of those ranks that moves the data (:func:`group_key` names it): host tensors, so an
+    FFN rank learns a step's per-peer slots without a device-to-host wait when the data group is
+    NCCL (a read on an NCCL group waits for everything queued on the stream before it, so the FFN
+    rank could not queue a step before its last one finished). Collective like
+    :func:`process_group`: every rank of the world asks in the same order."""
+    return process_group(ranks, timeout_s, "gloo")
 
 
 def forget_groups() -> None:
     """Forget the groups :func:`process_group` made (the process group is being destroyed)."""
     _GROUPS.clear()
+    _MADE.clear()
 
 
 def tp_groups(world: int, layouts: Sequence[TPLayout], timeout_s: float | None = None) -> dict:
     """Every process group the cases need, created in the same order on every rank; with
-    ``timeout_s`` each is a new group with that timeout (else the world group where it fits)."""
+    ``timeout_s`` each is a new group with that timeout (else the world group where it fits).
+    A layout with attention DP groups also gets the gloo group its per-step token counts travel
+    on (``("control", tp)``, :func:`control_group`)."""
     groups: dict = {}
     for lay in layouts:
         key = ("tp", lay.tp)
         if key not in groups:
             whole = lay.tp == world and timeout_s is None
             groups[key] = dist.group.WORLD if whole else process_group(range(lay.tp), timeout_s)
+        if lay.attn_dp > 1 and ("control", lay.tp) not in groups:
+            whole = groups[key] is dist.group.WORLD  # (named alike on a rank outside the TP group)
+            groups[("control", lay.tp)] = control_group(*(group_key(None) if whole else (range(lay.tp), timeout_s)))
         for g in range(lay.attn_dp):
             ranks = tuple(range(g * lay.attn_tp, (g + 1) * lay.attn_tp))
             k = ("attn", ranks)
             if k not in groups:
                 groups[k] = groups[key] if lay.attn_tp == lay.tp else process_group(ranks, timeout_s)
     return groups
+
+
+def register_tp_groups(groups: dict, layout: TPLayout, rank: int) -> None:
+    """Register the groups of ``tp_groups`` that rank ``rank`` of ``layout`` runs with: its TP
+    group, its attention TP group, and the group its per-step token counts travel on (the TP
+    group itself when ``layout`` has no attention DP groups)."""
+    from ..comm import GROUP_ATTN_TP, GROUP_TP, GROUP_TP_CONTROL, register_group
+
+    register_group(GROUP_TP, groups[("tp", layout.tp)])
+    register_group(GROUP_ATTN_TP, groups[("attn", layout.attn_tp_group(rank))])
+    register_group(GROUP_TP_CONTROL, groups.get(("control", layout.tp), groups[("tp", layout.tp)]))

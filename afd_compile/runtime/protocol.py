@@ -2,7 +2,9 @@
 rank leaves.
 
 - an **attention rank** per step sends its token count to its FFN rank (one small control message
-  per step, not per layer), then runs the attention program, whose ``afd::p2p_send`` /
+  per step, not per layer; host tensors on the communicator's ``control_group``, a gloo group
+  beside the exchange's, so neither side waits on the device for it), then runs the attention
+  program, whose ``afd::p2p_send`` /
   ``afd::p2p_recv`` ops exchange hidden states with the FFN rank at every layer;
 - an **FFN rank** per step receives the token count of every attention peer, stores them as the
   step's transfer metadata, and runs the FFN program on a ``(T, 0)`` token carrier. A count of -1
@@ -227,14 +229,14 @@ def send_control(comm: AFDCommunicator, n: int, stage_counts: Sequence[int] | No
     if comm.stopped:
         raise ControlError(f"afd: attention rank {comm.rank} already told FFN rank {comm.peers[0]} it stopped; "
                            "it cannot run another step (a new deployment needs a new comm_id)")
-    dev = "cuda" if comm.device_transport else "cpu"
+    dev, group = comm.control_device, comm.control_peer_group
     stages = len(stage_counts) if stage_counts is not None else 1
     flags = int(comm.check_wire) | (stages - 1) << 1
-    dist.send(torch.tensor([n, flags], dtype=torch.int64, device=dev), comm.peers[0], group=comm.group)
+    dist.send(torch.tensor([n, flags], dtype=torch.int64, device=dev), comm.peers[0], group=group)
     if n == STOP:
         comm.stopped = True
     elif stages > 1:
-        dist.send(torch.tensor(list(stage_counts), dtype=torch.int64, device=dev), comm.peers[0], group=comm.group)
+        dist.send(torch.tensor(list(stage_counts), dtype=torch.int64, device=dev), comm.peers[0], group=group)
 
 
 def finish(comm_id: int | None = None, *, at_shutdown: bool = False) -> list[int]:
@@ -304,9 +306,15 @@ class FFNWorker:
     buckets: TokenBuckets | None = None
     #: what every token count of the program is a multiple of (passes/split.TOKEN_MULTIPLE)
     token_unit: int = 1
+    #: the gloo group beside ``ffn_group`` its token counts travel on (runtime.control_group);
+    #: None: on ``ffn_group``
+    ffn_control_group: dist.ProcessGroup | None = None
     #: messages read on the host since this worker was made (control messages, stage counts, the
-    #: FFN group's counts): on NCCL each is a device-to-host wait on the step path
-    host_reads: int = 0
+    #: FFN group's counts)
+    control_reads: int = 0
+    #: those of them that travelled on an NCCL group: each a device-to-host wait on the step path
+    #: (it waits for everything queued on the stream before it); 0 with a control group
+    device_reads: int = 0
 
     def rows(self, tokens: int) -> int:
         """The rows a program runs for ``tokens`` received tokens (padded to a bucket: rows that
@@ -340,15 +348,10 @@ class FFNWorker:
         running) and run the program once; returns the counts (0 for a peer that has left), or
         None once every peer has stopped. A peer that sends STOP leaves: later steps serve the
         others (attention ranks may finish at different steps, e.g. at EOS under ``generate()``)."""
-        dev = "cuda" if self.comm.device_transport else "cpu"
         live = [p for p in self.comm.peers if p not in self.left]
-        bufs = torch.empty(len(live), 2, dtype=torch.int64, device=dev)  # (one host read for all peers)
-        for i, p in enumerate(live):
-            dist.recv(bufs[i], p, group=self.comm.group)
-        got = dict(zip(live, bufs.tolist(), strict=True))
-        self.host_reads += 1
+        got = dict(zip(live, self._receive(live, 2), strict=True))
         counts = self._check_control(got)
-        per_stage = self._stage_counts(counts, dev) if self.stages > 1 and counts is not None else None
+        per_stage = self._stage_counts(counts) if self.stages > 1 and counts is not None else None
         if self.group_size > 1:
             counts = self._group_step(counts, per_stage)
         if counts is None:
@@ -399,15 +402,24 @@ class FFNWorker:
         self.carriers.add(tuple(int(c.shape[0]) for c in carriers))
         program(*carriers)
 
-    def _stage_counts(self, counts: tuple[int, ...], dev: str) -> list[tuple[int, ...]]:
+    def _receive(self, peers: Sequence[int], width: int) -> list[list[int]]:
+        """One message of ``width`` int64 from each of ``peers`` on the control group, read on
+        the host at once (counted: :attr:`control_reads`, and :attr:`device_reads` when it
+        travelled on the device)."""
+        dev = self.comm.control_device
+        bufs = torch.empty(len(peers), width, dtype=torch.int64, device=dev)
+        for i, p in enumerate(peers):
+            dist.recv(bufs[i], p, group=self.comm.control_peer_group)
+        self.control_reads += 1
+        self.device_reads += dev != "cpu"
+        return bufs.tolist()
+
+    def _stage_counts(self, counts: tuple[int, ...]) -> list[tuple[int, ...]]:
         """Each live peer's tokens per stage (sent after its control message), checked against its
         total; per stage, one count per peer (0 for a peer that left)."""
         live = [p for p in self.comm.peers if p not in self.left]
-        bufs = torch.empty(len(live), self.stages, dtype=torch.int64, device=dev)  # (one host read for all)
-        for i, p in enumerate(live):
-            dist.recv(bufs[i], p, group=self.comm.group)
-        by_peer = {p: [0] * self.stages for p in self.left} | dict(zip(live, bufs.tolist(), strict=True))
-        self.host_reads += 1
+        by_peer = {p: [0] * self.stages for p in self.left} | dict(zip(live, self._receive(live, self.stages),
+                                                                      strict=True))
         for p, n in zip(self.comm.peers, counts, strict=True):
             if p not in self.left and (sum(by_peer[p]) != n or min(by_peer[p]) < 0):
                 raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {p} announced {n} tokens but "
@@ -424,7 +436,8 @@ class FFNWorker:
         or None once every rank of the group is done."""
         from ..comm import TPStep, set_tp_step
 
-        dev = "cuda" if self.comm.device_transport else "cpu"
+        group = self.ffn_control_group if self.ffn_control_group is not None else self.ffn_group
+        dev = "cuda" if self.ffn_control_group is None and dist.get_backend(group) == "nccl" else "cpu"
         # (over a static batch B each stage's tokens are padded to a multiple of B: stages._padded_tokens)
         # (else each stage's rows: its tokens padded to a bucket, self.rows)
         pad = (lambda t: -(-t // self.static_batch) * self.static_batch) if self.static_batch else self.rows
@@ -432,9 +445,10 @@ class FFNWorker:
                   else [0] * self.stages if self.stages > 1 else [])
         mine = torch.tensor([-1 if counts is None else self.rows(sum(counts)), *stages], dtype=torch.int64, device=dev)
         parts = [torch.empty_like(mine) for _ in range(self.group_size)]
-        dist.all_gather(parts, mine, group=self.ffn_group)
-        got = [[int(v) for v in p.tolist()] for p in parts]
-        self.host_reads += 1
+        dist.all_gather(parts, mine, group=group)
+        got = torch.stack(parts).tolist()
+        self.control_reads += 1
+        self.device_reads += dev != "cpu"
         if all(g[0] < 0 for g in got):
             return None
         self.group_counts = tuple(max(g[0], 0) for g in got)
@@ -498,10 +512,13 @@ class GroupSlice:
 def dp_step_counts(x: Sequence[torch.Tensor], lay: TPLayout, rank: int) -> tuple[int, ...]:
     """All TP ranks exchange their token counts (one small all-gather per step) and record the
     step's per-DP-group counts for the DP collectives; returns them."""
-    from ..comm import GROUP_TP, TPStep, get_group, set_tp_step
+    from ..comm import GROUP_TP, GROUP_TP_CONTROL, TPStep, get_group, set_tp_step
 
     own = int(x[0].numel())  # tokens of this rank's input (batch x sequence)
-    group = get_group(GROUP_TP)
+    try:  # (a gloo group beside the TP group: no device-to-host wait on NCCL)
+        group = get_group(GROUP_TP_CONTROL)
+    except KeyError:
+        group = get_group(GROUP_TP)
     dev = x[0].device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(lay.tp)]
     dist.all_gather(counts, torch.tensor([own], device=dev), group=group)
