@@ -184,8 +184,10 @@ def _layout_groups(rank: int, world: int) -> dict:
 
     import torch.distributed as dist
 
+    from afd_compile.comm import GROUP_TP_CONTROL, get_group
     from afd_compile.deploy import layout_groups
-    from afd_compile.runtime import group_key, process_group
+    from afd_compile.runtime import group_key, process_group, register_tp_groups, tp_groups
+    from afd_compile.scatter import TPLayout
 
     data = process_group(range(world), 17.0)  # the exchange's group, with its own timeout
     ffn, attn, control, ffn_controls = layout_groups(AFDLayout(2, 2, ffn_tp=2), *group_key(data))
@@ -196,7 +198,15 @@ def _layout_groups(rank: int, world: int) -> dict:
              dist.irecv(got := torch.zeros(1, dtype=torch.int64), (rank - 1) % world, group=control)]
     for w in works:
         w.wait(datetime.timedelta(seconds=30))
-    return {"control": dist.get_process_group_ranks(control), "backend": dist.get_backend(control),
+    # TP ranks with attention DP groups exchange their token counts on one beside the TP group
+    lay = TPLayout(2, attn_dp=2)
+    tp = tp_groups(world, [TPLayout(4, attn_dp=2), lay])
+    register_tp_groups(tp, lay, rank) if rank < 2 else None
+    tp_control = get_group(GROUP_TP_CONTROL) if rank < 2 else None
+    return {"tp_control": tp_control is not None and [dist.get_process_group_ranks(tp_control),
+                                                      dist.get_backend(tp_control)],
+            "tp_world_control": [dist.get_process_group_ranks(tp[("control", 4)]), dist.get_backend(tp[("control", 4)])],
+            "control": dist.get_process_group_ranks(control), "backend": dist.get_backend(control),
             "distinct": control is not data, "timeout": control._get_backend(torch.device("cpu")).options._timeout,
             "ffn_controls": [dist.get_process_group_ranks(g) for g in ffn_controls],
             "ffn": [dist.get_process_group_ranks(g) for g in ffn], "same": again == (ffn, attn, control, ffn_controls),
@@ -214,5 +224,8 @@ def test_control_messages_travel_on_a_gloo_group_beside_the_exchanges() -> None:
     for rank, r in res.items():
         assert r["control"] == [0, 1, 2, 3] and r["backend"] == "gloo" and r["distinct"] and r["same"], r
         assert r["timeout"] == datetime.timedelta(seconds=17), r
-        assert r["ffn_controls"] == r["ffn"] == [[0, 1]], r
+        if rank < 2:  # (a rank outside a group holds torch's placeholder for it)
+            assert r["ffn_controls"] == r["ffn"] == [[0, 1]], r
         assert r["got"] == (rank - 1) % 4
+        assert r["tp_world_control"] == [[0, 1, 2, 3], "gloo"], r
+        assert r["tp_control"] == ([[0, 1], "gloo"] if rank < 2 else False), r
