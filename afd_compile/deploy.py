@@ -318,8 +318,12 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
 
 
 def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = None,
-                          buckets: TokenBuckets | None = DEFAULT_BUCKETS) -> AttentionWorker | FFNWorker:
-    """This rank's worker from the files ``afd-compile rewrite`` wrote (plan.json + role .pt2).
+                          buckets: TokenBuckets | None = DEFAULT_BUCKETS,
+                          group: dist.ProcessGroup | None = None) -> AttentionWorker | FFNWorker:
+    """This rank's worker from the files ``afd-compile rewrite`` wrote (plan.json + role .pt2),
+    exchanging on ``group`` (None: the world). With the process group joined, every rank of the
+    world calls it in the same order: the gloo group its control messages travel on beside
+    ``group`` is made collectively (runtime.control_group).
 
     plan.json is checked field by field and each program against the sha256 it records
     (:func:`afd_compile.saved.read_saved_plan`): a folder runs only the programs rewrite wrote
@@ -337,8 +341,9 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     comm_id = int(plan["comm_id"])
     # rewrite --stages S saves the unstaged programs and S; the staged ones are built here
     stages = int(plan.get("stages", 1))
+    control = control_group(*group_key(group)) if dist.is_initialized() else None
     if role == "ffn":
-        comm = AFDCommunicator("ffn", rank, layout.peers_of_ffn(idx))
+        comm = AFDCommunicator("ffn", rank, layout.peers_of_ffn(idx), group, control_group=control)
         register_communicator(comm, comm_id)
         program = load_program(plan.path("ffn")).module().to(device)
         batch = plan.get("static_batch")
@@ -346,7 +351,7 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
                                staged=staged_programs(program, "ffn", stages, batch))
         use_ffn_buckets(ffn_worker, program, buckets)
         return ffn_worker
-    comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),))
+    comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),), group, control_group=control)
     register_communicator(comm, comm_id)
     program = load_program(plan.path("attention")).module().to(device)
     batch = static_batch(program) if stages != 1 else None

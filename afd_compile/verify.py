@@ -147,7 +147,7 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
     report = progress if rank == case.layout.ffn_ranks else (lambda _text: None)  # the first attention rank
     report(f"{case.layout.world_size} processes up (torch imported, process group formed)")
     if case.saved is not None:  # what `rewrite` wrote (plan.json and the programs' sha256 checked)
-        worker = load_rewritten_worker(case.saved, rank, buckets=case.buckets)
+        worker = load_rewritten_worker(case.saved, rank, buckets=case.buckets, group=group)
     else:
         worker = make_worker(fresh_module(ep), case.layout, rank, config, group=group, check_wire=True,
                              stages=case.stages, buckets=case.buckets)
