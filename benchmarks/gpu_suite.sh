@@ -146,6 +146,8 @@ if [[ $SECTIONS == *" one "* ]]; then
   TAIL=8 run one_decode_attention_kernel python3 benchmarks/decode_attention_kernel.py --out "$OUT/one_decode_attention_kernel.json"
   # issue 35: an FFN program's exchange between its captured pieces (Inductor's graph partition)
   TAIL=3 run one_partition_tests python3 -m pytest -q -m gpu tests/test_gpu_partition.py tests/test_gpu_control.py
+  # issue 35: the serve loop's control read as a device tensor (on the NCCL group) against a host one
+  TAIL=6 run one_control_read python3 benchmarks/control_read.py --tokens 8,64,256 --json "$OUT/one_control_read.json"
   # one rank: symmetric-memory setup, capture and dispatch of the junction (the sum of one partial)
   TAIL=14 run one_junction $T1 benchmarks/junction.py --tokens 8,64 --out "$OUT/one_junction.json"
 fi
