@@ -41,6 +41,10 @@ def wire_checks_from_env() -> bool:
     return os.environ.get("AFD_CHECK_WIRE", "0") not in ("", "0")
 
 
+class TransferError(AFDCompileError):
+    """A transfer with an AFD peer that did not complete (timeout, closed connection)."""
+
+
 class WireMismatch(AFDCompileError):
     """A received transfer is not what the receiver expects (layer, stage, kind, dtype, shape)."""
 
@@ -158,8 +162,21 @@ class AFDCommunicator:
         are skipped on both sides (both sides know the counts). With ``check_wire`` the headers
         of every transfer go first (:meth:`_check_headers`).
         """
-        for work in self.start(sends, recvs, layer_idx=layer_idx, stage_idx=stage_idx, where=where):
-            work.wait()
+        works = self.start(sends, recvs, layer_idx=layer_idx, stage_idx=stage_idx, where=where)
+        self.wait(works, where, sorted({p for _, p, _ in [*sends, *recvs]}))
+
+    def wait(self, works: Sequence[Any], where: str, peers: Sequence[int] | None = None) -> None:
+        """Wait for ``works``; one that fails (a peer that failed mid-step leaves this rank waiting
+        until its group's timeout, or closed its connections) is a :class:`TransferError` naming
+        this rank's role, the peers and ``where``, the transport's own message kept."""
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as e:
+            other = "FFN" if self.role == "attention" else "attention"
+            names = ", ".join(str(p) for p in (peers if peers is not None else self.peers))
+            raise TransferError(f"{where}: the transfer with {other} rank(s) {names} did not complete (a peer that "
+                                f"failed or stopped mid-step, or the group's timeout): {e}") from e
 
     def start(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *, layer_idx: int = -1,
               stage_idx: int = -1, where: str = "afd") -> list[Any]:
@@ -191,8 +208,8 @@ class AFDCommunicator:
         got = [torch.full((HEADER_SLOTS,), -1, dtype=torch.int64, device=dev) for _ in recvs]
         ops = [dist.P2POp(dist.isend, h, p, self.group) for h, (_, p, _) in zip(out, sends, strict=True)]
         ops += [dist.P2POp(dist.irecv, h, p, self.group) for h, (_, p, _) in zip(got, recvs, strict=True)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        self.wait(dist.batch_isend_irecv(ops), f"{where} (wire check headers)",
+                  sorted({p for _, p, _ in [*sends, *recvs]}))
         for h, (t, p, k) in zip(got, recvs, strict=True):
             expected = wire_header(k, t.dtype, tuple(t.shape), layer_idx, stage_idx)
             received = [int(v) for v in h.tolist()]

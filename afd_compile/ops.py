@@ -272,8 +272,7 @@ def p2p_recv_wait(
         raise RuntimeError(f"{where}: no receive of this layer and stage was started")
     works, outs = IN_FLIGHT.pop(key)
     sent = IN_FLIGHT.pop((comm_id, layer_idx, stage_idx, "send"), ([], []))
-    for work in [*sent[0], *works]:
-        work.wait()
+    comm.wait([*sent[0], *works], where)
     return _own_rows(outs, num_tokens)
 
 

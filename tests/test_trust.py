@@ -296,6 +296,57 @@ def test_a_step_that_raises_is_reported_at_once_even_when_the_script_shuts_down_
     assert time.monotonic() - t < timeout, "the run waited for the timeout"
 
 
+def _fails_before_its_message(rank: int, world: int, path: str) -> None:
+    """The attention rank's step raises before its control message (no inputs to count tokens
+    of); the rank then stays up a while, as a server that logs the error would."""
+    from afd_compile.deploy import make_worker
+    from afd_compile.layout import AFDLayout
+    from afd_compile.programs import load_program
+    from afd_compile.runtime import AttentionWorker
+
+    worker = make_worker(load_program(path).module(), AFDLayout(1, 1), rank)
+    if not isinstance(worker, AttentionWorker):
+        worker.serve()
+        return
+    with pytest.raises(IndexError):
+        worker.step()
+    time.sleep(20)
+
+
+def test_an_ffn_rank_ends_at_once_naming_an_attention_rank_whose_step_failed(exported):
+    # the failed step sends FAILED on the control group: the FFN rank waiting for its message
+    # ends naming it, while the failed rank is still up (else it would hear the connection close)
+    with pytest.raises(RankFailure) as e:
+        run_local(_fails_before_its_message, 2, exported("llama2")[1], timeout_s=60)
+    assert e.value.rank == 0 and "attention rank 1 failed its step" in str(e.value), str(e.value)
+
+
+def _fails_mid_step_and_stays(rank: int, world: int, path: str) -> None:
+    """The attention rank's step raises mid-program (token ids outside the vocabulary, after its
+    control message); the rank stays up: the FFN rank waits on its data until the timeout."""
+    from afd_compile.deploy import make_worker
+    from afd_compile.layout import AFDLayout
+    from afd_compile.programs import load_program
+    from afd_compile.runtime import AttentionWorker
+
+    worker = make_worker(load_program(path).module(), AFDLayout(1, 1), rank)
+    if not isinstance(worker, AttentionWorker):
+        worker.serve()
+        return
+    with pytest.raises(IndexError):
+        worker.step(torch.full((2, 5), 10_000))
+    time.sleep(30)
+
+
+def test_an_ffn_rank_waiting_on_a_failed_peers_data_names_it_at_the_timeout(exported, monkeypatch):
+    monkeypatch.setenv("AFD_CHECK_WIRE", "0")
+    with pytest.raises(RankFailure) as e:
+        run_local(_fails_mid_step_and_stays, 2, exported("llama2")[1], timeout_s=5)
+    assert e.value.rank == 0, str(e.value)
+    assert "TransferError" in str(e.value) and "attention rank(s) 1 did not complete" in str(e.value), str(e.value)
+    assert "Timed out waiting 5000ms" in str(e.value), str(e.value)  # (its timeout, before the peer left)
+
+
 def _peer_reports_first(rank: int, world: int) -> None:
     # rank 0 reports a peer-gone symptom at once; rank 1's own error reaches the queue later
     if rank == 0:

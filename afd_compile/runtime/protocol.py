@@ -36,6 +36,12 @@ from .dist import forget_groups
 log = logging.getLogger("afd_compile.runtime")
 
 STOP = -1
+#: the token count of a control message an attention rank sends when its step raised: its FFN
+#: rank ends at once, naming it, instead of waiting on it until the timeout
+FAILED = -2
+
+#: failure notices in flight (isend works kept alive until the process ends)
+_NOTICES: list = []
 
 
 def shutdown(sync: bool = True) -> None:
@@ -170,6 +176,7 @@ class AttentionWorker:
             return self._step(*inputs)
         except BaseException as e:
             _step_failed(f"attention step: {type(e).__name__}: {e}")
+            tell_failed(self.comm)
             raise
 
     def _step(self, *inputs: torch.Tensor) -> Any:
@@ -237,6 +244,22 @@ def send_control(comm: AFDCommunicator, n: int, stage_counts: Sequence[int] | No
         comm.stopped = True
     elif stages > 1:
         dist.send(torch.tensor(list(stage_counts), dtype=torch.int64, device=dev), comm.peers[0], group=group)
+
+
+def tell_failed(comm: AFDCommunicator) -> None:
+    """An attention rank whose step raised: send :data:`FAILED` to its FFN rank, without waiting
+    (the FFN rank may be mid-step and never take it), on a control group of host tensors only (a
+    device send on an error path could wait behind the failed step's work). An FFN rank reading
+    its control messages ends at once naming this rank; one blocked on this step's data (gloo)
+    still waits until its timeout. This rank sends nothing after it."""
+    if comm.stopped or comm.role != "attention" or comm.control_device != "cpu" or not dist.is_initialized():
+        return
+    comm.stopped = True
+    try:
+        _NOTICES.append(dist.isend(torch.tensor([FAILED, 0], dtype=torch.int64), comm.peers[0],
+                                   group=comm.control_peer_group))
+    except Exception as e:  # the peer already gone: nothing to tell
+        log.warning("afd: attention rank %d could not tell FFN rank %d its step failed: %s", comm.rank, comm.peers[0], e)
 
 
 def finish(comm_id: int | None = None, *, at_shutdown: bool = False) -> list[int]:
@@ -470,6 +493,9 @@ class FFNWorker:
             if n == STOP:
                 self.left.add(p)
                 continue
+            if n == FAILED:
+                raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {p} failed its step (it said so "
+                                   "on the control group; its own error says why); this rank stops serving")
             check, stages = flags & 1, (flags >> 1) + 1
             if stages != self.stages:
                 raise ControlError(f"afd: FFN rank {self.comm.rank} runs {self.stages} micro-batch stage(s), attention "
