@@ -148,6 +148,8 @@ if [[ $SECTIONS == *" one "* ]]; then
   TAIL=3 run one_partition_tests python3 -m pytest -q -m gpu tests/test_gpu_partition.py tests/test_gpu_control.py
   # issue 35: the serve loop's control read as a device tensor (on the NCCL group) against a host one
   TAIL=6 run one_control_read python3 benchmarks/control_read.py --tokens 8,64,256 --json "$OUT/one_control_read.json"
+  # issue 35: ffn_capture="compute" (the exchange between captured pieces) against "all" (one graph), a stand-in exchange
+  TAIL=6 run one_ffn_partition python3 benchmarks/ffn_partition.py --tokens 8,64,256 --json "$OUT/one_ffn_partition.json"
   # one rank: symmetric-memory setup, capture and dispatch of the junction (the sum of one partial)
   TAIL=14 run one_junction $T1 benchmarks/junction.py --tokens 8,64 --out "$OUT/one_junction.json"
 fi

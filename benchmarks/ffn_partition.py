@@ -1,0 +1,130 @@
+"""What capturing an FFN rank's compute in pieces costs on one GPU (issue 35): the backend's
+default ``ffn_capture="compute"`` runs the exchange with the peers between captured pieces
+(Inductor's graph partition), ``"all"`` keeps it inside one CUDA graph. Without peers (one GPU) the
+exchange is a stand-in custom op (a copy: the receive at a layer's start, the send at its end),
+so this measures what the partition itself costs a step (the pieces' launches and the op run
+eagerly between them), not NCCL's launches.
+
+The FFN side is ``moe_ffn.py``'s (a Qwen3-30B-A3B-shaped MoE FFN side, 4 layers, bf16, the
+experts as one ``afd::moe_experts`` op) at T tokens; per step wall µs of ``--steps`` steps, both
+ways side by side in one run, and their outputs compared.
+
+    python benchmarks/ffn_partition.py --json $OUT/ffn_partition.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+@torch.library.custom_op("afdbench::exchange", mutates_args=())
+def exchange(x: torch.Tensor) -> torch.Tensor:
+    """Stand-in for a layer's receive or send: a copy."""
+    return x.clone()
+
+
+@exchange.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class ExchangeSide(torch.nn.Module):
+    """moe_ffn's layers as an FFN rank runs them: receive, norm, experts, residual, send."""
+
+    def __init__(self, op_side: torch.nn.Module) -> None:
+        super().__init__()
+        self.op_side = op_side
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from afd_compile.moe import moe_experts
+
+        b, s, d = h.shape
+        for norm, moe in zip(self.op_side.ref.norms, self.op_side.ref.moes, strict=True):
+            x = exchange(h)
+            flat = norm(x).view(-1, d)
+            _, weights, ids = moe.gate(flat)
+            y = moe_experts(flat, ids, weights, moe.experts.gate_up_proj, moe.experts.down_proj)
+            h = exchange(x + y.view(b, s, d))
+        return h
+
+
+def step_us(fn, x: torch.Tensor, steps: int) -> float:
+    runs = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn(x)
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t0) * 1e6 / steps)
+    return statistics.median(runs)
+
+
+def graph_launches(fn, x: torch.Tensor, steps: int = 3) -> float:
+    """CUDA graph launches per step (the captured pieces)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn(x)
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.key == "cudaGraphLaunch") / steps
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="8,64,256")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("ffn_partition: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from moe_ffn import HIDDEN, FFNSide, OpSide
+
+    dev = torch.device("cuda")
+    torch._dynamo.config.cache_size_limit = 64
+    model = ExchangeSide(OpSide(FFNSide("grouped_mm").to(dev, torch.bfloat16).eval()))
+    ways = {"one graph (all)": {"triton.cudagraphs": True},
+            "pieces (compute)": {"triton.cudagraphs": True, "graph_partition": True,
+                                 "custom_should_partition_ops": ["afdbench::exchange"]}}
+    rows = []
+    with torch.no_grad():
+        for t in [int(v) for v in args.tokens.split(",")]:
+            x = torch.randn(t, 1, HIDDEN, device=dev, dtype=torch.bfloat16)
+            row, outs = {"tokens": t}, []
+            for name, options in ways.items():
+                torch._dynamo.reset()
+                fn = torch.compile(model, options=options, dynamic=False)
+                for _ in range(3):
+                    fn(x)
+                outs.append(fn(x).float().clone())
+                row[name] = round(step_us(fn, x, args.steps), 1)
+                row[f"{name} graphs/step"] = graph_launches(fn, x)
+            row["pieces_over_one"] = round(row["pieces (compute)"] / row["one graph (all)"], 3)
+            row["max_abs_diff"] = float((outs[0] - outs[1]).abs().max())
+            rows.append(row)
+    print(f"ffn_partition: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.steps} steps a loop")
+    print("| T | one graph, exchange captured (us/step) | pieces, exchange between (us/step) | pieces / one | "
+          "graph launches a step (one / pieces) | outputs differ by |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['tokens']} | {r['one graph (all)']} | {r['pieces (compute)']} | {r['pieces_over_one']} | "
+              f"{r['one graph (all) graphs/step']:g} / {r['pieces (compute) graphs/step']:g} | {r['max_abs_diff']:.2g} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
