@@ -3,7 +3,8 @@ token buckets, on CPU (gloo).
 
 A seeded trace of per-peer batch sizes drawn between 0 and ``--max-batch`` (default 64) sequences
 of one token (a decode step) runs through AFD 2A1F and 3A1F, one and two micro-batch stages, each
-with exact counts on the wire (``buckets=off``) and with the default buckets. Each run is a
+with exact counts on the wire (``buckets=off``), with the default buckets, and with one bucket of
+the whole capacity. Each run is a
 ``verify`` run: every step of every attention rank is compared with the unsplit model (fp32), so
 the table is also a numerics check. Per run it reports:
 
@@ -23,6 +24,10 @@ the table is also a numerics check. Per run it reports:
 - ``device reads / step``: those of them that waited on the device (an NCCL group; 0 with the
   control group, which every deployment of ``make_worker`` makes);
 - ``max rel err``: the worst error of any compared output.
+
+The third bucket list is one size, ``--max-batch``: a fixed slot, every peer's tokens padded to the
+whole capacity, so the tuples of per-peer slots are only which peers had tokens; with
+``ffn_capture="all"`` that is what a captured FFN program is compiled per.
 
     python benchmarks/serve_trace.py --json $OUT/serve_trace.json          # 200 steps (~2 min)
     python benchmarks/serve_trace.py --steps 20 --max-batch 16             # a quick look
@@ -63,7 +68,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "llama_decode.pt2")
         torch.export.save(export_lm(build_hf("llama", num_layers=2), batch=3, seq=1), path)
-        runs = [(a, s, b) for a in (2, 3) for s in (1, 2) for b in ("off", "default")]
+        fixed = str(args.max_batch)  # one size: every peer's slot is the whole capacity (a fixed slot)
+        runs = [(a, s, b) for a in (2, 3) for s in (1, 2) for b in ("off", "default", fixed)]
         cases = [Case(path, AFDLayout(a, 1), trace, steps=args.steps, stages=s, buckets=TokenBuckets.parse(b))
                  for a, s, b in runs]
         results = run_cases(cases, timeout_s=600)
