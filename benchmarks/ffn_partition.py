@@ -3,7 +3,9 @@ default ``ffn_capture="compute"`` runs the exchange with the peers between captu
 (Inductor's graph partition), ``"all"`` keeps it inside one CUDA graph. Without peers (one GPU) the
 exchange is a stand-in custom op (a copy: the receive at a layer's start, the send at its end),
 so this measures what the partition itself costs a step (the pieces' launches and the op run
-eagerly between them), not NCCL's launches.
+eagerly between them), not NCCL's launches. A third column fuses each layer's send with the next
+layer's receive (one op where the FFN program holds two adjacent ones: Inductor makes a piece
+between them that holds nearly nothing).
 
 The FFN side is ``moe_ffn.py``'s (a Qwen3-30B-A3B-shaped MoE FFN side, 4 layers, bf16, the
 experts as one ``afd::moe_experts`` op) at T tokens; per step wall µs of ``--steps`` steps, both
@@ -38,22 +40,27 @@ def _(x):
 
 
 class ExchangeSide(torch.nn.Module):
-    """moe_ffn's layers as an FFN rank runs them: receive, norm, experts, residual, send."""
+    """moe_ffn's layers as an FFN rank runs them: receive, norm, experts, residual, send.
+    ``fused``: a layer's send and the next layer's receive as one op (one batched call), what
+    the FFN program could run instead of the two adjacent ops it holds."""
 
-    def __init__(self, op_side: torch.nn.Module) -> None:
+    def __init__(self, op_side: torch.nn.Module, fused: bool = False) -> None:
         super().__init__()
-        self.op_side = op_side
+        self.op_side, self.fused = op_side, fused
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         from afd_compile.moe import moe_experts
 
         b, s, d = h.shape
-        for norm, moe in zip(self.op_side.ref.norms, self.op_side.ref.moes, strict=True):
-            x = exchange(h)
+        x = exchange(h)
+        layers = list(zip(self.op_side.ref.norms, self.op_side.ref.moes, strict=True))
+        for i, (norm, moe) in enumerate(layers):
             flat = norm(x).view(-1, d)
             _, weights, ids = moe.gate(flat)
             y = moe_experts(flat, ids, weights, moe.experts.gate_up_proj, moe.experts.down_proj)
-            h = exchange(x + y.view(b, s, d))
+            h = exchange(x + y.view(b, s, d))  # (the send)
+            if i + 1 < len(layers):
+                x = h if self.fused else exchange(h)  # (the next layer's receive)
         return h
 
 
@@ -93,16 +100,17 @@ def main() -> int:
 
     dev = torch.device("cuda")
     torch._dynamo.config.cache_size_limit = 64
-    model = ExchangeSide(OpSide(FFNSide("grouped_mm").to(dev, torch.bfloat16).eval()))
-    ways = {"one graph (all)": {"triton.cudagraphs": True},
-            "pieces (compute)": {"triton.cudagraphs": True, "graph_partition": True,
-                                 "custom_should_partition_ops": ["afdbench::exchange"]}}
+    side = OpSide(FFNSide("grouped_mm").to(dev, torch.bfloat16).eval())
+    pieces = {"triton.cudagraphs": True, "graph_partition": True, "custom_should_partition_ops": ["afdbench::exchange"]}
+    ways = {"one graph (all)": (ExchangeSide(side), {"triton.cudagraphs": True}),
+            "pieces (compute)": (ExchangeSide(side), pieces),
+            "pieces, send + next receive fused": (ExchangeSide(side, fused=True), pieces)}
     rows = []
     with torch.no_grad():
         for t in [int(v) for v in args.tokens.split(",")]:
             x = torch.randn(t, 1, HIDDEN, device=dev, dtype=torch.bfloat16)
             row, outs = {"tokens": t}, []
-            for name, options in ways.items():
+            for name, (model, options) in ways.items():
                 torch._dynamo.reset()
                 fn = torch.compile(model, options=options, dynamic=False)
                 for _ in range(3):
@@ -111,15 +119,19 @@ def main() -> int:
                 row[name] = round(step_us(fn, x, args.steps), 1)
                 row[f"{name} graphs/step"] = graph_launches(fn, x)
             row["pieces_over_one"] = round(row["pieces (compute)"] / row["one graph (all)"], 3)
-            row["max_abs_diff"] = float((outs[0] - outs[1]).abs().max())
+            row["fused_over_one"] = round(row["pieces, send + next receive fused"] / row["one graph (all)"], 3)
+            row["max_abs_diff"] = max(float((o - outs[0]).abs().max()) for o in outs[1:])
             rows.append(row)
     print(f"ffn_partition: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.steps} steps a loop")
+    fused = "pieces, send + next receive fused"
     print("| T | one graph, exchange captured (us/step) | pieces, exchange between (us/step) | pieces / one | "
-          "graph launches a step (one / pieces) | outputs differ by |")
-    print("|---|---|---|---|---|---|")
+          "pieces, send + next receive fused (us/step) | fused / one | graph launches a step (one / pieces / fused) "
+          "| outputs differ by |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['tokens']} | {r['one graph (all)']} | {r['pieces (compute)']} | {r['pieces_over_one']} | "
-              f"{r['one graph (all) graphs/step']:g} / {r['pieces (compute) graphs/step']:g} | {r['max_abs_diff']:.2g} |")
+              f"{r[fused]} | {r['fused_over_one']} | {r['one graph (all) graphs/step']:g} / "
+              f"{r['pieces (compute) graphs/step']:g} / {r[fused + ' graphs/step']:g} | {r['max_abs_diff']:.2g} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
