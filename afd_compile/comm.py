@@ -163,18 +163,20 @@ class AFDCommunicator:
         of every transfer go first (:meth:`_check_headers`).
         """
         works = self.start(sends, recvs, layer_idx=layer_idx, stage_idx=stage_idx, where=where)
-        self.wait(works, where, sorted({p for _, p, _ in [*sends, *recvs]}))
+        self.wait(works, where, [*sends, *recvs])
 
-    def wait(self, works: Sequence[Any], where: str, peers: Sequence[int] | None = None) -> None:
+    def wait(self, works: Sequence[Any], where: str, transfers: Sequence[Transfer] | None = None) -> None:
         """Wait for ``works``; one that fails (a peer that failed mid-step leaves this rank waiting
         until its group's timeout, or closed its connections) is a :class:`TransferError` naming
-        this rank's role, the peers and ``where``, the transport's own message kept."""
+        this rank's role, the peers of ``transfers`` (None: all its peers) and ``where``, the
+        transport's own message kept. Nothing is computed for the message unless one fails."""
         try:
             for work in works:
                 work.wait()
         except RuntimeError as e:
             other = "FFN" if self.role == "attention" else "attention"
-            names = ", ".join(str(p) for p in (peers if peers is not None else self.peers))
+            peers = sorted({p for _, p, _ in transfers}) if transfers is not None else self.peers
+            names = ", ".join(str(p) for p in peers)
             raise TransferError(f"{where}: the transfer with {other} rank(s) {names} did not complete (a peer that "
                                 f"failed or stopped mid-step, or the group's timeout): {e}") from e
 
@@ -208,8 +210,7 @@ class AFDCommunicator:
         got = [torch.full((HEADER_SLOTS,), -1, dtype=torch.int64, device=dev) for _ in recvs]
         ops = [dist.P2POp(dist.isend, h, p, self.group) for h, (_, p, _) in zip(out, sends, strict=True)]
         ops += [dist.P2POp(dist.irecv, h, p, self.group) for h, (_, p, _) in zip(got, recvs, strict=True)]
-        self.wait(dist.batch_isend_irecv(ops), f"{where} (wire check headers)",
-                  sorted({p for _, p, _ in [*sends, *recvs]}))
+        self.wait(dist.batch_isend_irecv(ops), f"{where} (wire check headers)", [*sends, *recvs])
         for h, (t, p, k) in zip(got, recvs, strict=True):
             expected = wire_header(k, t.dtype, tuple(t.shape), layer_idx, stage_idx)
             received = [int(v) for v in h.tolist()]
