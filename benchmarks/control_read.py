@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -29,25 +27,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def loop_us(step, x: torch.Tensor, read: str, steps: int) -> float:
     """Wall µs per step of ``steps`` steps, each reading its control message (``read``) first."""
+    from moe_ffn import wall_us_per_step
+
     host = torch.zeros(2, dtype=torch.int64)
     dev = torch.zeros(2, dtype=torch.int64, device=x.device)
     pinned = torch.zeros(2, dtype=torch.int64).pin_memory()
-    runs = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            if read == "device":  # the message lands on the stream, behind the last step
-                dev.copy_(pinned, non_blocking=True)
-                n = dev.tolist()[0]
-            elif read == "host":
-                n = host.tolist()[0]
-            else:
-                n = 0
-            step(x[n:] if n else x)
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) * 1e6 / steps)
-    return statistics.median(runs)
+
+    def one() -> None:
+        if read == "device":  # the message lands on the stream, behind the last step
+            dev.copy_(pinned, non_blocking=True)
+            n = dev.tolist()[0]
+        elif read == "host":
+            n = host.tolist()[0]
+        else:
+            n = 0
+        step(x[n:] if n else x)
+
+    return wall_us_per_step(one, steps)
 
 
 def main() -> int:

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -64,18 +62,6 @@ class ExchangeSide(torch.nn.Module):
         return h
 
 
-def step_us(fn, x: torch.Tensor, steps: int) -> float:
-    runs = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            fn(x)
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) * 1e6 / steps)
-    return statistics.median(runs)
-
-
 def graph_launches(fn, x: torch.Tensor, steps: int = 3) -> float:
     """CUDA graph launches per step (the captured pieces)."""
     from torch.profiler import ProfilerActivity, profile
@@ -96,7 +82,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("ffn_partition: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from moe_ffn import HIDDEN, FFNSide, OpSide
+    from moe_ffn import HIDDEN, FFNSide, OpSide, wall_us_per_step
 
     dev = torch.device("cuda")
     torch._dynamo.config.cache_size_limit = 64
@@ -116,7 +102,7 @@ def main() -> int:
                 for _ in range(3):
                     fn(x)
                 outs.append(fn(x).float().clone())
-                row[name] = round(step_us(fn, x, args.steps), 1)
+                row[name] = round(wall_us_per_step(lambda fn=fn, x=x: fn(x), args.steps), 1)
                 row[f"{name} graphs/step"] = graph_launches(fn, x)
             row["pieces_over_one"] = round(row["pieces (compute)"] / row["one graph (all)"], 3)
             row["fused_over_one"] = round(row["pieces, send + next receive fused"] / row["one graph (all)"], 3)

@@ -32,6 +32,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -173,6 +174,20 @@ def time_us(fn, x: torch.Tensor, iters: int) -> float:
             e.record()
             e.synchronize()
             times.append(s.elapsed_time(e) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def wall_us_per_step(step, steps: int, runs: int = 5) -> float:
+    """Median wall µs per call of ``step()`` over ``runs`` loops of ``steps`` calls, the device
+    synchronised around each loop: what a serve loop sees, host work included."""
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6 / steps)
     return statistics.median(times)
 
 
