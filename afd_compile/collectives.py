@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from .oplib import afd_op
+
 # --- scatter-mode collectives ------------------------------------------------------------------
 
 
-@torch.library.custom_op("afd::all_reduce", mutates_args=())
+@afd_op("afd::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor, group_id: int) -> torch.Tensor:
     """Sum ``x`` over the process group ``group_id`` (out of place, waited on before returning): a small
     message of a group with symmetric memory in one one-shot kernel (symm_mem.py), else NCCL / gloo."""
@@ -35,7 +37,7 @@ def _(x, group_id):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("afd::all_gather_last", mutates_args=())
+@afd_op("afd::all_gather_last", mutates_args=())
 def all_gather_last(x: torch.Tensor, group_id: int, size: int) -> torch.Tensor:
     """Join the group's slices of the last dim, in group-rank order, and keep the first ``size``
     (a column-parallel LM head's logits: each rank holds ``ceil(V / parts)`` columns, the last
@@ -74,7 +76,7 @@ def _dp_check(x: torch.Tensor, total: int, where: str, rows: str, stage: int = 0
     return step
 
 
-@torch.library.custom_op("afd::all_gather_tokens", mutates_args=())
+@afd_op("afd::all_gather_tokens", mutates_args=())
 def all_gather_tokens(x: torch.Tensor, group_id: int, total: int, stage: int = 0) -> torch.Tensor:
     """Every DP group's tokens, in group order: ``(own, H) -> (total, H)``. Each rank is its own
     DP group (attn_tp == 1). Padding rule: every rank pads to the largest count, gathers, and
@@ -99,7 +101,7 @@ def _(x, group_id, total, stage=0):
     return x.new_empty((total, *x.shape[1:]))
 
 
-@torch.library.custom_op("afd::gather_partial_tokens", mutates_args=())
+@afd_op("afd::gather_partial_tokens", mutates_args=())
 def gather_partial_tokens(x: torch.Tensor, group_id: int, total: int) -> torch.Tensor:
     """Reduce-then-gather (SGLang's dp_gather_partial): ``x`` holds this attention TP rank's
     partial sum of its group's tokens. Padding rule: pad to the sum: a zero buffer of all
@@ -120,7 +122,7 @@ def _(x, group_id, total):
     return x.new_empty((total, *x.shape[1:]))
 
 
-@torch.library.custom_op("afd::reduce_scatter_tokens", mutates_args=())
+@afd_op("afd::reduce_scatter_tokens", mutates_args=())
 def reduce_scatter_tokens(x: torch.Tensor, group_id: int, total: int, own: int, stage: int = 0) -> torch.Tensor:
     """Sum a FULL partial tensor over the TP group and keep this rank's DP group's rows (``stage``:
     as in :func:`all_gather_tokens`).
@@ -142,7 +144,7 @@ def _(x, group_id, total, own, stage=0):
     return x.new_empty((own, *x.shape[1:]))
 
 
-@torch.library.custom_op("afd::scatter_tokens", mutates_args=())
+@afd_op("afd::scatter_tokens", mutates_args=())
 def scatter_tokens(x: torch.Tensor, total: int, own: int) -> torch.Tensor:
     """This DP group's rows of a FULL tensor: a local slice, no communication."""
     step = _dp_check(x, total, "afd.scatter_tokens", "total")
@@ -190,7 +192,7 @@ def _group_check(op: str, x: torch.Tensor, rows: int, total: int, own: int, rank
     return sizes
 
 
-@torch.library.custom_op("afd::scatter_group_tokens", mutates_args=())
+@afd_op("afd::scatter_group_tokens", mutates_args=())
 def scatter_group_tokens(x: torch.Tensor, group_id: int, total: int, own: int) -> torch.Tensor:
     """TP_ATTN_FULL -> SCATTERED, not partial: this rank's rows of its group's ``(total, H)``
     tokens (:func:`group_token_sizes`); a local slice, no communication."""
@@ -205,7 +207,7 @@ def _(x, group_id, total, own):
     return x.new_empty((own, *x.shape[1:]))
 
 
-@torch.library.custom_op("afd::all_gather_group_tokens", mutates_args=())
+@afd_op("afd::all_gather_group_tokens", mutates_args=())
 def all_gather_group_tokens(x: torch.Tensor, group_id: int, total: int, own: int) -> torch.Tensor:
     """SCATTERED -> TP_ATTN_FULL: ``(own, H) -> (total, H)`` over the attention-TP group. Padding
     rule: every rank pads to the largest share (``ceil(total / parts)``), gathers, drops the pad."""
@@ -226,7 +228,7 @@ def _(x, group_id, total, own):
     return x.new_empty((total, *x.shape[1:]))
 
 
-@torch.library.custom_op("afd::reduce_scatter_group_tokens", mutates_args=())
+@afd_op("afd::reduce_scatter_group_tokens", mutates_args=())
 def reduce_scatter_group_tokens(x: torch.Tensor, group_id: int, total: int, own: int) -> torch.Tensor:
     """TP_ATTN_FULL + partial -> SCATTERED: sum ``(total, H)`` over the attention-TP group and keep
     this rank's rows. One ``reduce_scatter_tensor`` over shares padded to ``ceil(total / parts)``
@@ -272,7 +274,7 @@ def _a2a(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], gro
     return out
 
 
-@torch.library.custom_op("afd::ep_dispatch", mutates_args=())
+@afd_op("afd::ep_dispatch", mutates_args=())
 def ep_dispatch(payloads: list[torch.Tensor], ids: torch.Tensor, group_id: int, num_experts: int,
                 parts: int) -> list[torch.Tensor]:
     """All-to-all dispatch of this rank's tokens to the ranks owning their experts (rank ``d``
@@ -310,7 +312,7 @@ def _(payloads, ids, group_id, num_experts, parts):
             ids.new_empty((m, *ids.shape[1:]), dtype=torch.bool), ids.new_empty((parts,), dtype=torch.int64)]
 
 
-@torch.library.custom_op("afd::ep_combine", mutates_args=())
+@afd_op("afd::ep_combine", mutates_args=())
 def ep_combine(y: torch.Tensor, ids: torch.Tensor, recv_counts: torch.Tensor, group_id: int,
                num_experts: int) -> torch.Tensor:
     """The reverse all-to-all of :func:`ep_dispatch`: each owner's partial output for a token

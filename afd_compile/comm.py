@@ -181,22 +181,34 @@ class AFDCommunicator:
                                 f"failed or stopped mid-step, or the group's timeout): {e}") from e
 
     def start(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *, layer_idx: int = -1,
-              stage_idx: int = -1, where: str = "afd") -> list[Any]:
+              stage_idx: int = -1, where: str = "afd", recv_at: tuple[int, int] | None = None) -> list[Any]:
         """Post the transfers of :meth:`exchange` and return their works, not waited on: the
         caller waits (``work.wait()``: on NCCL the current stream waits for the transfer, the host
         does not) and keeps the sent tensors alive until then. The wire-check headers, if on, are
-        exchanged (and waited on) first."""
+        exchanged (and waited on) first.
+
+        ``recv_at``: the receives' (layer, stage) when they are not the sends' (an FFN rank's
+        send and the next layer's receive in one call). With wire checks the sends are posted
+        first: the receives' headers come only after the peers have this send's data."""
         sends = [s for s in sends if s[0].numel()]
         recvs = [r for r in recvs if r[0].numel()]
+        if recv_at is not None and recvs and self.check_wire:
+            return (self.start(sends, [], layer_idx=layer_idx, stage_idx=stage_idx, where=where)
+                    + self.start([], recvs, layer_idx=recv_at[0], stage_idx=recv_at[1], where=where))
         if not sends and not recvs:
             return []
-        self.stage_transfers[stage_idx] = self.stage_transfers.get(stage_idx, 0) + len(sends) + len(recvs)
+        self._count(sends, stage_idx)
+        self._count(recvs, stage_idx if recv_at is None else recv_at[1])
         self.bytes_sent += sum(t.numel() * t.element_size() for t, _, _ in sends)
         if self.check_wire:
             self._check_headers(sends, recvs, layer_idx, stage_idx, where)
         ops = [dist.P2POp(dist.isend, t.contiguous(), p, self.group) for t, p, _ in sends]
         ops += [dist.P2POp(dist.irecv, t, p, self.group) for t, p, _ in recvs]
         return list(dist.batch_isend_irecv(ops))
+
+    def _count(self, transfers: Sequence[Transfer], stage_idx: int) -> None:
+        if transfers:
+            self.stage_transfers[stage_idx] = self.stage_transfers.get(stage_idx, 0) + len(transfers)
 
     def _check_headers(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], layer_idx: int,
                        stage_idx: int, where: str) -> None:

@@ -13,6 +13,9 @@ capture keep them:
 - ``afd::p2p_send_group(tensors, comm_id, layer_idx, stage_idx, spec) -> token``: an FFN rank
   splits its output by the step's per-peer token counts and returns each slice to its producer.
 
+An FFN program compiled by the backend runs each ``p2p_send_group`` and the ``p2p_recv_group``
+right after it as one ``afd::p2p_send_recv_group`` (one batched call; passes/fuse_exchange.py).
+
 Every op is registered as side-effecting (``torch.fx.node.has_side_effect``), so a send whose token
 is unused is not dead-code-eliminated. Each op waits for its transfers before returning, on the
 current stream, so buffers are never reused while in flight and the ops are capturable.
@@ -22,12 +25,13 @@ Metadata checks run outside tracing only (``torch.compiler.is_compiling()``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.fx.node import has_side_effect
 
-from .comm import AFDCommunicator, TransferMetadata, get_communicator
+from .comm import AFDCommunicator, Transfer, TransferMetadata, get_communicator
+from .oplib import afd_op
 from .wire import WireSpec
 
 
@@ -67,7 +71,7 @@ def check_wire_tensors(
         raise ValueError(f"{where}: expected {len(spec.tensors)} tensors ({spec}), got {len(tensors)}")
     tokens = tensors[0].shape[0] if tensors[0].dim() else -1
     for t, w in zip(tensors, spec.tensors, strict=True):
-        if comm.device_transport and t.device.type == "cpu":
+        if t.device.type == "cpu" and comm.device_transport:  # (the transport looked up for CPU tensors only)
             raise ValueError(
                 f"{where}: {w.kind} is a CPU tensor but rank {comm.rank}'s transport is NCCL, "
                 "which moves CUDA tensors only; move the program to the GPU"
@@ -165,7 +169,7 @@ def _own_rows(outs: Sequence[torch.Tensor], num_tokens: int) -> list[torch.Tenso
     return [o if o.shape[0] == num_tokens else o[:num_tokens].clone() for o in outs]
 
 
-@torch.library.custom_op("afd::p2p_send", mutates_args=())
+@afd_op("afd::p2p_send", mutates_args=())
 def p2p_send(
     tensors: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str
 ) -> torch.Tensor:
@@ -179,7 +183,7 @@ def _(tensors, comm_id, layer_idx, stage_idx, spec):
     return torch.empty(0, device=tensors[0].device)
 
 
-@torch.library.custom_op("afd::p2p_recv", mutates_args=())
+@afd_op("afd::p2p_recv", mutates_args=())
 def p2p_recv(
     dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int, spec: str
 ) -> list[torch.Tensor]:
@@ -222,7 +226,7 @@ def _hold(key: tuple[int, int, int, str], works: list, tensors: list[torch.Tenso
     IN_FLIGHT[key] = (works, tensors)
 
 
-@torch.library.custom_op("afd::p2p_send_start", mutates_args=())
+@afd_op("afd::p2p_send_start", mutates_args=())
 def p2p_send_start(
     tensors: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str,
     dep: torch.Tensor | None = None,
@@ -240,7 +244,7 @@ def _(tensors, comm_id, layer_idx, stage_idx, spec, dep=None):
     return torch.empty(0, device=tensors[0].device)
 
 
-@torch.library.custom_op("afd::p2p_recv_start", mutates_args=())
+@afd_op("afd::p2p_recv_start", mutates_args=())
 def p2p_recv_start(
     dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int, spec: str
 ) -> torch.Tensor:
@@ -256,7 +260,7 @@ def _(dep, comm_id, layer_idx, stage_idx, num_tokens, spec):
     return torch.empty(0, device=dep.device)
 
 
-@torch.library.custom_op("afd::p2p_recv_wait", mutates_args=())
+@afd_op("afd::p2p_recv_wait", mutates_args=())
 def p2p_recv_wait(
     handle: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, num_tokens: int, spec: str,
     keep: list[torch.Tensor], dep: torch.Tensor | None = None,
@@ -284,27 +288,71 @@ def _(handle, comm_id, layer_idx, stage_idx, num_tokens, spec, keep, dep=None):
 # --- FFN side -------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("afd::p2p_recv_group", mutates_args=())
+def _group_recvs(outs: Sequence[torch.Tensor], comm: AFDCommunicator, layer_idx: int, stage_idx: int, spec: str,
+                 where: str) -> tuple[list[Transfer], Callable[[], None]]:
+    """An FFN rank's receive from every attention peer into ``outs`` (one ``[rows, ...]`` buffer
+    per wire tensor): (transfers, each peer's rows of each buffer in turn; what pads the rows past
+    the peers' tokens once they are done: the last real row repeated, see :func:`pad_rows`)."""
+    wspec = _spec(spec)
+    rows = int(outs[0].shape[0]) if outs else 0
+    if not torch.compiler.is_compiling():
+        want = [(w.dtype, w.shape(rows)) for w in wspec.tensors]
+        if [(o.dtype, tuple(o.shape)) for o in outs] != want or not all(o.is_contiguous() for o in outs):
+            raise ValueError(f"{where}: the receive buffers are {[(o.dtype, tuple(o.shape)) for o in outs]}, the wire "
+                             f"spec {spec} wants contiguous {want}")
+    meta = comm.metadata(layer_idx, stage_idx)
+    tokens = comm.received_tokens(stage_idx, rows, where)  # (< rows: rows padded to a bucket)
+    sizes = split_sizes(tokens, meta.seq_lens, len(comm.peers), where)
+    recvs, start = [], 0
+    for p, n in zip(comm.peers, sizes, strict=True):
+        recvs += [(o[start:start + n], p, w.kind) for o, w in zip(outs, wspec.tensors, strict=True)]
+        start += n
+
+    def pad() -> None:  # (as pad_rows: the last real row repeated, zeros without one)
+        for o in outs if tokens < rows else ():
+            if tokens:
+                o[tokens:].copy_(o[tokens - 1:tokens].expand_as(o[tokens:]))
+            else:
+                o.zero_()
+
+    return recvs, pad
+
+
+def _buffers(like: torch.Tensor, rows: int, spec: str) -> list[torch.Tensor]:
+    return [torch.empty(w.shape(rows), dtype=w.dtype, device=like.device) for w in _spec(spec).tensors]
+
+
+def _group_sends(tensors: list[torch.Tensor], comm: AFDCommunicator, layer_idx: int, stage_idx: int, spec: str,
+                 where: str) -> list[Transfer]:
+    """An FFN rank's return of each peer's rows (the padding of a bucket goes to no peer),
+    checked, grouped by peer (each peer's transfers in spec order)."""
+    wspec = _spec(spec)
+    meta = comm.metadata(layer_idx, stage_idx)
+    total = comm.received_tokens(stage_idx, tensors[0].shape[0], where)
+    if total < tensors[0].shape[0]:  # rows padded to a bucket: the padding goes to no peer
+        tensors = [t[:total] for t in tensors]
+    sizes = split_sizes(total, meta.seq_lens, len(comm.peers), where)
+    if not torch.compiler.is_compiling():
+        check_wire_tensors(tensors, wspec, None, comm, where)
+    # each peer's rows, the peers in order and each peer's tensors in spec order (its wire order)
+    sends, start = [], 0
+    for peer, n in zip(comm.peers, sizes, strict=True):
+        sends += [(t[start:start + n], peer, w.kind) for t, w in zip(tensors, wspec.tensors, strict=True)]
+        start += n
+    return sends
+
+
+@afd_op("afd::p2p_recv_group", mutates_args=())
 def p2p_recv_group(
     dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int, total_tokens: int, spec: str
 ) -> list[torch.Tensor]:
     comm = get_communicator(comm_id)
     where = _where("p2p_recv_group", comm, layer_idx, stage_idx)
-    wspec = _spec(spec)
-    meta = comm.metadata(layer_idx, stage_idx)
-    tokens = comm.received_tokens(stage_idx, total_tokens, where)  # (< total_tokens: rows padded to a bucket)
-    sizes = split_sizes(tokens, meta.seq_lens, len(comm.peers), where)
-    per_peer = [
-        [torch.empty(w.shape(n), dtype=w.dtype, device=dep.device) for w in wspec.tensors]
-        for n in sizes
-    ]
-    comm.exchange([], [(t, p, w.kind) for p, ts in zip(comm.peers, per_peer, strict=True)
-                       for t, w in zip(ts, wspec.tensors, strict=True)],
-                  layer_idx=layer_idx, stage_idx=stage_idx, where=where)
-    if len(per_peer) == 1 and total_tokens == tokens:
-        return per_peer[0]
-    # (rows padded to a bucket: the last real row repeated, see pad_rows)
-    return [pad_rows(torch.cat([ts[i] for ts in per_peer], dim=0), total_tokens) for i in range(len(wspec.tensors))]
+    outs = _buffers(dep, total_tokens, spec)
+    recvs, pad = _group_recvs(outs, comm, layer_idx, stage_idx, spec, where)
+    comm.exchange([], recvs, layer_idx=layer_idx, stage_idx=stage_idx, where=where)
+    pad()
+    return outs
 
 
 @p2p_recv_group.register_fake
@@ -315,26 +363,13 @@ def _(dep, comm_id, layer_idx, stage_idx, total_tokens, spec):
     ]
 
 
-@torch.library.custom_op("afd::p2p_send_group", mutates_args=())
+@afd_op("afd::p2p_send_group", mutates_args=())
 def p2p_send_group(
     tensors: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str
 ) -> torch.Tensor:
     comm = get_communicator(comm_id)
     where = _where("p2p_send_group", comm, layer_idx, stage_idx)
-    wspec = _spec(spec)
-    meta = comm.metadata(layer_idx, stage_idx)
-    total = comm.received_tokens(stage_idx, tensors[0].shape[0], where)
-    if total < tensors[0].shape[0]:  # rows padded to a bucket: the padding goes to no peer
-        tensors = [t[:total] for t in tensors]
-    sizes = split_sizes(total, meta.seq_lens, len(comm.peers), where)
-    if not torch.compiler.is_compiling():
-        check_wire_tensors(tensors, wspec, None, comm, where)
-    sends = []
-    for t, w in zip(tensors, wspec.tensors, strict=True):
-        for piece, peer in zip(torch.split(t, sizes, dim=0), comm.peers, strict=True):
-            sends.append((piece, peer, w.kind))
-    # Order on the wire per peer must be spec order: group the sends by peer.
-    sends.sort(key=lambda sp: comm.peers.index(sp[1]))
+    sends = _group_sends(tensors, comm, layer_idx, stage_idx, spec, where)
     comm.exchange(sends, [], layer_idx=layer_idx, stage_idx=stage_idx, where=where)
     return _token(tensors[0])
 
@@ -342,6 +377,82 @@ def p2p_send_group(
 @p2p_send_group.register_fake
 def _(tensors, comm_id, layer_idx, stage_idx, spec):
     return torch.empty(0, device=tensors[0].device)
+
+
+def _send_recv(tensors: list[torch.Tensor], outs: list[torch.Tensor], comm_id: int, send_at: tuple[int, int],
+               spec: str, recv_at: tuple[int, int], recv_spec: str) -> None:
+    """An FFN rank's send at ``send_at`` (layer, stage) and its receive at ``recv_at`` into
+    ``outs``, in one batched call, waited on together."""
+    comm = get_communicator(comm_id)
+    where = (f"afd.p2p_send_recv_group ({comm.role} rank {comm.rank}, send: layer {send_at[0]}, stage {send_at[1]}; "
+             f"receive: layer {recv_at[0]}, stage {recv_at[1]})")
+    sends = _group_sends(tensors, comm, *send_at, spec, where)
+    recvs, pad = _group_recvs(outs, comm, *recv_at, recv_spec, where)
+    works = comm.start(sends, recvs, layer_idx=send_at[0], stage_idx=send_at[1], where=where, recv_at=recv_at)
+    comm.wait(works, where, [*sends, *recvs])
+    pad()
+
+
+@afd_op("afd::p2p_send_recv_group", mutates_args=())
+def p2p_send_recv_group(
+    tensors: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str,
+    recv_layer_idx: int, recv_stage_idx: int, total_tokens: int, recv_spec: str,
+) -> list[torch.Tensor]:
+    """``p2p_send_group(tensors, comm_id, layer_idx, stage_idx, spec)`` and the receive that
+    follows it, ``p2p_recv_group(token, comm_id, recv_layer_idx, recv_stage_idx, total_tokens,
+    recv_spec)``, posted in one batched call (passes/fuse_exchange.py): one op where the FFN
+    program held two adjacent ones, so a program captured in pieces around its exchange has one
+    piece fewer per layer. What each transfer carries, and its checks, are the two ops'."""
+    outs = _buffers(tensors[0], total_tokens, recv_spec)
+    _send_recv(tensors, outs, comm_id, (layer_idx, stage_idx), spec, (recv_layer_idx, recv_stage_idx), recv_spec)
+    return outs
+
+
+@p2p_send_recv_group.register_fake
+def _(tensors, comm_id, layer_idx, stage_idx, spec, recv_layer_idx, recv_stage_idx, total_tokens, recv_spec):
+    return [torch.empty(w.shape(total_tokens), dtype=w.dtype, device=tensors[0].device)
+            for w in _spec(recv_spec).tensors]
+
+
+# --- FFN side, receiving into given buffers (passes/recv_into.py) ----------------------------
+#
+# The two receives above return lists. Inductor's graph partition (the backend's
+# ffn_capture="compute": the exchange between captured pieces) hands a partition the whole list
+# where a piece reads one of its tensors, and CUDA graph trees refuse it (torch 2.11: an assert on
+# a non-tensor input). The backend runs these instead: the buffers are allocated in the program
+# (``new_empty``), each peer's rows are received into them in place (no concatenation), and a
+# piece reads them as tensors.
+
+
+@afd_op("afd::p2p_recv_group_into", mutates_args=("outs",))
+def p2p_recv_group_into(
+    dep: torch.Tensor, outs: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str
+) -> None:
+    """``p2p_recv_group`` into ``outs`` (one ``[rows, ...]`` buffer per wire tensor)."""
+    comm = get_communicator(comm_id)
+    where = _where("p2p_recv_group_into", comm, layer_idx, stage_idx)
+    recvs, pad = _group_recvs(outs, comm, layer_idx, stage_idx, spec, where)
+    comm.exchange([], recvs, layer_idx=layer_idx, stage_idx=stage_idx, where=where)
+    pad()
+
+
+@p2p_recv_group_into.register_fake
+def _(dep, outs, comm_id, layer_idx, stage_idx, spec):
+    return None
+
+
+@afd_op("afd::p2p_send_recv_group_into", mutates_args=("outs",))
+def p2p_send_recv_group_into(
+    tensors: list[torch.Tensor], outs: list[torch.Tensor], comm_id: int, layer_idx: int, stage_idx: int, spec: str,
+    recv_layer_idx: int, recv_stage_idx: int, recv_spec: str,
+) -> None:
+    """``p2p_send_recv_group`` receiving into ``outs``."""
+    _send_recv(tensors, outs, comm_id, (layer_idx, stage_idx), spec, (recv_layer_idx, recv_stage_idx), recv_spec)
+
+
+@p2p_send_recv_group_into.register_fake
+def _(tensors, outs, comm_id, layer_idx, stage_idx, spec, recv_layer_idx, recv_stage_idx, recv_spec):
+    return None
 
 
 AFD_OPS = (
@@ -356,10 +467,18 @@ ASYNC_OPS = (
     torch.ops.afd.p2p_recv_start.default,
     torch.ops.afd.p2p_recv_wait.default,
 )
+#: the FFN-side ops of the backend's lowering of an FFN program (after every pass that reads the
+#: four ops above): a send and the next receive as one op (passes/fuse_exchange.py), and the
+#: receives into given buffers (passes/recv_into.py)
+LOWERED_OPS = (
+    torch.ops.afd.p2p_send_recv_group.default,
+    torch.ops.afd.p2p_recv_group_into.default,
+    torch.ops.afd.p2p_send_recv_group_into.default,
+)
 SEND_OPS = (torch.ops.afd.p2p_send.default, torch.ops.afd.p2p_send_group.default)
 RECV_OPS = (torch.ops.afd.p2p_recv.default, torch.ops.afd.p2p_recv_group.default)
 
-for _op in AFD_OPS + ASYNC_OPS:
+for _op in AFD_OPS + ASYNC_OPS + LOWERED_OPS:
     has_side_effect(_op)
 
 

@@ -33,6 +33,9 @@
 # one:      (only when named; a 1-GPU host) decode attention on one GPU: examples/generate.py with no
 #           layout and --decode-attention flex (Llama, Qwen3-MoE; bf16 tokens against generate()),
 #           tests/test_gpu_partition.py (ops run between the captured pieces of a program),
+#           benchmarks/ffn_program_step.py (an FFN rank's real program: its exchange in one graph
+#           captured per tuple of peer sizes, between pieces, between pieces with each send and
+#           the next receive fused),
 #           decode_step.py's one-GPU columns (reduce-overhead vs the afd backend with the pass), and
 #           decode_attention_kernel.py
 # families: the backend (TP=2 and AFD 1A1F, bf16, Inductor + CUDA graphs, --control) on HF families
@@ -150,6 +153,9 @@ if [[ $SECTIONS == *" one "* ]]; then
   TAIL=6 run one_control_read python3 benchmarks/control_read.py --tokens 8,64,256 --json "$OUT/one_control_read.json"
   # issue 35: ffn_capture="compute" (the exchange between captured pieces) against "all" (one graph), a stand-in exchange
   TAIL=6 run one_ffn_partition python3 benchmarks/ffn_partition.py --tokens 8,64,256 --json "$OUT/one_ffn_partition.json"
+  # issue 35: the real FFN program (AFD 2A1F split, a stand-in transport): all / compute / compute fused
+  TAIL=6 run one_ffn_program_step python3 benchmarks/ffn_program_step.py --json "$OUT/one_ffn_program_step.json"
+  TAIL=6 run one_ffn_program_step_8b python3 benchmarks/ffn_program_step.py --hidden 4096 --inter 14336 --json "$OUT/one_ffn_program_step_8b.json"
   # one rank: symmetric-memory setup, capture and dispatch of the junction (the sum of one partial)
   TAIL=14 run one_junction $T1 benchmarks/junction.py --tokens 8,64 --out "$OUT/one_junction.json"
 fi

@@ -8,15 +8,15 @@ the whole capacity. Each run is a
 ``verify`` run: every step of every attention rank is compared with the unsplit model (fp32), so
 the table is also a numerics check. Per run it reports:
 
-- ``programs, exchange captured``: the token layouts the FFN rank ran a program for (per stage
-  and peer): what the backend compiles and captures one program for with ``ffn_capture="all"``
-  (its CUDA graphs hold the exchange too, and a graph replays the receive sizes it captured);
-  each first sight is a step that forced a compile;
-- ``programs, default``: the carrier sizes (rows per stage) it ran on: what the backend compiles
-  one program for by default (``ffn_capture="compute"``: the exchange runs between the captured
-  pieces and reads each step's per-peer sizes) and without CUDA graphs (gloo, CPU);
+- ``FFN programs compiled``: the carrier sizes (rows per stage) the FFN rank ran on: what the
+  backend compiles one program for, whatever ``ffn_capture`` (and without CUDA graphs: gloo, CPU);
+- ``CUDA graphs, ffn_capture="all"``: the token layouts it ran a program for (per stage and peer):
+  what the backend captures one CUDA graph for by default (``ffn_capture="all"``: the exchange is
+  in the graph, which replays the receive sizes it captured); a capture of a compiled program, no
+  compile. With ``ffn_capture="compute"`` the exchange runs between captured pieces instead, one
+  set of pieces per program compiled, at a per-step host cost (BENCHMARKS.md, session 26);
 - ``row counts touched``: the distinct row counts of any stage (with buckets: the buckets the
-  FFN rank's totals touched, the issue's target for the programs not captured);
+  FFN rank's totals touched: the issue's target for the programs compiled);
 - ``host messages / step``: messages the FFN rank read on the host per step (control messages,
   stage counts): they travel on a gloo group beside the exchange's (``runtime.control_group``),
   host to host; token buckets do not change their number (the per-step control message stays:
@@ -27,7 +27,7 @@ the table is also a numerics check. Per run it reports:
 
 The third bucket list is one size, ``--max-batch``: a fixed slot, every peer's tokens padded to the
 whole capacity, so the tuples of per-peer slots are only which peers had tokens; with
-``ffn_capture="all"`` that is what a captured FFN program is compiled per.
+``ffn_capture="all"`` that is what an FFN rank captures a graph per.
 
     python benchmarks/serve_trace.py --json $OUT/serve_trace.json          # 200 steps (~2 min)
     python benchmarks/serve_trace.py --steps 20 --max-batch 16             # a quick look
@@ -78,7 +78,7 @@ def main() -> int:
         ffn = res[0]
         att = [v for v in res.values() if v["role"] == "attention"]
         rows.append({"layout": f"{a}A1F", "stages": s, "buckets": b, "steps": args.steps,
-                     "programs_captured": len(ffn["layouts"]), "programs_not_captured": len(ffn["carriers"]),
+                     "graphs_captured": len(ffn["layouts"]), "programs_compiled": len(ffn["carriers"]),
                      "buckets_touched": len({v for c in ffn["carriers"] for v in c}),
                      "host_reads_per_step": ffn["control_reads"] / max(ffn["steps"], 1),
                      "device_reads_per_step": ffn["device_reads"] / max(ffn["steps"], 1),
@@ -86,12 +86,12 @@ def main() -> int:
                      "max_rel_err": max(v["max_rel_err"] for v in att)})
     print(f"serve_trace: {args.steps} steps, per-peer batch drawn from 0..{args.max_batch} (seed {args.seed}), "
           f"one token per sequence; {time.perf_counter() - t0:.0f} s")
-    print("| layout | S | buckets | FFN programs, exchange captured | FFN programs, default | row counts touched | "
+    print("| layout | S | buckets | FFN programs compiled | CUDA graphs, ffn_capture=\"all\" | row counts touched | "
           "host messages / step | device reads / step | max rel err |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['layout']} | {r['stages']} | {r['buckets']} | {r['programs_captured']} | "
-              f"{r['programs_not_captured']} | {r['buckets_touched']} | {r['host_reads_per_step']:.2f} | "
+        print(f"| {r['layout']} | {r['stages']} | {r['buckets']} | {r['programs_compiled']} | "
+              f"{r['graphs_captured']} | {r['buckets_touched']} | {r['host_reads_per_step']:.2f} | "
               f"{r['device_reads_per_step']:.2f} | {r['max_rel_err']:.2g} |")
     if args.json:
         with open(args.json, "w") as f:

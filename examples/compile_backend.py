@@ -172,7 +172,7 @@ def main() -> int:
     from afd_compile.backend import STATS  # imported by the backend already; read its counters
 
     info = (STATS["layouts_compiled"], STATS["calls"], counters["inductor"]["cudagraph_skips"],
-            STATS["cudagraphs_off"], control, graphs)
+            STATS["cudagraphs_off"], control, graphs, STATS["exchanges_fused"])
     infos: list[tuple | None] = [None] * world
     dist.all_gather_object(infos, info)
     errs: list[float | None] = [None] * world
@@ -192,12 +192,14 @@ def main() -> int:
         ok = ok and all(i[2] == 0 for i in infos if i is not None)
     if rank == 0:
         print("(per rank: layouts_compiled = programs Inductor compiled, one per token layout a step brought; "
-              "calls = compiled calls; an FFN rank serves its attention peers and compares nothing)")
+              "calls = compiled calls; an FFN rank serves its attention peers and compares nothing; "
+              "exchanges_fused = its programs' send/receive pairs run as one op)")
         for r, e in enumerate(errs):
             cache = f" fx_graph_cache_hits_on_recompile={all_hits[r]}" if args.check_cache else ""
-            layouts, calls, skips, off, ctl, graphs = infos[r]
+            layouts, calls, skips, off, ctl, graphs, fused = infos[r]
             alone = f" inductor_alone_err={ctl:.3g}" if ctl is not None else ""
-            verdict = f"max_rel_err={e:.3g}" if e is not None else "ffn (served its attention peers)"
+            verdict = (f"max_rel_err={e:.3g}" if e is not None
+                       else f"ffn (served its attention peers) exchanges_fused={fused}")
             print(f"rank {r}: {verdict}{cache} layouts_compiled={layouts} calls={calls} "
                   f"cuda_graphs_recorded={graphs} cudagraph_skips={skips} programs_without_cudagraphs={off}{alone}")
         print(f"{'OK' if ok else 'FAIL'} max_rel_err={max(compared):.3g}{note}")

@@ -223,8 +223,11 @@ def _check(proc, n: int, check_cache: bool) -> None:
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("OK max_rel_err="), lines[-5:]
     errs = [float(m) for m in re.findall(r"^rank \d+: max_rel_err=(\S+)", proc.stdout, flags=re.M)]
-    ffn = re.findall(r"^rank \d+: ffn \(served its attention peers\)", proc.stdout, flags=re.M)  # (compare nothing)
+    ffn = re.findall(r"^rank \d+: ffn \(served its attention peers\) exchanges_fused=(\d+)", proc.stdout,
+                     flags=re.M)  # (compare nothing)
     assert errs and len(errs) + len(ffn) == n and max(errs) <= 1e-5, proc.stdout
+    # every FFN program of these models has >= 2 layers: each layer's send runs with the next receive
+    assert all(int(f) > 0 for f in ffn), proc.stdout
     if check_cache:  # a second compile after torch._dynamo.reset() was served by the FX graph cache
         hits = re.findall(r"fx_graph_cache_hits_on_recompile=(\d+)", proc.stdout)
         assert len(hits) == n and all(int(h) > 0 for h in hits), hits

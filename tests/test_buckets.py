@@ -68,18 +68,18 @@ def test_backend_option_buckets_is_checked() -> None:
 def test_backend_option_ffn_capture_is_checked() -> None:
     from afd_compile.backend import BackendOptionError, BackendOptions
 
-    assert BackendOptions.parse({"attention": 2, "ffn": 1}).ffn_capture == "compute"
-    assert BackendOptions.parse({"attention": 2, "ffn": 1, "ffn_capture": "all"}).ffn_capture == "all"
+    assert BackendOptions.parse({"attention": 2, "ffn": 1}).ffn_capture == "all"
+    assert BackendOptions.parse({"attention": 2, "ffn": 1, "ffn_capture": "compute"}).ffn_capture == "compute"
     with pytest.raises(BackendOptionError, match=r"ffn_capture='graph' \(str\) must be 'compute' or 'all'"):
         BackendOptions.parse({"attention": 2, "ffn": 1, "ffn_capture": "graph"})
     with pytest.raises(BackendOptionError, match="ffn_capture='all' applies to an AFD layout"):
         BackendOptions.parse({"tp": 2, "ffn_capture": "all"})
 
 
-def test_an_ffn_program_is_keyed_by_its_rows_unless_its_exchange_is_captured() -> None:
-    # the policy (backend.ffn_key): a CUDA graph that captured the exchange replays its per-peer
-    # sizes, so it is keyed by them; with the exchange between the captured pieces
-    # (ffn_capture="compute", the default), or without graph capture, by the rows alone
+def test_an_ffn_program_is_compiled_per_rows_and_captured_per_peer_sizes() -> None:
+    # the policy (backend.ffn_key): compiled per carrier sizes (rows per stage: one per bucket);
+    # with its exchange captured (ffn_capture="all", the default: step_graphs) a CUDA graph replays
+    # the per-peer sizes it captured, so a graph is captured per them (no compile)
     from types import SimpleNamespace
 
     import torch
@@ -88,13 +88,11 @@ def test_an_ffn_program_is_keyed_by_its_rows_unless_its_exchange_is_captured() -
 
     worker = SimpleNamespace(step_counts=((8, 16), ()))
     rows = [torch.empty(24, 0)]
-    captured_all = SimpleNamespace(cudagraphs=True, eager_ops=())
-    captured_compute = SimpleNamespace(cudagraphs=True, eager_ops=ffn_step_ops())
-    uncaptured = SimpleNamespace(cudagraphs=False, eager_ops=())
-    assert ffn_key(captured_all, worker, rows) == ("peers", ((8, 16), ()))
-    assert ffn_key(captured_compute, worker, rows) == ffn_key(uncaptured, worker, rows) == ("carriers", (24,))
+    assert ffn_key(SimpleNamespace(step_graphs=True), worker, rows) == (("carriers", (24,)), ("peers", ((8, 16), ())))
+    assert ffn_key(SimpleNamespace(step_graphs=False), worker, rows) == ("carriers", (24,))
     ops = ffn_step_ops()
     assert {"afd::p2p_recv_group", "afd::p2p_send_group", "afd::all_gather_group_tokens"} <= set(ops)
+    assert {"afd::p2p_send_recv_group_into", "afd::p2p_recv_group_into"} <= set(ops)
     assert "afd::all_reduce" not in ops and all(op.startswith("afd::") for op in ops)
 
 
@@ -107,6 +105,8 @@ def test_eager_ops_apply_only_to_a_captured_program() -> None:
     program = torch.fx.symbolic_trace(torch.nn.ReLU())
     assert PerLayout(program, "k", True, False, "t", eager_ops=ffn_step_ops()).eager_ops == ()
     assert PerLayout(program, "k", False, None, "t", eager_ops=ffn_step_ops()).eager_ops == ()
+    # and so do graphs captured per step: not without capture (gloo / CPU), not with eager ops
+    assert not PerLayout(program, "k", True, False, "t", step_graphs=True).step_graphs
 
 
 #: sequences per attention rank, step after step (rank a at step s takes TRACE[(a + s) % 7]); the

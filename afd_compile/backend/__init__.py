@@ -57,11 +57,12 @@ Options (all optional)::
     buckets            AFD: token buckets, "default", "off" or ascending sizes (buckets.py): an
                        attention rank's tokens cross the wire padded to the next bucket, an FFN rank's
                        rows to the bucket of its peers' total
-    ffn_capture        AFD on CUDA: "compute" (default): an FFN rank's CUDA graphs hold its compute,
-                       and the exchange with its peers and its group's token collectives run between
-                       them (Inductor's graph partition), reading each step's per-peer sizes: one
-                       captured program per bucket of its rows; "all": the exchange captured too (fewer
-                       launches per layer), one program per tuple of its peers' sizes
+    ffn_capture        AFD on CUDA: "all" (default): an FFN rank compiles one program per bucket of
+                       its rows and captures it whole, its exchange inside, once per tuple of its
+                       peers' sizes (a capture, no compile): a step is one graph replay; "compute": its
+                       CUDA graphs hold its compute only, the exchange with its peers and its group's
+                       token collectives run between them on the host each step (Inductor's graph
+                       partition): one graph set per bucket, ~150-250 µs of host work a layer
     check_wire         AFD: a check header ahead of every transfer (default: AFD_CHECK_WIRE; see
                        afd_compile.comm.AFDCommunicator); every rank must agree; not with CUDA graphs
                        (the comparison runs on the host): needs cudagraphs=False on CUDA
@@ -112,6 +113,22 @@ def _router_topk(program: fx.GraphModule, name: str, device: torch.device) -> No
     done = use_router_topk(program)
     if done:
         log.info("afd: %s: %d router top-k as afd::router_topk", name, len(done))
+
+
+def _lower_ffn(program: fx.GraphModule, name: str, device: torch.device) -> None:
+    """An FFN program as the backend runs it: the router top-k's kernel on CUDA, each send with
+    the receive after it as one op (passes/fuse_exchange.py), and every receive into buffers the
+    program allocates (passes/recv_into.py: a piece between the exchange ops reads tensors, not
+    an op's list), logged."""
+    from ..passes.fuse_exchange import fuse_send_recv
+    from ..passes.recv_into import receive_into_buffers
+
+    _router_topk(program, name, device)
+    fused = fuse_send_recv(program)
+    STATS["exchanges_fused"] += len(fused)
+    into = receive_into_buffers(program)
+    log.info("afd: %s: %d send/receive pairs as one op each (one batched call), %d receives into buffers", name,
+             len(fused), len(into))
 
 
 def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str, device: torch.device) -> None:
@@ -363,19 +380,25 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     from ..runtime import SERVE_AT_SHUTDOWN
 
     SERVE_AT_SHUTDOWN.append(worker)  # runtime.shutdown() hears the peers stop
-    _router_topk(worker.program, f"rank {rank} ffn", device)
+    _lower_ffn(worker.program, f"rank {rank} ffn", device)
     eager = ffn_step_ops() if opts.ffn_capture == "compute" else ()
-    compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn", eager_ops=eager)
+    by_step = opts.ffn_capture == "all"
+    compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn", eager_ops=eager,
+                             step_graphs=by_step)
     if compiled_ffn.eager_ops:
         log.info("afd: rank %d ffn: the exchange with the attention peers (and the FFN group's collectives) runs "
-                 "between CUDA graphs: one captured program per bucket of rows (ffn_capture='all' captures it too: "
-                 "one per tuple of the peers' sizes)", rank)
+                 "between CUDA graphs: one captured program per bucket of rows, its pieces replayed and the exchange "
+                 "run on the host each step", rank)
+    if compiled_ffn.step_graphs:
+        log.info("afd: rank %d ffn: one program compiled per bucket of rows, one CUDA graph (the exchange in it) "
+                 "captured per tuple of the peers' sizes: a step is one replay", rank)
     # see ffn_key: what a program is compiled (and captured) per
     worker.run_program = lambda counts, *slots: compiled_ffn(ffn_key(compiled_ffn, worker, slots), *slots)  # type: ignore[attr-defined]
 
     def wrap_ffn(prog: fx.GraphModule) -> Callable[..., Any]:
-        _router_topk(prog, f"rank {rank} ffn", device)
-        compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} ffn", eager_ops=eager)
+        _lower_ffn(prog, f"rank {rank} ffn", device)
+        compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} ffn", eager_ops=eager,
+                             step_graphs=by_step)
         return lambda *slots: compiled(ffn_key(compiled, worker, slots), *slots)
 
     worker.wrap = wrap_ffn
@@ -396,20 +419,19 @@ def ffn_step_ops() -> tuple[str, ...]:
     exchange with the attention peers and the group collectives that split tokens by rank. With
     ``ffn_capture="compute"`` they run between the captured pieces."""
     from ..collectives import COLLECTIVE_OPS
-    from ..ops import AFD_OPS
+    from ..ops import AFD_OPS, LOWERED_OPS
 
     fixed = {torch.ops.afd.all_reduce.default, torch.ops.afd.all_gather_last.default}  # (shapes fixed by the input)
-    return tuple(sorted({op._schema.name for op in AFD_OPS + COLLECTIVE_OPS if op not in fixed}))
+    return tuple(sorted({op._schema.name for op in AFD_OPS + LOWERED_OPS + COLLECTIVE_OPS if op not in fixed}))
 
 
 def ffn_key(compiled: PerLayout, worker: Any, carriers: Sequence[torch.Tensor]) -> tuple:
-    """What an FFN program is compiled per: the step's per-peer counts when its exchange is
-    captured in a CUDA graph (the receives replay the sizes they captured), else the sizes of its
-    carriers (the exchange reads the per-peer sizes when it runs: uncaptured, or between the
-    captured pieces), so one per bucket of its rows."""
-    if compiled.cudagraphs and not compiled.eager_ops:
-        return ("peers", worker.step_counts)
-    return ("carriers", tuple(int(c.shape[0]) for c in carriers))
+    """What an FFN program is compiled per: the sizes of its carriers (its exchange reads the
+    per-peer sizes when it runs: uncaptured, or between the captured pieces), so one per bucket of
+    its rows; with ``step_graphs`` (``ffn_capture="all"``) that and the step's per-peer counts,
+    which its CUDA graphs (the receives inside) are captured per."""
+    rows = ("carriers", tuple(int(c.shape[0]) for c in carriers))
+    return (rows, ("peers", worker.step_counts)) if compiled.step_graphs else rows
 
 
 def _ffn_export(model: torch.nn.Module, example_inputs: tuple | None,

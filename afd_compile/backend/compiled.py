@@ -40,7 +40,8 @@ def source_id() -> str:
 
 
 #: counters of this process: graphs compiled per layout, calls, layouts seen
-STATS: dict[str, int] = {"graphs": 0, "layouts_compiled": 0, "calls": 0, "no_layout": 0, "cudagraphs_off": 0}
+STATS: dict[str, int] = {"graphs": 0, "layouts_compiled": 0, "calls": 0, "no_layout": 0, "cudagraphs_off": 0,
+                         "exchanges_fused": 0, "graphs_captured": 0}
 
 
 #: ops that synchronise with the host inside (so a CUDA graph cannot capture them), and why
@@ -72,6 +73,7 @@ def release() -> None:
 
     for per_layout in list(_LIVE):
         per_layout.compiled.clear()
+        per_layout.graphs.clear()
     symm_mem.release()
     torch._dynamo.reset()
     gc.collect()
@@ -150,10 +152,20 @@ class PerLayout:
     ``eager_ops`` (``"namespace::name"``): ops that run between the captured pieces instead of
     inside a CUDA graph (Inductor's graph partition): ops reading per-step sizes when they run
     (an FFN rank's exchange), so one captured program serves every step of the same shapes.
-    Kept in :attr:`eager_ops` only when the program is captured."""
+    Kept in :attr:`eager_ops` only when the program is captured.
+
+    ``step_graphs``: compile per layout without Inductor's CUDA graphs and capture the whole
+    program by hand, one graph per ``(layout, step key)`` (call with that pair as the layout): an
+    FFN rank's program compiled once per bucket of its rows, captured once per tuple of its peers'
+    sizes (its exchange, inside the graph, replays the sizes it captured). A step key seen first
+    runs the compiled program (the step's exchange happens then), then captures it (a capture runs
+    nothing); every later step of that key is one replay. The graphs share one memory pool: they
+    replay one at a time on one stream and nothing they return is read after another replays
+    (an FFN program returns its last send's token). Kept only when the program is captured."""
 
     def __init__(self, program: fx.GraphModule, cache_key: str, inductor: bool, cudagraphs: bool | None,
-                 name: str, static: Sequence[int] = (), eager_ops: Sequence[str] = ()) -> None:
+                 name: str, static: Sequence[int] = (), eager_ops: Sequence[str] = (),
+                 step_graphs: bool = False) -> None:
         self.program = program
         self.static = tuple(static)  # program inputs at fixed addresses (a KV cache): static for AOT / CUDA graphs
         self.cache_key = cache_key
@@ -178,20 +190,47 @@ class PerLayout:
                      state[0])
         self.cudagraphs = bool(cudagraphs is not False and not syncs and not state)
         self.eager_ops = tuple(eager_ops) if self.cudagraphs and inductor else ()
+        self.step_graphs = bool(step_graphs and self.cudagraphs and inductor and not self.eager_ops)
         self.name = name
         self.compiled: dict[tuple, Callable[..., Any]] = {}
+        #: step_graphs: (layout, step key) -> (graph, what its capture returned)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self.pool: Any = None
         self.compile_id = torch._guards.CompileContext.current_compile_id()  # dynamo's, when built in the backend
         self.static_inputs: int | None = None  # inputs Inductor keeps at fixed addresses (weights), once compiled
         _LIVE.add(self)
 
     def __call__(self, layout: tuple, *inputs: Any) -> Any:
+        if self.step_graphs:
+            return self._replay(layout, inputs)
+        return self._function(layout, inputs)(*inputs)
+
+    def _function(self, layout: tuple, inputs: Sequence[Any]) -> Callable[..., Any]:
         fn = self.compiled.get(layout)
         if fn is None:
             fn = self._compile(inputs)
             self.compiled[layout] = fn
             STATS["layouts_compiled"] += 1
             log.info("afd: %s: compiled layout %s (%d layouts so far)", self.name, layout, len(self.compiled))
-        return fn(*inputs)
+        return fn
+
+    def _replay(self, key: tuple, inputs: Sequence[Any]) -> Any:
+        """``step_graphs``: replay the graph of ``key`` = (layout, step key), or run this step
+        and capture it (class docstring)."""
+        hit = self.graphs.get(key)
+        if hit is not None:
+            hit[0].replay()
+            return hit[1]
+        fn = self._function(key[0], inputs)
+        result = fn(*inputs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn(*inputs)
+        self.pool = self.pool if self.pool is not None else graph.pool()
+        self.graphs[key] = (graph, out)
+        STATS["graphs_captured"] += 1
+        log.info("afd: %s: captured a CUDA graph for %s (%d graphs so far)", self.name, key, len(self.graphs))
+        return result
 
     def _compile(self, inputs: Sequence[Any]) -> Callable[..., Any]:
         if not self.inductor:
@@ -215,7 +254,8 @@ class PerLayout:
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         t0 = time.perf_counter()
-        patches = {"post_grad_custom_post_pass": _custom_pass(self.cache_key), "triton.cudagraphs": self.cudagraphs}
+        patches = {"post_grad_custom_post_pass": _custom_pass(self.cache_key),
+                   "triton.cudagraphs": self.cudagraphs and not self.step_graphs}
         if self.eager_ops:  # (pieces between them captured apart; torch >= 2.9 has the option)
             patches |= {"graph_partition": True, "custom_should_partition_ops": list(self.eager_ops)}
         # fake inputs with a shape env (static: one program per layout) so the FX graph cache applies

@@ -94,10 +94,11 @@ class BackendOptions:
     #: the sizes; each attention rank's tokens cross the wire padded to a bucket, an FFN rank's rows
     #: to the bucket of their total, so it compiles one program per bucket, not per exact count
     buckets: str | bool | tuple[int, ...] = "default"
-    #: what an FFN rank's CUDA graphs hold: "compute" (the exchange with its peers and its group runs
-    #: between the captured pieces, reading each step's per-peer sizes: one program per bucket of its
-    #: rows), "all" (the exchange captured too: one program per tuple of its peers' sizes)
-    ffn_capture: str = "compute"
+    #: what an FFN rank's CUDA graphs hold: "all" (its whole program, the exchange inside: compiled
+    #: once per bucket of its rows, captured once per tuple of its peers' sizes: a step is one replay),
+    #: "compute" (the exchange with its peers and its group runs between the captured pieces, reading
+    #: each step's per-peer sizes: no graph per tuple, host work every layer)
+    ffn_capture: str = "all"
 
     @property
     def token_buckets(self) -> TokenBuckets | None:
