@@ -167,3 +167,18 @@ def test_receives_into_buffers_fill_each_peers_rows_and_pad_the_rest():
     assert torch.equal(res[0]["second"][0][:5], torch.cat([one[0] * 3, two[0] * 3]))
     assert torch.equal(res[1]["back"], one[0] + 1) and torch.equal(res[2]["back"], two[0] + 1)
     assert torch.equal(res[1]["back2"], one[0] * 6) and torch.equal(res[2]["back2"], two[0] * 6)
+
+
+def test_a_receive_buffer_other_than_the_wire_spec_is_refused():
+    from afd_compile.comm import unregister_communicator
+
+    comm = AFDCommunicator("ffn", 0, (1, 2))
+    comm.set_step({0: (3, 5)})
+    register_communicator(comm, 7)
+    try:
+        with pytest.raises(ValueError, match=r"p2p_recv_group_into \(ffn rank 0, layer 2, stage 0\): the receive "
+                                             r"buffers are \[\(torch.float16, \(8, 8\)\)\], the wire spec"):
+            afd.p2p_recv_group_into(torch.empty(8, 0), [torch.empty(8, 8, dtype=torch.float16)], 7, 2, 0,
+                                    "hidden:float32[8]")
+    finally:
+        unregister_communicator(7)
