@@ -224,7 +224,9 @@ class PerLayout:
         fn = self._function(key[0], inputs)
         result = fn(*inputs)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local, as Inductor's graph trees capture: another thread's CUDA calls (NCCL's
+        # watchdog polling its events) must not invalidate this capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn(*inputs)
         self.pool = self.pool if self.pool is not None else graph.pool()
         self.graphs[key] = (graph, out)
