@@ -64,17 +64,6 @@ class ExchangeSide(torch.nn.Module):
         return h
 
 
-def graph_launches(fn, x: torch.Tensor, steps: int = 3) -> float:
-    """CUDA graph launches per step (the captured pieces)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            fn(x)
-        torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if e.key == "cudaGraphLaunch") / steps
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="8,64,256")
@@ -84,7 +73,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("ffn_partition: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from moe_ffn import HIDDEN, FFNSide, OpSide, wall_us_per_step
+    from moe_ffn import HIDDEN, FFNSide, OpSide, graph_launches, wall_us_per_step
 
     dev = torch.device("cuda")
     torch._dynamo.config.cache_size_limit = 64
@@ -105,7 +94,7 @@ def main() -> int:
                     fn(x)
                 outs.append(fn(x).float().clone())
                 row[name] = round(wall_us_per_step(lambda fn=fn, x=x: fn(x), args.steps), 1)
-                row[f"{name} graphs/step"] = graph_launches(fn, x)
+                row[f"{name} graphs/step"] = graph_launches(lambda fn=fn, x=x: fn(x))
             row["pieces_over_one"] = round(row["pieces (compute)"] / row["one graph (all)"], 3)
             row["fused_over_one"] = round(row["pieces, send + next receive fused"] / row["one graph (all)"], 3)
             row["max_abs_diff"] = max(float((o - outs[0]).abs().max()) for o in outs[1:])

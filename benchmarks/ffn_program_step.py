@@ -74,14 +74,15 @@ def compiled_way(ffn: fx.GraphModule, way: str, name: str):
                      step_graphs=way == "all"), len(fused)
 
 
-def op_host_us(hidden: int, dev: torch.device, calls: int = 2000) -> dict[str, float]:
+def op_host_us(hidden: int, dev: torch.device, calls: int = 400) -> dict[str, float]:
     """Host µs a call of one layer's exchange op at T = 8 (two peers of 4 rows, the stand-in
     transport): through the dispatcher as registered (oplib.afd_op), the same kernel registered by
     ``torch.library.custom_op`` (as before session 26), and the kernel as a plain Python call."""
-    import time
+    from moe_ffn import wall_us_per_step
+
+    from afd_compile import ops
 
     fused = torch.ops.afd.p2p_send_recv_group_into
-    from afd_compile import ops
 
     x = torch.randn(8, hidden, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(x)
@@ -93,27 +94,7 @@ def op_host_us(hidden: int, dev: torch.device, calls: int = 2000) -> dict[str, f
             "as a custom_op": lambda: as_custom_op([x], [out], 0, 0, 0, spec_out, 1, 0, spec_in),
             "its kernel (Python)": lambda: ops.p2p_send_recv_group_into.fn([x], [out], 0, 0, 0, spec_out, 1, 0,
                                                                             spec_in)}
-    got = {}
-    for name, fn in ways.items():
-        for _ in range(100):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        got[name] = round((time.perf_counter() - t0) * 1e6 / calls, 1)
-    return got
-
-
-def graph_launches(step, steps: int = 3) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if e.key == "cudaGraphLaunch") / steps
+    return {name: round(wall_us_per_step(fn, calls), 1) for name, fn in ways.items()}
 
 
 def main() -> int:
@@ -129,7 +110,7 @@ def main() -> int:
         print("ffn_program_step: needs a CUDA GPU", file=sys.stderr)
         return 2
     import torch.distributed as dist
-    from moe_ffn import wall_us_per_step
+    from moe_ffn import graph_launches, wall_us_per_step
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from afd_compile.comm import AFDCommunicator, register_communicator

@@ -191,6 +191,18 @@ def wall_us_per_step(step, steps: int, runs: int = 5) -> float:
     return statistics.median(times)
 
 
+def graph_launches(step, steps: int = 3) -> float:
+    """CUDA graph launches per call of ``step()`` (a program's captured pieces)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.key == "cudaGraphLaunch") / steps
+
+
 def profile(fn, x: torch.Tensor, steps: int = 10) -> dict[str, float]:
     """CUDA µs per step of each kernel of ``fn(x)`` (the largest first), printed and returned."""
     from torch.profiler import ProfilerActivity

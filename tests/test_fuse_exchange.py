@@ -6,6 +6,8 @@ what is left alone, the rewritten receives, and the ops' transfers between real 
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
@@ -116,7 +118,7 @@ def test_every_receive_writes_into_buffers_the_program_allocates(exported):
         assert [b.args[1][1] for b in bufs] == [64, 4]  # (hidden, router logits: 4 experts)
         assert all(b.target == torch.ops.aten.new_empty.default for b in bufs)
     # no op returns a list to the rest of the program any more
-    assert not any(n.target is __import__("operator").getitem and n.args[0].target in (RECV_INTO, FUSED_INTO)
+    assert not any(n.target is operator.getitem and n.args[0].target in (RECV_INTO, FUSED_INTO)
                    for n in ffn.graph.nodes if n.op == "call_function")
 
 

@@ -62,7 +62,8 @@ Options (all optional)::
                        peers' sizes (a capture, no compile): a step is one graph replay; "compute": its
                        CUDA graphs hold its compute only, the exchange with its peers and its group's
                        token collectives run between them on the host each step (Inductor's graph
-                       partition): one graph set per bucket, ~150-250 µs of host work a layer
+                       partition): one graph set per bucket, at 85-145 µs more host work a layer
+                       (one H200, BENCHMARKS.md session 26)
     check_wire         AFD: a check header ahead of every transfer (default: AFD_CHECK_WIRE; see
                        afd_compile.comm.AFDCommunicator); every rank must agree; not with CUDA graphs
                        (the comparison runs on the host): needs cudagraphs=False on CUDA
