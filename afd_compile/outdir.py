@@ -6,14 +6,24 @@ What ``-o PATH`` may name (each refusal is a :class:`OutputError`, one line, bef
 - not an empty path (``""`` is the current directory), not the current directory or a folder
   holding it, not a folder holding an input file (``-o .`` next to ``model.pt2``), after
   symbolic links are resolved (a link is followed: the folder it names is what is replaced);
-- a new path, an empty folder, or, with ``--force``, a folder that ``rewrite`` wrote: its
-  ``plan.json`` carries :data:`MARKER` and it holds nothing but the files that plan names.
+- a new path, an empty folder, or, with ``--force``, a folder that ``rewrite`` wrote, judged by
+  content: its ``plan.json`` (a regular file) passes every check of
+  :func:`afd_compile.saved.read_saved_plan` (field types, hash format, each program a regular file
+  whose sha256 matches) and the folder holds nothing but plan.json and those programs.
 
-Writing goes into a temporary sibling ``.NAME.tmp-PID-XXXX`` renamed over the target at the end;
-any exception while writing (a full disk raises ``RuntimeError`` from torch's archive writer, not
+Writing goes into a temporary sibling ``.NAME.tmp-PID-XXXX`` renamed into place at the end; any
+exception while writing (a full disk raises ``RuntimeError`` from torch's archive writer, not
 ``OSError``), ``KeyboardInterrupt`` or ``SystemExit`` (SIGTERM, see :func:`exit_on_sigterm`)
-removes it. A sibling left by a run that was killed outright (SIGKILL) is removed by the next
-run into the same target, which says so on stderr.
+removes it. The target is checked again at the moment of replacement, not only when the run
+starts: a folder that was absent is claimed by creating it (``mkdir`` fails if anything appeared
+meanwhile, and the rename onto the claimed folder fails if anything was put in it), and a folder
+that is replaced is first moved aside into a temporary folder of ours and checked there, by
+content, as it is at that moment (a file added since the start: moved back, refused).
+
+Every temporary folder holds :data:`TMP_MARKER`, a file naming the process that made it. A sibling
+left by a run that was killed outright (SIGKILL) is removed by the next run into the same target,
+which says so on stderr, only when it carries that file and its process is gone: a folder of the
+user's that merely has such a name is left alone.
 """
 
 from __future__ import annotations
@@ -36,6 +46,9 @@ from .errors import AFDCompileError
 #: the field of plan.json that says a folder was written by ``rewrite`` (what ``--force`` may replace)
 MARKER = ("written_by", "afd-compile rewrite")
 
+#: the file inside every temporary folder of a rewrite (JSON: MARKER's field and the writer's pid)
+TMP_MARKER = ".afd-compile-tmp"
+
 
 class OutputError(AFDCompileError):
     """The output folder cannot or may not be written (the path and the reason)."""
@@ -45,17 +58,31 @@ def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def rewrite_files(folder: str) -> set[str] | None:
-    """The entries a rewrite wrote into ``folder`` (plan.json and the programs it names), or None
-    when its plan.json does not carry :data:`MARKER`."""
+def replaceable(folder: str, force: bool) -> str | None:
+    """Why ``folder`` (an existing folder) may not be replaced, or None: empty, or with ``force``
+    a whole rewrite folder, checked by content (see the module docstring)."""
     try:
-        with open(os.path.join(folder, "plan.json")) as f:
-            plan = json.load(f)
-    except (OSError, ValueError):
+        entries = set(os.listdir(folder))
+    except OSError as e:
+        return f"cannot read the folder: {e.strerror or e}"
+    if not entries:
         return None
-    if not isinstance(plan, dict) or plan.get(MARKER[0]) != MARKER[1]:
-        return None
-    return {"plan.json", *plan.get("sha256", {})}
+    if not force:
+        return ("the folder exists and is not empty; pass --force to replace it whole (only a folder rewrite "
+                "wrote)")
+    from .saved import read_saved_plan  # (saved imports this module)
+
+    try:
+        plan = read_saved_plan(folder)
+    except AFDCompileError as e:
+        return (f"--force replaces only a folder rewrite wrote, checked by content (plan.json says "
+                f"{MARKER[0]}: {MARKER[1]!r}, every field valid, each program its recorded sha256); this one is "
+                f"not ({str(e).removeprefix(folder + ': ')}): remove it yourself or give another folder")
+    extra = entries - {"plan.json", *plan.programs.values()}
+    if extra:
+        return (f"holds files rewrite did not write ({', '.join(sorted(extra))}); --force would delete them: "
+                "move them out or give another folder")
+    return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -63,49 +90,61 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError):
         return True
     return True
 
 
+def _marked_pid(folder: str) -> int | None:
+    """The pid in ``folder``'s :data:`TMP_MARKER` when it is one of ours, else None."""
+    path = os.path.join(folder, TMP_MARKER)
+    try:
+        if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > 4096:
+            return None
+        with open(path) as f:
+            mark = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(mark, dict) or mark.get(MARKER[0]) != MARKER[1]:
+        return None
+    pid = mark.get("pid")
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
+
+
+def _make_tmp(parent: str, base: str, suffix: str = "") -> str:
+    """A new temporary folder beside the target, marked as ours (:data:`TMP_MARKER`)."""
+    tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-{os.getpid()}-", suffix=suffix, dir=parent)
+    with open(os.path.join(tmp, TMP_MARKER), "w") as f:
+        json.dump({MARKER[0]: MARKER[1], "pid": os.getpid()}, f)
+    return tmp
+
+
 class OutputFolder:
     """``with OutputFolder(path, force, inputs) as tmp:`` write into ``tmp``; on success it replaces
-    ``path``. Checks the target at construction (see the module docstring)."""
+    ``path``. Checks the target at construction and again at the replacement (module docstring)."""
 
     def __init__(self, path: str, force: bool, inputs: Sequence[str] = ()) -> None:
         if not path.strip():
             raise OutputError("-o: an empty path (it would name the current directory); give the new folder's name")
-        self.shown = path
+        self.shown, self.force = path, force
         self.target = os.path.realpath(path)  # a symbolic link is followed: its folder is the one replaced
-        via = "" if self.target == os.path.abspath(path) else f" (a link to {self.target})"
+        self.via = "" if self.target == os.path.abspath(path) else f" (a link to {self.target})"
         cwd = os.path.realpath(os.getcwd())
         if _inside(cwd, self.target):
             what = "the current directory" if cwd == self.target else f"a folder holding the current directory {cwd}"
-            raise OutputError(f"-o {path}{via}: is {what}; rewrite replaces its output folder whole: give a new folder")
+            raise OutputError(f"-o {path}{self.via}: is {what}; rewrite replaces its output folder whole: give a "
+                              "new folder")
         for inp in inputs:
             if _inside(os.path.realpath(inp), self.target):
-                raise OutputError(f"-o {path}{via}: holds the input {inp}; rewrite replaces its output folder whole: "
-                                  "give a folder that does not hold the input")
-        if os.path.lexists(self.target):
+                raise OutputError(f"-o {path}{self.via}: holds the input {inp}; rewrite replaces its output folder "
+                                  "whole: give a folder that does not hold the input")
+        self.existed = os.path.lexists(self.target)
+        if self.existed:
             if not os.path.isdir(self.target):
-                raise OutputError(f"-o {path}{via}: exists and is not a folder")
-            try:
-                entries = set(os.listdir(self.target))
-            except OSError as e:
-                raise OutputError(f"-o {path}: cannot read the folder: {e.strerror or e}") from None
-            if entries and not force:
-                raise OutputError(f"-o {path}{via}: the folder exists and is not empty; pass --force to replace it "
-                                  "whole (only a folder rewrite wrote)")
-            if entries:
-                ours = rewrite_files(self.target)
-                if ours is None:
-                    raise OutputError(f"-o {path}{via}: --force replaces only a folder rewrite wrote (its plan.json "
-                                      f"says {MARKER[0]}: {MARKER[1]!r}); this one is not: remove it yourself or "
-                                      "give another folder")
-                if entries - ours:
-                    raise OutputError(f"-o {path}{via}: holds files rewrite did not write "
-                                      f"({', '.join(sorted(entries - ours))}); --force would delete them: move them "
-                                      "out or give another folder")
+                raise OutputError(f"-o {path}{self.via}: exists and is not a folder")
+            why = replaceable(self.target, force)
+            if why is not None:
+                raise OutputError(f"-o {path}{self.via}: {why}")
         self.tmp: str | None = None
 
     def _clean_stale(self, parent: str, base: str) -> None:
@@ -116,16 +155,18 @@ class OutputFolder:
             return
         for name in names:
             m = pattern.match(name)
-            if m and not _pid_alive(int(m.group(1))):
-                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-                print(f"afd-compile rewrite: removed {os.path.join(parent, name)}, left by a run that was killed "
-                      f"(pid {m.group(1)})", file=sys.stderr)
+            full = os.path.join(parent, name)
+            if not m or os.path.islink(full) or _marked_pid(full) != int(m.group(1)) or _pid_alive(int(m.group(1))):
+                continue  # not ours (no marker naming its pid), or its run is still going
+            shutil.rmtree(full, ignore_errors=True)
+            print(f"afd-compile rewrite: removed {full}, left by a run that was killed (pid {m.group(1)})",
+                  file=sys.stderr)
 
     def __enter__(self) -> str:
         parent, base = os.path.split(self.target)
         self._clean_stale(parent, base)
         try:
-            self.tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-{os.getpid()}-", dir=parent)
+            self.tmp = _make_tmp(parent, base)
         except OSError as e:
             raise OutputError(f"-o {self.shown}: cannot write in {parent}: {e.strerror or e}") from None
         return self.tmp
@@ -141,19 +182,59 @@ class OutputFolder:
                 where = getattr(value, "filename", None) or "a file"
                 raise OutputError(f"-o {self.shown}: writing {where} failed: {why}; nothing was written") from None
             return  # KeyboardInterrupt / SystemExit: the temporary folder is gone, the exit goes on
-        old = None
         try:
-            if os.path.lexists(self.target):
-                old = f"{self.tmp}.old"
-                os.rename(self.target, old)
-            os.rename(self.tmp, self.target)
-        except OSError as e:
-            if old is not None and not os.path.lexists(self.target):
-                os.rename(old, self.target)
+            self._replace()
+        except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
-            raise OutputError(f"-o {self.shown}: cannot move the result into place: {e.strerror or e}") from None
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            raise
+
+    def _refuse(self, why: str) -> OutputError:
+        return OutputError(f"-o {self.shown}{self.via}: {why}; nothing was written")
+
+    def _replace(self) -> None:
+        """Move the result into place: the old folder (if any) aside into a folder of ours,
+        checked there; the target claimed by ``mkdir``; the result renamed onto the claim."""
+        assert self.tmp is not None
+        parent, base = os.path.split(self.target)
+        trash = None
+        if os.path.lexists(self.target):
+            if not self.existed:
+                raise self._refuse("appeared while rewrite ran (made by another process); it was left as it is")
+            trash = _make_tmp(parent, base, ".old")
+            old = os.path.join(trash, "old")
+            try:
+                os.rename(self.target, old)
+            except FileNotFoundError:  # gone meanwhile: nothing to replace
+                pass
+            except OSError as e:
+                shutil.rmtree(trash, ignore_errors=True)
+                raise self._refuse(f"cannot move the old folder aside: {e.strerror or e}") from None
+            if os.path.lexists(old):
+                why = "is not a folder" if os.path.islink(old) or not os.path.isdir(old) else replaceable(old, self.force)
+                if why is not None:  # changed since the start: back where it was, untouched
+                    try:
+                        os.rename(old, self.target)
+                        shutil.rmtree(trash, ignore_errors=True)
+                        kept = ""
+                    except OSError:
+                        kept = f" (kept at {old}: something else now sits at the target)"
+                    raise self._refuse(f"changed while rewrite ran: {why}{kept}")
+        try:
+            os.mkdir(self.target, 0o700)  # the claim: fails if anything appeared since
+        except FileExistsError:
+            kept = f"; the old folder is kept at {os.path.join(trash, 'old')}" if trash else ""
+            raise self._refuse(f"appeared while rewrite ran (made by another process); it was left as it is{kept}") \
+                from None
+        except OSError as e:
+            raise self._refuse(f"cannot create the folder: {e.strerror or e}") from None
+        os.remove(os.path.join(self.tmp, TMP_MARKER))
+        try:
+            os.rename(self.tmp, self.target)  # onto the empty claim: fails if anything was put in it
+        except OSError as e:
+            raise self._refuse(f"was written into while rewrite ran ({e.strerror or e}); it was left as it is") \
+                from None
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
 
 
 class _FailSafeFile(io.RawIOBase):

@@ -25,6 +25,9 @@ from .programs import ProgramLoadError
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
+#: the largest plan.json read (a rewrite writes a few hundred KiB at most, for a model of 100s of layers)
+MAX_PLAN_BYTES = 64 << 20
+
 
 class SavedFolderError(ProgramLoadError):
     """A rewrite folder that cannot be run as written (the folder, the field, what was expected)."""
@@ -101,10 +104,17 @@ def read_saved_plan(folder: str) -> SavedPlan:
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise SavedFolderError(f"{folder}: not a folder (give the folder rewrite wrote)")
+    path = os.path.join(folder, "plan.json")
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isfile(path)):
+        what = "a symbolic link" if os.path.islink(path) else "not a regular file"
+        raise SavedFolderError(f"{folder}: plan.json is {what}: a rewrite folder holds its plan.json as a plain file")
     try:
-        with open(os.path.join(folder, "plan.json")) as f:
+        if os.path.getsize(path) > MAX_PLAN_BYTES:
+            raise SavedFolderError(f"{folder}: plan.json is {os.path.getsize(path)} bytes, more than a rewrite writes "
+                                   f"(at most {MAX_PLAN_BYTES}): not a plan.json of rewrite")
+        with open(path) as f:
             plan = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise SavedFolderError(f"{folder}: cannot read plan.json: {e}") from None
     c = _Checker(folder, plan)
     if not isinstance(plan, dict):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from afd_compile import cli
-from afd_compile.outdir import OutputError, OutputFolder
+from afd_compile.outdir import TMP_MARKER, OutputError, OutputFolder
 
 REWRITE = ["-A", "1", "-F", "1"]
 
@@ -121,6 +121,7 @@ def test_a_killed_runs_temporary_folder_is_removed_and_named(model_in_cwd, capsy
     dead.wait()
     stale = model_in_cwd / f".out.tmp-{dead.pid}-abc"
     stale.mkdir()
+    (stale / TMP_MARKER).write_text(f'{{"written_by": "afd-compile rewrite", "pid": {dead.pid}}}')  # ours
     (stale / "attention.pt2").write_text("partial")
     live = model_in_cwd / f".out.tmp-{os.getpid()}-def"  # a run still going: left alone
     live.mkdir()
