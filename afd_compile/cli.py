@@ -18,7 +18,7 @@ from .errors import AFDCompileError
 from .figures import mermaid_flag
 from .layout import AFDLayout
 from .limits import local_process_override, parse_tokens, positive_seconds
-from .outdir import MARKER, OutputFolder, exit_on_sigterm, save_program
+from .outdir import OutputFolder, exit_on_sigterm, save_program
 from .plan_view import (
     AFD_LEGEND,
     TP_LEGEND,
@@ -30,6 +30,7 @@ from .plan_view import (
     stage_text,
     unpacked_lines,
 )
+from .saved import MARKER
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 

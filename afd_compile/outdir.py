@@ -29,7 +29,6 @@ user's that merely has such a name is left alone.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -42,9 +41,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .errors import AFDCompileError
-
-#: the field of plan.json that says a folder was written by ``rewrite`` (what ``--force`` may replace)
-MARKER = ("written_by", "afd-compile rewrite")
+from .saved import MARKER, read_saved_plan, sha256_of
 
 #: the file inside every temporary folder of a rewrite (JSON: MARKER's field and the writer's pid)
 TMP_MARKER = ".afd-compile-tmp"
@@ -70,8 +67,6 @@ def replaceable(folder: str, force: bool) -> str | None:
     if not force:
         return ("the folder exists and is not empty; pass --force to replace it whole (only a folder rewrite "
                 "wrote)")
-    from .saved import read_saved_plan  # (saved imports this module)
-
     try:
         plan = read_saved_plan(folder)
     except AFDCompileError as e:
@@ -295,14 +290,6 @@ def save_program(ep: Any, path: str) -> str:
             f.error.filename = path
         raise f.error
     return sha256_of(path)
-
-
-def sha256_of(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @contextlib.contextmanager

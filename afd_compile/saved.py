@@ -14,14 +14,26 @@ swapped, is refused); every other field is checked for its type and range, and a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from .outdir import MARKER, sha256_of
 from .programs import ProgramLoadError
+
+#: the field of plan.json that says a folder was written by ``rewrite`` (what ``--force`` may replace)
+MARKER = ("written_by", "afd-compile rewrite")
+
+
+def sha256_of(path: str) -> str:
+    """The hex sha256 of the file at ``path``, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
