@@ -151,7 +151,8 @@ def _version() -> str:
 
 
 TOKENS_HELP = ("batch size (sequences, not tokens) per attention rank (default: 1,2,3,... when the batch dim is "
-               "dynamic); each >= 0, not all 0; with --tp: one batch size per attention DP group (default 1,2,...; "
+               "dynamic, S,S+1,... with --stages S); each >= 0, not all 0, two peers of a fan-in with tokens in some "
+               "step; with --tp: one batch size per attention DP group (default 1,2,...; "
                "as saved when attn_dp=1)")
 MERMAID_HELP = ("print one layer (default 0) as a Mermaid flowchart instead of the table: the AFD split (both "
                 "programs, what crosses the wire) or the TP junctions (states, collectives); 'ranks': the whole "

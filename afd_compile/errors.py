@@ -16,6 +16,11 @@ class SplitError(AFDCompileError):
     """The graph cannot be cut as asked; the message names the layer and node."""
 
 
+class ProgramLoadError(AFDCompileError):
+    """A file or folder cannot be read as the program (or rewrite folder) asked for; the message
+    names the path and the cause."""
+
+
 class TPRewriteError(AFDCompileError):
     """A TP layout's rewrite cannot be built for this graph; the message names the layer."""
 

@@ -16,12 +16,8 @@ import torch.fx as fx
 
 from . import moe as _moe  # noqa: F401  (afd::moe_experts)
 from . import ops as _ops  # noqa: F401  (torch.export.load needs afd:: registered)
-from .errors import AFDCompileError
+from .errors import ProgramLoadError
 from .passes import fuse_norm as _fuse_norm  # noqa: F401  (afd::all_reduce_add_rms_norm)
-
-
-class ProgramLoadError(AFDCompileError):
-    pass
 
 
 def _op_namespaces(path: str) -> set[str]:

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .programs import ProgramLoadError
+from .errors import ProgramLoadError
 
 #: the field of plan.json that says a folder was written by ``rewrite`` (what ``--force`` may replace)
 MARKER = ("written_by", "afd-compile rewrite")

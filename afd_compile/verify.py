@@ -4,8 +4,11 @@ Every process loads the same ``.pt2`` and builds its own rank's program. Each at
 or attention DP group (TP) gets its own batch size (the saved example input resized along its
 batch dimension), runs ``steps`` steps (the sizes rotate between steps so every FFN rank sees
 several token layouts), and compares its output with the original program run on the same input
-in the same process. Error measure: ``max |split - original| / max |original|`` per output, max
-over steps (:func:`afd_compile.compare.compare`).
+in the same process. Error measure: per output, each element's error relative to its own size
+floored at the tensor's 90th-percentile magnitude, max over elements and steps
+(:func:`afd_compile.compare.rel_err`). Every input differs per rank and step (float inputs too:
+:func:`vary_inputs`), and a layout feature no step would exercise (fan-in, stages) is refused
+before anything runs (:func:`check_exercised`).
 
 A verdict is only given on something compared: the inputs are checked before any process starts
 (:func:`check_verify_inputs`, one path for AFD and TP), a NaN or Inf in any output fails the run
@@ -49,12 +52,15 @@ from .verify_inputs import (  # noqa: F401  (re-exported: the checks a verify re
     VerifyInputError,
     VerifyInputs,
     check_decode_steps,
+    check_exercised,
     check_verify_inputs,
     default_tolerance,
     output_dtypes,
     position_input,
     resize_inputs,
     shift_token_ids,
+    unit_batch,
+    vary_inputs,
 )
 
 log = logging.getLogger("afd_compile.verify")
@@ -136,9 +142,9 @@ def _step_inputs(inputs: Sequence[torch.Tensor], spec: DecodeSpec | None, decode
     """One step's inputs for ``unit`` (an attention rank or DP group)."""
     if decode_steps:
         return spec.inputs(inputs, step, salt=7 * unit)
-    if batches is None:
-        return tuple(inputs)
-    return resize_inputs(inputs, dims, batches[(unit + step) % len(batches)], salt=7 * unit + step)
+    if batches is None:  # the saved shapes, the values still differing per unit and step
+        return vary_inputs(inputs, inputs, salt=7 * unit + step)
+    return resize_inputs(inputs, dims, unit_batch(batches, unit, step), salt=7 * unit + step)
 
 
 def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
@@ -273,11 +279,14 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = 
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise VerifyInputError(f"--stages must be an integer >= 1, got {stages!r}")
     groups = layout.attention_ranks // layout.attn_tp  # the ranks of an attention TP group share their tokens
-    if batches is None and facts.batch_range is not None and spec is None:
-        batches = [1 + a for a in range(groups)]
+    if batches is None and facts.batch_range is not None and spec is None:  # (with stages: enough rows for them)
+        batches = [min(stages + a, facts.batch_range[1]) for a in range(groups)]
     unit = "attention rank" if layout.attn_tp == 1 else "attention TP group"
     checked = check_verify_inputs(facts, units=groups, unit=unit,
                                   world_size=layout.world_size, batches=batches, steps=steps, tol=tol)
+    example = flat_inputs(ep)
+    check_exercised(layout, checked.batches, int(example[0].shape[0]) if example and example[0].dim() else None,
+                    1 + decode_steps if decode_steps else checked.steps, stages)
     if checked.batches is None:
         log(f"verify: {path} has a static batch dimension; every attention rank uses the saved example input")
     log(f"verify: {layout} on {layout.world_size} local gloo processes (FFN ranks 0..{layout.ffn_ranks - 1}), "

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from .errors import AFDCompileError
+from .layout import AFDLayout
 from .passes.graph_utils import batch_symbol_dims, cache_length, written_attrs
 from .programs import flat_inputs, positional_module
 from .runtime import LOCAL_PROCESS_LIMIT_RULE, max_local_processes
@@ -49,19 +50,51 @@ LOW_PRECISION_TOL = 1e-2
 
 def output_dtypes(ep: torch.export.ExportedProgram) -> set[torch.dtype]:
     """The dtypes of the program's user outputs (what verify compares; buffer writes excluded)."""
+    return {n.meta["val"].dtype for n in _user_outputs(ep)}
+
+
+def _user_outputs(ep: torch.export.ExportedProgram) -> list[fx.Node]:
     user = set(ep.graph_signature.user_outputs)
     out = next(n for n in reversed(ep.graph.nodes) if n.op == "output")
     leaves = torch.utils._pytree.tree_leaves(out.args[0])
-    return {n.meta["val"].dtype for n in leaves if isinstance(n, fx.Node) and n.name in user
-            and isinstance(n.meta.get("val"), torch.Tensor)}
+    return [n for n in leaves if isinstance(n, fx.Node) and n.name in user and isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+#: ops whose output dtype is the precision a model computes in (a GEMM, an attention)
+_COMPUTE_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "einsum", "convolution",
+                "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+
+
+def computation_dtypes(ep: torch.export.ExportedProgram) -> set[torch.dtype]:
+    """The floating dtypes that carry the model's computation: those of the user outputs and of
+    the GEMM / attention ops that depend on a user input. An output computed from no input (a
+    constant side output, an fp16 ``torch.zeros(1)``) and a buffer nothing computes with do not
+    count."""
+    inputs = set(ep.graph_signature.user_inputs)
+    dependent: set[fx.Node] = set()
+    found: set[torch.dtype] = set()
+    for n in ep.graph.nodes:
+        if n.op == "placeholder":
+            if n.name in inputs:
+                dependent.add(n)
+            continue
+        if not any(a in dependent for a in n.all_input_nodes):
+            continue
+        dependent.add(n)
+        name = getattr(getattr(n.target, "_overloadpacket", None), "__name__", "")
+        val = n.meta.get("val")
+        if name in _COMPUTE_OPS and isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
+            found.add(val.dtype)
+    found |= {n.meta["val"].dtype for n in _user_outputs(ep) if n in dependent and n.meta["val"].dtype.is_floating_point}
+    return found
 
 
 def default_tolerance(ep: torch.export.ExportedProgram) -> float:
-    """1e-5 when every floating-point output is fp32 or fp64, else :data:`LOW_PRECISION_TOL`:
-    chosen from the outputs compared, never from other tensors the program holds (an unused
-    fp16 buffer must not loosen the verdict of an fp32 model)."""
-    floats = {d for d in output_dtypes(ep) if d.is_floating_point}
-    return 1e-5 if floats <= {torch.float32, torch.float64} else LOW_PRECISION_TOL
+    """1e-5 when every dtype that carries the model's computation (:func:`computation_dtypes`) is
+    fp32 or fp64, else :data:`LOW_PRECISION_TOL`: never loosened by a tensor that computes
+    nothing from the inputs (an unused fp16 buffer, a constant fp16 side output)."""
+    return 1e-5 if computation_dtypes(ep) <= {torch.float32, torch.float64} else LOW_PRECISION_TOL
 
 
 #: in-place cache writes and the argument that holds the positions they write at
@@ -139,8 +172,9 @@ class DecodeSpec:
         return self.prefill + decode_steps * self.step_tokens
 
     def inputs(self, example: Sequence[torch.Tensor], step: int, salt: int) -> tuple[torch.Tensor, ...]:
-        """The inputs of ``step`` (0: the saved example), token ids shifted by ``salt + step``."""
-        x = list(shift_token_ids(example, example, salt + step))
+        """The inputs of ``step`` (0: the saved example's shapes), varied by ``salt + step``
+        (:func:`vary_inputs`; the positions are the step's own)."""
+        x = list(vary_inputs(example, example, salt + step))
         if step == 0 or self.position_input is None:
             if self.position_input is not None:
                 x[self.position_input] = example[self.position_input]
@@ -235,14 +269,14 @@ def check_verify_inputs(facts: ProgramFacts, *, units: int, unit: str, world_siz
 
 def resize_inputs(inputs: Sequence[torch.Tensor], dims: list[tuple[int, int]], batch: int,
                   salt: int) -> tuple[torch.Tensor, ...]:
-    """Tile the example rows along the batch dim to ``batch`` rows; integer inputs with values
-    beyond 0/1 (token ids) are shifted by ``salt`` so ranks see different tokens."""
+    """Tile the example rows along the batch dim to ``batch`` rows, then vary them by ``salt``
+    (:func:`vary_inputs`) so that ranks, steps and the tiled rows all differ."""
     out = list(inputs)
     for i, d in dims:
         t = inputs[i]
         idx = torch.arange(batch) % t.shape[d]
         out[i] = t.index_select(d, idx)
-    return shift_token_ids(out, inputs, salt)
+    return vary_inputs(out, inputs, salt)
 
 
 def shift_token_ids(inputs: Sequence[torch.Tensor], example: Sequence[torch.Tensor],
@@ -254,3 +288,73 @@ def shift_token_ids(inputs: Sequence[torch.Tensor], example: Sequence[torch.Tens
         if not t.is_floating_point() and t.dtype != torch.bool and t.numel() and int(t.max()) > 1:
             out[i] = (t + salt) % (int(example[i].max()) + 1)
     return tuple(out)
+
+
+#: the relative size of the noise :func:`vary_inputs` adds to a float input (of its mean magnitude)
+FLOAT_NOISE = 0.1
+
+
+def vary_inputs(inputs: Sequence[torch.Tensor], example: Sequence[torch.Tensor],
+                salt: int) -> tuple[torch.Tensor, ...]:
+    """Every input made to differ per rank, step and row, reproducibly from ``salt``: token ids
+    shifted (:func:`shift_token_ids`), and each float input with more than two distinct values
+    given seeded noise of :data:`FLOAT_NOISE` times its mean finite magnitude (a mask, two values
+    such as 0 / -inf or 0 / 1, is kept as it is; non-finite entries stay). Identical inputs on every
+    rank would hide an FFN that mixes tokens of different peers (each would see the same rows)."""
+    out = list(shift_token_ids(inputs, example, salt))
+    gen = torch.Generator().manual_seed(1000003 * salt + 12345)
+    for i, t in enumerate(out):
+        if not t.is_floating_point() or not t.numel():
+            continue
+        finite = t[torch.isfinite(t)]
+        if finite.numel() < 3 or torch.unique(finite).numel() <= 2:
+            continue
+        scale = float(finite.abs().double().mean()) or 1.0
+        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32) * (FLOAT_NOISE * scale)
+        out[i] = torch.where(torch.isfinite(t), t + noise.to(t.dtype), t)
+    return tuple(out)
+
+
+def unit_batch(batches: Sequence[int], unit: int, step: int) -> int:
+    """The batch of ``unit`` at ``step``: the sizes rotate one unit a step, so every FFN rank
+    sees several token layouts (``batches[(unit + step) % len(batches)]``)."""
+    return batches[(unit + step) % len(batches)]
+
+
+def check_exercised(layout: AFDLayout, batches: Sequence[int] | None, example_batch: int | None, steps: int,
+                    stages: int) -> None:
+    """Refuse (VerifyInputError) a run whose steps would not exercise what the layout claims, so
+    that a ``verify: OK`` never stands for a feature no step ran:
+
+    - fan-in: an FFN rank (or FFN group) serving attention peers of two or more units (attention
+      ranks, or attention TP groups) must get tokens from at least two of them in some step;
+    - stages: with ``stages > 1`` some unit's batch must have at least ``stages`` sequences in some
+      step (a micro-batch is whole sequences: fewer rows run fewer micro-batches).
+
+    ``batches``: one size per unit (None: every unit runs the saved example, of ``example_batch``
+    sequences, None when its batch is not known)."""
+    units = layout.attention_ranks // layout.attn_tp
+    sizes = list(batches) if batches is not None else None
+
+    def batch(u: int, s: int) -> int:
+        return unit_batch(sizes, u, s) if sizes is not None else (example_batch or 1)
+
+    shown = f"--tokens {sizes}" if sizes is not None else f"the saved example ({example_batch} sequence(s) a rank)"
+    fans = [(f"FFN rank {f}", layout.peers_of_ffn(f)) for f in range(layout.ffn_ranks)]
+    fans += [(f"FFN group {list(g)}", tuple(p for f in g for p in layout.peers_of_ffn(f))) for g in layout.ffn_groups()]
+    for who, peers in fans:
+        peer_units = sorted({(p - layout.ffn_ranks) // layout.attn_tp for p in peers})
+        if len(peer_units) < 2:
+            continue
+        if not any(sum(1 for u in peer_units if batch(u, s) > 0) >= 2 for s in range(steps)):
+            raise VerifyInputError(
+                f"{shown} over {steps} step(s): {who} fans in attention ranks {list(peers)}, but no step gives "
+                "two of them tokens (the sizes rotate one rank a step), so fan-in would never run and a split "
+                "that mixes peers' tokens would pass unseen; give two or more of its peers a nonzero size")
+    if stages > 1:
+        most = max(batch(u, s) for u in range(units) for s in range(steps))
+        if most < stages:
+            raise VerifyInputError(
+                f"--stages {stages} with {shown}: no step has {stages} sequences on any rank, so no step would "
+                f"run {stages} micro-batches (a micro-batch is whole sequences; at most {most} here); give a "
+                f"rank at least {stages} sequences" + ("" if sizes is not None else " (re-export with a larger batch)"))

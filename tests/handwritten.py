@@ -314,6 +314,37 @@ def batch_mixing() -> GQADecoder:
     return model
 
 
+class TokenMixingMLP(nn.Module):
+    """An MLP whose output subtracts its mean over every token of the call (batch and sequence):
+    on an FFN rank that fans in peers, the mean is over all peers' tokens."""
+
+    def __init__(self, hidden: int = 64) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(torch.relu(self.up(x)))
+        return y - y.mean(dim=(0, 1), keepdim=True)
+
+
+class FloatInputDecoder(nn.Module):
+    """Decoder blocks on a float input (hidden states in, normed hidden states out: no token ids),
+    each MLP a :class:`TokenMixingMLP`."""
+
+    def __init__(self, hidden: int = 64, layers: int = 2, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(Block(hidden, 4, 2, 128) for _ in range(layers))
+        for block in self.layers:
+            block.mlp = TokenMixingMLP(hidden)
+        self.norm = RMSNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
 def _lib_moe(hidden: int, inter: int) -> nn.Module:
     from moelib import LibMoE  # (registers moelib::scatter_add_rows)
 

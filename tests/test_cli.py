@@ -472,10 +472,14 @@ def test_bad_tokens_are_refused_before_the_program_is_loaded(tmp_path, tokens, m
     assert res.returncode == 2 and message in res.stderr and "no such file" not in res.stderr, res.stderr
 
 
-def test_fewer_sequences_than_stages_is_said(exported):
-    res = _run("verify", exported("llama2")[1], "-A", "2", "-F", "1", "--stages", "2", "--tokens", "1,1", "-q")
+def test_fewer_sequences_than_stages_is_said_and_no_staged_step_is_refused(exported):
+    res = _run("verify", exported("llama2")[1], "-A", "2", "-F", "1", "--stages", "2", "--tokens", "1,2", "-q")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "verify: note: batch sizes [1] are under --stages 2: those steps run 1 micro-batch(es), not 2" in res.stdout
+    # no step with two sequences: stages would never run, so an OK would claim what nothing checked
+    res = _run("verify", exported("llama2")[1], "-A", "2", "-F", "1", "--stages", "2", "--tokens", "1,1", "-q")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "--stages 2 with --tokens [1, 1]: no step has 2 sequences on any rank" in res.stderr, res.stderr
 
 
 def test_a_raw_hf_export_says_which_module_to_import_and_then_loads(tmp_path):

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 
 import pytest
+from clirun import run_cli
 
 from afd_compile import cli
 from afd_compile.outdir import TMP_MARKER, OutputError, OutputFolder
@@ -172,3 +173,151 @@ def test_only_marked_temporary_folders_of_dead_runs_are_cleaned(tmp_path, capsys
     assert sorted(os.listdir(tmp_path)) == sorted([users.name, forged.name, live.name, "out"])
     _user_files_intact(str(users))
     assert os.listdir(tmp_path / "out") == ["plan.json"]  # the marker is not part of the result
+
+
+# -- verify never says OK on what it did not exercise ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def float_mixing(tmp_path_factory) -> str:
+    """A .pt2 of :class:`FloatInputDecoder` (float input, an MLP mixing every token of its call),
+    its batch dynamic."""
+    import torch
+    from handwritten import FloatInputDecoder
+
+    path = str(tmp_path_factory.mktemp("float_mixing") / "fm.pt2")
+    batch = torch.export.Dim("batch", min=1, max=64)
+    ep = torch.export.export(FloatInputDecoder().eval(), (torch.randn(2, 5, 64),), dynamic_shapes=({0: batch},))
+    torch.export.save(ep, path)
+    return path
+
+
+def test_float_inputs_differ_per_rank_so_equal_sizes_still_expose_a_token_mixing_ffn(float_mixing):
+    # before: both attention ranks got the same float values, the mean over the fanned-in tokens
+    # was each rank's own mean, and the run said OK 1.2e-07
+    res = run_cli("verify", float_mixing, "-A", "2", "-F", "1", "--tokens", "2,2", "-q")
+    assert res.returncode == 1 and "verify: FAIL" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["-A", "2", "-F", "1", "--tokens", "0,2"],
+     "--tokens [0, 2] over 2 step(s): FFN rank 0 fans in attention ranks [1, 2], but no step gives two of them tokens"),
+    (["-A", "3", "-F", "1", "--tokens", "0,0,3", "--steps", "3"],
+     "FFN rank 0 fans in attention ranks [1, 2, 3], but no step gives two of them tokens"),
+    (["-A", "2", "-F", "1", "--tokens", "1,1", "--stages", "3"],
+     "--stages 3 with --tokens [1, 1]: no step has 3 sequences on any rank"),
+])
+def test_a_layout_feature_no_step_would_exercise_is_refused(float_mixing, extra, message):
+    res = run_cli("verify", float_mixing, *extra, "-q")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert message in res.stderr and res.stderr.count("\n") == 1, res.stderr
+
+
+def test_check_exercised_counts_attention_tp_groups_as_one_unit():
+    from afd_compile.layout import AFDLayout
+    from afd_compile.verify_inputs import VerifyInputError, check_exercised
+
+    check_exercised(AFDLayout(4, 1, attn_tp=2), [1, 2], None, 2, 1)  # two groups, both with tokens
+    check_exercised(AFDLayout(2, 1, attn_tp=2), [3], None, 2, 1)  # one group: no fan-in to exercise
+    check_exercised(AFDLayout(2, 2), [0, 2], None, 1, 1)  # an FFN rank a peer: nothing fans in
+    with pytest.raises(VerifyInputError, match=r"FFN group \[0, 1\] fans in attention ranks \[2, 3\]"):
+        check_exercised(AFDLayout(2, 2, ffn_tp=2), [0, 2], None, 2, 1)  # the group mixes its ranks' tokens
+    with pytest.raises(VerifyInputError, match=r"the saved example \(1 sequence\(s\) a rank\)"):
+        check_exercised(AFDLayout(2, 1), None, 1, 2, 2)
+
+
+def test_one_large_element_does_not_hide_the_error_of_the_others():
+    import torch
+
+    from afd_compile.compare import max_rel_err, rel_err
+
+    ref = torch.randn(4, 128, generator=torch.Generator().manual_seed(0))
+    wrong = ref * 1.19  # 19 % off everywhere
+    ref[0, 0] = wrong[0, 0] = 1e6  # one biased logit, right
+    assert rel_err(wrong, ref) > 0.15  # max |d| / max |ref| said 2.7e-07
+    assert max_rel_err((wrong,), (ref,)) == rel_err(wrong, ref)
+    assert rel_err(ref, ref) == 0.0
+    near_zero = ref.clone()
+    near_zero[1, 1] = 1e-12
+    off = near_zero.clone()
+    off[1, 1] = 1e-7  # an element near zero is judged against the tensor's typical size, not its own
+    assert rel_err(off, near_zero) < 1e-5
+    assert rel_err(torch.zeros(3), torch.zeros(3)) == 0.0 and rel_err(torch.ones(3), torch.zeros(3)) > 1e20
+
+
+def test_the_tolerance_follows_the_dtype_that_computes_not_a_constant_side_output():
+    import torch
+
+    from afd_compile.verify_inputs import default_tolerance
+
+    class SideOutput(torch.nn.Module):
+        def __init__(self, half: bool) -> None:
+            super().__init__()
+            self.lin, self.half = torch.nn.Linear(8, 8), half
+            if half:
+                self.lin.half()
+
+        def forward(self, x):
+            if self.half:  # computed in fp16, returned as fp32: the precision is fp16's
+                return self.lin(x.half()).float(), torch.zeros(1)
+            return self.lin(x), torch.zeros(1, dtype=torch.float16)  # a constant fp16 beside fp32 logits
+
+    x = torch.randn(2, 8)
+    assert default_tolerance(torch.export.export(SideOutput(False), (x,))) == 1e-5
+    assert default_tolerance(torch.export.export(SideOutput(True), (x,))) == 1e-2
+
+
+def test_vary_inputs_differs_per_salt_and_keeps_masks():
+    import torch
+
+    from afd_compile.verify_inputs import vary_inputs
+
+    ids, x = torch.randint(0, 100, (2, 5)), torch.randn(2, 5, 8)
+    mask = torch.zeros(5, 5).masked_fill(torch.ones(5, 5).triu(1).bool(), float("-inf"))
+    a, b = vary_inputs((ids, x, mask), (ids, x, mask), 1), vary_inputs((ids, x, mask), (ids, x, mask), 2)
+    assert not torch.equal(a[0], b[0]) and not torch.equal(a[1], b[1]) and not torch.equal(a[1], x)
+    assert torch.equal(a[2], mask) and torch.equal(b[2], mask)
+    assert all(torch.equal(p, q) for p, q in zip(a, vary_inputs((ids, x, mask), (ids, x, mask), 1), strict=True))
+    assert int(a[0].max()) <= int(ids.max())  # token ids stay in the vocabulary
+
+
+# -- every process of a run ends within seconds ------------------------------------------------
+
+
+def test_a_forkserver_stopped_while_it_preloads_ends_the_run_at_once(tmp_path):
+    import signal
+    import sys
+    import time
+
+    import proctree
+    import torch
+    from handwritten import GQADecoder, export
+
+    path = str(tmp_path / "tiny.pt2")
+    torch.export.save(export(GQADecoder(layers=1)), path)
+    proc = subprocess.Popen([sys.executable, "-m", "afd_compile.cli", "verify", path, "-A", "2", "-F", "1",
+                             "--timeout", "20", "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        server = None
+        while server is None:  # stopped as soon as it exists: it is importing torch (seconds)
+            server = next((p for p in proctree.tree(proc.pid)  # (the path names this test: not "forkserver")
+                           if "multiprocessing.forkserver import" in proctree.cmdline(p)), None)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        os.kill(server, signal.SIGSTOP)
+        t = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        assert time.monotonic() - t < 15, "the run outlived a stopped forkserver"  # (was: past 135 s)
+        assert proc.returncode == 1, (out, err)
+        last = out.strip().splitlines()[-1]
+        assert last.startswith("verify: FAIL (the forkserver of local runs") and "stopped" in last, last
+        assert "Traceback" not in err, err
+        assert not proctree.alive(server)
+    finally:
+        for p in proctree.tree(proc.pid):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.wait()

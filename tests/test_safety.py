@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import proctree
 import pytest
 import torch
 
@@ -279,44 +280,6 @@ def test_an_untouched_folder_loads(two_rewrites):
 # --- no process of a run outlives it ------------------------------------------------------------
 
 
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    return kids
-
-
-def _tree(pid: int) -> list[int]:
-    kids, out, stack = _children(), [], [pid]
-    while stack:
-        p = stack.pop()
-        out.append(p)
-        stack += kids.get(p, [])
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory) -> str:
     from handwritten import GQADecoder, export
@@ -340,15 +303,15 @@ def test_a_signal_to_any_process_of_a_run_ends_every_process_of_it(long_model, w
     try:
         deadline = time.monotonic() + 120
         while True:  # the run is up: the CLI, its forkserver, the launcher and 3 ranks
-            tree = _tree(proc.pid)
-            server = next((p for p in tree if "forkserver" in _cmdline(p)), None)
-            launcher = next((p for p in _children().get(server, [])), None) if server else None
-            if launcher is not None and len(_children().get(launcher, [])) == 3:
+            tree = proctree.tree(proc.pid)
+            server = next((p for p in tree if "forkserver" in proctree.cmdline(p)), None)
+            launcher = next((p for p in proctree.children().get(server, [])), None) if server else None
+            if launcher is not None and len(proctree.children().get(launcher, [])) == 3:
                 break
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
         time.sleep(1.0)  # (the ranks are past their start)
-        run = _tree(proc.pid)
+        run = proctree.tree(proc.pid)
         os.kill({"cli": proc.pid, "launcher": launcher, "forkserver": server}[who], sig)
         t = time.monotonic()
         if who == "cli":
@@ -361,12 +324,12 @@ def test_a_signal_to_any_process_of_a_run_ends_every_process_of_it(long_model, w
             last = out.strip().splitlines()[-1]
             assert last.startswith("verify: FAIL (the ") and "max_rel_err" not in last, last
             assert what in last, last
-        while any(_alive(p) for p in run) and time.monotonic() - t < 15:
+        while any(proctree.alive(p) for p in run) and time.monotonic() - t < 15:
             time.sleep(0.2)
-        left = [(p, _cmdline(p)) for p in run if _alive(p)]
+        left = [(p, proctree.cmdline(p)) for p in run if proctree.alive(p)]
         assert not left, left
     finally:
-        for p in _tree(proc.pid):
+        for p in proctree.tree(proc.pid):
             try:
                 os.kill(p, signal.SIGKILL)
             except OSError:

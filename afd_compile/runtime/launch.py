@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -349,7 +350,7 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
     out = ctx.Queue()
     launcher = ctx.Process(target=_launch, args=(fn, world_size, args, preload, out, timeout_s, deadline_s,
                                                  dict(os.environ)))
-    launcher.start()
+    _start_watched(launcher, deadline_s)
     server = _forkserver_pid()
     verdict = False
     try:
@@ -361,6 +362,45 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
         if launcher.is_alive():
             launcher.kill()  # (its ranks die with it: _die_with_parent)
             launcher.join(timeout=5)
+
+
+def _start_watched(launcher: Any, limit_s: float) -> None:
+    """``launcher.start()``, which waits on the forkserver for the new process's pid: a thread
+    watches the forkserver meanwhile, and one stopped (SIGSTOP, a debugger; while it preloads, say)
+    or not answering within ``limit_s`` is killed, so the start ends at once as
+    :class:`LauncherFailure` instead of waiting forever (the next run starts a new server)."""
+    done, why = threading.Event(), []
+
+    def watch() -> None:
+        end = time.monotonic() + limit_s
+        while not done.wait(0.1):
+            server = _forkserver_pid()
+            stopped = _proc_state(server) in ("T", "t")
+            if stopped or time.monotonic() > end:
+                why.append(f"the forkserver of local runs (pid {server}) "
+                           + ("is stopped (SIGSTOP or a debugger)" if stopped else f"did not start the run within "
+                              f"{limit_s:.0f}s") + " while the run started; the run is ended")
+                if server is not None:
+                    try:
+                        os.kill(server, 9)
+                    except OSError:
+                        pass
+                return
+
+    watcher = threading.Thread(target=watch, name="afd-start-watch", daemon=True)
+    watcher.start()
+    try:
+        launcher.start()
+    except (OSError, EOFError) as e:
+        done.set()
+        watcher.join()
+        raise LauncherFailure(why[0] if why else f"the forkserver of local runs could not start the run: "
+                              f"{type(e).__name__}: {e}") from None
+    done.set()
+    watcher.join()
+    if why:  # (killed as the start returned: the launcher has no server left)
+        launcher.kill()
+        raise LauncherFailure(why[0])
 
 
 def _forkserver_pid() -> int | None:
