@@ -63,8 +63,11 @@ def compile(model: object, options: dict | None = None, **kwargs: object) -> obj
     dynamo's first compile."""
     import torch
 
-    from .backend import check_options
+    from .backend import BackendOptionError, check_options
 
+    if not callable(model):
+        raise BackendOptionError(f"afd_compile.compile: model must be a torch.nn.Module or a callable, got {model!r} "
+                                 f"({type(model).__name__})")
     check_options(options)
     return torch.compile(model, backend="afd", options=options, **kwargs)
 

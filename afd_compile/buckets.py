@@ -31,6 +31,8 @@ from .errors import AFDCompileError
 DEFAULT_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 257, 8), *range(272, 513, 16))
 #: past the last bucket, slots are multiples of this
 DEFAULT_CHUNK = 256
+#: the most sizes a bucket list has, and the largest size (rows of one slot)
+MAX_BUCKETS, MAX_BUCKET_ROWS = 4096, 1 << 24
 
 
 class BucketError(AFDCompileError):
@@ -47,11 +49,15 @@ class TokenBuckets:
     def __post_init__(self) -> None:
         if not self.sizes:
             raise BucketError("token buckets: the list is empty; give at least one size, or 'off'")
-        if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in self.sizes):
-            raise BucketError(f"token buckets {list(self.sizes)}: every size must be an integer >= 1")
+        if len(self.sizes) > MAX_BUCKETS:
+            raise BucketError(f"token buckets: {len(self.sizes)} sizes, more than {MAX_BUCKETS} (each bucket is a "
+                              "program an FFN rank may compile)")
+        if any(not isinstance(s, int) or isinstance(s, bool) or not 1 <= s <= MAX_BUCKET_ROWS for s in self.sizes):
+            raise BucketError(f"token buckets {list(self.sizes)}: every size must be an integer in [1, "
+                              f"{MAX_BUCKET_ROWS}]")
         if any(a >= b for a, b in zip(self.sizes, self.sizes[1:], strict=False)):
             raise BucketError(f"token buckets {list(self.sizes)}: sizes must be strictly ascending")
-        if not isinstance(self.chunk, int) or self.chunk < 1:
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or not 1 <= self.chunk <= MAX_BUCKET_ROWS:
             raise BucketError(f"token buckets: chunk {self.chunk!r} must be an integer >= 1")
 
     def slot(self, n: int) -> int:
@@ -89,10 +95,10 @@ class TokenBuckets:
             return value
         if isinstance(value, str):
             text = value.strip().lower()
-            if text in ("default", "on", "true", "1"):
+            if text in ("default", "on", "true"):
                 return TokenBuckets()
-            if text in ("off", "none", "false", "0", "exact"):
-                return None
+            if text in ("off", "none", "false", "exact"):
+                return None  # (a number is a size: "1" is one bucket of 1, "0" no size at all)
             try:
                 sizes = [int(x) for x in text.split(",") if x.strip()]
             except ValueError:
@@ -108,7 +114,7 @@ class TokenBuckets:
 
 
 BUCKETS_HELP = ("AFD: token buckets, the wire slots of the attention ranks: 'default' (1,2,4, multiples of 8 to 256, "
-                "of 16 to 512, then of 256), 'off' (exact counts), or ascending sizes '1,2,4,8,16'; an attention "
+                "of 16 to 512, then of 256), 'off' (exact counts), or ascending sizes '1,2,4,8,16' ('N': one bucket of N, then multiples of N); an attention "
                 "rank's tokens cross the wire padded to the next bucket, and an FFN rank's rows to the bucket of "
                 "their total, so it runs one program per bucket; not with --tp")
 

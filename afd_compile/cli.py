@@ -17,7 +17,15 @@ from .buckets import BUCKETS_HELP, buckets_flag
 from .errors import AFDCompileError
 from .figures import mermaid_flag
 from .layout import AFDLayout
-from .limits import local_process_override, parse_tokens, positive_seconds
+from .limits import (
+    MAX_RANKS,
+    MAX_STAGES,
+    MAX_STEPS,
+    count_flag,
+    local_process_override,
+    parse_tokens,
+    positive_seconds,
+)
 from .outdir import OutputFolder, exit_on_sigterm, save_program
 from .plan_view import (
     AFD_LEGEND,
@@ -52,17 +60,20 @@ def _layout(args: argparse.Namespace, required: bool) -> AFDLayout | None:
 
 
 
+_RANKS = count_flag(1, MAX_RANKS)  # a count of ranks (a layout has at most MAX_RANKS)
+
+
 def _add_layout(p: argparse.ArgumentParser, groups: str = "") -> None:
     g = p.add_argument_group("AFD layout (attention-FFN disaggregation); not with --tp")
-    g.add_argument("--attention-ranks", "-A", type=int, metavar="A", help="number of attention ranks")
-    g.add_argument("--ffn-ranks", "-F", type=int, metavar="F", help="number of FFN ranks (each fans in a block of attention ranks)")
-    g.add_argument("--attn-tp", type=int, default=1, metavar="T",
+    g.add_argument("--attention-ranks", "-A", type=_RANKS, metavar="A", help="number of attention ranks")
+    g.add_argument("--ffn-ranks", "-F", type=_RANKS, metavar="F", help="number of FFN ranks (each fans in a block of attention ranks)")
+    g.add_argument("--attn-tp", type=_RANKS, default=1, metavar="T",
                    help="attention ranks in tensor-parallel groups of T, each group one data-parallel group (its "
                    "own sequences); each rank sends its slice of the group's tokens; T divides A (default 1)" + groups)
-    g.add_argument("--ffn-tp", type=int, default=1, metavar="P",
+    g.add_argument("--ffn-tp", type=_RANKS, default=1, metavar="P",
                    help="FFN ranks in tensor-parallel groups of P (the MLP weights split over each group; every "
                    "token still crosses the wire once); P divides F (default 1)" + groups)
-    g.add_argument("--ffn-ep", type=int, default=1, metavar="P",
+    g.add_argument("--ffn-ep", type=_RANKS, default=1, metavar="P",
                    help="FFN ranks in expert-parallel groups of P (an MoE's experts split over each group, tokens "
                    "routed by all-to-all); P divides F; not with --ffn-tp (default 1)" + groups)
     g.add_argument("--gate-on-attention", action="store_true",
@@ -74,8 +85,8 @@ def _add_layout(p: argparse.ArgumentParser, groups: str = "") -> None:
 
 def _add_tp(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("TP layout (tensor parallelism, scatter modes); not with -A/-F")
-    g.add_argument("--tp", type=int, metavar="T", help="tensor-parallel group size (scatter-mode plan)")
-    g.add_argument("--attn-dp", type=int, metavar="D",
+    g.add_argument("--tp", type=_RANKS, metavar="T", help="tensor-parallel group size (scatter-mode plan)")
+    g.add_argument("--attn-dp", type=_RANKS, metavar="D",
                    help="data-parallel attention groups inside the TP group (attn_tp = T / D; default 1)")
     g.add_argument("--moe-a2a", action="store_true", help="MoE layers dispatch with all-to-all (MLP mode SCATTERED)")
     g.add_argument("--dense-dp", action="store_true", help="dense MLPs run fully data-parallel (MLP mode SCATTERED)")
@@ -102,7 +113,7 @@ def _progress(args: argparse.Namespace):
 
 
 def _add_stages(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--stages", type=int, default=1, metavar="S", help=f"AFD: {what}; not with --tp")
+    p.add_argument("--stages", type=count_flag(1, MAX_STAGES), default=1, metavar="S", help=f"AFD: {what}; not with --tp")
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -212,9 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
                    "planning; TP: rank 0's program)")
     p.add_argument("--tokens", metavar="N1,N2,...", help=TOKENS_HELP)
-    p.add_argument("--steps", type=int, default=None, help="steps per rank (default 2, at least 1; not with "
+    p.add_argument("--steps", type=count_flag(1, MAX_STEPS), default=None, help="steps per rank (default 2, at least 1; not with "
                    "--decode-steps, which sets the steps)")
-    p.add_argument("--decode-steps", type=int, default=0, metavar="N",
+    p.add_argument("--decode-steps", type=count_flag(0, MAX_STEPS), default=0, metavar="N",
                    help="a program with a KV cache (buffers it updates in place at the positions of a 1-D "
                    "integer input: cache_position as transformers' TorchExportableModuleForDecoderOnlyLM "
                    "exports, gpt-fast's input_pos): run its saved example as a "
@@ -512,13 +523,20 @@ def cmd_verify_tp(args: argparse.Namespace) -> int:
 
 def cmd_verify_saved(args: argparse.Namespace) -> int:
     from .buckets import TokenBuckets
+    from .saved import read_saved_plan
     from .verify import verify_saved
 
     given = [f for f, v in (("-A/-F", args.attention_ranks or args.ffn_ranks), ("--tp", args.tp),
-                            ("--stages", args.stages != 1), ("--gate-on-attention", args.gate_on_attention)) if v]
+                            ("--attn-tp", args.attn_tp != 1), ("--ffn-tp", args.ffn_tp != 1),
+                            ("--ffn-ep", args.ffn_ep != 1), ("--stages", args.stages != 1),
+                            ("--gate-on-attention", args.gate_on_attention),
+                            ("--policy", args.policy != "default")) if v]
     if given:
-        raise UsageError(f"--saved {args.saved}: its plan.json gives the layout, router side and stages; drop "
-                         f"{', '.join(given)}")
+        raise UsageError(f"--saved {args.saved}: its plan.json gives the layout, the roles (the programs are split "
+                         f"already), router side and stages; drop {', '.join(given)}")
+    if args.buckets != "default" and read_saved_plan(args.saved).kind == "tp":
+        raise UsageError(f"--saved {args.saved}: a TP folder has no attention-FFN wire, so --buckets "
+                         f"{args.buckets} does not apply; drop it")
     return _verdict(lambda: verify_saved(args.model, args.saved, batches=parse_tokens(args.tokens), steps=args.steps, tol=args.tol,
                                          timeout_s=args.timeout, decode_steps=args.decode_steps,
                                          buckets=TokenBuckets.parse(args.buckets), log=print,
@@ -570,10 +588,55 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                            program=loaded))
 
 
+EXIT_INTERRUPTED = 130  # (128 + SIGINT, as a shell reports Ctrl-C)
+
+
+class _ClosedTolerant:
+    """``sys.stdout`` while a command runs: a reader that went away (``| head``, a closed pipe)
+    ends the output, not the run; what the run decides is still its exit code. Later writes go
+    nowhere (the descriptor is pointed at /dev/null, so the flush at exit is quiet too)."""
+
+    def __init__(self, stream: object) -> None:
+        self._stream, self.lost = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.lost:
+            try:
+                return self._stream.write(text)  # type: ignore[attr-defined]
+            except (BrokenPipeError, ValueError):  # (ValueError: a stream already closed)
+                self._lose()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.lost:
+            try:
+                self._stream.flush()  # type: ignore[attr-defined]
+            except (BrokenPipeError, ValueError):
+                self._lose()
+
+    def _lose(self) -> None:
+        self.lost = True
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())  # type: ignore[attr-defined]
+            os.close(null)
+        except (OSError, ValueError, AttributeError):  # (a stream with no descriptor: nothing to quiet)
+            pass
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse: --help / --version (0) or a bad flag (2, its one line printed)
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     handlers = {"plan": cmd_plan, "rewrite": cmd_rewrite, "verify": cmd_verify, "demo": cmd_demo}
+    stdout = sys.stdout
+    if stdout is not None:
+        sys.stdout = _ClosedTolerant(stdout)  # type: ignore[assignment]
     try:
         with exit_on_sigterm():  # SIGTERM unwinds: temporary folders and the run's processes are removed
             _check_mode_flags(args)
@@ -583,13 +646,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from .programs import import_libraries
 
                 import_libraries(args.imports)
-            return handlers[args.command](args)
+            code = handlers[args.command](args)
+            sys.stdout.flush()
+            return code
     except AFDCompileError as e:
         print(f"afd-compile {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # Ctrl-C: the run's processes and temporary folders are gone (finally blocks)
+        print(f"afd-compile {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except OSError as e:  # a file we read or write (the path and the reason, not a traceback)
         print(f"afd-compile {args.command}: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":

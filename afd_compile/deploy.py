@@ -21,6 +21,7 @@ import torch.fx as fx
 from .buckets import TokenBuckets
 from .comm import AFDCommunicator, communicator_for, register_communicator, wire_checks_from_env
 from .layout import AFDLayout
+from .limits import MAX_RANKS, bounded_int
 from .passes.graph_utils import batch_symbol_dims
 from .passes.stages import (
     check_stage_layout,
@@ -329,8 +330,9 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     (:func:`afd_compile.saved.read_saved_plan`): a folder runs only the programs rewrite wrote
     into it. A ``.pt2`` is code (torch unpickles it): load only folders you trust."""
     from .programs import ProgramLoadError, load_program
-    from .saved import read_saved_plan
+    from .saved import check_saved_program, read_saved_plan
 
+    bounded_int("load_rewritten_worker: rank", rank, 0, MAX_RANKS - 1)
     plan = read_saved_plan(outdir)
     if plan.kind != "afd":
         raise ProgramLoadError(f"{outdir}: plan.json was written by rewrite --tp (layout {plan['layout']}): load "
@@ -345,7 +347,9 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     if role == "ffn":
         comm = AFDCommunicator("ffn", rank, layout.peers_of_ffn(idx), group, control_group=control)
         register_communicator(comm, comm_id)
-        program = load_program(plan.path("ffn")).module().to(device)
+        program = load_program(plan.path("ffn")).module()
+        check_saved_program(plan, "ffn", program)
+        program = program.to(device)
         batch = plan.get("static_batch")
         ffn_worker = FFNWorker(program, comm, device, stages=stages, static_batch=batch,
                                staged=staged_programs(program, "ffn", stages, batch))
@@ -353,7 +357,9 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
         return ffn_worker
     comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),), group, control_group=control)
     register_communicator(comm, comm_id)
-    program = load_program(plan.path("attention")).module().to(device)
+    program = load_program(plan.path("attention")).module()
+    check_saved_program(plan, "attention", program)
+    program = program.to(device)
     batch = static_batch(program) if stages != 1 else None
     worker = AttentionWorker(program, comm, TokenCount.from_json(plan["token_count"]), stages=stages,
                              batch_dim=_stage_batch_dim(program, stages), static=batch is not None,
@@ -374,6 +380,7 @@ def load_rewritten_rank(outdir: str, rank: int, device: torch.device | None = No
     from .runtime import register_tp_groups, tp_groups
     from .saved import read_saved_plan
 
+    bounded_int("load_rewritten_rank: rank", rank, 0, MAX_RANKS - 1)
     plan = read_saved_plan(outdir)
     if plan.kind == "afd":
         return load_rewritten_worker(outdir, rank, device, buckets)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import AFDCompileError
+from .limits import MAX_RANKS
 
 
 class LayoutError(AFDCompileError):
@@ -39,6 +40,13 @@ class AFDLayout:
     attn_tp: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("attention_ranks", "ffn_ranks", "ffn_tp", "ffn_ep", "attn_tp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise LayoutError(f"AFD layout: {name} must be an integer, got {v!r} ({type(v).__name__})")
+        if self.attention_ranks + self.ffn_ranks > MAX_RANKS:
+            raise LayoutError(f"AFD layout {self.attention_ranks}A{self.ffn_ranks}F: {self.attention_ranks + self.ffn_ranks} "
+                              f"ranks, more than the {MAX_RANKS} a layout may have")
         if self.attn_tp < 1 or self.attention_ranks % self.attn_tp:
             raise LayoutError(f"AFD layout {self}: attn_tp={self.attn_tp} must be >= 1 and divide the "
                               f"{self.attention_ranks} attention ranks (attention groups of attn_tp consecutive ranks)")
@@ -103,16 +111,20 @@ class AFDLayout:
 
     def peers_of_ffn(self, f: int) -> tuple[int, ...]:
         """World ranks of the attention peers owned by FFN rank ``f``."""
-        sizes = self.block_sizes()
-        start = sum(sizes[:f])
-        return tuple(self.attention_world_rank(a) for a in range(start, start + sizes[f]))
+        if not 0 <= f < self.ffn_ranks:
+            raise LayoutError(f"FFN rank {f} out of range for layout {self} ({self.ffn_ranks} FFN ranks)")
+        base, extra = divmod(self.attention_ranks, self.ffn_ranks)
+        start = f * base + min(f, extra)
+        return tuple(self.attention_world_rank(a) for a in range(start, start + base + (f < extra)))
 
     def ffn_of_attention(self, a: int) -> int:
-        """World rank of the FFN rank serving attention index ``a``."""
-        for f in range(self.ffn_ranks):
-            if self.attention_world_rank(a) in self.peers_of_ffn(f):
-                return f
-        raise LayoutError(f"attention index {a} out of range for layout {self}")
+        """World rank of the FFN rank serving attention index ``a`` (the inverse of the blocks of
+        :meth:`peers_of_ffn`: the first ``extra`` blocks hold ``base + 1`` peers)."""
+        if not 0 <= a < self.attention_ranks:
+            raise LayoutError(f"attention index {a} out of range for layout {self}")
+        base, extra = divmod(self.attention_ranks, self.ffn_ranks)
+        big = extra * (base + 1)  # the peers of the larger blocks
+        return a // (base + 1) if a < big else extra + (a - big) // base
 
     def role_of(self, rank: int) -> tuple[str, int]:
         """``("ffn", f)`` or ``("attention", a)`` for a world rank."""

@@ -13,6 +13,19 @@ from .errors import AFDCompileError
 #: timers overflow far above (``--timeout 1e300`` raised OverflowError inside a rank)
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
+#: the most ranks a layout has (world size): far past any deployment, and every loop over ranks
+#: (peer maps, groups, per-rank batch lists) stays cheap below it
+MAX_RANKS = 65536
+#: the most micro-batch stages a step takes (the systems we generalise use 2-4): each stage is a
+#: copy of the program's nodes, so S sizes the staged program
+MAX_STAGES = 64
+#: the most steps a verify runs (each step is a forward on every rank)
+MAX_STEPS = 100_000
+#: the largest batch (sequences) verify gives an attention rank or DP group
+MAX_BATCH = 1 << 20
+#: a .pt2 member (its graph, weights, constants) read whole is at most this many bytes unpacked
+MAX_MEMBER_BYTES = 1 << 30
+
 
 class LaunchConfigError(AFDCompileError):
     """An environment setting of the local launcher is not usable (the variable and its value)."""
@@ -45,6 +58,35 @@ def positive_seconds(text: str) -> float:
     return v
 
 
+class BoundError(AFDCompileError):
+    """A count that sizes work or memory outside its bounds, or not an integer."""
+
+
+def bounded_int(name: str, value: object, lo: int, hi: int) -> int:
+    """``value`` as an int in ``[lo, hi]`` (a bool is not an int); :class:`BoundError` naming
+    ``name`` else. Checked before anything is sized by it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BoundError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if not lo <= value <= hi:
+        raise BoundError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def count_flag(lo: int, hi: int):
+    """An argparse ``type``: an integer in ``[lo, hi]`` (argparse's one-line error, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {text}")
+        return v
+
+    parse.__name__ = "integer"  # (argparse names the type in "invalid integer value")
+    return parse
+
+
 class TokensError(AFDCompileError):
     """``--tokens`` that no run can take (checked from the flag alone, before anything is loaded)."""
 
@@ -61,8 +103,12 @@ def parse_tokens(text: str | None) -> list[int] | None:
         sizes = [int(t) for t in text.split(",")]
     except ValueError:
         raise TokensError(f"--tokens must be comma-separated integers, got {text!r}") from None
+    if len(sizes) > MAX_RANKS:
+        raise TokensError(f"--tokens gives {len(sizes)} batch sizes: at most one per attention rank ({MAX_RANKS})")
     if any(b < 0 for b in sizes):
         raise TokensError(f"--tokens {sizes}: a batch size (sequences) is >= 0")
+    if max(sizes) > MAX_BATCH:
+        raise TokensError(f"--tokens: a batch size is at most {MAX_BATCH} sequences, got {max(sizes)}")
     if not any(sizes):
         raise TokensError(f"--tokens {sizes}: every batch size is 0, so nothing would be compared; give one >= 1")
     return sizes

@@ -19,9 +19,37 @@ from . import ops as _ops  # noqa: F401  (torch.export.load needs afd:: register
 from .errors import ProgramLoadError
 from .passes import fuse_norm as _fuse_norm  # noqa: F401  (afd::all_reduce_add_rms_norm)
 
+#: a .pt2's JSON members (the graph, its signature) are read whole, by torch and by the op scan:
+#: at most this many bytes unpacked (a graph of thousands of layers is tens of MiB)
+MAX_JSON_MEMBER_BYTES = 1 << 28
+#: a compressed member may unpack to at most this many times its packed size (torch.export.save
+#: stores members uncompressed; a zip bomb inflates by 1000x)
+MAX_INFLATION = 100
+
+
+def _check_members(path: str) -> None:
+    """Refuse a ``.pt2`` whose members unpack past the stated limits, from the archive's
+    directory alone (before anything is read): a JSON member over :data:`MAX_JSON_MEMBER_BYTES`,
+    any member over :data:`MAX_INFLATION` times its packed size (and past 1 MiB)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise ProgramLoadError(f"{path}: not a readable .pt2 archive: {_first_line(e)}") from None
+    for info in infos:
+        if info.filename.endswith(".json") and info.file_size > MAX_JSON_MEMBER_BYTES:
+            raise ProgramLoadError(f"{path}: member {info.filename} unpacks to {info.file_size} bytes, past the "
+                                   f"{MAX_JSON_MEMBER_BYTES} a program's JSON may have: not a program "
+                                   "torch.export.save wrote")
+        if info.file_size > max(1 << 20, MAX_INFLATION * info.compress_size):
+            raise ProgramLoadError(f"{path}: member {info.filename} unpacks to {info.file_size} bytes from "
+                                   f"{info.compress_size} ({info.file_size // max(info.compress_size, 1)}x, past "
+                                   f"{MAX_INFLATION}x): not a program torch.export.save wrote")
+
 
 def _op_namespaces(path: str) -> set[str]:
-    """Custom-op namespaces named in a saved program (``torch.ops.<ns>.``), read from its JSON."""
+    """Custom-op namespaces named in a saved program (``torch.ops.<ns>.``), read from its JSON
+    (after :func:`_check_members`: each member's size is bounded)."""
     found: set[str] = set()
     try:
         with zipfile.ZipFile(path) as z:
@@ -76,6 +104,9 @@ def _import_one(spec: str) -> None:
         found.loader.exec_module(module)
     except ProgramLoadError:
         raise
+    except SystemExit as e:  # (a module that ends the process on import: never a verdict of ours)
+        raise ProgramLoadError(f"--import {spec}: the module called sys.exit({e.code!r}) while it was imported; "
+                               "a library to import must not end the process") from None
     except Exception as e:  # noqa: BLE001  (whatever the library raises while importing)
         raise ProgramLoadError(f"--import {spec}: cannot import it: {_first_line(e)}") from None
 
@@ -129,6 +160,7 @@ def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
         raise ProgramLoadError(f"{path}: not a regular file (a .pt2 is a zip archive torch.export.save wrote)")
     if not zipfile.is_zipfile(path):
         raise ProgramLoadError(f"{path}: not a .pt2 archive (torch.export.save writes a zip file)")
+    _check_members(path)
     _register_op_libraries(_op_namespaces(path))
     export_log = logging.getLogger("torch.export")
     records = _FirstRecords()

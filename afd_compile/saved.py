@@ -22,6 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ProgramLoadError
+from .limits import MAX_RANKS, MAX_STAGES
+
+#: the largest int an op argument holds (a comm_id is an int64 argument of every afd:: op)
+MAX_INT64 = (1 << 63) - 1
+#: the largest token count factor, static batch or input index a plan.json may record
+MAX_SIZE = (1 << 31) - 1
 
 #: the field of plan.json that says a folder was written by ``rewrite`` (what ``--force`` may replace)
 MARKER = ("written_by", "afd-compile rewrite")
@@ -45,8 +51,12 @@ class SavedFolderError(ProgramLoadError):
     """A rewrite folder that cannot be run as written (the folder, the field, what was expected)."""
 
 
-def _is_int(v: Any, lo: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+def _is_int(v: Any, lo: int, hi: int = MAX_SIZE) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -136,21 +146,34 @@ def read_saved_plan(folder: str) -> SavedPlan:
     layout = c.field(plan, "layout", "layout", lambda v: isinstance(v, dict), "an object")
     if kind == "afd":
         for k in ("attention_ranks", "ffn_ranks"):
-            c.field(layout, k, f"layout.{k}", lambda v: _is_int(v, 1), "an integer >= 1")
+            c.field(layout, k, f"layout.{k}", lambda v: _is_int(v, 1, MAX_RANKS), f"an integer in [1, {MAX_RANKS}]")
+        from .layout import AFDLayout, LayoutError
+
+        try:
+            AFDLayout(layout["attention_ranks"], layout["ffn_ranks"])
+        except LayoutError as e:
+            raise c.fail("layout", "a layout AFDLayout takes", f"{e}") from None
         raw = c.field(plan, "programs", "programs", lambda v: isinstance(v, dict) and set(v) == {"attention", "ffn"},
                       'an object {"attention": FILE, "ffn": FILE}')
         programs = {role: c.program_name(f"programs.{role}", raw[role]) for role in ("attention", "ffn")}
-        c.field(plan, "comm_id", "comm_id", lambda v: _is_int(v, 0), "an integer >= 0")
-        c.field(plan, "stages", "stages", lambda v: _is_int(v, 1), "an integer >= 1", optional=True)
+        c.field(plan, "comm_id", "comm_id", lambda v: _is_int(v, 0, MAX_INT64), f"an integer in [0, {MAX_INT64}]")
+        c.field(plan, "stages", "stages", lambda v: _is_int(v, 1, MAX_STAGES), f"an integer in [1, {MAX_STAGES}]",
+                optional=True)
         c.field(plan, "static_batch", "static_batch", lambda v: v is None or _is_int(v, 1),
-                "null or an integer >= 1", optional=True)
+                f"null or an integer in [1, {MAX_SIZE}]", optional=True)
+        c.field(plan, "compute_gate_on_attention", "compute_gate_on_attention", _is_bool, "true or false",
+                optional=True)
         tc = c.field(plan, "token_count", "token_count", lambda v: isinstance(v, dict), "an object")
-        c.field(tc, "factor", "token_count.factor", lambda v: _is_int(v, 1), "an integer >= 1")
-        c.field(tc, "dims", "token_count.dims", lambda v: isinstance(v, list) and all(
-            isinstance(p, list) and len(p) == 2 and all(_is_int(x, 0) for x in p) for p in v),
-            "a list of [input, dim] pairs of integers >= 0")
+        c.field(tc, "factor", "token_count.factor", lambda v: _is_int(v, 1), f"an integer in [1, {MAX_SIZE}]")
+        c.field(tc, "dims", "token_count.dims", lambda v: isinstance(v, list) and len(v) <= 64 and all(
+            isinstance(p, list) and len(p) == 2 and all(_is_int(x, 0, 1 << 16) for x in p) for p in v),
+            "a list of at most 64 [input, dim] pairs of integers in [0, 65536]")
     else:
-        c.field(layout, "tp", "layout.tp", lambda v: _is_int(v, 1), "an integer >= 1")
+        tp = c.field(layout, "tp", "layout.tp", lambda v: _is_int(v, 1, MAX_RANKS), f"an integer in [1, {MAX_RANKS}]")
+        c.field(layout, "attn_dp", "layout.attn_dp", lambda v: _is_int(v, 1, tp) and tp % v == 0,
+                f"an integer >= 1 dividing tp={tp}", optional=True)
+        for k in ("moe_a2a", "dense_dp", "vocab_parallel"):
+            c.field(layout, k, f"layout.{k}", _is_bool, "true or false", optional=True)
         raw = c.field(plan, "programs", "programs", lambda v: isinstance(v, list) and len(v) == layout["tp"],
                       f"a list of {layout['tp']} file names (one per rank)")
         programs = {f"rank{r}": c.program_name(f"programs[{r}]", name) for r, name in enumerate(raw)}
@@ -166,6 +189,37 @@ def read_saved_plan(folder: str) -> SavedPlan:
                                    f"{got[:12]}..., plan.json records {sha[name][:12]}... (copied from another "
                                    "rewrite, swapped or edited): rewrite again")
     return SavedPlan(folder, kind, plan, programs)
+
+
+def check_saved_program(plan: SavedPlan, role: str, program: Any) -> None:
+    """The loaded program of ``role`` (``attention`` / ``ffn``) of an AFD folder is what its
+    plan.json says it is, judged by the program itself: an attention program sends and receives
+    with its one FFN peer (``afd::p2p_send`` / ``p2p_recv``), an FFN program with its group of
+    peers (``afd::p2p_recv_group`` / ``p2p_send_group``); every exchange names the folder's
+    ``comm_id``; ``token_count.dims`` name inputs and dims the attention program has. A folder
+    whose roles were swapped (hashes edited to match) is refused here, before anything runs."""
+    calls = [n for n in program.graph.nodes if n.op == "call_function" and str(n.target).startswith("afd.p2p_")]
+    names = {str(n.target).split(".")[1] for n in calls}
+    own, other = ({"p2p_send", "p2p_recv"}, {"p2p_recv_group", "p2p_send_group"})[:: 1 if role == "attention" else -1]
+    if not names & own or names & other:
+        raise SavedFolderError(f"{plan.folder}: {plan.programs[role]}, the {role} program of plan.json, exchanges with "
+                               f"{sorted(names) or 'no afd:: op'}; a {role} program calls afd::{' / '.join(sorted(own))}"
+                               " (roles swapped or another program): rewrite again")
+    for n in calls:
+        if len(n.args) < 2 or n.args[1] != plan["comm_id"]:
+            raise SavedFolderError(f"{plan.folder}: {plan.programs[role]}: node {n.name} exchanges on comm_id "
+                                   f"{n.args[1] if len(n.args) > 1 else None!r}, plan.json records comm_id "
+                                   f"{plan['comm_id']}: rewrite again")
+    if role != "attention":
+        return
+    inputs = [n for n in program.graph.nodes if n.op == "placeholder"]
+    for i, d in plan["token_count"]["dims"]:
+        val = inputs[i].meta.get("val") if i < len(inputs) else None
+        if i >= len(inputs) or (val is not None and d >= len(getattr(val, "shape", ()))):
+            what = (f"input {i} of {len(inputs)}" if i >= len(inputs)
+                    else f"dim {d} of {inputs[i].name} ({len(val.shape)} dims)")
+            raise SavedFolderError(f"{plan.folder}: plan.json field 'token_count.dims' names {what}, which "
+                                   f"{plan.programs[role]} does not have: rewrite again")
 
 
 def afd_plan_json(result: Any, layout: Any, gate: bool, token_count: dict, cache: dict | None) -> dict:

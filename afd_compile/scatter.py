@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from .errors import AFDCompileError
 from .layout import LayoutError
+from .limits import MAX_RANKS
 
 
 class ScatterMode(enum.Enum):
@@ -65,6 +66,15 @@ class TPLayout:
     vocab_parallel: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("tp", "attn_dp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise LayoutError(f"TP layout: {name} must be an integer, got {v!r} ({type(v).__name__})")
+        for name in ("moe_a2a", "dense_dp", "vocab_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise LayoutError(f"TP layout: {name} must be True or False, got {getattr(self, name)!r}")
+        if self.tp > MAX_RANKS:
+            raise LayoutError(f"TP layout: tp={self.tp} ranks, more than the {MAX_RANKS} a layout may have")
         if self.tp < 1 or self.attn_dp < 1:
             raise LayoutError(f"TP layout needs tp >= 1 and attn_dp >= 1, got tp={self.tp} attn_dp={self.attn_dp}")
         if self.tp % self.attn_dp:

@@ -31,6 +31,7 @@ from .buckets import TokenBuckets
 from .compare import Comparison, compare
 from .deploy import DEFAULT_BUCKETS, layout_groups, load_rewritten_worker, make_worker
 from .layout import AFDLayout
+from .limits import MAX_STAGES
 from .passes.graph_utils import batch_symbol_dims
 from .passes.roles import POLICIES
 from .programs import flat_inputs, fresh_module, load_program, positional_module
@@ -276,8 +277,8 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = 
     facts = ProgramFacts.of(ep)
     spec = DecodeSpec.of(ep)
     check_decode_steps(spec, decode_steps, batches, path)
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise VerifyInputError(f"--stages must be an integer >= 1, got {stages!r}")
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= MAX_STAGES:
+        raise VerifyInputError(f"--stages must be an integer in [1, {MAX_STAGES}], got {stages!r}")
     groups = layout.attention_ranks // layout.attn_tp  # the ranks of an attention TP group share their tokens
     if batches is None and facts.batch_range is not None and spec is None:  # (with stages: enough rows for them)
         batches = [min(stages + a, facts.batch_range[1]) for a in range(groups)]
@@ -432,10 +433,13 @@ def verify_saved(path: str, outdir: str, **options: Any) -> VerifyReport:
     (:func:`afd_compile.saved.read_saved_plan`), then the folder's own layout (and, AFD, its
     router side and micro-batch stages) run as :func:`verify_afd` / :func:`verify_tp` run a
     layout, each rank its saved program. ``options``: theirs (batches, steps, tol, ...)."""
-    from .saved import read_saved_plan
+    from .saved import check_saved_program, read_saved_plan
 
     plan = read_saved_plan(outdir)
     layout = plan.layout()
+    if plan.kind == "afd":  # each program what plan.json says it is (before any process starts)
+        for role in ("attention", "ffn"):
+            check_saved_program(plan, role, load_program(plan.path(role)).module())
     options.get("log", lambda _s: None)(f"verify: the programs of {outdir} (plan.json and each program's sha256 checked), "
                               f"layout {layout}, against {path}")
     if plan.kind == "tp":

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from .errors import AFDCompileError
 from .layout import AFDLayout
+from .limits import MAX_BATCH, MAX_STEPS
 from .passes.graph_utils import batch_symbol_dims, cache_length, written_attrs
 from .programs import flat_inputs, positional_module
 from .runtime import LOCAL_PROCESS_LIMIT_RULE, max_local_processes
@@ -189,8 +190,8 @@ class DecodeSpec:
 def check_decode_steps(spec: DecodeSpec | None, decode_steps: int, batches: Sequence[int] | None, path: str) -> None:
     """``--decode-steps``: a program with a KV cache and a ``cache_position`` input, positions
     that fit its cache, and no ``--tokens`` (the batch of a cached program is its cache's)."""
-    if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 0:
-        raise VerifyInputError(f"--decode-steps must be an integer >= 0, got {decode_steps!r}")
+    if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or not 0 <= decode_steps <= MAX_STEPS:
+        raise VerifyInputError(f"--decode-steps must be an integer in [0, {MAX_STEPS}], got {decode_steps!r}")
     if not decode_steps:
         return
     if spec is None:
@@ -241,6 +242,8 @@ def check_verify_inputs(facts: ProgramFacts, *, units: int, unit: str, world_siz
                                "AFD_MAX_LOCAL_PROCESSES")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise VerifyInputError(f"--steps must be an integer >= 1, got {steps!r}: a run of no steps compares nothing")
+    if steps > MAX_STEPS:
+        raise VerifyInputError(f"--steps must be at most {MAX_STEPS}, got {steps}")
     if tol is None:
         tol = facts.default_tol
     elif isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
@@ -250,8 +253,8 @@ def check_verify_inputs(facts: ProgramFacts, *, units: int, unit: str, world_siz
     batches = tuple(batches)
     if len(batches) != units:
         raise VerifyInputError(f"--tokens has {len(batches)} entries, one per {unit} ({units}) expected")
-    if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in batches):
-        raise VerifyInputError(f"--tokens must be integers >= 0, got {list(batches)}")
+    if any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BATCH for b in batches):
+        raise VerifyInputError(f"--tokens must be integers in [0, {MAX_BATCH}], got {list(batches)}")
     if not sum(batches):
         raise VerifyInputError(f"--tokens {list(batches)}: every {unit} has zero tokens, so nothing would be compared")
     if facts.batch_range is None:

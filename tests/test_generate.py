@@ -480,7 +480,7 @@ def test_static_cache_stages_cut_the_batch_only(cached_pt2):
     [
         (("--decode-steps", "40"), "need 44 cache positions, the cache holds 32"),
         (("--decode-steps", "2", "--tokens", "1"), "cannot resize the batch of a program whose KV cache fixes it"),
-        (("--decode-steps", "-1"), "--decode-steps must be an integer >= 0"),
+        (("--decode-steps", "-1"), "argument --decode-steps: must be in [0, 100000], got -1"),
     ],
 )
 def test_decode_step_requests_are_checked(cached_pt2, args, message):

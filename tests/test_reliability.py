@@ -321,3 +321,250 @@ def test_a_forkserver_stopped_while_it_preloads_ends_the_run_at_once(tmp_path):
             except OSError:
                 pass
         proc.wait()
+
+
+# --- exits: every end of a command says what happened, never 0 without a verdict -----------------
+
+def test_an_import_module_that_calls_sys_exit_is_refused_not_a_silent_exit_0(tmp_path):
+    lib = tmp_path / "exits.py"
+    lib.write_text("import sys\nsys.exit(0)\n")
+    ran = run_cli("verify", "x.pt2", "-A", "1", "-F", "1", "--import", str(lib))
+    assert ran.returncode == 2, ran
+    assert "the module called sys.exit(0) while it was imported" in ran.stderr and "exits.py" in ran.stderr
+
+
+def _tiny_pt2(tmp_path) -> str:
+    import torch
+    from handwritten import GQADecoder, export
+
+    path = str(tmp_path / "tiny.pt2")
+    torch.export.save(export(GQADecoder(layers=1)), path)
+    return path
+
+
+def test_a_reader_that_goes_away_ends_the_output_not_the_verdict(tmp_path):
+    import sys
+
+    path = _tiny_pt2(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "afd_compile.cli", "plan", path, "-A", "2", "-F", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # (as `| head -0`: every write meets a closed pipe)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, err
+    assert "error" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_ctrl_c_ends_a_run_with_one_line_and_exit_130(tmp_path):
+    import signal
+    import sys
+    import time
+
+    import proctree
+
+    path = _tiny_pt2(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "afd_compile.cli", "verify", path, "-A", "2", "-F", "1",
+                             "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # (its own process group: as a terminal's job)
+    try:
+        deadline = time.monotonic() + 120
+        while len(proctree.tree(proc.pid)) < 5:  # forkserver, launcher, 3 ranks (resource tracker aside)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(1)
+        everyone = proctree.tree(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the signal reaches every process of the group
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, (out, err)
+        assert err.strip().splitlines()[-1] == "afd-compile verify: interrupted", err
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+        time.sleep(1)
+        assert not [p for p in everyone if proctree.alive(p) and "forkserver" not in proctree.cmdline(p)]
+    finally:
+        for p in proctree.tree(proc.pid):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.wait()
+
+
+# --- bounds: no count sizes work or memory out of proportion ------------------------------------
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["plan", "m.pt2", "-A", "2", "-F", "1", "--stages", "1000000"], "argument --stages: must be in [1, 64]"),
+    (["plan", "m.pt2", "-A", "1000000", "-F", "1000000"], "argument --attention-ranks/-A: must be in [1, 65536]"),
+    (["plan", "m.pt2", "-A", "1e20", "-F", "1"], "argument --attention-ranks/-A: expected an integer, got '1e20'"),
+    (["verify", "m.pt2", "-A", "2", "-F", "1", "--steps", "1000000000"], "argument --steps: must be in [1, 100000]"),
+    (["verify", "m.pt2", "--tp", "2", "--attn-dp", "99999999"], "argument --attn-dp: must be in [1, 65536]"),
+    (["verify", "m.pt2", "-A", "2", "-F", "1", "--tokens", "1,100000000"], "a batch size is at most 1048576"),
+    (["verify", "m.pt2", "-A", "2", "-F", "1", "--buckets", ",".join(map(str, range(1, 5000)))],
+     "more than 4096"),
+])
+def test_counts_that_size_work_are_bounded_before_anything_is_loaded(argv, message):
+    ran = run_cli(*argv)
+    assert ran.returncode == 2 and message in ran.stderr and ran.stderr.count("\n") <= 12, ran.stderr
+
+
+def test_a_layout_is_typed_and_bounded_and_its_peer_map_is_arithmetic():
+    from afd_compile.layout import AFDLayout, LayoutError
+
+    with pytest.raises(LayoutError, match=r"attention_ranks must be an integer, got '2' \(str\)"):
+        AFDLayout("2", 1)
+    with pytest.raises(LayoutError, match="ffn_tp must be an integer, got True"):
+        AFDLayout(2, 1, ffn_tp=True)
+    with pytest.raises(LayoutError, match="more than the 65536 a layout may have"):
+        AFDLayout(65536, 1)
+    for a, f in [(7, 3), (8, 8), (13, 5), (1, 1), (40000, 25000)]:  # every peer in exactly one block, in order
+        lay = AFDLayout(a, f)
+        owner = {p: ffn for ffn in range(f) for p in lay.peers_of_ffn(ffn)}
+        assert sorted(owner) == [lay.attention_world_rank(i) for i in range(a)]
+        assert all(owner[lay.attention_world_rank(i)] == lay.ffn_of_attention(i) for i in range(a))
+        assert [len(lay.peers_of_ffn(x)) for x in range(f)] == lay.block_sizes()
+
+
+def test_a_pt2_whose_members_inflate_is_refused_before_it_is_read(tmp_path):
+    import zipfile
+
+    from afd_compile.programs import ProgramLoadError, load_program
+
+    path = str(tmp_path / "bomb.pt2")
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("bomb/models/model.json", b" " * (64 << 20))  # 64 MiB of spaces packs to ~64 KiB
+    assert os.path.getsize(path) < 1 << 20
+    with pytest.raises(ProgramLoadError, match=r"member bomb/models/model.json unpacks to 67108864 bytes from \d+ "
+                                               r"\(\d+x, past 100x\)"):
+        load_program(path)
+
+
+# --- saved folders: every field checked, roles by the programs themselves -----------------------
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"stages": 10 ** 9}, "field 'stages' must be an integer in [1, 64], got 1000000000"),
+    ({"layout": {"attention_ranks": 10 ** 12, "ffn_ranks": 1}}, "field 'layout.attention_ranks' must be an integer"),
+    ({"layout": {"attention_ranks": 1, "ffn_ranks": 2}}, "field 'layout' must be a layout AFDLayout takes"),
+    ({"token_count": {"factor": 1e30, "dims": [[0, 0]]}}, "field 'token_count.factor' must be an integer in [1, "),
+    ({"comm_id": 10 ** 40}, "field 'comm_id' must be an integer in [0, 9223372036854775807]"),
+    ({"compute_gate_on_attention": "yes"}, "field 'compute_gate_on_attention' must be true or false"),
+])
+def test_every_field_of_an_afd_plan_json_is_checked(rewritten, tmp_path, fields, message):
+    target = str(tmp_path / "out")
+    shutil.copytree(rewritten[1], target)
+    _edit_plan(target, **fields)
+    with pytest.raises(SavedFolderError) as e:
+        read_saved_plan(target)
+    assert message in str(e.value), e.value
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"programs": {"attention": "ffn.pt2", "ffn": "attention.pt2"}},  # hashes still match their files
+     "ffn.pt2, the attention program of plan.json, exchanges with ['p2p_recv_group', 'p2p_send_group']"),
+    ({"comm_id": 5}, "exchanges on comm_id 0, plan.json records comm_id 5"),
+    ({"token_count": {"factor": 1, "dims": [[0, 99]]}}, "names dim 99 of input_ids (2 dims)"),
+    ({"token_count": {"factor": 1, "dims": [[7, 0]]}}, "names input 7 of 1"),
+])
+def test_a_saved_program_is_judged_by_its_own_graph_before_anything_runs(rewritten, tmp_path, fields, message):
+    target = str(tmp_path / "out")
+    shutil.copytree(rewritten[1], target)
+    _edit_plan(target, **fields)
+    ran = run_cli("verify", rewritten[0], "--saved", target, "-q")
+    assert ran.returncode == 2 and message in ran.stderr and ran.stderr.count("\n") == 1, ran.stderr
+
+
+@pytest.fixture(scope="module")
+def rewritten_tp(exported, tmp_path_factory):
+    src = exported("llama2")[1]
+    d = tmp_path_factory.mktemp("rewritten_tp")
+    assert cli.main(["rewrite", src, "-o", str(d / "out"), "--tp", "2", "-q"]) == 0
+    return src, str(d / "out")
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    ({"attn_dp": "x"}, "field 'layout.attn_dp' must be an integer >= 1 dividing tp=2, got 'x'"),
+    ({"attn_dp": 3}, "field 'layout.attn_dp' must be an integer >= 1 dividing tp=2, got 3"),
+    ({"moe_a2a": "no"}, "field 'layout.moe_a2a' must be true or false, got 'no'"),
+    ({"vocab_parallel": 1}, "field 'layout.vocab_parallel' must be true or false, got 1"),
+    ({"dense_dp": None}, "field 'layout.dense_dp' must be true or false, got None"),
+])
+def test_every_layout_field_of_a_tp_plan_json_is_checked(rewritten_tp, tmp_path, layout, message):
+    target = str(tmp_path / "out")
+    shutil.copytree(rewritten_tp[1], target)
+    plan = json.load(open(os.path.join(target, "plan.json")))
+    _edit_plan(target, layout={**plan["layout"], **layout})
+    with pytest.raises(SavedFolderError) as e:
+        read_saved_plan(target)
+    assert message in str(e.value), e.value
+
+
+# --- flags: one that does not apply is refused, never ignored ------------------------------------
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--ffn-tp", "2"], "drop --ffn-tp"),
+    (["--attn-tp", "2"], "drop --attn-tp"),
+    (["--ffn-ep", "2"], "drop --ffn-ep"),
+    (["--policy", "structural"], "drop --policy"),
+])
+def test_verify_saved_refuses_the_flags_its_plan_json_decides(rewritten, extra, message):
+    ran = run_cli("verify", rewritten[0], "--saved", rewritten[1], *extra, "-q")
+    assert ran.returncode == 2 and message in ran.stderr, ran.stderr
+
+
+def test_buckets_do_not_apply_to_a_tp_folder(rewritten_tp):
+    ran = run_cli("verify", rewritten_tp[0], "--saved", rewritten_tp[1], "--buckets", "8", "-q")
+    assert ran.returncode == 2 and "a TP folder has no attention-FFN wire, so --buckets 8 does not apply" in ran.stderr
+
+
+def test_gate_on_attention_on_a_dense_model_is_refused(rewritten):
+    ran = run_cli("plan", rewritten[0], "-A", "2", "-F", "1", "--gate-on-attention")
+    assert ran.returncode == 2 and "compute_gate_on_attention (--gate-on-attention): none of the 2 layers has an MoE " \
+        "router" in ran.stderr, ran.stderr
+
+
+def test_a_number_of_buckets_is_one_bucket_of_that_size():
+    from afd_compile.buckets import BucketError, TokenBuckets
+
+    assert TokenBuckets.parse("1").sizes == (1,) and TokenBuckets.parse("2").sizes == (2,)
+    assert TokenBuckets.parse("default") == TokenBuckets() and TokenBuckets.parse("off") is None
+    with pytest.raises(BucketError, match="every size must be an integer in"):
+        TokenBuckets.parse("0")
+
+
+# --- the public API: arguments checked at the boundary, one AFDCompileError line each ------------
+
+def test_public_api_arguments_are_checked_at_the_boundary(rewritten):
+    import torch
+
+    import afd_compile
+    from afd_compile.backend import BackendOptionError, check_options
+    from afd_compile.deploy import load_rewritten_rank
+    from afd_compile.errors import AFDCompileError
+    from afd_compile.runtime import run_local
+
+    model = torch.nn.Linear(4, 4)
+    for call, message in [
+        (lambda: afd_compile.compile(model, "tp"), "options must be a dict of option names to values"),
+        (lambda: afd_compile.compile(model, 5), "options must be a dict of option names to values"),
+        (lambda: afd_compile.compile(5), "model must be a torch.nn.Module or a callable"),
+        (lambda: check_options({"timeout_s": 1e300}), "option timeout_s=1e+300 (float) must be None or seconds in"),
+        (lambda: check_options({"stages": 10 ** 6}), "option stages=1000000 (int) must be an int in [1, 64]"),
+        (lambda: load_rewritten_rank(rewritten[1], "1"), "load_rewritten_rank: rank must be an integer, got '1'"),
+        (lambda: run_local(print, 0), "run_local: world_size must be in [1, 65536], got 0"),
+    ]:
+        with pytest.raises(AFDCompileError) as e:
+            call()
+        assert message in str(e.value) and "\n" not in str(e.value), e.value
+    assert issubclass(BackendOptionError, AFDCompileError)
+
+
+def test_a_backend_refusal_reaches_the_caller_as_itself_cut_at_the_backend():
+    import traceback
+
+    import torch
+
+    from afd_compile.backend import BackendOptionError
+
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="afd", options={"tp": "x"})
+    with pytest.raises(BackendOptionError, match=r"option tp='x' \(str\) must be an int in \[1, 65536\]") as e:
+        compiled(torch.randn(2, 4))
+    files = [f.filename for f in traceback.extract_tb(e.value.__traceback__)]
+    assert not any("output_graph.py" in f or "convert_frame.py" in f for f in files), files
+    assert sum("afd_compile" in f for f in files) == 1, files  # (afd_backend's frame: where it was refused)

@@ -80,6 +80,7 @@ step for its attention peers (the inputs are ignored) and returns empty tensors.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -89,6 +90,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..errors import AFDCompileError
 from .compiled import (
     HOST_SYNC_OPS,
     STATS,
@@ -184,7 +186,40 @@ def _device_of(xs: Sequence[Any]) -> torch.device:
 
 def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None,
                 **kwargs: Any) -> Callable[..., Any]:
-    """The ``afd`` dynamo backend (see the module docstring for the options)."""
+    """The ``afd`` dynamo backend (see the module docstring for the options). What it refuses
+    (an :class:`~afd_compile.errors.AFDCompileError`) reaches the caller of the compiled model as
+    that error, its traceback cut at this function, not wrapped in dynamo's
+    ``BackendCompilerFailed`` under dynamo's frames (``TORCHDYNAMO_VERBOSE=1`` keeps them all)."""
+    try:
+        return _compile(gm, example_inputs, options, **kwargs)
+    except AFDCompileError as e:
+        raise _past_dynamo(e, inspect.currentframe()) from None
+
+
+_PAST_DYNAMO: dict[type, type] = {}
+
+
+def _past_dynamo(e: AFDCompileError, frame: Any) -> BaseException:
+    """``e`` as an exception dynamo re-raises unwrapped, its traceback starting at ``frame``: an
+    instance of ``type(e)`` and of dynamo's ``ShortenTraceback`` (which dynamo lets through and
+    cuts below the first useful frame); ``e`` itself where this torch has no such class."""
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+    except ImportError:
+        return e
+    cls = _PAST_DYNAMO.get(type(e))
+    if cls is None:
+        cls = _PAST_DYNAMO[type(e)] = type(type(e).__name__, (type(e), ShortenTraceback),
+                                           {"__module__": type(e).__module__, "__qualname__": type(e).__qualname__})
+    err = cls.__new__(cls)
+    Exception.__init__(err, *e.args)
+    err.__dict__.update(e.__dict__)
+    err.first_useful_frame = frame
+    return err
+
+
+def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None,
+             **kwargs: Any) -> Callable[..., Any]:
     if kwargs:
         raise BackendOptionError(f"afd backend: unexpected arguments {sorted(kwargs)} (use options={{...}})")
     opts = check_options(options)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AFDCompileError
+from ..limits import MAX_RANKS, MAX_STAGES, MAX_TIMEOUT_S
 
 if TYPE_CHECKING:
     from ..buckets import TokenBuckets
@@ -22,6 +23,11 @@ class BackendOptionError(AFDCompileError):
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _ranks(lo: int) -> tuple[Callable[[Any], bool], str]:
+    """A count of ranks (or a rank, ``lo`` 0): an int in [lo, MAX_RANKS]."""
+    return (lambda v: _is_int(v) and lo <= v <= MAX_RANKS), f"an int in [{lo}, {MAX_RANKS}]"
 
 
 def _buckets_ok(value: Any) -> bool:
@@ -38,28 +44,29 @@ def _buckets_ok(value: Any) -> bool:
 
 #: per option: (check, what it must be)
 _OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
-    "attn_dp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "tp": _ranks(1),
+    "attn_dp": _ranks(1),
     "moe_a2a": (lambda v: isinstance(v, bool), "a bool"),
     "dense_dp": (lambda v: isinstance(v, bool), "a bool"),
     "vocab_parallel": (lambda v: isinstance(v, bool), "a bool"),
-    "attention": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
-    "ffn": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
-    "rank": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an int >= 0"),
-    "world_size": (lambda v: v is None or (_is_int(v) and v >= 1), "None or an int >= 1"),
+    "attention": _ranks(0),
+    "ffn": _ranks(0),
+    "rank": (lambda v: v is None or (_is_int(v) and 0 <= v < MAX_RANKS), f"None or an int in [0, {MAX_RANKS})"),
+    "world_size": (lambda v: v is None or (_is_int(v) and 1 <= v <= MAX_RANKS), f"None or an int in [1, {MAX_RANKS}]"),
     "inductor": (lambda v: isinstance(v, bool), "a bool"),
     "cudagraphs": (lambda v: v is None or isinstance(v, bool), "None or a bool"),
     "policy": (lambda v: isinstance(v, str), "a str"),
-    "comm_id": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "comm_id": (lambda v: _is_int(v) and 0 <= v < 1 << 63, "an int in [0, 2**63)"),
     "timeout_s": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                          and math.isfinite(v) and v > 0), "None or a finite number of seconds > 0"),
+                                          and math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S),
+                  f"None or seconds in (0, {MAX_TIMEOUT_S:.0f}] (a week)"),
     "check_wire": (lambda v: v is None or isinstance(v, bool), "None or a bool"),
     "decode_attention": (lambda v: v in ("auto", "flex", "sdpa"), "'auto', 'flex' or 'sdpa'"),
     "moe_experts": (lambda v: v in ("auto", "op"), "'auto' or 'op'"),
-    "stages": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
-    "ffn_tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
-    "ffn_ep": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
-    "attn_tp": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "stages": (lambda v: _is_int(v) and 1 <= v <= MAX_STAGES, f"an int in [1, {MAX_STAGES}]"),
+    "ffn_tp": _ranks(1),
+    "ffn_ep": _ranks(1),
+    "attn_tp": _ranks(1),
     "symm_mem": (lambda v: isinstance(v, bool), "a bool"),
     "ffn_capture": (lambda v: v in ("compute", "all"), "'compute' or 'all'"),
     "buckets": (_buckets_ok, "'default', 'off', a bool, or an ascending list of token counts >= 1"),
@@ -109,6 +116,11 @@ class BackendOptions:
 
     @staticmethod
     def parse(options: dict[str, Any] | None) -> BackendOptions:
+        if options is not None and not isinstance(options, Mapping):
+            raise BackendOptionError(f"afd backend: options must be a dict of option names to values (or None), got "
+                                     f"{options!r} ({type(options).__name__}): e.g. options={{'attention': 2, 'ffn': 1}}")
+        if any(not isinstance(k, str) for k in options or {}):
+            raise BackendOptionError(f"afd backend: option names are strings, got {sorted(map(repr, options))}")
         options = dict(options or {})
         names = {f.name for f in dataclasses.fields(BackendOptions)}
         unknown = sorted(set(options) - names)

@@ -539,6 +539,10 @@ def annotate_roles(
             moved = ancestors([router]) & set(ffn_nodes)
             for n in moved:
                 roles[n] = replace(roles[n], role=Role.ATTENTION, router=(n is router))
+    if compute_gate_on_attention and not any(routers):
+        raise NoStructureError(f"{graph_name}: compute_gate_on_attention (--gate-on-attention): none of the "
+                               f"{len(layers)} layers has an MoE router (a linear whose scores a top-k turns into "
+                               "expert choices), so there are no router logits to send: a dense model runs without it")
     for node in gm.graph.nodes:
         node.meta[META_KEY] = roles[node]
     return RoleSummary(

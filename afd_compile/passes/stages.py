@@ -67,6 +67,7 @@ import torch.fx as fx
 from .. import ops as afd_ops  # noqa: F401  (registers the afd ops)
 from ..errors import AFDCompileError
 from ..layout import AFDLayout
+from ..limits import MAX_STAGES
 from .batch_dims import META_KEY as BATCH_KEY
 from .batch_dims import BatchError, plan_batch
 from .graph_utils import aliases_first_arg, batch_symbol_dims, writes_first_arg
@@ -87,6 +88,7 @@ def check_stage_layout(layout: AFDLayout, stages: int, batch: int | None) -> Non
     and the CLI call it): attention TP groups over a static ``batch`` (a static KV cache). FFN TP /
     EP groups are staged (:func:`stage_ffn_program`), and attention TP groups over a dynamic
     batch (each micro-batch's tokens split over the group apart: ``runtime.AttentionWorker``)."""
+    _check_stages(stages)
     if stages == 1:
         return
     if layout.attn_tp > 1 and batch is not None:
@@ -97,6 +99,8 @@ def check_stage_layout(layout: AFDLayout, stages: int, batch: int | None) -> Non
 def _check_stages(stages: int) -> None:
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise StageError(f"stages must be an integer >= 1, got {stages!r}")
+    if stages > MAX_STAGES:  # (each stage copies the program's nodes)
+        raise StageError(f"stages must be at most {MAX_STAGES}, got {stages}")
 
 
 def _replicate(gm: fx.GraphModule, stages: int, graph: fx.Graph, envs: list[dict[fx.Node, object]],

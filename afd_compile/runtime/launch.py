@@ -17,7 +17,13 @@ from typing import Any
 
 import torch
 
-from ..limits import MAX_TIMEOUT_S, local_process_override
+from ..limits import (
+    MAX_RANKS,
+    MAX_TIMEOUT_S,
+    LaunchConfigError,
+    bounded_int,
+    local_process_override,
+)
 from .dist import free_port, init_distributed
 from .protocol import shutdown
 
@@ -105,10 +111,20 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _ignore_interrupts() -> None:
+    """Ctrl-C reaches every process of the terminal's process group: the launcher and its ranks
+    leave it to the caller, which ends the run (killing the launcher takes the ranks with it), so
+    one line is printed, not a traceback per process."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, timeout_s: float,
            env: dict[str, str]) -> None:
     global _PROGRESS
     _die_with_parent()
+    _ignore_interrupts()
     _PROGRESS = queue
     os.environ.clear()  # the caller's environment of this run (the launcher's may have been changed by preload())
     os.environ.update(env)
@@ -289,6 +305,7 @@ def _launch(fn: Callable, world_size: int, args: tuple, preload: Callable[[], ob
     ``(-1, "ok", results)``, ``(rank, "failure", message)``, or ``(-1, "launcher", traceback)``
     when ``preload()`` raised (no rank was started)."""
     _die_with_parent()
+    _ignore_interrupts()
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(1)  # (no intra-op thread pool in a process that forks)
@@ -335,6 +352,9 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
     that raises, dies (SIGKILL, a crash) or is stopped (SIGSTOP) fails the run at once, as
     RankFailure naming the rank that failed first; every process is gone when it is raised.
     """
+    if not callable(fn):
+        raise LaunchConfigError(f"run_local: fn must be a callable fn(rank, world_size, *args), got {fn!r}")
+    bounded_int("run_local: world_size", world_size, 1, MAX_RANKS)
     if world_size > max_local_processes():
         raise ValueError(f"run_local: {world_size} processes exceed the local limit {max_local_processes()} "
                          f"({LOCAL_PROCESS_LIMIT_RULE})")
