@@ -58,7 +58,7 @@ class TokenBuckets:
         if any(a >= b for a, b in zip(self.sizes, self.sizes[1:], strict=False)):
             raise BucketError(f"token buckets {list(self.sizes)}: sizes must be strictly ascending")
         if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or not 1 <= self.chunk <= MAX_BUCKET_ROWS:
-            raise BucketError(f"token buckets: chunk {self.chunk!r} must be an integer >= 1")
+            raise BucketError(f"token buckets: chunk {self.chunk!r} must be an integer in [1, {MAX_BUCKET_ROWS}]")
 
     def slot(self, n: int) -> int:
         """The rows ``n`` tokens take: 0 for none, else the first bucket >= n, past the last one
@@ -107,7 +107,7 @@ class TokenBuckets:
         else:
             sizes = list(value)
             if any(not isinstance(x, int) or isinstance(x, bool) for x in sizes):
-                raise BucketError(f"token buckets {sizes}: every size must be an integer >= 1")
+                raise BucketError(f"token buckets {sizes}: every size must be an integer in [1, {MAX_BUCKET_ROWS}]")
         if not sizes:
             raise BucketError(f"token buckets {value!r}: no sizes; give 'default', 'off' or ascending sizes")
         return TokenBuckets(tuple(sizes), chunk=sizes[-1])

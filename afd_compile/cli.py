@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from .buckets import BUCKETS_HELP, buckets_flag
+from .cli_checks import ClosedTolerant, UsageError, check_mode_flags, check_saved_flags
 from .errors import AFDCompileError
 from .figures import mermaid_flag
 from .layout import AFDLayout
@@ -41,10 +42,6 @@ from .plan_view import (
 from .saved import MARKER
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
-
-
-class UsageError(AFDCompileError):
-    pass
 
 
 def _layout(args: argparse.Namespace, required: bool) -> AFDLayout | None:
@@ -120,36 +117,6 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets", type=buckets_flag, default="default", metavar="LIST", help=BUCKETS_HELP)
     p.add_argument("--saved", metavar="OUTDIR", help="check the programs `rewrite` wrote into OUTDIR (plan.json and "
                    "each program's sha256 checked; its layout, router side and stages) against MODEL.pt2")
-
-
-_TP_FLAGS = {"attn_dp": "--attn-dp", "moe_a2a": "--moe-a2a", "dense_dp": "--dense-dp",
-             "vocab_parallel": "--vocab-parallel", "shards": "--shards"}
-_AFD_FLAGS = {"attention_ranks": "-A/--attention-ranks", "ffn_ranks": "-F/--ffn-ranks",
-              "gate_on_attention": "--gate-on-attention"}
-_AFD_VALUED = {"stages": ("--stages", 1), "ffn_tp": ("--ffn-tp", 1), "ffn_ep": ("--ffn-ep", 1),
-               "attn_tp": ("--attn-tp", 1), "buckets": ("--buckets", "default")}  # AFD flags with a default
-
-
-def _check_mode_flags(args: argparse.Namespace) -> None:
-    """A flag of the other mode is an error, never silently ignored."""
-    if getattr(args, "decode_steps", 0) and getattr(args, "steps", None) is not None:
-        raise UsageError(f"--steps {args.steps} with --decode-steps {args.decode_steps}: a decode run's steps are "
-                         "its prefill and the decode steps; give one of them")
-    if hasattr(args, "steps") and args.steps is None:
-        args.steps = 2
-    if getattr(args, "tp", None) is None:
-        given = [flag for dest, flag in _TP_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
-        if given:
-            raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to a TP layout: "
-                             "add --tp T")
-        return
-    given = [flag for dest, flag in _AFD_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
-    given += [flag for dest, (flag, default) in _AFD_VALUED.items() if getattr(args, dest, default) != default]
-    if given == ["--attn-tp"]:
-        raise UsageError("--attn-tp sizes the attention TP groups of an AFD layout (-A/-F); under --tp the "
-                         "attention TP group is tp / attn-dp ranks: give --attn-dp instead")
-    if given:
-        raise UsageError(f"give either an AFD layout ({', '.join(given)}) or a TP layout (--tp ...), not both")
 
 
 def _version() -> str:
@@ -526,17 +493,7 @@ def cmd_verify_saved(args: argparse.Namespace) -> int:
     from .saved import read_saved_plan
     from .verify import verify_saved
 
-    given = [f for f, v in (("-A/-F", args.attention_ranks or args.ffn_ranks), ("--tp", args.tp),
-                            ("--attn-tp", args.attn_tp != 1), ("--ffn-tp", args.ffn_tp != 1),
-                            ("--ffn-ep", args.ffn_ep != 1), ("--stages", args.stages != 1),
-                            ("--gate-on-attention", args.gate_on_attention),
-                            ("--policy", args.policy != "default")) if v]
-    if given:
-        raise UsageError(f"--saved {args.saved}: its plan.json gives the layout, the roles (the programs are split "
-                         f"already), router side and stages; drop {', '.join(given)}")
-    if args.buckets != "default" and read_saved_plan(args.saved).kind == "tp":
-        raise UsageError(f"--saved {args.saved}: a TP folder has no attention-FFN wire, so --buckets "
-                         f"{args.buckets} does not apply; drop it")
+    check_saved_flags(args, read_saved_plan(args.saved).kind)
     return _verdict(lambda: verify_saved(args.model, args.saved, batches=parse_tokens(args.tokens), steps=args.steps, tol=args.tol,
                                          timeout_s=args.timeout, decode_steps=args.decode_steps,
                                          buckets=TokenBuckets.parse(args.buckets), log=print,
@@ -591,42 +548,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 EXIT_INTERRUPTED = 130  # (128 + SIGINT, as a shell reports Ctrl-C)
 
 
-class _ClosedTolerant:
-    """``sys.stdout`` while a command runs: a reader that went away (``| head``, a closed pipe)
-    ends the output, not the run; what the run decides is still its exit code. Later writes go
-    nowhere (the descriptor is pointed at /dev/null, so the flush at exit is quiet too)."""
-
-    def __init__(self, stream: object) -> None:
-        self._stream, self.lost = stream, False
-
-    def write(self, text: str) -> int:
-        if not self.lost:
-            try:
-                return self._stream.write(text)  # type: ignore[attr-defined]
-            except (BrokenPipeError, ValueError):  # (ValueError: a stream already closed)
-                self._lose()
-        return len(text)
-
-    def flush(self) -> None:
-        if not self.lost:
-            try:
-                self._stream.flush()  # type: ignore[attr-defined]
-            except (BrokenPipeError, ValueError):
-                self._lose()
-
-    def _lose(self) -> None:
-        self.lost = True
-        try:
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, self._stream.fileno())  # type: ignore[attr-defined]
-            os.close(null)
-        except (OSError, ValueError, AttributeError):  # (a stream with no descriptor: nothing to quiet)
-            pass
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._stream, name)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     try:
@@ -636,10 +557,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {"plan": cmd_plan, "rewrite": cmd_rewrite, "verify": cmd_verify, "demo": cmd_demo}
     stdout = sys.stdout
     if stdout is not None:
-        sys.stdout = _ClosedTolerant(stdout)  # type: ignore[assignment]
+        sys.stdout = ClosedTolerant(stdout)  # type: ignore[assignment]
     try:
         with exit_on_sigterm():  # SIGTERM unwinds: temporary folders and the run's processes are removed
-            _check_mode_flags(args)
+            check_mode_flags(args)
             if args.command in ("verify", "demo"):
                 local_process_override()  # (a bad setting is refused before anything is loaded)
             if getattr(args, "imports", None):

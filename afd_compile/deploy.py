@@ -165,7 +165,8 @@ def tp_rank_program(gm: fx.GraphModule, layout: TPLayout, rank: int, config: Spl
 def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig | None = None,
                 device: torch.device | None = None, group: dist.ProcessGroup | None = None,
                 check_wire: bool | None = None, stages: int = 1, symm_mem: bool = True,
-                buckets: TokenBuckets | None = DEFAULT_BUCKETS) -> AttentionWorker | FFNWorker:
+                buckets: TokenBuckets | None = DEFAULT_BUCKETS,
+                before_groups: Callable[[], dist.ProcessGroup | None] | None = None) -> AttentionWorker | FFNWorker:
     """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id
     (an attention rank reuses the one registered there when it matches: :func:`communicator_for`).
     ``check_wire``: header checks on every transfer (None: ``AFD_CHECK_WIRE``; see AFDCommunicator).
@@ -174,7 +175,10 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     memory where it can (symm_mem.py); False: NCCL.
     ``buckets``: an attention rank's tokens cross the wire in bucket slots (buckets.py), and an
     FFN rank's rows are padded to the bucket of their total, so its programs are one per bucket, not
-    per exact count; None: exact counts."""
+    per exact count; None: exact counts.
+    ``before_groups``: called once this rank's programs are split, before any process group is
+    made (the backend's agreement of every rank: one that refused its split stops the others
+    here); a group it returns carries the exchange instead of ``group``."""
     config = config or SplitConfig()
     role, idx = layout.role_of(rank)
     # the layout's fan-in constrains the FFN program only: an attention rank's program may have a
@@ -182,6 +186,8 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     result = split_graph_module(gm, config, layout=layout if role == "ffn" else None)
     attention, ffn = result.attention, result.ffn
     size = layout.ffn_group_size
+    if before_groups is not None:
+        group = before_groups() or group
     groups, attn_groups, control, ffn_controls = layout_groups(layout, *group_key(group))
     batch = static_batch(result.attention) if stages != 1 else None
     check_stage_layout(layout, stages, batch)  # (one stage: the layout alone)

@@ -4,6 +4,8 @@ of its peers when its CUDA graphs hold the exchange)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -35,11 +37,11 @@ def test_off_gives_exact_counts(value: object) -> None:
     assert TokenBuckets.parse(value) is None
 
 
-@pytest.mark.parametrize("value, message", [("4,2", "strictly ascending"), ("0,4", "integer >= 1"),
+@pytest.mark.parametrize("value, message", [("4,2", "strictly ascending"), ("0,4", "integer in [1, 16777216]"),
                                             ("a,b", "give 'default', 'off'"), ("", "no sizes"),
-                                            ([1, 2.5], "integer >= 1"), ([], "no sizes")])
+                                            ([1, 2.5], "integer in [1, 16777216]"), ([], "no sizes")])
 def test_a_bad_list_is_refused_naming_why(value: object, message: str) -> None:
-    with pytest.raises(BucketError, match=message):
+    with pytest.raises(BucketError, match=re.escape(message)):
         TokenBuckets.parse(value)
 
 

@@ -130,7 +130,7 @@ def test_backend_option_ffn_tp_is_checked():
     assert BackendOptions.parse({"attention": 2, "ffn": 2, "ffn_tp": 2}).ffn_tp == 2
     with pytest.raises(BackendOptionError, match="ffn_tp=2 applies to an AFD layout"):
         BackendOptions.parse({"tp": 2, "ffn_tp": 2})
-    with pytest.raises(BackendOptionError, match=r"ffn_tp=0 \(int\) must be an int >= 1"):
+    with pytest.raises(BackendOptionError, match=r"ffn_tp=0 \(int\) must be an int in \[1, 65536\]"):
         BackendOptions.parse({"attention": 2, "ffn": 2, "ffn_tp": 0})
     with pytest.raises(BackendOptionError, match="ffn_ep=2 applies to an AFD layout"):
         BackendOptions.parse({"ffn_ep": 2})

@@ -568,3 +568,42 @@ def test_a_backend_refusal_reaches_the_caller_as_itself_cut_at_the_backend():
     files = [f.filename for f in traceback.extract_tb(e.value.__traceback__)]
     assert not any("output_graph.py" in f or "convert_frame.py" in f for f in files), files
     assert sum("afd_compile" in f for f in files) == 1, files  # (afd_backend's frame: where it was refused)
+
+
+# --- backend layouts: one rank's refusal ends every rank at once ---------------------------------
+
+def _refusing_layout(rank: int, world: int) -> tuple:
+    import time
+
+    import torch
+    from handwritten import GQADecoder
+
+    from afd_compile.runtime import protocol, shutdown
+
+    torch.manual_seed(0)
+    model = GQADecoder(layers=1).eval()  # no dynamic=True: the FFN rank (0) refuses the static graph
+    compiled = torch.compile(model, backend="afd", options={"attention": 1, "ffn": 1, "inductor": False})
+    try:
+        with torch.no_grad():
+            compiled(torch.randint(0, 128, (2, 5)))
+        said = ("ran", "")
+    except Exception as e:  # noqa: BLE001  (what each rank's caller sees)
+        said = (type(e).__name__, str(e).splitlines()[0])
+    failed = protocol._FAILED_STEP
+    t = time.monotonic()
+    shutdown()
+    return (*said, failed, time.monotonic() - t)
+
+
+def test_a_refusal_on_one_rank_of_a_backend_layout_stops_every_rank_at_once():
+    from afd_compile.runtime import run_local
+
+    out = run_local(_refusing_layout, 2, timeout_s=60)  # (without the agreement: rank 1 waits 60 s in a group)
+    ffn, attention = out[0], out[1]
+    assert ffn[0] == "BackendOptionError" and "an AFD FFN rank runs programs over a token count" in ffn[1], ffn
+    assert attention[0] == "PeerRefused" and attention[1].startswith("rank 0 refused it (afd backend: rank 0: an AFD "
+                                                                     "FFN rank"), attention
+    assert attention[1].endswith("rank 1 stops too"), attention
+    for said in (ffn, attention):  # shutdown() leaves without the barrier its peer would never reach
+        assert said[2].startswith("compile refused: "), said
+        assert said[3] < 30, said  # (a barrier would wait out the 60 s timeout)

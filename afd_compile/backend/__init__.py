@@ -91,6 +91,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import AFDCompileError
+from .agreement import agree_first, begin_first, refused_first
 from .compiled import (
     HOST_SYNC_OPS,
     STATS,
@@ -193,6 +194,7 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
     try:
         return _compile(gm, example_inputs, options, **kwargs)
     except AFDCompileError as e:
+        refused_first(e)
         raise _past_dynamo(e, inspect.currentframe()) from None
 
 
@@ -224,6 +226,7 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[st
         raise BackendOptionError(f"afd backend: unexpected arguments {sorted(kwargs)} (use options={{...}})")
     opts = check_options(options)
     rank, world = opts.resolved()
+    begin_first(opts)
     STATS["graphs"] += 1
     device = _device_of(example_inputs)
     plain = opts.mode == "none" and opts.decode_attention != "flex"
@@ -348,6 +351,7 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
 
     layout = TPLayout(opts.tp, opts.attn_dp, moe_a2a=opts.moe_a2a, dense_dp=opts.dense_dp,
                       vocab_parallel=opts.vocab_parallel)
+    agree_first(opts)
     groups = tp_groups(world, [layout], timeout_s=opts.timeout_s)
     register_tp_groups(groups, layout, rank)
     prepare_groups({GROUP_TP: groups[("tp", layout.tp)], GROUP_ATTN_TP: groups[("attn", layout.attn_tp_group(rank))]},
@@ -396,13 +400,18 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
             f"afd backend: rank {rank}: wire checks (check_wire / AFD_CHECK_WIRE=1) compare headers on the host, "
             "which a CUDA graph cannot capture nor replay; pass cudagraphs=False with them, or turn them off")
     config = SplitConfig(policy=POLICIES[opts.policy], graph_name="dynamo", comm_id=opts.comm_id)
-    group = None
-    if opts.timeout_s is not None:  # a group of its own, with the asked-for timeout (one per process)
+
+    def before_groups() -> Any:  # every rank built its program (or one refused): then the groups
+        agree_first(opts)
+        if opts.timeout_s is None:
+            return None
         from ..runtime import process_group
 
-        group = process_group(range(world), opts.timeout_s)
-    worker = make_worker(ep.module(), layout, rank, config, device=device, group=group, check_wire=check,
-                         stages=opts.stages, symm_mem=opts.symm_mem, buckets=opts.token_buckets)
+        return process_group(range(world), opts.timeout_s)  # (of its own, with the asked-for timeout)
+
+    worker = make_worker(ep.module(), layout, rank, config, device=device, check_wire=check,
+                         stages=opts.stages, symm_mem=opts.symm_mem, buckets=opts.token_buckets,
+                         before_groups=before_groups)
     if isinstance(worker, AttentionWorker):
         _decode_attention(worker.program, opts, f"rank {rank} attention", device)
         worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called
@@ -512,11 +521,22 @@ def serve(model: torch.nn.Module, options: dict[str, Any], example_inputs: tuple
     ``cudagraphs``, ``timeout_s``, ``check_wire``, ``policy``), the same as the attention ranks'
     ``torch.compile(..., backend="afd", options=...)``. The FFN rank builds its program from its
     own export of ``model`` (see :func:`_ffn_export`): it never runs attention, so it allocates no
-    KV cache; one program serves prefill and decode steps (compiled per token layout)."""
+    KV cache; one program serves prefill and decode steps (compiled per token layout). What it
+    refuses before its program is built reaches the attention ranks too (they stop at once)."""
     opts = check_options(options)
+    begin_first(opts)
+    try:
+        return _serve(model, opts, example_inputs, example_kwargs)
+    except AFDCompileError as e:
+        refused_first(e)
+        raise
+
+
+def _serve(model: torch.nn.Module, opts: BackendOptions, example_inputs: tuple | None,
+           example_kwargs: dict[str, Any] | None) -> int:
     rank, world = opts.resolved()
     if opts.mode != "afd":
-        raise BackendOptionError(f"afd serve: options {options} give no AFD layout (attention, ffn); only an FFN "
+        raise BackendOptionError(f"afd serve: the options give no AFD layout (attention={opts.attention}, ffn={opts.ffn}); only an FFN "
                                  "rank of an AFD deployment serves")
     from ..layout import AFDLayout
 

@@ -62,7 +62,8 @@ def attention_row(members: list[fx.Node], where: str, first_ffn: fx.Node | None 
 def residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, where: str):
     """The add joining the attention output projection with the residual: (add, o, x), or
     (add, o, None) when something non-linear (a norm) sits between o and the add."""
-    from .roles import ADD_OPS, descendants
+    from .op_kinds import ADD_OPS
+    from .roles import descendants
 
     pos = {n: i for i, n in enumerate(members)}
     row = attention_row(members, where, first_ffn)

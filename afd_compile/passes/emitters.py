@@ -35,8 +35,9 @@ from ..errors import TPRewriteError
 from ..scatter import Collective, ScatterMode
 from .anatomy import attention_row, is_identity, residual_add_after_attention
 from .graph_utils import Builder, shape_args
-from .roles import ADD_OPS, ancestors, descendants, is_attention_op
+from .op_kinds import ADD_OPS
 from .roles import META_KEY as ROLE_KEY
+from .roles import ancestors, descendants, is_attention_op
 
 aten_view = torch.ops.aten.view.default
 aten_sym_size = torch.ops.aten.sym_size.int

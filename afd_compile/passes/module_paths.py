@@ -22,10 +22,10 @@ def module_paths(node: fx.Node) -> list[str]:
     own = _own_paths(node)
     if layer_path(own) is not None:
         return own
-    body = _body_of(node)
+    body = body_of(node)
     if body is not None:
         return next((p for b in body.graph.nodes if layer_path(p := _own_paths(b)) is not None), own)
-    if node.op == "get_attr" and node.users and all(_body_of(u) is not None for u in node.users):
+    if node.op == "get_attr" and node.users and all(body_of(u) is not None for u in node.users):
         return module_paths(next(iter(node.users)))
     return own
 
@@ -39,7 +39,7 @@ def _own_paths(node: fx.Node) -> list[str]:
     return out
 
 
-def _body_of(node: fx.Node) -> fx.GraphModule | None:
+def body_of(node: fx.Node) -> fx.GraphModule | None:
     """The submodule a higher-order op node calls (its first ``get_attr`` argument's)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
         return None

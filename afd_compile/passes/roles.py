@@ -33,7 +33,9 @@ import torch
 import torch.fx as fx
 
 from ..errors import AFDCompileError
-from .module_paths import layer_path, module_paths
+from .module_paths import body_of, layer_path, module_paths
+from .op_kinds import ADD_OPS, LINEAR_OPS, MATMUL_OPS, PASSTHROUGH_OPS, SDPA_OPS, SOFTMAX_OPS
+from .router import find_router
 
 META_KEY = "afd.role"
 
@@ -90,43 +92,6 @@ def refuse_fused_layers(gm: fx.GraphModule, graph_name: str = "graph") -> None:
 
 
 RolePolicy = Callable[[fx.GraphModule], dict[fx.Node, NodeRole]]
-
-# Ops that compute a linear projection, in any IR level we see (torch IR from export, ATen).
-LINEAR_OPS = frozenset(
-    {aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default}
-)
-# Ops that only move/cast data: looked through when following a value.
-PASSTHROUGH_OPS = frozenset(
-    {
-        aten.view.default,
-        aten.reshape.default,
-        aten._unsafe_view.default,
-        aten.to.dtype,
-        aten.to.dtype_layout,
-        aten._to_copy.default,
-        aten.contiguous.default,
-        aten.clone.default,
-        aten.alias.default,
-    }
-)
-# (max over the experts: PhiMoE's sparsemixer picks its top expert by value before any softmax)
-ROUTER_SELECT_OPS = frozenset(
-    {aten.softmax.int, aten._softmax.default, aten.sigmoid.default, aten.topk.default, aten.max.dim,
-     aten.argmax.default, aten.sort.default}
-)
-SDPA_OPS = frozenset(
-    {
-        aten.scaled_dot_product_attention.default,
-        aten._scaled_dot_product_flash_attention_for_cpu.default,
-        aten._scaled_dot_product_efficient_attention.default,
-        aten._scaled_dot_product_flash_attention.default,
-        aten._scaled_dot_product_cudnn_attention.default,
-    }
-)
-SOFTMAX_OPS = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_softmax.default})
-# (``baddbmm``: scores computed as ``bias + q @ k^T`` in one op, as BLOOM adds its ALiBi bias)
-MATMUL_OPS = frozenset({aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default})
-ADD_OPS = frozenset({aten.add.Tensor, aten.add_.Tensor, operator.add})
 
 FFN_MODULE_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe", "ff")
 
@@ -446,25 +411,6 @@ POLICIES: dict[str, RolePolicy] = {
 # --- the mechanism -----------------------------------------------------------------------------
 
 
-def find_router(ffn_nodes: list[fx.Node]) -> fx.Node | None:
-    """The router (gate) linear: a linear op in the region whose output reaches a softmax /
-    sigmoid / topk through pass-through ops only."""
-    members = set(ffn_nodes)
-    for n in ffn_nodes:
-        if n.op != "call_function" or n.target not in LINEAR_OPS:
-            continue
-        frontier = list(n.users)
-        while frontier:
-            u = frontier.pop()
-            if u not in members:
-                continue
-            if u.target in ROUTER_SELECT_OPS:
-                return n
-            if u.target in PASSTHROUGH_OPS:
-                frontier.extend(u.users)
-    return None
-
-
 @dataclass(frozen=True)
 class RoleSummary:
     """What :func:`annotate_roles` found: per layer, the FFN node count and the router node."""
@@ -537,6 +483,8 @@ def annotate_roles(
         routers.append(router.name if router else None)
         if compute_gate_on_attention and router is not None:
             moved = ancestors([router]) & set(ffn_nodes)
+            # a region op's other outputs go with it (a tuple never crosses the cut)
+            moved |= {u for m in moved if body_of(m) is not None for u in m.users if u.target is operator.getitem}
             for n in moved:
                 roles[n] = replace(roles[n], role=Role.ATTENTION, router=(n is router))
     if compute_gate_on_attention and not any(routers):

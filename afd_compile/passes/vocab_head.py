@@ -27,7 +27,8 @@ from .. import ops as afd_ops  # noqa: F401  (registers torch.ops.afd)
 from ..comm import GROUP_ATTN_TP
 from ..scatter import DistState, ScatterMode, TPLayout, Transition, transition
 from .graph_utils import get_attr_path, set_attr_path
-from .roles import LINEAR_OPS, role_of
+from .op_kinds import LINEAR_OPS
+from .roles import role_of
 from .shard import ShardError, projection
 
 META_DIST = "afd.dist"

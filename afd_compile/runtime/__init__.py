@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from .dist import (
     LaunchError,
+    PeerRefused,
+    agree,
     check_launch,
     control_group,
     free_port,
@@ -53,14 +55,15 @@ from .protocol import (
     finish,
     send_control,
     shutdown,
+    step_failed,
     tell_failed,
 )
 
 __all__ = [
-    "LaunchError", "TPRank", "check_launch", "report_launch_error",
+    "LaunchError", "PeerRefused", "agree", "TPRank", "check_launch", "report_launch_error",
     "LOCAL_PROCESS_BYTES", "LOCAL_PROCESS_LIMIT_RULE", "PEER_GONE", "SERVE_AT_SHUTDOWN", "STOP", "FAILED", "WORKER_PRELOAD",
     "WORKER_PRELOAD_IF_IMPORTED", "AttentionWorker", "ControlError", "FFNWorker", "GroupSlice", "LauncherFailure",
     "RankFailure", "RunFault", "TokenCount", "dp_step_counts", "finish", "free_port", "init_distributed",
-    "max_local_processes", "process_group", "control_group", "progress", "run_local", "send_control", "shutdown", "tell_failed",
+    "max_local_processes", "process_group", "control_group", "progress", "run_local", "send_control", "shutdown", "step_failed", "tell_failed",
     "tp_groups", "register_tp_groups", "group_key",
 ]

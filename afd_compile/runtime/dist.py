@@ -173,3 +173,43 @@ def register_tp_groups(groups: dict, layout: TPLayout, rank: int) -> None:
     register_group(GROUP_TP, groups[("tp", layout.tp)])
     register_group(GROUP_ATTN_TP, groups[("attn", layout.attn_tp_group(rank))])
     register_group(GROUP_TP_CONTROL, groups.get(("control", layout.tp), groups[("tp", layout.tp)]))
+
+
+class PeerRefused(AFDCompileError):
+    """Another rank refused what every rank was building (its line, naming it): this rank stops
+    too, at once, instead of waiting on that rank in a collective until the timeout."""
+
+
+#: how often :func:`agree` looks at the store while it waits
+_AGREE_POLL_S = 0.05
+
+
+def agree(tag: str, refusal: str | None, timeout_s: float) -> None:
+    """Every rank of the world posts its outcome of ``tag`` (None: built; else its refusal's
+    line) to the process group's store, then (when it built) waits for every other rank's: a
+    refusal of any rank is raised here as :class:`PeerRefused` naming that rank and its line, on
+    every rank, before any of them makes a process group the refusing rank would never join. A
+    rank not heard from within ``timeout_s`` is an error naming it. Every rank calls it with the
+    same ``tag`` once (a refusing rank posts and returns: it raises its own error)."""
+    import time
+
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store.set(f"afd/agree/{tag}/{rank}", "ok" if refusal is None else "refused:" + refusal)
+    if refusal is not None:
+        return
+    pending, end = [r for r in range(world) if r != rank], time.monotonic() + timeout_s
+    while pending:
+        for r in list(pending):
+            key = f"afd/agree/{tag}/{r}"
+            if not store.check([key]):
+                continue
+            value = store.get(key).decode()
+            if value.startswith("refused:"):
+                raise PeerRefused(f"rank {r} refused it ({value[len('refused:'):]}); rank {rank} stops too")
+            pending.remove(r)
+        if pending:
+            if time.monotonic() > end:
+                raise PeerRefused(f"ranks {pending} did not report within {timeout_s:.0f}s whether they built their "
+                                  f"programs ({tag}); rank {rank} stops")
+            time.sleep(_AGREE_POLL_S)

@@ -92,7 +92,9 @@ def shutdown(sync: bool = True) -> None:
 _FAILED_STEP: str | None = None
 
 
-def _step_failed(what: str) -> None:
+def step_failed(what: str) -> None:
+    """Record that a step (or the build of this rank's program) failed on this process: a later
+    ``stop()`` / ``shutdown()`` exchanges nothing with the peers, who may never arrive."""
     global _FAILED_STEP
     if _FAILED_STEP is None:
         _FAILED_STEP = what
@@ -175,7 +177,7 @@ class AttentionWorker:
         try:
             return self._step(*inputs)
         except BaseException as e:
-            _step_failed(f"attention step: {type(e).__name__}: {e}")
+            step_failed(f"attention step: {type(e).__name__}: {e}")
             tell_failed(self.comm)
             raise
 
@@ -363,7 +365,7 @@ class FFNWorker:
         try:
             return self._serve_one(on_step)
         except BaseException as e:
-            _step_failed(f"FFN step: {type(e).__name__}: {e}")
+            step_failed(f"FFN step: {type(e).__name__}: {e}")
             raise
 
     def _serve_one(self, on_step: Callable[[tuple[int, ...]], None] | None = None) -> tuple[int, ...] | None:

@@ -28,7 +28,8 @@ import torch.fx as fx
 
 from ... import moe as _moe  # noqa: F401  (registers afd::moe_experts)
 from ..graph_utils import writes_first_arg
-from ..roles import LINEAR_OPS, PASSTHROUGH_OPS, ancestors, descendants
+from ..op_kinds import LINEAR_OPS, PASSTHROUGH_OPS
+from ..roles import ancestors, descendants
 from ..symbolic import sym_expr
 
 aten = torch.ops.aten

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from ..graph_utils import get_attr_path
-from ..roles import LINEAR_OPS, SDPA_OPS
+from ..op_kinds import LINEAR_OPS, SDPA_OPS
 from ..symbolic import sym_expr
 from .projections import Block, out_features, projection
 from .rules import (

@@ -7,7 +7,8 @@ import torch
 import torch.fx as fx
 
 from ..graph_utils import attention_output, layers_of, reads_weight
-from ..roles import LINEAR_OPS, SDPA_OPS, Role, is_attention_op, role_of
+from ..op_kinds import LINEAR_OPS, SDPA_OPS
+from ..roles import Role, is_attention_op, role_of
 from ..symbolic import sym_expr
 from .apply import one_slice_per_weight, shard_pair
 from .pairing import check_linear_path, column_row_pairs
@@ -101,7 +102,7 @@ def shard_mlp(gm: fx.GraphModule, members: list[fx.Node], out: fx.Node, parts: i
     column/row pair of projections, each ``afd::moe_experts`` op (a pair in one node). Returns
     the node whose value is the pending partial sum to settle: the down projection itself when it
     is the block's only pair and its output, else ``out`` (everything between checked linear)."""
-    from ..roles import find_router
+    from ..router import find_router
 
     region = set(members)
     router = find_router(members)
@@ -137,7 +138,7 @@ def _attention_heads(attn: fx.Node) -> int | None:
 
 
 def _producer_linear(out: fx.Node, members: set) -> fx.Node | None:
-    from ..roles import PASSTHROUGH_OPS
+    from ..op_kinds import PASSTHROUGH_OPS
 
     n = out
     while n in members:
