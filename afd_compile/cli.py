@@ -35,6 +35,7 @@ from .plan_view import (
     moe_lines,
     moe_records,
     plan_table,
+    print_passes,
     stage_schedule,
     stage_text,
     unpacked_lines,
@@ -42,6 +43,10 @@ from .plan_view import (
 from .saved import MARKER
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
+
+PASSES_HELP = ("print, instead of the plan, the pass pipeline each rank kind of the layout runs on DEVICE (default "
+               "cuda), in order: its portable stage (what rewrite writes and verify checks) and its lowering (what "
+               "the backend runs on top); decided by the layout and options, not the model, which is not loaded")
 
 
 def _layout(args: argparse.Namespace, required: bool) -> AFDLayout | None:
@@ -173,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
     out.add_argument("--mermaid", type=mermaid_flag, nargs="?", const=0, metavar="LAYER|ranks", help=MERMAID_HELP)
+    p.add_argument("--passes", nargs="?", const="cuda", choices=("cpu", "cuda"), metavar="DEVICE", help=PASSES_HELP)
     p.add_argument("--shards", action="store_true", help="with --tp: list every sharding record of rank 0's "
                    "program (each weight split column/row-parallel and its blocks, KV cache states, tensors "
                    "read in slices, biases kept on one rank, means all-reduced, size arguments divided); "
@@ -216,32 +222,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "default"):
+    from .deploy import plan_afd
     from .passes.roles import POLICIES
-    from .programs import fresh_module, load_program
-    from .split_api import SplitConfig, split
+    from .programs import load_program
+    from .split_api import SplitConfig
 
     ep = load_program(model)
     config = SplitConfig(compute_gate_on_attention=gate, policy=POLICIES[policy], graph_name=model)
-    result = split(fresh_module(ep), config, layout=layout)  # inputs flat, in the program's order
-    if layout is not None and layout.attn_tp > 1:  # the first attention rank's program: refused here, not on a rank
-        from .deploy import attention_tp_program
-
-        attention_tp_program(fresh_module(ep), result, layout, 0, config, None)
-    return ep, result
+    return ep, plan_afd(ep, layout, config)
 
 
 def _tp_graph(args: argparse.Namespace):
     """The TP layout from the flags, the model's graph with roles annotated, and the program."""
-    from .passes.prepare import prepare_graph
+    from .deploy import prepare_tp_graph
     from .passes.roles import POLICIES
     from .programs import load_program, positional_module
     from .scatter import TPLayout
+    from .split_api import SplitConfig
 
     layout = TPLayout(args.tp, 1 if args.attn_dp is None else args.attn_dp, moe_a2a=args.moe_a2a,
                       dense_dp=args.dense_dp, vocab_parallel=args.vocab_parallel)
     ep = load_program(args.model)
     gm = positional_module(ep)
-    prepare_graph(gm, POLICIES[args.policy], graph_name=args.model, strict=True)
+    prepare_tp_graph(gm, SplitConfig(policy=POLICIES[args.policy], graph_name=args.model))
     return layout, gm, ep
 
 
@@ -312,6 +315,8 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.passes is not None:
+        return print_passes(args, _layout(args, required=False))
     if args.tp is not None:
         return cmd_plan_tp(args)
     layout = _layout(args, required=False)

@@ -31,6 +31,7 @@ from .passes.stages import (
     static_rows,
 )
 from .passes.symbolic import sym_expr
+from .pipeline import Build, passes_for
 from .runtime import (
     AttentionWorker,
     FFNWorker,
@@ -45,6 +46,9 @@ from .scatter import TPLayout
 from .split_api import SplitConfig, split_graph_module
 
 if TYPE_CHECKING:
+    from .passes.ffn_tp import FFNTPProgram
+    from .passes.moe import MoERecord
+    from .passes.split import SplitResult
     from .passes.tp_rewrite import TPProgram
 
 #: token buckets are on by default (a serving user should not have to know)
@@ -142,6 +146,48 @@ def build_rank(gm: fx.GraphModule, layout: AFDLayout | TPLayout, rank: int, conf
     return RankProgram(rank, "ffn" if isinstance(worker, FFNWorker) else "attention", worker=worker)
 
 
+def plan_afd(ep: torch.export.ExportedProgram, layout: AFDLayout | None, config: SplitConfig) -> SplitResult:
+    """What ``plan`` / ``rewrite`` / ``verify`` build before anything runs: the split of ``ep``
+    (its inputs flat, in the program's order) for ``layout``, and the first attention rank's TP
+    program where the layout has attention TP groups, so a layout the model cannot take is
+    refused here, not on a rank."""
+    from .programs import fresh_module
+
+    result = split_graph_module(fresh_module(ep), config, layout=layout)
+    if layout is not None and layout.attn_tp > 1:
+        attention_tp_program(fresh_module(ep), result, layout, 0, config, None)
+    return result
+
+
+def ffn_group_check(result: SplitResult, layout: AFDLayout) -> FFNTPProgram:
+    """The FFN program of group rank 0 of ``layout``'s FFN TP / EP groups, built on a copy (a
+    layout the MLP cannot take is refused here, before anything runs)."""
+    from .passes.ffn_tp import ffn_group_program
+    from .passes.graph_utils import copy_graph_module
+
+    return ffn_group_program(copy_graph_module(result.ffn)[0], layout.ffn_tp, layout.ffn_ep, 0)
+
+
+def prepare_tp_graph(gm: fx.GraphModule, config: SplitConfig) -> None:
+    """``gm`` ready for any rank of a TP layout, in place (the portable stage's first passes: MoE
+    recognised strictly, grouped projections unpacked, roles): then
+    ``tp_rank_program(..., prepared=True)`` per rank."""
+    from .passes.prepare import prepare_graph
+
+    prepare_graph(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
+                  graph_name=config.graph_name, strict=True)
+
+
+def no_layout_program(gm: fx.GraphModule, build: Build) -> list[MoERecord]:
+    """A process with no layout: the portable stage of its pipeline on ``gm``, in place (the MoE
+    recognition where ``build`` says, else nothing); the blocks' records."""
+    from .passes.moe import recognise_moe
+
+    if build.kind != "none":
+        raise ValueError(f"no_layout_program: a {build.kind} build has a layout")
+    return recognise_moe(gm) if any(p.name == "recognise_moe" for p in passes_for(build, "portable")) else []
+
+
 def tp_rank_program(gm: fx.GraphModule, layout: TPLayout, rank: int, config: SplitConfig | None = None, *,
                     prepared: bool = False, fuse_norm: bool = True, graph_name: str | None = None) -> TPProgram:
     """Rank ``rank`` of a TP layout: ``gm``'s MoE blocks recognised (strictly: TP shards the
@@ -150,15 +196,13 @@ def tp_rank_program(gm: fx.GraphModule, layout: TPLayout, rank: int, config: Spl
     ``graph_name``: the name messages give the graph (default: the config's)."""
     import dataclasses
 
-    from .passes.prepare import prepare_graph
     from .passes.tp_rewrite import shard_for_rank
 
     config = config or SplitConfig()
     if graph_name is not None:
         config = dataclasses.replace(config, graph_name=graph_name)
     if not prepared:
-        prepare_graph(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
-                      graph_name=config.graph_name, strict=True)
+        prepare_tp_graph(gm, config)
     return shard_for_rank(gm, layout, rank, graph_name=config.graph_name, fuse_norm=fuse_norm)
 
 

@@ -65,10 +65,9 @@ def ffn_tp_line(result, layout: AFDLayout | None) -> str | None:
     here, before anything runs), in one line."""
     if layout is None or layout.ffn_group_size == 1:
         return None
-    from .passes.ffn_tp import ffn_group_program
-    from .passes.graph_utils import copy_graph_module
+    from .deploy import ffn_group_check
 
-    prog = ffn_group_program(copy_graph_module(result.ffn)[0], layout.ffn_tp, layout.ffn_ep, 0)
+    prog = ffn_group_check(result, layout)
     return f"ffn {prog.kind}: groups {[list(g) for g in layout.ffn_groups()]}; {prog}"
 
 
@@ -149,3 +148,27 @@ def stage_text(stages: dict) -> str:
         *([] if stages["static_batch"] is None else [
             f"static batch {stages['static_batch']} (a static KV cache): fixed micro-batches of "
             f"{stages['static_rows']} sequences, each reading and writing its own cache rows"])])
+
+
+def print_passes(args: object, layout: AFDLayout | None) -> int:
+    """``plan --passes [DEVICE]``: the pass pipeline of each rank kind of the flags' layout
+    (``afd_compile.pipeline``), as a table or (``--json``) records. The model is not loaded: the
+    lists follow from the layout and options alone; a missing file is still an error."""
+    import json
+    import os
+
+    from .cli_checks import UsageError
+    from .pipeline import builds_for, pipeline_json, pipeline_table
+    from .scatter import TPLayout
+
+    if getattr(args, "mermaid", None) is not None:
+        raise UsageError("--passes prints the pass lists, --mermaid a picture of the plan: give one of them")
+    if not os.path.isfile(args.model):  # type: ignore[attr-defined]
+        what = "is not a file" if os.path.exists(args.model) else "no such file"  # type: ignore[attr-defined]
+        raise UsageError(f"{args.model}: {what}")  # type: ignore[attr-defined]
+    if getattr(args, "tp", None) is not None:
+        layout = TPLayout(args.tp, args.attn_dp or 1, moe_a2a=args.moe_a2a, dense_dp=args.dense_dp,  # type: ignore[attr-defined]
+                          vocab_parallel=args.vocab_parallel)  # type: ignore[attr-defined]
+    builds = builds_for(layout, args.passes, args.stages)  # type: ignore[attr-defined]
+    print(json.dumps(pipeline_json(builds), indent=2) if args.json else pipeline_table(builds))  # type: ignore[attr-defined]
+    return 0

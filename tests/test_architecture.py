@@ -103,11 +103,11 @@ _imports_cache = _imports()
 def test_the_cache_id_follows_the_source(tmp_path, monkeypatch):
     import shutil
 
-    from afd_compile.backend import compiled as backend
+    from afd_compile import pipeline as backend  # (the backend's cache id: pipeline.pipeline_id)
 
     copy = tmp_path / "afd_compile"
     shutil.copytree(PKG, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(backend, "__file__", str(copy / "backend" / "compiled.py"))
+    monkeypatch.setattr(backend, "__file__", str(copy / "pipeline.py"))
     backend.source_id.cache_clear()
     before = backend.source_id()
     (copy / "passes" / "split.py").write_text((copy / "passes" / "split.py").read_text() + "\n# changed\n")
@@ -223,6 +223,39 @@ def test_the_runtime_imports_no_pass_and_composes_nothing():
     bad = [(m, t) for m, deps in _imports_cache.items() if m.startswith("afd_compile.runtime")
            for t, _ in deps if t.startswith(("afd_compile.passes", "afd_compile.deploy", "afd_compile.split_api"))]
     assert not bad, bad
+
+
+#: the modules a user calls (the command line, the printed plan, verify, the backend, the runtime):
+#: they take their programs from afd_compile.deploy and afd_compile.pipeline, never from a pass
+ENTRY_POINTS = ("afd_compile.cli", "afd_compile.cli_checks", "afd_compile.plan_view", "afd_compile.figures",
+                "afd_compile.verify", "afd_compile.verify_inputs", "afd_compile.backend", "afd_compile.runtime")
+#: what an entry point may read from afd_compile.passes: records' keys, errors, role policies and
+#: helpers that read a graph (none of them rewrites one)
+READ_FROM_PASSES = {
+    "afd_compile.passes.roles": {"POLICIES", "META_KEY", "FusedLayerError", "NoStructureError"},
+    "afd_compile.passes.graph_utils": {"batch_symbol_dims", "cache_length", "written_attrs", "state_bytes",
+                                       "aliases_first_arg", "writes_first_arg", "get_attr_path", "set_attr_path"},
+    "afd_compile.passes.pipeline": {"timings_table"},
+    "afd_compile.passes.moe": {"RECORDS_KEY"},
+    "afd_compile.passes.grouped_qkv": {"RECORDS_KEY"},
+    "afd_compile.passes.stages": {"static_batch", "static_rows"},
+    "afd_compile.passes.tp_rewrite": {"check_any_token_total"},
+}
+
+
+def test_entry_points_import_no_rewriting_pass():
+    # issue 51: what a rank runs, and through which passes, has one answer (deploy + pipeline);
+    # an entry point that imported a rewriting pass would compose programs of its own
+    bad = []
+    for m, deps in _imports_cache.items():
+        if not m.startswith(ENTRY_POINTS):
+            continue
+        for t, names in deps:
+            if not t.startswith("afd_compile.passes"):
+                continue
+            allowed = READ_FROM_PASSES.get(t, set())
+            bad += [(m, t, n) for n in (names or ["(the module)"]) if n not in allowed]
+    assert not bad, f"entry points importing passes: {bad}"
 
 
 #: the functions that compose a rank's program out of passes, and the modules allowed to call them:

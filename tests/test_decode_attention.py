@@ -94,7 +94,8 @@ def test_sdpa_without_a_cache_or_a_boolean_mask_is_left_with_a_reason():
 
 
 def test_the_backend_option_is_checked_and_auto_replaces_on_cuda_only(llama_graphs):
-    from afd_compile.backend import BackendOptionError, BackendOptions, _decode_attention
+    from afd_compile.backend import BackendOptionError, BackendOptions
+    from afd_compile.pipeline import Build, lower
 
     assert BackendOptions.parse(None).decode_attention == "auto"
     assert BackendOptions.parse({"decode_attention": "flex"}).decode_attention == "flex"
@@ -103,7 +104,8 @@ def test_the_backend_option_is_checked_and_auto_replaces_on_cuda_only(llama_grap
         BackendOptions.parse({"decode_attention": "paged"})
     for value, device, replaced in [("auto", "cuda", 2), ("auto", "cpu", 0), ("flex", "cpu", 2), ("sdpa", "cuda", 0)]:
         decode = llama_graphs[1].module()  # (the pass only rewrites the graph: no GPU needed)
-        _decode_attention(decode, BackendOptions.parse({"decode_attention": value}), "t", torch.device(device))
+        lower(decode, Build("afd-attention", device=device, inductor=False,
+                            decode_attention=BackendOptions.parse({"decode_attention": value}).decode_attention))
         assert [n.target for n in decode.graph.nodes].count(OP) == replaced, (value, device)
 
 

@@ -91,6 +91,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import AFDCompileError
+from ..pipeline import Build, lower
 from .agreement import agree_first, begin_first, refused_first
 from .compiled import (
     HOST_SYNC_OPS,
@@ -108,47 +109,33 @@ from .options import BackendOptionError, BackendOptions, check_options
 log = logging.getLogger("afd_compile.backend")
 
 
-def _router_topk(program: fx.GraphModule, name: str, device: torch.device) -> None:
-    """On CUDA, an MoE router's top-k as the small kernel (``passes/moe/topk.py``), logged."""
-    if device.type != "cuda":
-        return
-    from ..passes.moe.topk import use_router_topk
-
-    done = use_router_topk(program)
-    if done:
-        log.info("afd: %s: %d router top-k as afd::router_topk", name, len(done))
-
-
-def _lower_ffn(program: fx.GraphModule, name: str, device: torch.device) -> None:
-    """An FFN program as the backend runs it: the router top-k's kernel on CUDA, each send with
-    the receive after it as one op (passes/fuse_exchange.py), and every receive into buffers the
-    program allocates (passes/recv_into.py: a piece between the exchange ops reads tensors, not
-    an op's list), logged."""
-    from ..passes.fuse_exchange import fuse_send_recv
-    from ..passes.recv_into import receive_into_buffers
-
-    _router_topk(program, name, device)
-    fused = fuse_send_recv(program)
-    STATS["exchanges_fused"] += len(fused)
-    into = receive_into_buffers(program)
-    log.info("afd: %s: %d send/receive pairs as one op each (one batched call), %d receives into buffers", name,
-             len(fused), len(into))
+def _lower(program: fx.GraphModule, build: Build, name: str) -> dict[str, Any]:
+    """``program``'s lowering stage (``afd_compile.pipeline``: what the backend runs on top of the
+    portable programs for its device and options), in place, each pass's record logged."""
+    records = lower(program, build)
+    for pass_name, record in records.items():
+        if pass_name == "router_topk" and record:
+            log.info("afd: %s: %d router top-k as afd::router_topk", name, len(record))
+        elif pass_name == "replace_decode_attention" and record:
+            done = sum(r.replaced for r in record)
+            left = sorted({r.why for r in record if not r.replaced})
+            log.info("afd: %s: decode attention: %d of %d SDPA over the KV cache run as FlexAttention%s", name, done,
+                     len(record), f" (left: {'; '.join(left)})" if left else "")
+        elif pass_name == "fuse_send_recv":
+            STATS["exchanges_fused"] += len(record)
+            log.info("afd: %s: %d send/receive pairs as one op each (one batched call)", name, len(record))
+        elif pass_name == "receive_into_buffers":
+            log.info("afd: %s: %d receives into buffers", name, len(record))
+        elif pass_name == "hold_local_states":
+            for held in record:
+                log.info("afd: %s: KV cache %s", name, held)
+    return records
 
 
-def _decode_attention(program: fx.GraphModule, opts: BackendOptions, name: str, device: torch.device) -> None:
-    """The decode-attention pass on a rank's program (option ``decode_attention``: "flex", or
-    "auto" on CUDA), logged; and the router top-k's kernel on CUDA."""
-    _router_topk(program, name, device)
-    if not (opts.decode_attention == "flex" or opts.decode_attention == "auto" and device.type == "cuda"):
-        return
-    from ..passes.decode_attention import replace_decode_attention
-
-    records = replace_decode_attention(program)
-    if records:
-        done = sum(r.replaced for r in records)
-        left = sorted({r.why for r in records if not r.replaced})
-        log.info("afd: %s: decode attention: %d of %d SDPA over the KV cache run as FlexAttention%s", name, done,
-                 len(records), f" (left: {'; '.join(left)})" if left else "")
+def _build(kind: str, opts: BackendOptions, device: torch.device, **facts: Any) -> Build:
+    """What decides the passes of this rank's pipeline, from the options and the device."""
+    return Build(kind, device=device.type, stages=opts.stages, decode_attention=opts.decode_attention,
+                 inductor=opts.inductor, **facts)
 
 
 def _no_layout(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable[..., Any]:
@@ -281,17 +268,17 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
             "sequence are >= 2 (dynamo specialises dims of size 0 and 1)")
     static = [lifted.user_positions.index(p) for p in lifted.static_positions]  # as program inputs
     if opts.mode == "none":  # one process: only the MoE-recognition and decode-attention passes
-        prog = ep.module().to(device)
-        if _moe_op(opts, device):
-            from ..passes.moe import recognise_moe
+        from ..deploy import no_layout_program
 
-            records = recognise_moe(prog)
-            for rec in records:
-                log.info("afd: one process: %s", rec)
-            if opts.decode_attention != "flex" and not any(r.op for r in records):
-                return None, lifted
-        _decode_attention(prog, opts, "one process", device)
-        one = PerLayout(prog, key, opts.inductor, cudagraphs, "one process", static)
+        prog = ep.module().to(device)
+        build = _build("none", opts, device, moe_op=_moe_op(opts, device))
+        records = no_layout_program(prog, build)
+        for rec in records:
+            log.info("afd: one process: %s", rec)
+        if build.moe_op and opts.decode_attention != "flex" and not any(r.op for r in records):
+            return None, lifted
+        _lower(prog, build, "one process")
+        one = PerLayout(prog, key, opts.inductor, cudagraphs, "one process", static, build=build)
         run = lambda *x: one(tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)), *x)  # noqa: E731
     else:
         from ..passes.roles import FusedLayerError, NoStructureError
@@ -340,7 +327,6 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
                examples: Sequence[Any] = ()) -> Callable[..., Any]:
     from ..comm import GROUP_ATTN_TP, GROUP_TP
     from ..deploy import tp_rank_program
-    from ..passes.local_state import hold_local_states
     from ..passes.roles import POLICIES
     from ..passes.tp_rewrite import check_any_token_total
     from ..runtime import dp_step_counts, register_tp_groups, tp_groups
@@ -362,12 +348,10 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     prog = tp.program.to(device)
     if layout.attn_dp > 1:
         check_any_token_total(prog, list(examples), f"rank {rank}")
-    held = hold_local_states(prog, [s.node for s in tp.shards.states])  # the rank's heads only
-    for h in held:
-        log.info("afd: rank %d: KV cache %s", rank, h)
-    _decode_attention(prog, opts, f"rank {rank} tp", device)
+    build = _build("tp", opts, device, attn_dp=layout.attn_dp, states=tuple(s.node for s in tp.shards.states))
+    held = _lower(prog, build, f"rank {rank} tp").get("hold_local_states", ())  # the rank's heads only
     log.info("afd: rank %d: %s program in %.1fs", rank, layout, time.perf_counter() - t0)
-    compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp", static)
+    compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp", static, build=build)
 
     def run(*user: torch.Tensor) -> Any:
         shapes = tuple(tuple(x.shape) for x in user)
@@ -413,11 +397,12 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
                          stages=opts.stages, symm_mem=opts.symm_mem, buckets=opts.token_buckets,
                          before_groups=before_groups)
     if isinstance(worker, AttentionWorker):
-        _decode_attention(worker.program, opts, f"rank {rank} attention", device)
         worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called
+        build = _build("afd-attention", opts, device, attn_tp=layout.attn_tp)
 
         def wrap(prog: fx.GraphModule) -> Callable[..., Any]:  # one compiled program per input shapes
-            compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} attention", static)
+            _lower(prog, build, f"rank {rank} attention")  # (every stage count's program alike)
+            compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} attention", static, build=build)
             return lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)
 
         worker.wrap = wrap
@@ -425,11 +410,12 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     from ..runtime import SERVE_AT_SHUTDOWN
 
     SERVE_AT_SHUTDOWN.append(worker)  # runtime.shutdown() hears the peers stop
-    _lower_ffn(worker.program, f"rank {rank} ffn", device)
+    build = _build("afd-ffn", opts, device, ffn_group=layout.ffn_group_size, fan_in=max(layout.block_sizes()))
+    _lower(worker.program, build, f"rank {rank} ffn")
     eager = ffn_step_ops() if opts.ffn_capture == "compute" else ()
     by_step = opts.ffn_capture == "all"
     compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn", eager_ops=eager,
-                             step_graphs=by_step)
+                             step_graphs=by_step, build=build)
     if compiled_ffn.eager_ops:
         log.info("afd: rank %d ffn: the exchange with the attention peers (and the FFN group's collectives) runs "
                  "between CUDA graphs: one captured program per bucket of rows, its pieces replayed and the exchange "
@@ -441,9 +427,9 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     worker.run_program = lambda counts, *slots: compiled_ffn(ffn_key(compiled_ffn, worker, slots), *slots)  # type: ignore[attr-defined]
 
     def wrap_ffn(prog: fx.GraphModule) -> Callable[..., Any]:
-        _lower_ffn(prog, f"rank {rank} ffn", device)
+        _lower(prog, build, f"rank {rank} ffn")
         compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} ffn", eager_ops=eager,
-                             step_graphs=by_step)
+                             step_graphs=by_step, build=build)
         return lambda *slots: compiled(ffn_key(compiled, worker, slots), *slots)
 
     worker.wrap = wrap_ffn

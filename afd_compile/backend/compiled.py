@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import logging
 import os
@@ -18,25 +17,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..pipeline import Build, lower, pipeline_id, source_id
 from .options import BackendOptionError, BackendOptions
 
 log = logging.getLogger("afd_compile.backend")
-
-
-@functools.cache
-def source_id() -> str:
-    """A hash of afd-compile's own source (every module of the package): part of the Inductor
-    cache key, so a change to any pass, op or rule invalidates cached programs by itself (no
-    hand-bumped version string)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package, above backend/
-    h = hashlib.sha256()
-    for dirpath, _, files in sorted(os.walk(root)):
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(dirpath, name)
-            h.update(os.path.relpath(path, root).encode())
-            with open(path, "rb") as f:
-                h.update(f.read())
-    return h.hexdigest()[:16]
 
 
 #: counters of this process: graphs compiled per layout, calls, layouts seen
@@ -165,8 +149,11 @@ class PerLayout:
 
     def __init__(self, program: fx.GraphModule, cache_key: str, inductor: bool, cudagraphs: bool | None,
                  name: str, static: Sequence[int] = (), eager_ops: Sequence[str] = (),
-                 step_graphs: bool = False) -> None:
+                 step_graphs: bool = False, build: Build | None = None) -> None:
         self.program = program
+        #: the pipeline the program was built by: what of its lowering is left runs at the first
+        #: compile (a program built elsewhere: the Inductor lowering alone)
+        self.build = build or Build("none", inductor=inductor)
         self.static = tuple(static)  # program inputs at fixed addresses (a KV cache): static for AOT / CUDA graphs
         self.cache_key = cache_key
         self.inductor = inductor
@@ -237,11 +224,7 @@ class PerLayout:
     def _compile(self, inputs: Sequence[Any]) -> Callable[..., Any]:
         if not self.inductor:
             return self.program
-        from ..passes.fuse_norm import lower_for_inductor
-        from ..passes.tp_rewrite import drop_export_guards
-
-        drop_export_guards(self.program)
-        lower_for_inductor(self.program)  # Inductor fuses each junction's add + RMSNorm into one kernel
+        lower(self.program, self.build)  # (its Inductor lowering: each junction's add + RMSNorm then one kernel)
         for n in list(self.program.graph.nodes):  # bound to symbols of the shape env that traced it, not the
             n.meta.pop("unbacked_bindings", None)  # compile's: data-dependent sizes are bound afresh
             if n.target == torch.ops.aten._assert_tensor_metadata.default and not n.users:
@@ -256,7 +239,7 @@ class PerLayout:
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         t0 = time.perf_counter()
-        patches = {"post_grad_custom_post_pass": _custom_pass(self.cache_key),
+        patches = {"post_grad_custom_post_pass": _custom_pass(f"{self.cache_key}/{pipeline_id(self.build)}"),
                    "triton.cudagraphs": self.cudagraphs and not self.step_graphs}
         if self.eager_ops:  # (pieces between them captured apart; torch >= 2.9 has the option)
             patches |= {"graph_partition": True, "custom_should_partition_ops": list(self.eager_ops)}

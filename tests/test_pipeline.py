@@ -1,0 +1,157 @@
+"""The pass pipeline of each rank kind (afd_compile/pipeline.py, issue 51).
+
+Three layers: which passes a build runs, as a table; the declared lists are what the code runs
+(the passes each build times, in order, and the lowering the backend applies); ``plan --passes``
+prints them (golden).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from afd_compile.pipeline import (
+    LOWERED_KEY,
+    PIPELINES,
+    RANK_KINDS,
+    Build,
+    lower,
+    passes_for,
+    pipeline_id,
+)
+
+
+def _names(build: Build, stage: str | None = None) -> list[str]:
+    return [p.name for p in passes_for(build, stage)]
+
+
+@pytest.mark.parametrize(
+    ("build", "lowering"),
+    [
+        (Build("afd-attention"), ["drop_export_guards", "lower_for_inductor"]),
+        (Build("afd-attention", device="cuda"),
+         ["router_topk", "replace_decode_attention", "drop_export_guards", "lower_for_inductor"]),
+        (Build("afd-attention", decode_attention="flex", inductor=False), ["replace_decode_attention"]),
+        (Build("afd-attention", device="cuda", decode_attention="sdpa"),
+         ["router_topk", "drop_export_guards", "lower_for_inductor"]),
+        (Build("afd-ffn"), ["fuse_send_recv", "receive_into_buffers", "drop_export_guards", "lower_for_inductor"]),
+        (Build("afd-ffn", device="cuda", inductor=False), ["router_topk", "fuse_send_recv", "receive_into_buffers"]),
+        (Build("tp", states=("k_cache",)),
+         ["hold_local_states", "drop_export_guards", "lower_for_inductor"]),
+        (Build("tp", device="cuda"),
+         ["router_topk", "replace_decode_attention", "drop_export_guards", "lower_for_inductor"]),
+        (Build("none", device="cuda"), ["router_topk", "drop_export_guards", "lower_for_inductor"]),
+        (Build("none", decode_attention="flex", inductor=False), ["replace_decode_attention"]),
+    ],
+)
+def test_the_lowering_a_build_runs_follows_from_its_device_and_options(build, lowering):
+    assert _names(build, "lowering") == lowering
+
+
+@pytest.mark.parametrize(
+    ("build", "present", "absent"),
+    [
+        (Build("afd-attention"), ["recognise_moe", "annotate_roles", "plan_split", "verify_schedule"],
+         ["attention_tp_program", "stage_programs", "ffn_tokens_follow_the_carrier"]),
+        (Build("afd-attention", attn_tp=2, stages=2), ["attention_tp_program", "stage_programs"], []),
+        (Build("afd-ffn"), ["build_ffn_program", "verify_schedule"],
+         ["ffn_group_program", "stage_programs", "ffn_tokens_follow_the_carrier"]),
+        (Build("afd-ffn", fan_in=2), ["ffn_tokens_follow_the_carrier"], ["ffn_group_program"]),
+        (Build("afd-ffn", ffn_group=2), ["ffn_tokens_follow_the_carrier", "ffn_group_program"], []),
+        (Build("tp"), ["unpack_grouped_projections", "insert_all_reduces", "fuse_norm"], ["rewrite_dp_attention"]),
+        (Build("tp", attn_dp=2), ["rewrite_dp_attention", "vocab_parallel_head"],
+         ["insert_all_reduces", "fuse_norm"]),
+        (Build("none", moe_op=False), [], ["recognise_moe"]),
+    ],
+)
+def test_the_portable_passes_a_build_runs_follow_from_its_layout(build, present, absent):
+    names = _names(build, "portable")
+    assert all(p in names for p in present), (present, names)
+    assert not any(p in names for p in absent), (absent, names)
+
+
+def test_every_pipeline_is_portable_then_lowering_and_names_each_pass_once():
+    for kind in RANK_KINDS:
+        stages = [p.stage for p in PIPELINES[kind]]
+        assert stages == sorted(stages, key=("portable", "lowering").index), kind
+        names = [p.name for p in PIPELINES[kind]]
+        assert len(names) == len(set(names)), kind
+    with pytest.raises(ValueError, match="kind 'moe' is not one of"):
+        Build("moe")
+
+
+def test_the_pipeline_id_changes_with_the_passes_that_run():
+    assert pipeline_id(Build("afd-ffn")) == pipeline_id(Build("afd-ffn"))
+    assert pipeline_id(Build("afd-ffn")) != pipeline_id(Build("afd-ffn", device="cuda"))
+    assert pipeline_id(Build("afd-ffn")) != pipeline_id(Build("afd-attention"))
+    # (stages add the portable stage_programs)
+    assert pipeline_id(Build("afd-ffn", stages=2)) != pipeline_id(Build("afd-ffn"))
+
+
+def test_the_split_runs_the_declared_portable_passes_in_order(exported):
+    # the names split_graph_module times, in order, are the declared AFD split passes (those that
+    # did something: a dynamic token count leaves ffn_tokens_follow_the_carrier nothing to do)
+    from afd_compile.layout import AFDLayout
+    from afd_compile.split_api import split
+
+    ep = exported("llama2")[0]
+    result = split(ep, layout=AFDLayout(2, 1))
+    declared = _names(Build("afd-ffn", fan_in=2), "portable")
+    timed = list(result.timings)
+    assert timed == [n for n in declared if n in timed], (timed, declared)
+    assert set(declared) - set(timed) <= {"ffn_tokens_follow_the_carrier", "stage_programs", "ffn_group_program"}
+
+
+def test_a_tp_rank_runs_the_declared_portable_passes_in_order(exported):
+    from afd_compile.deploy import tp_rank_program
+    from afd_compile.scatter import TPLayout
+
+    ep = exported("llama2")[0]
+    prog = tp_rank_program(ep.module(), TPLayout(2), 0)
+    declared = _names(Build("tp"), "portable")
+    timed = list(prog.timings)
+    assert timed == [n for n in declared if n in timed], (timed, declared)
+    assert set(declared) - set(timed) == {"recognise_moe", "unpack_grouped_projections", "annotate_roles"}
+
+
+def test_lower_runs_the_ffn_lowering_once_in_place(exported):
+    from afd_compile.ops import LOWERED_OPS
+    from afd_compile.split_api import split
+
+    ffn = split(exported("llama2")[0]).ffn
+    records = lower(ffn, Build("afd-ffn", inductor=False))
+    assert list(records) == ["fuse_send_recv", "receive_into_buffers"]
+    assert len(records["fuse_send_recv"]) == 1  # (2 layers: one send + next receive pair)
+    assert ffn.meta[LOWERED_KEY] == ["fuse_send_recv", "receive_into_buffers"]
+    targets = {n.target for n in ffn.graph.nodes}
+    assert any(op in targets for op in LOWERED_OPS)
+    assert lower(ffn, Build("afd-ffn", inductor=False)) == {}  # (already lowered: nothing runs twice)
+    early = split(exported("llama2")[0]).ffn
+    assert list(lower(early, Build("afd-ffn"), stop_before="drop_export_guards")) == ["fuse_send_recv",
+                                                                                    "receive_into_buffers"]
+    assert list(lower(early, Build("afd-ffn"))) == ["drop_export_guards", "lower_for_inductor"]
+    with pytest.raises(ValueError, match="'fuse_norm' is not a pass of the afd-ffn pipeline"):
+        lower(early, Build("afd-ffn"), stop_before="fuse_norm")
+
+
+def test_plan_passes_prints_each_rank_kinds_pipeline(tmp_path, capsys, check_golden):
+    # the lists follow from the layout and options: the model is not loaded (an empty file will do)
+    import json
+
+    from afd_compile import cli
+
+    model = tmp_path / "m.pt2"
+    model.write_bytes(b"")
+    text = []
+    for argv in (["-A", "4", "-F", "2", "--ffn-tp", "2", "--stages", "2", "--passes"],
+                 ["--tp", "4", "--attn-dp", "2", "--passes", "cpu"], ["--passes"]):
+        assert cli.main(["plan", str(model), *argv]) == 0
+        text.append(f"$ plan m.pt2 {' '.join(argv)}\n{capsys.readouterr().out}")
+    check_golden("plan_passes.txt", "".join(text))
+    assert cli.main(["plan", str(model), "-A", "2", "-F", "1", "--passes", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["kind"] for r in records] == ["afd-attention", "afd-ffn"]
+    ffn = {p["name"]: p for p in records[1]["passes"]}
+    assert ffn["fuse_send_recv"]["stage"] == "lowering" and ffn["fuse_send_recv"]["applies"]
+    assert not ffn["ffn_group_program"]["applies"] and ffn["ffn_tokens_follow_the_carrier"]["applies"]
+    assert cli.main(["plan", str(tmp_path / "missing.pt2"), "--passes"]) == 2
+    assert "missing.pt2: no such file" in capsys.readouterr().err
