@@ -122,6 +122,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets", type=buckets_flag, default="default", metavar="LIST", help=BUCKETS_HELP)
     p.add_argument("--saved", metavar="OUTDIR", help="check the programs `rewrite` wrote into OUTDIR (plan.json and "
                    "each program's sha256 checked; its layout, router side and stages) against MODEL.pt2")
+    p.add_argument("--lowered", action="store_true", help="AFD: run each rank's programs through its pipeline's "
+                   "lowering stage for the CPU (plan --passes cpu: the FFN exchange fused, receives into buffers), "
+                   "as the torch.compile backend runs them, instead of the portable programs rewrite writes")
 
 
 def _version() -> str:
@@ -502,7 +505,7 @@ def cmd_verify_saved(args: argparse.Namespace) -> int:
     return _verdict(lambda: verify_saved(args.model, args.saved, batches=parse_tokens(args.tokens), steps=args.steps, tol=args.tol,
                                          timeout_s=args.timeout, decode_steps=args.decode_steps,
                                          buckets=TokenBuckets.parse(args.buckets), log=print,
-                                         on_progress=_progress(args).rank))
+                                         on_progress=_progress(args).rank, lowered=args.lowered))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -525,7 +528,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                        steps=args.steps, tol=args.tol, policy=args.policy, timeout_s=args.timeout,
                                        decode_steps=args.decode_steps, stages=args.stages,
                                        buckets=TokenBuckets.parse(args.buckets), log=print,
-                                       on_progress=progress.rank, program=ep))
+                                       on_progress=progress.rank, program=ep, lowered=args.lowered))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -29,6 +29,9 @@ def check_mode_flags(args: argparse.Namespace) -> None:
                          "its prefill and the decode steps; give one of them")
     if hasattr(args, "steps") and args.steps is None:
         args.steps = 2
+    if getattr(args, "lowered", False) and getattr(args, "tp", None) is not None:
+        raise UsageError("--lowered runs an AFD layout's lowering stage; a TP rank's lowering on the CPU is its KV "
+                         "cache held as its slice, which only the torch.compile backend runs: drop --lowered")
     if getattr(args, "tp", None) is None:
         given = [flag for dest, flag in _TP_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
         if given:
@@ -56,6 +59,10 @@ def check_saved_flags(args: argparse.Namespace, kind: str) -> None:
     if given:
         raise UsageError(f"--saved {args.saved}: its plan.json gives the layout, the roles (the programs are split "
                          f"already), router side and stages; drop {', '.join(given)}")
+    if args.lowered and kind == "tp":
+        raise UsageError(f"--saved {args.saved}: --lowered runs an AFD layout's lowering stage, and this is a TP "
+                         "folder (its lowering on the CPU, the KV cache held as a rank's slice, only the torch.compile "
+                         "backend runs): drop --lowered")
     if args.buckets != "default" and kind == "tp":
         raise UsageError(f"--saved {args.saved}: a TP folder has no attention-FFN wire, so --buckets "
                          f"{args.buckets} does not apply; drop it")

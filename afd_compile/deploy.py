@@ -9,9 +9,10 @@ worker of :mod:`afd_compile.runtime`, which only runs them.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sympy
 import torch
@@ -31,7 +32,7 @@ from .passes.stages import (
     static_rows,
 )
 from .passes.symbolic import sym_expr
-from .pipeline import Build, passes_for
+from .pipeline import Build, lower, passes_for, record_lines
 from .runtime import (
     AttentionWorker,
     FFNWorker,
@@ -50,6 +51,11 @@ if TYPE_CHECKING:
     from .passes.moe import MoERecord
     from .passes.split import SplitResult
     from .passes.tp_rewrite import TPProgram
+
+log = logging.getLogger("afd_compile.deploy")
+
+#: an AFD worker of either role
+WorkerT = TypeVar("WorkerT", AttentionWorker, FFNWorker)
 
 #: token buckets are on by default (a serving user should not have to know)
 DEFAULT_BUCKETS = TokenBuckets()
@@ -210,7 +216,8 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
                 device: torch.device | None = None, group: dist.ProcessGroup | None = None,
                 check_wire: bool | None = None, stages: int = 1, symm_mem: bool = True,
                 buckets: TokenBuckets | None = DEFAULT_BUCKETS,
-                before_groups: Callable[[], dist.ProcessGroup | None] | None = None) -> AttentionWorker | FFNWorker:
+                before_groups: Callable[[], dist.ProcessGroup | None] | None = None,
+                lowering: Build | None = None) -> AttentionWorker | FFNWorker:
     """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id
     (an attention rank reuses the one registered there when it matches: :func:`communicator_for`).
     ``check_wire``: header checks on every transfer (None: ``AFD_CHECK_WIRE``; see AFDCommunicator).
@@ -222,7 +229,10 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     per exact count; None: exact counts.
     ``before_groups``: called once this rank's programs are split, before any process group is
     made (the backend's agreement of every rank: one that refused its split stops the others
-    here); a group it returns carries the exchange instead of ``group``."""
+    here); a group it returns carries the exchange instead of ``group``.
+    ``lowering``: this rank's build (``afd_compile.pipeline``): every program the worker holds
+    goes through its lowering stage (the backend; ``verify --lowered``); None: the portable
+    programs, as ``rewrite`` writes them."""
     config = config or SplitConfig()
     role, idx = layout.role_of(rank)
     # the layout's fan-in constrains the FFN program only: an attention rank's program may have a
@@ -269,7 +279,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
         built = {stages_built: staged[1]} if stages_built != 1 and size == 1 else {}
         worker.staged = {k: p.to(device) for k, p in staged_programs(ffn, "ffn", stages, batch, built).items()}
         use_ffn_buckets(worker, ffn, buckets)
-        return worker
+        return lower_worker(worker, lowering, rank)
     # one communicator per comm id, shared by every graph of this rank (prefill, decode)
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id,
                             control)
@@ -280,6 +290,17 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     built = {stages_built: staged[0]} if stages_built != 1 else {}
     worker.staged = {k: p.to(device) for k, p in staged_programs(attention, "attention", stages, batch, built).items()}
     use_buckets(worker, buckets)
+    return lower_worker(worker, lowering, rank)
+
+
+def lower_worker(worker: WorkerT, lowering: Build | None, rank: int) -> WorkerT:
+    """Every program ``worker`` holds (the unstaged one and each stage count's) through
+    ``lowering``'s lowering stage (``pipeline.lower``), in place; what each pass did logged."""
+    if lowering is None:
+        return worker
+    for k, prog in [(1, worker.program), *sorted(worker.staged.items())]:
+        for line in record_lines(lower(prog, lowering)):
+            log.info("afd: rank %d %s%s: %s", rank, lowering.kind, f" ({k} stages)" if k > 1 else "", line)
     return worker
 
 
@@ -370,9 +391,10 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
 
 def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = None,
                           buckets: TokenBuckets | None = DEFAULT_BUCKETS,
-                          group: dist.ProcessGroup | None = None) -> AttentionWorker | FFNWorker:
+                          group: dist.ProcessGroup | None = None,
+                          lowering: Build | None = None) -> AttentionWorker | FFNWorker:
     """This rank's worker from the files ``afd-compile rewrite`` wrote (plan.json + role .pt2),
-    exchanging on ``group`` (None: the world). With the process group joined, every rank of the
+    exchanging on ``group`` (None: the world); ``lowering`` as :func:`make_worker`'s. With the process group joined, every rank of the
     world calls it in the same order: the gloo group its control messages travel on beside
     ``group`` is made collectively (runtime.control_group).
 
@@ -404,7 +426,7 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
         ffn_worker = FFNWorker(program, comm, device, stages=stages, static_batch=batch,
                                staged=staged_programs(program, "ffn", stages, batch))
         use_ffn_buckets(ffn_worker, program, buckets)
-        return ffn_worker
+        return lower_worker(ffn_worker, lowering, rank)
     comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),), group, control_group=control)
     register_communicator(comm, comm_id)
     program = load_program(plan.path("attention")).module()
@@ -415,7 +437,7 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
                              batch_dim=_stage_batch_dim(program, stages), static=batch is not None,
                              staged=staged_programs(program, "attention", stages, batch))
     use_buckets(worker, buckets)
-    return worker
+    return lower_worker(worker, lowering, rank)
 
 
 def load_rewritten_rank(outdir: str, rank: int, device: torch.device | None = None,

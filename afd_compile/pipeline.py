@@ -258,26 +258,25 @@ _LOWERING: dict[str, Callable[[fx.GraphModule, Build], Any]] = {
     "drop_export_guards": _drop_guards, "lower_for_inductor": _lower_norms,
 }
 
-#: where a lowered program records that it was lowered (a second lower() is refused)
+#: where a lowered program keeps what each lowering pass did (its record, by pass name)
 LOWERED_KEY = "afd.lowered"
 
 
 def lower(gm: fx.GraphModule, build: Build, stop_before: str | None = None) -> dict[str, Any]:
     """Run ``build``'s lowering stage on ``gm``, in place, in order; each pass's record by name.
     ``stop_before``: a pass name; it and the passes after it are left for a later call. A pass
-    already run on ``gm`` (recorded in ``gm.meta[LOWERED_KEY]``) is not run again."""
+    already run on ``gm`` (its record in ``gm.meta[LOWERED_KEY]``) is not run again."""
     names = [p.name for p in PIPELINES[build.kind]]
     if stop_before is not None and stop_before not in names:
         raise ValueError(f"lower: {stop_before!r} is not a pass of the {build.kind} pipeline")
-    done: list[str] = gm.meta.setdefault(LOWERED_KEY, [])
+    done: dict[str, Any] = gm.meta.setdefault(LOWERED_KEY, {})
     records: dict[str, Any] = {}
     for p in passes_for(build, "lowering"):
         if p.name == stop_before:
             break
         if p.name in done:
             continue
-        records[p.name] = _LOWERING[p.name](gm, build)
-        done.append(p.name)
+        records[p.name] = done[p.name] = _LOWERING[p.name](gm, build)
     return records
 
 
@@ -307,6 +306,28 @@ def pipeline_json(builds: Sequence[Build]) -> list[dict[str, Any]]:
                     "passes": [{"name": p.name, "stage": p.stage, "applies": p in applied, "when": p.when,
                                 "does": p.does, "meta": p.meta} for p in PIPELINES[build.kind]]})
     return out
+
+
+def record_lines(records: dict[str, Any]) -> list[str]:
+    """What each lowering pass of :func:`lower`'s ``records`` did, one line each (the backend and
+    ``verify --lowered`` log them)."""
+    lines = []
+    for name, record in records.items():
+        if name == "router_topk":
+            lines.append(f"{len(record)} router top-k as afd::router_topk")
+        elif name == "replace_decode_attention":
+            left = sorted({r.why for r in record if not r.replaced})
+            lines.append(f"decode attention: {sum(r.replaced for r in record)} of {len(record)} SDPA over the KV "
+                         f"cache run as FlexAttention" + (f" (left: {'; '.join(left)})" if left else ""))
+        elif name == "fuse_send_recv":
+            lines.append(f"{len(record)} send/receive pairs as one op each (one batched call)")
+        elif name == "receive_into_buffers":
+            lines.append(f"{len(record)} receives into buffers")
+        elif name == "hold_local_states":
+            lines += [f"KV cache {held}" for held in record]
+        elif name == "lower_for_inductor":
+            lines.append(f"{record} fused all-reduce + add + RMSNorm lowered for Inductor")
+    return lines
 
 
 def pipeline_table(builds: Sequence[Build]) -> str:

@@ -34,6 +34,7 @@ from .layout import AFDLayout
 from .limits import MAX_STAGES
 from .passes.graph_utils import batch_symbol_dims
 from .passes.roles import POLICIES
+from .pipeline import LOWERED_KEY, builds_for
 from .programs import flat_inputs, fresh_module, load_program, positional_module
 from .runtime import (
     AttentionWorker,
@@ -104,6 +105,7 @@ class Case:
     stages: int = 1  # micro-batches per step (passes/stages.py)
     buckets: TokenBuckets | None = DEFAULT_BUCKETS  # the attention ranks' wire slots (buckets.py); None: exact
     saved: str | None = None  # a folder written by ``afd-compile rewrite`` (AFD): run its programs
+    lowered: bool = False  # each rank's programs through its pipeline's lowering stage (on the CPU)
 
 
 #: programs :func:`preload_programs` loaded in the launcher of a local run, before the ranks
@@ -153,15 +155,21 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
     config = SplitConfig(compute_gate_on_attention=case.gate, policy=POLICIES[case.policy], graph_name=case.path)
     report = progress if rank == case.layout.ffn_ranks else (lambda _text: None)  # the first attention rank
     report(f"{case.layout.world_size} processes up (torch imported, process group formed)")
+    lowering = None
+    if case.lowered:  # (what the backend runs on a CPU rank, its Inductor lowering aside: verify runs FX)
+        attention, ffn = builds_for(case.layout, "cpu", case.stages, inductor=False)
+        lowering = ffn if case.layout.role_of(rank)[0] == "ffn" else attention
     if case.saved is not None:  # what `rewrite` wrote (plan.json and the programs' sha256 checked)
-        worker = load_rewritten_worker(case.saved, rank, buckets=case.buckets, group=group)
+        worker = load_rewritten_worker(case.saved, rank, buckets=case.buckets, group=group, lowering=lowering)
     else:
         worker = make_worker(fresh_module(ep), case.layout, rank, config, group=group, check_wire=True,
-                             stages=case.stages, buckets=case.buckets)
+                             stages=case.stages, buckets=case.buckets, lowering=lowering)
+    lowered = {name: len(r) if isinstance(r, (list, tuple)) else r
+               for name, r in worker.program.meta.get(LOWERED_KEY, {}).items()}
     if not isinstance(worker, AttentionWorker):
         return {"role": "ffn", "steps": worker.serve(), "layouts": sorted(map(repr, worker.layouts)),
                 "carriers": sorted(worker.carriers), "control_reads": worker.control_reads,
-                "device_reads": worker.device_reads}
+                "device_reads": worker.device_reads, "lowered": lowered}
     a = case.layout.role_of(rank)[1] // case.layout.attn_tp  # an attention TP group shares its tokens
     _, dims = batch_symbol_dims(original)
     tally, sizes = Tally(), []
@@ -180,7 +188,7 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
     worker.stop()
     stages = dict(sorted(worker.comm.stage_transfers.items()))
     return {"role": "attention", "batches": sizes, "stage_transfers": stages, "bytes_sent": worker.comm.bytes_sent,
-            **tally.to_json()}
+            "lowered": lowered, **tally.to_json()}
 
 
 def _verify_cases(rank: int, world: int, cases: Sequence[Case]) -> list[dict | None]:
@@ -266,11 +274,14 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = 
                timeout_s: float = DEFAULT_TIMEOUT_S, decode_steps: int = 0, stages: int = 1,
                buckets: TokenBuckets | None = DEFAULT_BUCKETS, log: Callable[[str], None] = lambda s: None,
                on_progress: Callable[[int, str], None] | None = None,
-               program: torch.export.ExportedProgram | None = None, saved: str | None = None) -> VerifyReport:
+               program: torch.export.ExportedProgram | None = None, saved: str | None = None,
+               lowered: bool = False) -> VerifyReport:
     """Verify the AFD split of the ``.pt2`` at ``path``; ``batches`` per attention rank (None:
     default sizes 1, 2, 3, ... when the batch dim is dynamic, the saved example otherwise);
     ``stages`` micro-batches per step (passes/stages.py); ``buckets``: the attention ranks' wire
-    slots (buckets.py; None: exact counts).
+    slots (buckets.py; None: exact counts); ``lowered``: each rank runs its programs through its
+    pipeline's lowering stage for the CPU (``afd_compile.pipeline``: the FFN exchange fused, receives
+    into buffers), as the backend would, instead of the portable programs ``rewrite`` writes.
     ``program``: the program at ``path`` when the caller already loaded it (not loaded again here).
     Raises VerifyInputError (before any process starts) on inputs :func:`check_verify_inputs` refuses."""
     ep = load_program(path) if program is None else program
@@ -300,16 +311,19 @@ def verify_afd(path: str, layout: AFDLayout, *, batches: Sequence[int] | None = 
         log(f"verify: note: batch sizes {few} are under --stages {stages}: those steps run "
             f"{'/'.join(map(str, few))} micro-batch(es), not {stages} (a micro-batch is whole sequences)")
     t = time.perf_counter()
-    case = Case(path, layout, checked.batches, gate, checked.steps, policy, decode_steps, stages, buckets, saved)
+    case = Case(path, layout, checked.batches, gate, checked.steps, policy, decode_steps, stages, buckets, saved,
+                lowered)
     results = run_cases([case], timeout_s=timeout_s, on_progress=on_progress)[0]
     for r in sorted(results):
         res = results[r]
+        ran = (f"; lowered by {', '.join(f'{n} ({k})' for n, k in res['lowered'].items()) or 'no pass'}"
+               if lowered else "")
         if res["role"] == "ffn":
             log(f"  rank {r} ffn: served {res['steps']} steps from peers {list(layout.peers_of_ffn(r))}, "
-                f"{len(res['layouts'])} token layout(s) (one program each once compiled)")
+                f"{len(res['layouts'])} token layout(s) (one program each once compiled){ran}")
         else:
             staged = (f", transfers per stage {res['stage_transfers']}" if stages > 1 else "")
-            log(f"  rank {r} attention: batches {res['batches']} max_rel_err={res['max_rel_err']:.3g}{staged}")
+            log(f"  rank {r} attention: batches {res['batches']} max_rel_err={res['max_rel_err']:.3g}{staged}{ran}")
     return _report(layout, results, checked.tol, time.perf_counter() - t)
 
 
@@ -444,6 +458,9 @@ def verify_saved(path: str, outdir: str, **options: Any) -> VerifyReport:
                               f"layout {layout}, against {path}")
     if plan.kind == "tp":
         options.pop("buckets", None)
+        if options.pop("lowered", False):
+            raise VerifyInputError(f"{outdir}: a TP folder; lowered=True runs an AFD layout's lowering stage (a TP "
+                                   "rank's, its KV cache held as its slice, only the torch.compile backend runs)")
         return verify_tp(path, layout, saved=outdir, **options)
     return verify_afd(path, layout, gate=bool(plan.get("compute_gate_on_attention")), stages=int(plan.get("stages", 1)),
                       saved=outdir, **options)

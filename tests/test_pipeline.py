@@ -121,7 +121,7 @@ def test_lower_runs_the_ffn_lowering_once_in_place(exported):
     records = lower(ffn, Build("afd-ffn", inductor=False))
     assert list(records) == ["fuse_send_recv", "receive_into_buffers"]
     assert len(records["fuse_send_recv"]) == 1  # (2 layers: one send + next receive pair)
-    assert ffn.meta[LOWERED_KEY] == ["fuse_send_recv", "receive_into_buffers"]
+    assert list(ffn.meta[LOWERED_KEY]) == ["fuse_send_recv", "receive_into_buffers"]
     targets = {n.target for n in ffn.graph.nodes}
     assert any(op in targets for op in LOWERED_OPS)
     assert lower(ffn, Build("afd-ffn", inductor=False)) == {}  # (already lowered: nothing runs twice)
@@ -155,3 +155,46 @@ def test_plan_passes_prints_each_rank_kinds_pipeline(tmp_path, capsys, check_gol
     assert not ffn["ffn_group_program"]["applies"] and ffn["ffn_tokens_follow_the_carrier"]["applies"]
     assert cli.main(["plan", str(tmp_path / "missing.pt2"), "--passes"]) == 2
     assert "missing.pt2: no such file" in capsys.readouterr().err
+
+
+def test_verify_lowered_runs_what_the_backend_runs_on_the_cpu_and_matches(exported):
+    # the FFN rank's lowering (each send with the next receive as one op, receives into buffers)
+    # runs in the real exchange of a 2A1F fan-in with two stages and matches the original
+    from afd_compile.layout import AFDLayout
+    from afd_compile.verify import verify_afd
+
+    lines: list[str] = []
+    report = verify_afd(exported("llama2")[1], AFDLayout(2, 1), batches=[2, 3], stages=2, lowered=True,
+                        log=lines.append)
+    assert report.ok and report.max_rel_err <= 1e-5, report.line()
+    ffn = next(line for line in lines if "rank 0 ffn" in line)
+    assert "lowered by fuse_send_recv (1), receive_into_buffers (2)" in ffn, ffn
+    attention = [line for line in lines if " attention: " in line]
+    assert len(attention) == 2 and all("lowered by no pass" in line for line in attention), attention
+    assert all(r["lowered"] == {} for r in report.per_rank.values() if r["role"] == "attention")
+
+
+def test_verify_lowered_is_refused_for_a_tp_layout(exported):
+    from clirun import run_cli
+
+    ran = run_cli("verify", exported("llama2")[1], "--tp", "2", "--lowered")
+    assert ran.returncode == 2
+    assert ran.stderr.strip().endswith("only the torch.compile backend runs: drop --lowered"), ran.stderr
+
+
+def test_verify_saved_lowered_lowers_the_programs_rewrite_wrote(exported, tmp_path):
+    from clirun import run_cli
+
+    from afd_compile.verify import VerifyInputError, verify_saved
+
+    out = tmp_path / "out"
+    ran = run_cli("rewrite", exported("llama2")[1], "-o", str(out), "-A", "2", "-F", "1", "-q")
+    assert ran.returncode == 0, ran.stderr
+    lines: list[str] = []
+    report = verify_saved(exported("llama2")[1], str(out), batches=[1, 2], lowered=True, log=lines.append)
+    assert report.ok, report.line()
+    assert any("rank 0 ffn" in line and "lowered by fuse_send_recv (1)" in line for line in lines), lines
+    tp = tmp_path / "tp"
+    assert run_cli("rewrite", exported("llama2")[1], "-o", str(tp), "--tp", "2", "-q").returncode == 0
+    with pytest.raises(VerifyInputError, match="a TP folder; lowered=True runs an AFD layout's lowering stage"):
+        verify_saved(exported("llama2")[1], str(tp), lowered=True)

@@ -91,7 +91,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import AFDCompileError
-from ..pipeline import Build, lower
+from ..pipeline import LOWERED_KEY, Build, builds_for, lower, record_lines
 from .agreement import agree_first, begin_first, refused_first
 from .compiled import (
     HOST_SYNC_OPS,
@@ -111,24 +111,10 @@ log = logging.getLogger("afd_compile.backend")
 
 def _lower(program: fx.GraphModule, build: Build, name: str) -> dict[str, Any]:
     """``program``'s lowering stage (``afd_compile.pipeline``: what the backend runs on top of the
-    portable programs for its device and options), in place, each pass's record logged."""
+    portable programs for its device and options), in place, what each pass did logged."""
     records = lower(program, build)
-    for pass_name, record in records.items():
-        if pass_name == "router_topk" and record:
-            log.info("afd: %s: %d router top-k as afd::router_topk", name, len(record))
-        elif pass_name == "replace_decode_attention" and record:
-            done = sum(r.replaced for r in record)
-            left = sorted({r.why for r in record if not r.replaced})
-            log.info("afd: %s: decode attention: %d of %d SDPA over the KV cache run as FlexAttention%s", name, done,
-                     len(record), f" (left: {'; '.join(left)})" if left else "")
-        elif pass_name == "fuse_send_recv":
-            STATS["exchanges_fused"] += len(record)
-            log.info("afd: %s: %d send/receive pairs as one op each (one batched call)", name, len(record))
-        elif pass_name == "receive_into_buffers":
-            log.info("afd: %s: %d receives into buffers", name, len(record))
-        elif pass_name == "hold_local_states":
-            for held in record:
-                log.info("afd: %s: KV cache %s", name, held)
+    for line in record_lines(records):
+        log.info("afd: %s: %s", name, line)
     return records
 
 
@@ -393,15 +379,16 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
 
         return process_group(range(world), opts.timeout_s)  # (of its own, with the asked-for timeout)
 
+    attention, ffn = builds_for(layout, device.type, opts.stages, opts.decode_attention, opts.inductor)
+    build = ffn if layout.role_of(rank)[0] == "ffn" else attention
+    # (every program of the worker, each stage count's too, lowered by the rank's pipeline)
     worker = make_worker(ep.module(), layout, rank, config, device=device, check_wire=check,
                          stages=opts.stages, symm_mem=opts.symm_mem, buckets=opts.token_buckets,
-                         before_groups=before_groups)
+                         before_groups=before_groups, lowering=build)
     if isinstance(worker, AttentionWorker):
         worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called
-        build = _build("afd-attention", opts, device, attn_tp=layout.attn_tp)
 
         def wrap(prog: fx.GraphModule) -> Callable[..., Any]:  # one compiled program per input shapes
-            _lower(prog, build, f"rank {rank} attention")  # (every stage count's program alike)
             compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} attention", static, build=build)
             return lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)
 
@@ -410,8 +397,8 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     from ..runtime import SERVE_AT_SHUTDOWN
 
     SERVE_AT_SHUTDOWN.append(worker)  # runtime.shutdown() hears the peers stop
-    build = _build("afd-ffn", opts, device, ffn_group=layout.ffn_group_size, fan_in=max(layout.block_sizes()))
-    _lower(worker.program, build, f"rank {rank} ffn")
+    for prog in (worker.program, *worker.staged.values()):
+        STATS["exchanges_fused"] += len(prog.meta[LOWERED_KEY].get("fuse_send_recv", ()))
     eager = ffn_step_ops() if opts.ffn_capture == "compute" else ()
     by_step = opts.ffn_capture == "all"
     compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn", eager_ops=eager,
@@ -427,7 +414,6 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     worker.run_program = lambda counts, *slots: compiled_ffn(ffn_key(compiled_ffn, worker, slots), *slots)  # type: ignore[attr-defined]
 
     def wrap_ffn(prog: fx.GraphModule) -> Callable[..., Any]:
-        _lower(prog, build, f"rank {rank} ffn")
         compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} ffn", eager_ops=eager,
                              step_graphs=by_step, build=build)
         return lambda *slots: compiled(ffn_key(compiled, worker, slots), *slots)
