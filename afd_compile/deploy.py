@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from . import meta_keys
 from .buckets import TokenBuckets
 from .comm import AFDCommunicator, communicator_for, register_communicator, wire_checks_from_env
 from .layout import AFDLayout
@@ -368,8 +369,8 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
     from .passes.split import build_attention_program, plan_split
     prepare_graph(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
                   graph_name=config.graph_name)
-    moe = sorted({n.meta["afd.role"].layer for n in gm.graph.nodes if n.target == torch.ops.aten.topk.default
-                  and n.meta["afd.role"].layer is not None})
+    moe = sorted({n.meta[meta_keys.ROLE].layer for n in gm.graph.nodes if n.target == torch.ops.aten.topk.default
+                  and n.meta[meta_keys.ROLE].layer is not None})
     if moe:
         raise LayoutError(f"AFD layout {layout}: attention TP with MoE layers ({moe}: top-k routing) is not supported "
                           "yet; use attn_tp=1 (the FFN side can still be ffn_tp / ffn_ep)")

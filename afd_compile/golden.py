@@ -15,6 +15,7 @@ import re
 import torch
 import torch.fx as fx
 
+from . import meta_keys
 from . import ops as afd_ops  # noqa: F401  (registers torch.ops.afd)
 from .passes.roles import META_KEY
 
@@ -117,10 +118,10 @@ def cut_window_lines(gm: fx.GraphModule) -> list[str]:
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     for send in (n for n in nodes if n.target in (torch.ops.afd.p2p_send.default, torch.ops.afd.p2p_send_start.default)):
-        stage = send.meta.get("afd.stage", 0)  # a staged program: this micro-batch's nodes only
+        stage = send.meta.get(meta_keys.STAGE, 0)  # a staged program: this micro-batch's nodes only
 
         def ours(n: fx.Node, _stage: int = stage) -> bool:
-            return n.meta.get("afd.stage", 0) == _stage
+            return n.meta.get(meta_keys.STAGE, 0) == _stage
 
         restored = next(n for n in nodes[pos[send]:] if n.name.startswith("afd_ffn_out") and ours(n))
         first = min((a for a in send.args[0][0].all_input_nodes), key=pos.__getitem__)

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch.fx as fx
 
+from . import meta_keys
+
 #: the rank kinds, each with its own pipeline
 RANK_KINDS = ("afd-attention", "afd-ffn", "tp", "none")
 STAGES = ("portable", "lowering")
@@ -259,7 +261,7 @@ _LOWERING: dict[str, Callable[[fx.GraphModule, Build], Any]] = {
 }
 
 #: where a lowered program keeps what each lowering pass did (its record, by pass name)
-LOWERED_KEY = "afd.lowered"
+LOWERED_KEY = meta_keys.LOWERED
 
 
 def lower(gm: fx.GraphModule, build: Build, stop_before: str | None = None) -> dict[str, Any]:

@@ -290,3 +290,32 @@ def test_build_rank_answers_for_a_tp_layout_and_refuses_afd_options_there(export
     assert built.tp.shards.weights  # the rank's slices of the projections
     with pytest.raises(TypeError, match=r"options \['stages'\] apply to an AFD layout"):
         build_rank(fresh_module(ep), TPLayout(2), 0, stages=2)
+
+
+def test_every_meta_key_is_named_in_one_module():
+    # issue 51: afd.* keys were spelled in 13 modules (afd.dist defined twice); now meta_keys.py
+    # names each once and every other module uses the name (an "afd.x" literal elsewhere is an
+    # op's name, as a message spells it)
+    import re
+
+    import torch
+
+    import afd_compile.ops  # noqa: F401  (registers torch.ops.afd)
+
+    found = []
+    for path in PKG.rglob("*.py"):
+        if path.name == "meta_keys.py":
+            continue
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+                and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                for key in re.findall(r"^afd\.([a-z_]+)$", node.value):
+                    if not hasattr(torch.ops.afd, key):
+                        found.append((path.relative_to(PKG).as_posix(), node.lineno, node.value))
+    assert not found, f"meta keys spelled outside afd_compile/meta_keys.py: {found}"
+    from afd_compile import meta_keys
+
+    keys = [v for k, v in vars(meta_keys).items() if k.isupper()]
+    assert len(keys) == len(set(keys)), keys

@@ -321,8 +321,8 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     from ..state_store import bind_inputs, bind_outputs
     from ..symm_mem import prepare_groups
 
-    layout = TPLayout(opts.tp, opts.attn_dp, moe_a2a=opts.moe_a2a, dense_dp=opts.dense_dp,
-                      vocab_parallel=opts.vocab_parallel)
+    layout = opts.layout()
+    assert isinstance(layout, TPLayout)  # (the TP runner: check_options saw a TP layout)
     agree_first(opts)
     groups = tp_groups(world, [layout], timeout_s=opts.timeout_s)
     register_tp_groups(groups, layout, rank)
@@ -361,7 +361,8 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     from ..runtime import AttentionWorker
     from ..split_api import SplitConfig
 
-    layout = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp, opts.ffn_ep, opts.attn_tp)  # (check_options: valid)
+    layout = opts.layout()  # (check_options: a valid AFD layout)
+    assert isinstance(layout, AFDLayout)
     from ..comm import wire_checks_from_env
 
     check = wire_checks_from_env() if opts.check_wire is None else opts.check_wire
@@ -512,7 +513,9 @@ def _serve(model: torch.nn.Module, opts: BackendOptions, example_inputs: tuple |
                                  "rank of an AFD deployment serves")
     from ..layout import AFDLayout
 
-    role, _ = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp, opts.ffn_ep, opts.attn_tp).role_of(rank)
+    layout = opts.layout()
+    assert isinstance(layout, AFDLayout)  # (mode "afd": checked above)
+    role, _ = layout.role_of(rank)
     if role != "ffn":
         raise BackendOptionError(f"afd serve: rank {rank} is an attention rank of layout attention={opts.attention}, "
                                  f"ffn={opts.ffn} (FFN ranks are 0..{opts.ffn - 1}); attention ranks run the model "

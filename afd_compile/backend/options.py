@@ -15,6 +15,8 @@ from ..limits import MAX_RANKS, MAX_STAGES, MAX_TIMEOUT_S
 
 if TYPE_CHECKING:
     from ..buckets import TokenBuckets
+    from ..layout import AFDLayout
+    from ..scatter import TPLayout
 
 
 class BackendOptionError(AFDCompileError):
@@ -165,6 +167,19 @@ class BackendOptions:
             raise BackendOptionError(f"afd backend: unknown policy {opts.policy!r} (known: {sorted(POLICIES)})")
         return opts
 
+    def layout(self) -> AFDLayout | TPLayout | None:
+        """The layout the options describe: an ``AFDLayout`` (attention, ffn and their groups), a
+        ``TPLayout`` (tp, attn_dp and the SCATTERED / vocabulary options), or None (one process)."""
+        from ..layout import AFDLayout
+        from ..scatter import TPLayout
+
+        if self.mode == "afd":
+            return AFDLayout(self.attention, self.ffn, self.ffn_tp, self.ffn_ep, self.attn_tp)
+        if self.mode == "tp":
+            return TPLayout(self.tp, self.attn_dp, moe_a2a=self.moe_a2a, dense_dp=self.dense_dp,
+                            vocab_parallel=self.vocab_parallel)
+        return None
+
     @property
     def mode(self) -> str:
         return "afd" if self.attention else "tp" if self.tp > 1 or self.attn_dp > 1 else "none"
@@ -202,10 +217,10 @@ def check_options(options: dict[str, Any] | None) -> BackendOptions:
     if opts.mode == "tp" and opts.tp != world:
         raise BackendOptionError(f"afd backend: tp={opts.tp} must equal the world size ({world})")
     if opts.mode == "afd":
-        from ..layout import AFDLayout, LayoutError
+        from ..layout import LayoutError
 
         try:
-            layout = AFDLayout(opts.attention, opts.ffn, opts.ffn_tp, opts.ffn_ep, opts.attn_tp)
+            layout = opts.layout()
         except LayoutError as e:
             raise BackendOptionError(f"afd backend: {e}") from None
         if layout.world_size != world:

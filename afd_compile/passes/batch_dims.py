@@ -34,6 +34,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from .. import meta_keys
 from .. import ops as afd_ops  # noqa: F401  (registers the afd ops)
 from ..errors import AFDCompileError
 from .graph_utils import aliases_first_arg
@@ -45,7 +46,7 @@ from .symbolic import sym_expr
 aten = torch.ops.aten
 afd = torch.ops.afd
 
-META_KEY = "afd.batch_dim"
+META_KEY = meta_keys.BATCH_DIM
 
 
 class BatchError(AFDCompileError):

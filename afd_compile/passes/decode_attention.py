@@ -52,13 +52,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import meta_keys
 from .graph_utils import writes_first_arg
 from .symbolic import sym_expr
 
 aten = torch.ops.aten
 log = logging.getLogger("afd_compile.decode_attention")
 
-META_KEY = "afd.decode_attention"
+META_KEY = meta_keys.DECODE_ATTENTION
 
 #: ``compiled``: shapes whose kernel compiled (and agreed with masked SDPA); ``compile_failures``:
 #: shapes that run masked SDPA because the compile failed; ``kernel_mismatches``: because the

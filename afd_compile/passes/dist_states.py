@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from .. import meta_keys
 from ..scatter import (
     DistState,
     JunctionPlan,
@@ -32,7 +33,7 @@ from .moe.block import routes_experts
 from .roles import Role, role_of
 from .vocab_head import HeadPlan, plan_head
 
-META_KEY = "afd.dist"
+META_KEY = meta_keys.DIST
 
 
 @dataclass(frozen=True)

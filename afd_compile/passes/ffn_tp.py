@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .. import meta_keys
 from .. import ops as afd_ops  # noqa: F401  (registers torch.ops.afd)
 from ..comm import GROUP_FFN_TP
 from ..errors import AFDCompileError
@@ -57,7 +58,7 @@ aten = torch.ops.aten
 afd = torch.ops.afd
 
 #: node.meta key of the nodes this pass inserts: "gather" / "settle"
-META_KEY = "afd.ffn_tp"
+META_KEY = meta_keys.FFN_TP
 
 #: the two boundaries of an FFN TP group, as the state algebra names them: FULL is the FFN TP
 #: group (a TPLayout of tp = ffn_tp whose attention is fully data-parallel: SCATTERED is one rank)
@@ -160,7 +161,7 @@ def _plan_layer(ffn: fx.GraphModule, y: fx.Node, layer: int, parts: int, weights
 
 
 def _layer(n: fx.Node) -> int | None:
-    r = n.meta.get("afd.role")
+    r = n.meta.get(meta_keys.ROLE)
     return None if r is None else r.layer
 
 

@@ -33,8 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .. import meta_keys
+
 afd = torch.ops.afd
-META = "afd.fused_exchange"
+META = meta_keys.FUSED_EXCHANGE
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .. import meta_keys
 from .. import ops as _ops  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ def fuse_allreduce_add_rmsnorm(gm: fx.GraphModule) -> int:
             if outside and _dtype(m.add) != torch.float32:  # the float32 sum read beyond the norm
                 h32 = g.call_function(aten.to.dtype, (h, torch.float32))
         for n in {fused, h, normed, h32}:
-            n.meta["afd.role"] = m.add.meta.get("afd.role")
+            n.meta[meta_keys.ROLE] = m.add.meta.get(meta_keys.ROLE)
         m.normed.replace_all_uses_with(normed)
         m.cast.replace_all_uses_with(h32)
         m.add.replace_all_uses_with(h)  # the residual stream and bookkeeping users of the sum

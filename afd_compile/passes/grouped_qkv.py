@@ -44,12 +44,13 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from .. import meta_keys
 from .graph_utils import del_attr_path, get_attr_path, set_attr_path
 
 aten = torch.ops.aten
 
 #: ``gm.meta`` key of the records of the projections this pass unpacked
-RECORDS_KEY = "afd.unpacked_projections"
+RECORDS_KEY = meta_keys.UNPACKED_PROJECTIONS
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int)
 _TRANSPOSES = (aten.numpy_T.default, aten.t.default)
 _MERGES = (aten.flatten.using_ints, aten.view.default, aten.reshape.default, aten._unsafe_view.default)

@@ -30,9 +30,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .. import meta_keys
+
 aten = torch.ops.aten
 
-META_KEY = "afd.held_state"
+META_KEY = meta_keys.HELD_STATE
 
 #: factories a program allocates a cache with: size list first
 _FACTORIES = {aten.zeros.default, aten.empty.memory_format, aten.full.default}

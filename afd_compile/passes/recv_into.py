@@ -33,12 +33,15 @@ import operator
 import torch
 import torch.fx as fx
 
-from .. import ops  # noqa: F401  (registers the afd:: ops this module's table names)
+from .. import (
+    meta_keys,
+    ops,  # noqa: F401  (registers the afd:: ops this module's table names)
+)
 from ..wire import WireSpec
 
 afd = torch.ops.afd
 aten = torch.ops.aten
-META = "afd.recv_into"
+META = meta_keys.RECV_INTO
 
 #: list-returning receive -> (its replacement, the arg holding the token count, the arg holding the spec)
 _INTO = {

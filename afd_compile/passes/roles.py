@@ -32,12 +32,13 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
+from .. import meta_keys
 from ..errors import AFDCompileError
 from .module_paths import body_of, layer_path, module_paths
 from .op_kinds import ADD_OPS, LINEAR_OPS, MATMUL_OPS, PASSTHROUGH_OPS, SDPA_OPS, SOFTMAX_OPS
 from .router import find_router
 
-META_KEY = "afd.role"
+META_KEY = meta_keys.ROLE
 
 aten = torch.ops.aten
 

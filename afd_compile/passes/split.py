@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from .. import meta_keys
 from .. import ops as afd_ops  # noqa: F401  (registers torch.ops.afd)
 from ..errors import SplitError
 from ..wire import WireSpec, WireTensor
@@ -451,7 +452,7 @@ def _rebuilt_views(graph: fx.Graph, views: list[fx.Node], got: fx.Node, sizes: C
 
 #: ffn.meta key: what every token count of the FFN program is a multiple of (a static batch B: the
 #: program views its tokens as [B, T // B, H])
-TOKEN_MULTIPLE = "afd.token_multiple"
+TOKEN_MULTIPLE = meta_keys.TOKEN_MULTIPLE
 
 
 def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None, multiple: int | None = None) -> None:

@@ -64,6 +64,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from .. import meta_keys
 from .. import ops as afd_ops  # noqa: F401  (registers the afd ops)
 from ..errors import AFDCompileError
 from ..layout import AFDLayout
@@ -76,7 +77,7 @@ from .symbolic import sym_expr
 aten = torch.ops.aten
 afd = torch.ops.afd
 
-META_KEY = "afd.stage"
+META_KEY = meta_keys.STAGE
 
 
 class StageError(AFDCompileError):

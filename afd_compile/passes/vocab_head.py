@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
+from .. import meta_keys
 from .. import ops as afd_ops  # noqa: F401  (registers torch.ops.afd)
 from ..comm import GROUP_ATTN_TP
 from ..scatter import DistState, ScatterMode, TPLayout, Transition, transition
@@ -31,7 +32,7 @@ from .op_kinds import LINEAR_OPS
 from .roles import role_of
 from .shard import ShardError, projection
 
-META_DIST = "afd.dist"
+META_DIST = meta_keys.DIST
 HEAD_ATTR = "afd_vocab_head"  # prefix of the head's own slices when the embedding reads its weight
 
 

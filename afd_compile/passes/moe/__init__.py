@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ... import meta_keys
 from ... import moe as _moe  # noqa: F401  (registers afd::moe_experts)
 from ...errors import AFDCompileError
 from ..graph_utils import del_attr_path, drop_dead_writes, get_attr_path, writes_first_arg
@@ -48,9 +49,9 @@ log = logging.getLogger("afd_compile.moe")
 aten = torch.ops.aten
 
 #: ``node.meta`` key of each ``afd::moe_experts`` node this pass made: its :class:`MoERecord`
-META_KEY = "afd.moe"
+META_KEY = meta_keys.MOE
 #: ``gm.meta`` key: every block's record, recognised or not, in graph order
-RECORDS_KEY = "afd.moe_blocks"
+RECORDS_KEY = meta_keys.MOE_RECORDS
 
 
 class MoERecognitionError(AFDCompileError):
@@ -134,7 +135,7 @@ def _rewrite(gm: fx.GraphModule, block: Block, match: Match, j: int) -> fx.Node:
     graph = gm.graph
     w = match.weights
     mode = block.x.meta["val"].fake_mode
-    role = {k: block.end.meta[k] for k in ("nn_module_stack", "stack_trace", "afd.role") if k in block.end.meta}
+    role = {k: block.end.meta[k] for k in ("nn_module_stack", "stack_trace", meta_keys.ROLE) if k in block.end.meta}
 
     def node(target: object, args: tuple) -> fx.Node:
         n = graph.call_function(target, args)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ... import meta_keys
 from ... import moe as _moe  # noqa: F401  (registers afd::moe_experts)
 from ..graph_utils import get_attr_path
 from .rules import (
@@ -22,7 +23,7 @@ from .types import (
 aten = torch.ops.aten
 
 
-META_KEY = "afd.shard"
+META_KEY = meta_keys.SHARD
 
 
 @dataclass(frozen=True)
