@@ -62,6 +62,25 @@ def _(x, group_id, size):
     return x.new_empty((*x.shape[:-1], size))
 
 
+# all-reduce + residual add + RMSNorm as one unit (passes/fuse_norm.py makes it; a platform with a
+# fused kernel registers it for the op; the backend lowers it back before Inductor)
+@torch.library.custom_op("afd::all_reduce_add_rms_norm", mutates_args=())
+def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            group_id: int, norm_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Composite: ``h = residual + all_reduce(partial)``; returns ``[h, weight * rmsnorm(h)]``, the
+    norm computed in float32 and cast to ``norm_dtype`` before the scale (HF's RMSNorm)."""
+    h = residual + torch.ops.afd.all_reduce(partial, group_id)
+    h32 = h.to(torch.float32)
+    normed = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(norm_dtype)
+    return [h, weight * normed]
+
+
+@all_reduce_add_rms_norm.register_fake
+def _(partial, residual, weight, eps, group_id, norm_dtype):
+    h = torch.empty_like(residual, dtype=torch.promote_types(residual.dtype, partial.dtype))
+    return [h, torch.empty_like(h, dtype=torch.promote_types(weight.dtype, norm_dtype))]
+
+
 COLLECTIVE_OPS = (torch.ops.afd.all_reduce.default, torch.ops.afd.all_gather_last.default)
 
 

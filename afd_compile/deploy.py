@@ -369,10 +369,11 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
     from .passes.split import build_attention_program, plan_split
     prepare_graph(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
                   graph_name=config.graph_name)
-    moe = sorted({n.meta[meta_keys.ROLE].layer for n in gm.graph.nodes if n.target == torch.ops.aten.topk.default
-                  and n.meta[meta_keys.ROLE].layer is not None})
+    from .passes.router import moe_layers
+
+    moe = moe_layers(gm, meta_keys.ROLE)
     if moe:
-        raise LayoutError(f"AFD layout {layout}: attention TP with MoE layers ({moe}: top-k routing) is not supported "
+        raise LayoutError(f"AFD layout {layout}: attention TP with MoE layers ({moe}: expert routing) is not supported "
                           "yet; use attn_tp=1 (the FFN side can still be ffn_tp / ffn_ep)")
     tp = tp_rank_program(gm, TPLayout(layout.attn_tp, dense_dp=True), idx % layout.attn_tp, config, prepared=True,
                          fuse_norm=False)

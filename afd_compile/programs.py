@@ -15,9 +15,8 @@ import torch
 import torch.fx as fx
 
 from . import moe as _moe  # noqa: F401  (afd::moe_experts)
-from . import ops as _ops  # noqa: F401  (torch.export.load needs afd:: registered)
+from . import ops as _ops  # noqa: F401  (torch.export.load needs afd:: registered, collectives too)
 from .errors import ProgramLoadError
-from .passes import fuse_norm as _fuse_norm  # noqa: F401  (afd::all_reduce_add_rms_norm)
 
 #: a .pt2's JSON members (the graph, its signature) are read whole, by torch and by the op scan:
 #: at most this many bytes unpacked (a graph of thousands of layers is tens of MiB)

@@ -167,7 +167,7 @@ def test_attention_tp_refuses_moe_before_anything_runs(exported):
     path = exported("qwen3moe2")[1]
     res = subprocess.run([sys.executable, "-m", "afd_compile.cli", "verify", path, "-A", "2", "--attn-tp", "2",
                           "-F", "1"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and "attention TP with MoE layers ([0, 1]: top-k routing) is not supported" in res.stderr
+    assert res.returncode == 2 and "attention TP with MoE layers ([0, 1]: expert routing) is not supported" in res.stderr
 
 
 @pytest.mark.parametrize("layout,tag", [(AFDLayout(4, 2, ffn_tp=2, attn_tp=2), "4A_attn_tp2_2F_ffn_tp2"),

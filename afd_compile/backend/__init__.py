@@ -145,13 +145,10 @@ def _moe_op(opts: BackendOptions, device: torch.device, gm: fx.GraphModule | Non
     """With no layout, whether the MoE recognition runs (option ``moe_experts``): on a graph that
     selects by score (a top-k, or a max over a dim as PhiMoE's router: dynamo's, when given), on
     CUDA or asked for."""
-    routed = gm is None or any(_selects(n) for n in gm.graph.nodes)
+    from ..passes.router import selects_by_name
+
+    routed = gm is None or any(selects_by_name(n) for n in gm.graph.nodes)
     return routed and (opts.moe_experts == "op" or device.type == "cuda")
-
-
-def _selects(n: fx.Node) -> bool:
-    name = getattr(n.target, "__name__", n.target) if n.op in ("call_function", "call_method") else None
-    return name == "topk" or (name == "max" and (len(n.args) > 1 and isinstance(n.args[1], int) or "dim" in n.kwargs))
 
 
 def _device_of(xs: Sequence[Any]) -> torch.device:
@@ -169,6 +166,14 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
     except AFDCompileError as e:
         refused_first(e)
         raise _past_dynamo(e, inspect.currentframe()) from None
+
+
+def _on_shutdown() -> None:
+    """``runtime.shutdown()`` frees this process's compiled programs and CUDA graphs (``release``)
+    before it destroys the process group (registered once)."""
+    from ..runtime import before_destroy
+
+    before_destroy(release)
 
 
 _PAST_DYNAMO: dict[type, type] = {}
@@ -199,6 +204,7 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[st
         raise BackendOptionError(f"afd backend: unexpected arguments {sorted(kwargs)} (use options={{...}})")
     opts = check_options(options)
     rank, world = opts.resolved()
+    _on_shutdown()
     begin_first(opts)
     STATS["graphs"] += 1
     device = _device_of(example_inputs)
@@ -497,6 +503,7 @@ def serve(model: torch.nn.Module, options: dict[str, Any], example_inputs: tuple
     KV cache; one program serves prefill and decode steps (compiled per token layout). What it
     refuses before its program is built reaches the attention ranks too (they stop at once)."""
     opts = check_options(options)
+    _on_shutdown()
     begin_first(opts)
     try:
         return _serve(model, opts, example_inputs, example_kwargs)

@@ -29,8 +29,8 @@ from ..scatter import (
     plan_junctions,
 )
 from .graph_utils import layers_of, region_output
-from .moe.block import routes_experts
 from .roles import Role, role_of
+from .router import routes_experts
 from .vocab_head import HeadPlan, plan_head
 
 META_KEY = meta_keys.DIST

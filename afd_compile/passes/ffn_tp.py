@@ -43,7 +43,7 @@ from .. import ops as afd_ops  # noqa: F401  (registers torch.ops.afd)
 from ..comm import GROUP_FFN_TP
 from ..errors import AFDCompileError
 from ..scatter import Collective, DistState, ScatterMode, TPLayout, Transition, transition
-from .moe.block import routes_experts
+from .router import routes_experts
 from .shard import (
     ShardError,
     ShardPlan,

@@ -1,7 +1,7 @@
 """Keep all-reduce + residual add + RMSNorm as one unit a fused kernel can replace.
 
 ``find_allreduce_add_rmsnorm`` returns typed matches; ``fuse_allreduce_add_rmsnorm`` rewrites
-each into one ``afd::all_reduce_add_rms_norm`` call whose implementation here is the composite
+each into one ``afd::all_reduce_add_rms_norm`` call (``collectives.py``) whose implementation is the composite
 (all-reduce, add, RMSNorm in float32, cast back, scale): a platform with a fused kernel registers
 it for the op, and no path skips the reduction. Before / after (standard TP, prepare_mlp; ``dt``
 the model's dtype, bfloat16 or float32)::
@@ -25,28 +25,11 @@ import torch
 import torch.fx as fx
 
 from .. import meta_keys
-from .. import ops as _ops  # noqa: F401
+from .. import ops as _ops  # noqa: F401  (afd::all_reduce, afd::all_reduce_add_rms_norm: collectives.py)
 
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-
-
-@torch.library.custom_op("afd::all_reduce_add_rms_norm", mutates_args=())
-def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                            group_id: int, norm_dtype: torch.dtype) -> list[torch.Tensor]:
-    """Composite: ``h = residual + all_reduce(partial)``; returns ``[h, weight * rmsnorm(h)]``, the
-    norm computed in float32 and cast to ``norm_dtype`` before the scale (HF's RMSNorm)."""
-    h = residual + torch.ops.afd.all_reduce(partial, group_id)
-    h32 = h.to(torch.float32)
-    normed = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(norm_dtype)
-    return [h, weight * normed]
-
-
-@all_reduce_add_rms_norm.register_fake
-def _(partial, residual, weight, eps, group_id, norm_dtype):
-    h = torch.empty_like(residual, dtype=torch.promote_types(residual.dtype, partial.dtype))
-    return [h, torch.empty_like(h, dtype=torch.promote_types(weight.dtype, norm_dtype))]
 
 
 @dataclass(frozen=True)

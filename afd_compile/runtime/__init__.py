@@ -51,6 +51,7 @@ from .protocol import (
     GroupSlice,
     TokenCount,
     TPRank,
+    before_destroy,
     dp_step_counts,
     finish,
     send_control,
@@ -64,6 +65,6 @@ __all__ = [
     "LOCAL_PROCESS_BYTES", "LOCAL_PROCESS_LIMIT_RULE", "PEER_GONE", "SERVE_AT_SHUTDOWN", "STOP", "FAILED", "WORKER_PRELOAD",
     "WORKER_PRELOAD_IF_IMPORTED", "AttentionWorker", "ControlError", "FFNWorker", "GroupSlice", "LauncherFailure",
     "RankFailure", "RunFault", "TokenCount", "dp_step_counts", "finish", "free_port", "init_distributed",
-    "max_local_processes", "process_group", "control_group", "progress", "run_local", "send_control", "shutdown", "step_failed", "tell_failed",
+    "max_local_processes", "process_group", "control_group", "progress", "run_local", "send_control", "shutdown", "step_failed", "before_destroy", "tell_failed",
     "tp_groups", "register_tp_groups", "group_key",
 ]

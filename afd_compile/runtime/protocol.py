@@ -44,18 +44,29 @@ FAILED = -2
 _NOTICES: list = []
 
 
+#: what runs before the process group is destroyed (:func:`before_destroy`), in registration order
+_BEFORE_DESTROY: list[Callable[[], None]] = []
+
+
+def before_destroy(hook: Callable[[], None]) -> None:
+    """Run ``hook`` in :func:`shutdown` before the process group is destroyed (once per hook, however
+    often it is registered). The compile backend registers its ``release`` here: a CUDA graph that
+    captured an NCCL operation keeps its communicator from being destroyed."""
+    if hook not in _BEFORE_DESTROY:
+        _BEFORE_DESTROY.append(hook)
+
+
 def shutdown(sync: bool = True) -> None:
     """Leave the process group cleanly: free the compiled programs and their CUDA graphs first
-    (:func:`afd_compile.backend.release`; a graph that captured an NCCL operation keeps its
-    communicator from being destroyed, and the process would hang at exit), then
+    (the hooks registered with :func:`before_destroy`: the backend's ``release``; a graph that
+    captured an NCCL operation keeps its communicator from being destroyed, and the process would
+    hang at exit), then
     ``destroy_process_group``. ``sync`` (the normal end, every rank calling it): a barrier first,
     so no rank closes its connections while a peer is still communicating (gloo aborted a rank at
     exit now and then under load: "terminate called without an active exception"); pass False
     on an error path, where the peers may never arrive: then no STOP is sent to, or heard from,
     an AFD peer either (a peer mid-step would not take it, and this rank would wait on it until
     the timeout)."""
-    import sys
-
     if sync and _FAILED_STEP is not None:
         log.warning("afd: shutdown: a step failed on this rank (%s): leaving without the STOP exchange "
                     "and the barrier", _FAILED_STEP)
@@ -77,9 +88,8 @@ def shutdown(sync: bool = True) -> None:
         except Exception as e:  # a peer already gone
             log.warning("afd: shutdown: FFN rank could not hear every attention peer stop: %s", e)
         SERVE_AT_SHUTDOWN.clear()
-    backend = sys.modules.get("afd_compile.backend")
-    if backend is not None:
-        backend.release()
+    for hook in list(_BEFORE_DESTROY):  # (the backend's release(): registered when it compiles)
+        hook()
     forget_groups()
     if dist.is_initialized():
         if sync:

@@ -30,6 +30,7 @@ from ... import moe as _moe  # noqa: F401  (registers afd::moe_experts)
 from ..graph_utils import writes_first_arg
 from ..op_kinds import LINEAR_OPS, PASSTHROUGH_OPS
 from ..roles import ancestors, descendants
+from ..router import EXPERT_SELECT_OPS
 from ..symbolic import sym_expr
 
 aten = torch.ops.aten
@@ -43,13 +44,6 @@ _SHAPE_ONLY = {aten.zeros_like.default, aten.empty_like.default, aten.ones_like.
 _SKIPPED = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
 
 
-#: ops that select experts by score, and where their indices are (None: the result itself)
-SELECT_OPS = {aten.topk.default: 1, aten.max.dim: 1, aten.sort.default: 1, aten.argmax.default: None}
-
-
-def routes_experts(n: fx.Node) -> bool:
-    """``n`` chooses experts (a top-k, or a recognised block's op): its layer is an MoE layer."""
-    return n.target in (aten.topk.default, torch.ops.afd.moe_experts.default)
 
 
 @dataclass(frozen=True)
@@ -142,7 +136,7 @@ def choices(gm: fx.GraphModule) -> list[Choice]:
     ``[T, E]`` float scores, and what concatenates, slices (from 0), casts or unsqueezes them."""
     found: dict[fx.Node, Choice] = {}
     for n in gm.graph.nodes:
-        if n.target in SELECT_OPS:
+        if n.target in EXPERT_SELECT_OPS:
             c = _selected(n)
             if c is not None:
                 found[c.ids] = c
@@ -184,7 +178,7 @@ def _selected(n: fx.Node) -> Choice | None:
     dim = n.args[at] if len(n.args) > at else n.kwargs.get("dim", -1)
     if not _last_dim(n.args[0], dim):
         return None
-    out = SELECT_OPS[n.target]
+    out = EXPERT_SELECT_OPS[n.target]
     ids = n if out is None else next((u for u in n.users if u.target == operator.getitem and u.args[1] == out), None)
     return None if ids is None else Choice(ids, (n,), int(scores.shape[-1]), n.target == aten.sort.default)
 
