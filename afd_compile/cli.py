@@ -44,7 +44,7 @@ from .saved import MARKER
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
-PASSES_HELP = ("print, instead of the plan, the pass pipeline each rank kind of the layout runs on DEVICE (default "
+PASSES_HELP = ("print, instead of the plan, the pass pipeline each rank kind of the layout runs on DEVICE, cpu or cuda (default "
                "cuda), in order: its portable stage (what rewrite writes and verify checks) and its lowering (what "
                "the backend runs on top); decided by the layout and options, not the model, which is not loaded")
 

@@ -382,7 +382,7 @@ def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, 
     propagate_meta_fresh(tp.program)  # the MLPs now run on this rank's slice: their shapes change
     annotate_roles(tp.program, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
                    graph_name=config.graph_name)
-    plan = plan_split(tp.program, comm_id=config.comm_id, stage=config.stage, graph_name=config.graph_name,
+    plan = plan_split(tp.program, comm_id=config.comm_id, graph_name=config.graph_name,
                       attention_only=True)
     if [c.wire_in for c in plan.cuts] != [c.wire_in for c in result.plan.cuts]:
         raise LayoutError(f"AFD layout {layout}: the attention TP program's wire {[str(c.wire_in) for c in plan.cuts]} "

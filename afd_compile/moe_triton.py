@@ -38,7 +38,7 @@ def config(pairs: int, num_experts: int) -> dict:
     ``"down"`` entry, the second kernel's own tiles (its K is the intermediate size; ``TILES``
     output tiles per program); ``TMA``: the weights loaded by TMA descriptors where the GPU has them
     (Hopper on; 2-3% faster at 64+ rows per expert, no different below). Read from
-    ``benchmarks/moe_kernels.py --split`` on an H200 (BENCHMARKS.md, sessions 20, 23 and 24)."""
+    ``benchmarks/moe_kernels.py --split`` on an H200 (BENCHMARKS.md, the MoE FFN-side sections)."""
     per_expert = pairs / max(num_experts, 1)
     if per_expert <= 8:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
@@ -52,7 +52,7 @@ def config(pairs: int, num_experts: int) -> dict:
 
 
 #: pairs up to which :func:`align` runs as one program (one launch, no fill kernels); past it,
-#: three kernels over many programs. Measured on an H200 (BENCHMARKS.md, session 24): one program
+#: three kernels over many programs. Measured on an H200 (BENCHMARKS.md: align in one program): one program
 #: takes 5.7 / 8.0 / 12.1 µs at 64 / 512 / 2048 pairs (three kernels 9.5 / 10.5 / 13.5) but 29.5 at
 #: 8192 (13.5): its atomics on a few counters serialise
 ALIGN_ONE_MAX = 2048

@@ -2,7 +2,7 @@
 
 ``torch.topk`` of a ``[T, E]`` score matrix over its last dim (E up to a few hundred experts, k up
 to 32) runs on CUDA as a radix select plus a sort, ~18 µs a layer at T = 1024, E = 128, k = 8 on
-an H200 (BENCHMARKS.md, session 23): a tenth of an MoE layer's expert time. This op returns what
+an H200 (BENCHMARKS.md: the router's top-k): a tenth of an MoE layer's expert time. This op returns what
 ``torch.topk(x, k, dim=-1)`` returns (values sorted descending, their indices, int64) from one
 Triton program per block of rows: each row's scores held in registers, the maximum taken ``k``
 times. Ties go to the lower index (``torch.topk`` does not specify an order for them); a NaN

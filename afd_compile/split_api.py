@@ -31,7 +31,6 @@ class SplitConfig:
     then structure); ``compute_gate_on_attention`` puts the MoE router on the attention side."""
 
     comm_id: int = 0
-    stage: int = 0
     compute_gate_on_attention: bool = False
     policy: RolePolicy = field(default=default_policy, compare=False)
     graph_name: str = "graph"
@@ -63,7 +62,7 @@ def split_graph_module(gm: fx.GraphModule, config: SplitConfig | None = None, *,
         annotate_roles(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
                        graph_name=config.graph_name)
     with timings("plan_split"):
-        plan = plan_split(gm, comm_id=config.comm_id, stage=config.stage, graph_name=config.graph_name)
+        plan = plan_split(gm, comm_id=config.comm_id, graph_name=config.graph_name)
     with timings("build_attention_program"):
         attention = build_attention_program(gm, plan)
     with timings("build_ffn_program"):

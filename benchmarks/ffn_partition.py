@@ -1,8 +1,8 @@
 """What capturing an FFN rank's compute in pieces costs on one GPU (issue 35), with stand-in ops:
-``ffn_capture="compute"`` (the default in sessions 24-25) runs the exchange with the peers between
+``ffn_capture="compute"`` (once the default) runs the exchange with the peers between
 captured pieces (Inductor's graph partition), ``"all"`` keeps it inside one CUDA graph. The real
 FFN program, whose exchange ops cost more host work than this stand-in's, is measured by
-``ffn_program_step.py`` (session 26: it is what made ``"all"`` the default). Without peers (one GPU) the
+``ffn_program_step.py`` (it is what made ``"all"`` the default). Without peers (one GPU) the
 exchange is a stand-in custom op (a copy: the receive at a layer's start, the send at its end),
 so this measures what the partition itself costs a step (the pieces' launches and the op run
 eagerly between them), not NCCL's launches. A third column fuses each layer's send with the next

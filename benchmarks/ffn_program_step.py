@@ -5,7 +5,7 @@ The program is the real one: an HF Llama-shaped decoder (random weights, bf16, `
 layers, ``--hidden`` / ``--inter``) exported, split for AFD 2A1F (``split``), the FFN rank's
 program compiled by ``PerLayout`` as the backend does:
 
-- ``all``: ``ffn_capture="all"`` (the default since session 26): compiled once per bucket of rows,
+- ``all``: ``ffn_capture="all"`` (the default, chosen from this benchmark): compiled once per bucket of rows,
   captured whole by hand (``PerLayout(step_graphs=True)``), the exchange inside, one graph per
   tuple of the peers' sizes; each send fused with the next receive as the backend does;
 - ``compute``: the exchange ops run between captured pieces (Inductor's graph partition), each
@@ -77,7 +77,7 @@ def compiled_way(ffn: fx.GraphModule, way: str, name: str):
 def op_host_us(hidden: int, dev: torch.device, calls: int = 400) -> dict[str, float]:
     """Host µs a call of one layer's exchange op at T = 8 (two peers of 4 rows, the stand-in
     transport): through the dispatcher as registered (oplib.afd_op), the same kernel registered by
-    ``torch.library.custom_op`` (as before session 26), and the kernel as a plain Python call."""
+    ``torch.library.custom_op`` (as the ops were once registered), and the kernel as a plain Python call."""
     from moe_ffn import wall_us_per_step
 
     from afd_compile import ops

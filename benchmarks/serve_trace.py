@@ -14,7 +14,7 @@ the table is also a numerics check. Per run it reports:
   what the backend captures one CUDA graph for by default (``ffn_capture="all"``: the exchange is
   in the graph, which replays the receive sizes it captured); a capture of a compiled program, no
   compile. With ``ffn_capture="compute"`` the exchange runs between captured pieces instead, one
-  set of pieces per program compiled, at a per-step host cost (BENCHMARKS.md, session 26);
+  set of pieces per program compiled, at a per-step host cost (BENCHMARKS.md: an FFN rank's real program);
 - ``row counts touched``: the distinct row counts of any stage (with buckets: the buckets the
   FFN rank's totals touched: the issue's target for the programs compiled);
 - ``host messages / step``: messages the FFN rank read on the host per step (control messages,

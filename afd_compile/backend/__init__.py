@@ -63,7 +63,7 @@ Options (all optional)::
                        CUDA graphs hold its compute only, the exchange with its peers and its group's
                        token collectives run between them on the host each step (Inductor's graph
                        partition): one graph set per bucket, at 85-145 µs more host work a layer
-                       (one H200, BENCHMARKS.md session 26)
+                       (one H200, BENCHMARKS.md: an FFN rank's real program)
     check_wire         AFD: a check header ahead of every transfer (default: AFD_CHECK_WIRE; see
                        afd_compile.comm.AFDCommunicator); every rank must agree; not with CUDA graphs
                        (the comparison runs on the host): needs cudagraphs=False on CUDA

@@ -146,7 +146,6 @@ class AttentionWorker:
     program: fx.GraphModule
     comm: AFDCommunicator
     count_tokens: TokenCount
-    stage: int = 0
     #: micro-batch stages (passes/stages.py): the program takes one ``[b_s, 0]`` tensor per stage
     #: after the model's inputs, ``b_s`` the sequences of micro-batch ``s``
     stages: int = 1
@@ -199,7 +198,7 @@ class AttentionWorker:
         if self.stages == 1:
             slot = self.slot(n)
             send_control(self.comm, slot)
-            self.comm.set_step({self.stage: (n,)}, {self.stage: slot})
+            self.comm.set_step({0: (n,)}, {0: slot})  # (an unstaged step: stage 0)
             return self.program_for(1)(*inputs) if total else None
         assert self.batch_dim is not None
         batch = int(inputs[self.batch_dim[0]].shape[self.batch_dim[1]])
@@ -297,7 +296,6 @@ class FFNWorker:
     program: fx.GraphModule
     comm: AFDCommunicator
     device: torch.device
-    stage: int = 0
     #: how a step's program runs: ``(per-peer counts, (T, 0) carrier) -> None``; the compile
     #: backend replaces it to pick the program compiled for that token layout
     run_program: Callable[[tuple[int, ...], torch.Tensor], Any] | None = None
@@ -395,7 +393,7 @@ class FFNWorker:
             per_stage = [counts]
         elif per_stage is None:  # this rank's peers have all left; its group still runs
             per_stage = [counts] * self.stages
-        per = {s: c for s, c in enumerate(per_stage)} if self.stages > 1 else {self.stage: counts}
+        per = {s: c for s, c in enumerate(per_stage)} if self.stages > 1 else {0: counts}  # (unstaged: stage 0)
         self.comm.set_step(per)
         self.comm.step_rows = {s: self.rows(sum(c)) for s, c in per.items()}
         if on_step:
