@@ -12,7 +12,7 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
@@ -54,9 +54,6 @@ if TYPE_CHECKING:
     from .passes.tp_rewrite import TPProgram
 
 log = logging.getLogger("afd_compile.deploy")
-
-#: an AFD worker of either role
-WorkerT = TypeVar("WorkerT", AttentionWorker, FFNWorker)
 
 #: token buckets are on by default (a serving user should not have to know)
 DEFAULT_BUCKETS = TokenBuckets()
@@ -218,7 +215,8 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
                 check_wire: bool | None = None, stages: int = 1, symm_mem: bool = True,
                 buckets: TokenBuckets | None = DEFAULT_BUCKETS,
                 before_groups: Callable[[], dist.ProcessGroup | None] | None = None,
-                lowering: Build | None = None) -> AttentionWorker | FFNWorker:
+                lowering: Build | None = None,
+                wrap: Callable[[fx.GraphModule], Callable[..., Any]] | None = None) -> AttentionWorker | FFNWorker:
     """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id
     (an attention rank reuses the one registered there when it matches: :func:`communicator_for`).
     ``check_wire``: header checks on every transfer (None: ``AFD_CHECK_WIRE``; see AFDCommunicator).
@@ -233,7 +231,9 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     here); a group it returns carries the exchange instead of ``group``.
     ``lowering``: this rank's build (``afd_compile.pipeline``): every program the worker holds
     goes through its lowering stage (the backend; ``verify --lowered``); None: the portable
-    programs, as ``rewrite`` writes them."""
+    programs, as ``rewrite`` writes them.
+    ``wrap``: how each of the worker's programs runs (the backend compiles it: ``AttentionWorker.wrap``);
+    None: the FX program. The worker is constructed once, whole: nothing sets its fields later."""
     config = config or SplitConfig()
     role, idx = layout.role_of(rank)
     # the layout's fan-in constrains the FFN program only: an attention rank's program may have a
@@ -264,45 +264,52 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
         prepare_groups({GROUP_TP: own, GROUP_ATTN_TP: own}, device, symm_mem)
     if role == "ffn":
         comm = communicator_for("ffn", rank, layout.peers_of_ffn(idx), group, check, config.comm_id, control)
-        worker = FFNWorker(ffn, comm, device, stages=stages, static_batch=batch)
-        if size > 1:
-            from .comm import GROUP_FFN_TP, register_group
-            from .passes.ffn_tp import ffn_group_program
-            from .symm_mem import prepare_groups
-
-            ffn_group_program(ffn, layout.ffn_tp, layout.ffn_ep, idx % size)
-            worker.ffn_group, worker.ffn_control_group = groups[idx // size], ffn_controls[idx // size]
-            register_group(GROUP_FFN_TP, worker.ffn_group)
-            prepare_groups({GROUP_FFN_TP: worker.ffn_group}, device, symm_mem)
-            worker.group_rank, worker.group_size, worker.group_input = idx % size, size, layout.ffn_tp > 1
-        worker.program = ffn.to(device)
+        in_group = ffn_group_fields(ffn, layout, idx, groups, ffn_controls, device, symm_mem) if size > 1 else {}
         # (a group's program: staged again, with its group inputs and collectives)
         built = {stages_built: staged[1]} if stages_built != 1 and size == 1 else {}
-        worker.staged = {k: p.to(device) for k, p in staged_programs(ffn, "ffn", stages, batch, built).items()}
-        use_ffn_buckets(worker, ffn, buckets)
-        return lower_worker(worker, lowering, rank)
+        program, by_stages = lowered(ffn, staged_programs(ffn, "ffn", stages, batch, built), device, lowering, rank)
+        return FFNWorker(program, comm, device, stages=stages, static_batch=batch, staged=by_stages, wrap=wrap,
+                         **in_group, **ffn_bucket_fields(ffn, buckets))
     # one communicator per comm id, shared by every graph of this rank (prefill, decode)
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id,
                             control)
     if layout.attn_tp == 1:
         counter = token_count_for_graph(gm, result.plan.cuts[0].token_dims)
-    worker = AttentionWorker(attention.to(device), comm, counter, stages=stages,
-                             batch_dim=_stage_batch_dim(result.attention, stages), static=batch is not None)
     built = {stages_built: staged[0]} if stages_built != 1 else {}
-    worker.staged = {k: p.to(device) for k, p in staged_programs(attention, "attention", stages, batch, built).items()}
-    use_buckets(worker, buckets)
-    return lower_worker(worker, lowering, rank)
+    program, by_stages = lowered(attention, staged_programs(attention, "attention", stages, batch, built), device,
+                                 lowering, rank)
+    return AttentionWorker(program, comm, counter, stages=stages, batch_dim=_stage_batch_dim(result.attention, stages),
+                           static=batch is not None, staged=by_stages, wrap=wrap,
+                           **attention_bucket_fields(counter, buckets))
 
 
-def lower_worker(worker: WorkerT, lowering: Build | None, rank: int) -> WorkerT:
-    """Every program ``worker`` holds (the unstaged one and each stage count's) through
-    ``lowering``'s lowering stage (``pipeline.lower``), in place; what each pass did logged."""
-    if lowering is None:
-        return worker
-    for k, prog in [(1, worker.program), *sorted(worker.staged.items())]:
-        for line in record_lines(lower(prog, lowering)):
-            log.info("afd: rank %d %s%s: %s", rank, lowering.kind, f" ({k} stages)" if k > 1 else "", line)
-    return worker
+def ffn_group_fields(ffn: fx.GraphModule, layout: AFDLayout, idx: int, groups: list[dist.ProcessGroup],
+                     controls: list[dist.ProcessGroup], device: torch.device, symm_mem: bool) -> dict[str, Any]:
+    """FFN rank ``idx`` of an FFN TP / EP group: its program made the group's (in place), the
+    group registered and prepared, and the worker's group fields."""
+    from .comm import GROUP_FFN_TP, register_group
+    from .passes.ffn_tp import ffn_group_program
+    from .symm_mem import prepare_groups
+
+    size = layout.ffn_group_size
+    ffn_group_program(ffn, layout.ffn_tp, layout.ffn_ep, idx % size)
+    register_group(GROUP_FFN_TP, groups[idx // size])
+    prepare_groups({GROUP_FFN_TP: groups[idx // size]}, device, symm_mem)
+    return {"ffn_group": groups[idx // size], "ffn_control_group": controls[idx // size], "group_rank": idx % size,
+            "group_size": size, "group_input": layout.ffn_tp > 1}
+
+
+def lowered(program: fx.GraphModule, staged: dict[int, fx.GraphModule], device: torch.device,
+            lowering: Build | None, rank: int) -> tuple[fx.GraphModule, dict[int, fx.GraphModule]]:
+    """A worker's programs (the unstaged one and each stage count's) on ``device``, each through
+    ``lowering``'s lowering stage (``pipeline.lower``, in place; what each pass did logged; None:
+    as built)."""
+    program, staged = program.to(device), {k: p.to(device) for k, p in staged.items()}
+    if lowering is not None:
+        for k, prog in [(1, program), *sorted(staged.items())]:
+            for line in record_lines(lower(prog, lowering)):
+                log.info("afd: rank %d %s%s: %s", rank, lowering.kind, f" ({k} stages)" if k > 1 else "", line)
+    return program, staged
 
 
 def layout_groups(layout: AFDLayout, ranks: Sequence[int], timeout_s: float | None = None) -> tuple[
@@ -319,29 +326,30 @@ def layout_groups(layout: AFDLayout, ranks: Sequence[int], timeout_s: float | No
     return ffn, attn, control_group(ranks, timeout_s), ffn_controls
 
 
-def use_ffn_buckets(worker: FFNWorker, program: fx.GraphModule, buckets: TokenBuckets | None) -> None:
-    """Token buckets for an FFN worker whose program takes any token count (a symbolic carrier):
+def ffn_bucket_fields(program: fx.GraphModule, buckets: TokenBuckets | None) -> dict[str, Any]:
+    """An FFN worker's token buckets when its program takes any token count (a symbolic carrier):
     each stage's rows are its tokens padded to a bucket, in units of what every token count of the
-    program is a multiple of. A program of static tokens keeps its exact rows."""
+    program is a multiple of. A program of static tokens keeps its exact rows (no fields)."""
     from .passes.split import TOKEN_MULTIPLE
 
     ph = next((n for n in program.graph.nodes if n.op == "placeholder"), None)
     val = ph.meta.get("val") if ph is not None else None
     if buckets is None or not isinstance(val, torch.Tensor) or isinstance(val.shape[0], int):
-        return
+        return {}
     unit = program.meta.get(TOKEN_MULTIPLE) or int(sym_expr(val.shape[0]).as_coeff_Mul()[0])
-    worker.buckets, worker.token_unit = buckets, max(int(unit), 1)
+    return {"buckets": buckets, "token_unit": max(int(unit), 1)}
 
 
-def use_buckets(worker: AttentionWorker, buckets: TokenBuckets | None) -> None:
-    """Token buckets for an attention worker whose token count changes (a dims term in its
-    count); a static count never changes and keeps its exact size. The slot is counted in units
-    of the count's static factor (a static batch: the FFN program views its tokens per sequence)."""
-    count = worker.count_tokens.total if isinstance(worker.count_tokens, GroupSlice) else worker.count_tokens
-    if not isinstance(count, TokenCount) or not count.dims or (isinstance(worker.count_tokens, GroupSlice)
+def attention_bucket_fields(count_tokens: TokenCount | GroupSlice, buckets: TokenBuckets | None) -> dict[str, Any]:
+    """An attention worker's token buckets when its token count changes (a dims term in its
+    count); a static count never changes and keeps its exact size (no fields). The slot is counted
+    in units of the count's static factor (a static batch: the FFN program views its tokens per
+    sequence)."""
+    count = count_tokens.total if isinstance(count_tokens, GroupSlice) else count_tokens
+    if not isinstance(count, TokenCount) or not count.dims or (isinstance(count_tokens, GroupSlice)
                                                                 and count.factor != 1):
-        return
-    worker.buckets, worker.slot_unit = buckets, count.factor
+        return {}
+    return {"buckets": buckets, "slot_unit": count.factor}
 
 
 def _stage_batch_dim(program: fx.GraphModule, stages: int) -> tuple[int, int] | None:
@@ -423,23 +431,20 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
         register_communicator(comm, comm_id)
         program = load_program(plan.path("ffn")).module()
         check_saved_program(plan, "ffn", program)
-        program = program.to(device)
         batch = plan.get("static_batch")
-        ffn_worker = FFNWorker(program, comm, device, stages=stages, static_batch=batch,
-                               staged=staged_programs(program, "ffn", stages, batch))
-        use_ffn_buckets(ffn_worker, program, buckets)
-        return lower_worker(ffn_worker, lowering, rank)
+        fields = ffn_bucket_fields(program, buckets)
+        program, by_stages = lowered(program, staged_programs(program, "ffn", stages, batch), device, lowering, rank)
+        return FFNWorker(program, comm, device, stages=stages, static_batch=batch, staged=by_stages, **fields)
     comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),), group, control_group=control)
     register_communicator(comm, comm_id)
     program = load_program(plan.path("attention")).module()
     check_saved_program(plan, "attention", program)
-    program = program.to(device)
     batch = static_batch(program) if stages != 1 else None
-    worker = AttentionWorker(program, comm, TokenCount.from_json(plan["token_count"]), stages=stages,
-                             batch_dim=_stage_batch_dim(program, stages), static=batch is not None,
-                             staged=staged_programs(program, "attention", stages, batch))
-    use_buckets(worker, buckets)
-    return lower_worker(worker, lowering, rank)
+    counter, batch_dim = TokenCount.from_json(plan["token_count"]), _stage_batch_dim(program, stages)
+    program, by_stages = lowered(program, staged_programs(program, "attention", stages, batch), device, lowering,
+                                 rank)
+    return AttentionWorker(program, comm, counter, stages=stages, batch_dim=batch_dim, static=batch is not None,
+                           staged=by_stages, **attention_bucket_fields(counter, buckets))
 
 
 def load_rewritten_rank(outdir: str, rank: int, device: torch.device | None = None,

@@ -320,3 +320,22 @@ def test_every_meta_key_is_named_in_one_module():
 
     keys = [v for k, v in vars(meta_keys).items() if k.isupper()]
     assert len(keys) == len(set(keys)), keys
+
+
+def test_no_module_sets_a_workers_fields_after_constructing_it():
+    # issue 51: a worker is constructed once from its programs, groups and runner (deploy), and
+    # only the worker itself changes its per-step state; before, make_worker set 8 fields on a
+    # constructed worker and the backend 3 more
+    found = []
+    for path in PKG.rglob("*.py"):
+        if path.relative_to(PKG).parts[0] == "runtime":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and \
+                            el.value.id.endswith("worker"):
+                        found.append((path.relative_to(PKG).as_posix(), node.lineno, f"{el.value.id}.{el.attr}"))
+    assert not found, f"worker fields set outside the worker: {found}"

@@ -387,45 +387,36 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
         return process_group(range(world), opts.timeout_s)  # (of its own, with the asked-for timeout)
 
     attention, ffn = builds_for(layout, device.type, opts.stages, opts.decode_attention, opts.inductor)
-    build = ffn if layout.role_of(rank)[0] == "ffn" else attention
-    # (every program of the worker, each stage count's too, lowered by the rank's pipeline)
+    role = layout.role_of(rank)[0]
+    build = ffn if role == "ffn" else attention
+    eager = ffn_step_ops() if opts.ffn_capture == "compute" else ()
+    by_step = opts.ffn_capture == "all"
+
+    def wrap(prog: fx.GraphModule) -> Callable[..., Any]:  # one compiled program per input shapes
+        compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} attention", static, build=build)
+        return lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)
+
+    def wrap_ffn(prog: fx.GraphModule) -> Callable[..., Any]:  # see ffn_key: what a program is compiled per
+        compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} ffn", eager_ops=eager,
+                             step_graphs=by_step, build=build)
+        if prog is worker.program:
+            _say_ffn_capture(compiled, rank)
+        return lambda *slots: compiled(ffn_key(compiled, worker, slots), *slots)
+
+    # (every program of the worker, each stage count's too, lowered by the rank's pipeline; each
+    # compiled by the wrap when it first runs)
     worker = make_worker(ep.module(), layout, rank, config, device=device, check_wire=check,
                          stages=opts.stages, symm_mem=opts.symm_mem, buckets=opts.token_buckets,
-                         before_groups=before_groups, lowering=build)
+                         before_groups=before_groups, lowering=build, wrap=wrap_ffn if role == "ffn" else wrap)
     if isinstance(worker, AttentionWorker):
         worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called
-
-        def wrap(prog: fx.GraphModule) -> Callable[..., Any]:  # one compiled program per input shapes
-            compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} attention", static, build=build)
-            return lambda *x: compiled(tuple(tuple(t.shape) for t in x), *x)
-
-        worker.wrap = wrap
         return worker.step
     from ..runtime import SERVE_AT_SHUTDOWN
 
     SERVE_AT_SHUTDOWN.append(worker)  # runtime.shutdown() hears the peers stop
     for prog in (worker.program, *worker.staged.values()):
         STATS["exchanges_fused"] += len(prog.meta[LOWERED_KEY].get("fuse_send_recv", ()))
-    eager = ffn_step_ops() if opts.ffn_capture == "compute" else ()
-    by_step = opts.ffn_capture == "all"
-    compiled_ffn = PerLayout(worker.program, key, opts.inductor, cudagraphs, f"rank {rank} ffn", eager_ops=eager,
-                             step_graphs=by_step, build=build)
-    if compiled_ffn.eager_ops:
-        log.info("afd: rank %d ffn: the exchange with the attention peers (and the FFN group's collectives) runs "
-                 "between CUDA graphs: one captured program per bucket of rows, its pieces replayed and the exchange "
-                 "run on the host each step", rank)
-    if compiled_ffn.step_graphs:
-        log.info("afd: rank %d ffn: one program compiled per bucket of rows, one CUDA graph (the exchange in it) "
-                 "captured per tuple of the peers' sizes: a step is one replay", rank)
-    # see ffn_key: what a program is compiled (and captured) per
-    worker.run_program = lambda counts, *slots: compiled_ffn(ffn_key(compiled_ffn, worker, slots), *slots)  # type: ignore[attr-defined]
-
-    def wrap_ffn(prog: fx.GraphModule) -> Callable[..., Any]:
-        compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} ffn", eager_ops=eager,
-                             step_graphs=by_step, build=build)
-        return lambda *slots: compiled(ffn_key(compiled, worker, slots), *slots)
-
-    worker.wrap = wrap_ffn
+    worker.program_for(1)  # (its program's capture settings checked now, not at the first step)
     outs = [n for n in (gm or ep.graph_module).graph.nodes if n.op == "output"][0].args[0]
     n_out = len(outs) if isinstance(outs, (list, tuple)) else 1
 
@@ -436,6 +427,16 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
 
     serve_one.worker = worker  # type: ignore[attr-defined]
     return serve_one
+
+
+def _say_ffn_capture(compiled: PerLayout, rank: int) -> None:
+    if compiled.eager_ops:
+        log.info("afd: rank %d ffn: the exchange with the attention peers (and the FFN group's collectives) runs "
+                 "between CUDA graphs: one captured program per bucket of rows, its pieces replayed and the exchange "
+                 "run on the host each step", rank)
+    if compiled.step_graphs:
+        log.info("afd: rank %d ffn: one program compiled per bucket of rows, one CUDA graph (the exchange in it) "
+                 "captured per tuple of the peers' sizes: a step is one replay", rank)
 
 
 def ffn_step_ops() -> tuple[str, ...]:

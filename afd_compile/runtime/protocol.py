@@ -16,7 +16,6 @@ included) is built before, by :mod:`afd_compile.deploy`.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -296,16 +295,14 @@ class FFNWorker:
     program: fx.GraphModule
     comm: AFDCommunicator
     device: torch.device
-    #: how a step's program runs: ``(per-peer counts, (T, 0) carrier) -> None``; the compile
-    #: backend replaces it to pick the program compiled for that token layout
-    run_program: Callable[[tuple[int, ...], torch.Tensor], Any] | None = None
     #: attention peers that have stopped (sent STOP); they are not served again
     left: set[int] = field(default_factory=set)
     #: micro-batch stages (passes/stages.py): the program of k stages takes one ``[T_s, 0]``
     #: tensor per stage; one for each k a step can take (stages with no token from any peer are the last ones)
     stages: int = 1
     staged: dict[int, fx.GraphModule] = field(default_factory=dict)
-    #: how a staged program runs (the compile backend compiles it): applied once per program
+    #: how a program runs (the compile backend compiles it; it reads :attr:`step_counts` at each
+    #: call): applied once per program, the unstaged one included
     wrap: Callable[[fx.GraphModule], Callable[..., Any]] | None = None
     runners: dict[int, Callable[..., Any]] = field(default_factory=dict)
     #: this step's tokens per stage and peer: what a compiled program (a CUDA graph captures the
@@ -424,10 +421,7 @@ class FFNWorker:
         if self.group_input:
             slots.append(torch.empty(sum(self.group_counts), 0, device=self.device))
         self.step_counts = (counts, self.group_counts)
-        if self.run_program is not None:
-            self._launch(functools.partial(self.run_program, counts), slots)
-        else:
-            self._launch(self.program, slots)
+        self._launch(self.program_for(1), slots)
 
     def _launch(self, program: Callable[..., Any], carriers: list[torch.Tensor]) -> None:
         """Run a step's program on its token carriers, recording the step's layouts."""
