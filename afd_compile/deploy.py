@@ -210,6 +210,28 @@ def tp_rank_program(gm: fx.GraphModule, layout: TPLayout, rank: int, config: Spl
     return shard_for_rank(gm, layout, rank, graph_name=config.graph_name, fuse_norm=fuse_norm)
 
 
+def tp_rank_lowered(gm: fx.GraphModule, layout: TPLayout, rank: int, config: SplitConfig, device: torch.device,
+                    lowering: Build, examples: Sequence[Any] = ()) -> tuple[fx.GraphModule, Build, tuple]:
+    """Rank ``rank`` of a TP layout as the backend runs it: :func:`tp_rank_program` on ``device``
+    (with DP attention, checked on ``examples`` to run for any token total of the other groups),
+    then its lowering stage (``lowering``, given the rank's sharded KV caches). Returns the
+    program, the build it was lowered by and the caches held as the rank's slice
+    (``local_state.HeldState``: the caller binds HF's full-size placeholders to them)."""
+    import dataclasses
+
+    from .passes.tp_rewrite import check_any_token_total
+
+    tp = tp_rank_program(gm, layout, rank, config)
+    program = tp.program.to(device)
+    if layout.attn_dp > 1:
+        check_any_token_total(program, list(examples), f"rank {rank}")
+    build = dataclasses.replace(lowering, states=tuple(s.node for s in tp.shards.states))
+    records = lower(program, build)
+    for line in record_lines(records):
+        log.info("afd: rank %d tp: %s", rank, line)
+    return program, build, tuple(records.get("hold_local_states", ()))
+
+
 def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig | None = None,
                 device: torch.device | None = None, group: dist.ProcessGroup | None = None,
                 check_wire: bool | None = None, stages: int = 1, symm_mem: bool = True,

@@ -239,7 +239,6 @@ READ_FROM_PASSES = {
     "afd_compile.passes.moe": {"RECORDS_KEY"},
     "afd_compile.passes.grouped_qkv": {"RECORDS_KEY"},
     "afd_compile.passes.stages": {"static_batch", "static_rows"},
-    "afd_compile.passes.tp_rewrite": {"check_any_token_total"},
     "afd_compile.passes.router": {"selects_by_name"},
 }
 

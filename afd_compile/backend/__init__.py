@@ -318,9 +318,8 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
                cudagraphs: bool | None, device: torch.device, static: Sequence[int] = (),
                examples: Sequence[Any] = ()) -> Callable[..., Any]:
     from ..comm import GROUP_ATTN_TP, GROUP_TP
-    from ..deploy import tp_rank_program
+    from ..deploy import tp_rank_lowered
     from ..passes.roles import POLICIES
-    from ..passes.tp_rewrite import check_any_token_total
     from ..runtime import dp_step_counts, register_tp_groups, tp_groups
     from ..scatter import TPLayout
     from ..split_api import SplitConfig
@@ -336,12 +335,10 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
                    device, opts.symm_mem)
     gm = ep.module()
     t0 = time.perf_counter()
-    tp = tp_rank_program(gm, layout, rank, SplitConfig(policy=POLICIES[opts.policy], graph_name="dynamo"))
-    prog = tp.program.to(device)
-    if layout.attn_dp > 1:
-        check_any_token_total(prog, list(examples), f"rank {rank}")
-    build = _build("tp", opts, device, attn_dp=layout.attn_dp, states=tuple(s.node for s in tp.shards.states))
-    held = _lower(prog, build, f"rank {rank} tp").get("hold_local_states", ())  # the rank's heads only
+    (build,) = builds_for(layout, device.type, decode_attention=opts.decode_attention, inductor=opts.inductor)
+    # (lowered by the rank's pipeline: its KV cache held as its slice, the rank's heads only)
+    prog, build, held = tp_rank_lowered(gm, layout, rank, SplitConfig(policy=POLICIES[opts.policy], graph_name="dynamo"),
+                                        device, build, list(examples))
     log.info("afd: rank %d: %s program in %.1fs", rank, layout, time.perf_counter() - t0)
     compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp", static, build=build)
 
