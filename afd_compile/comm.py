@@ -246,18 +246,20 @@ def registered_communicators() -> dict[int, AFDCommunicator]:
 
 
 def communicator_for(role: str, rank: int, peers: Sequence[int], group: dist.ProcessGroup | None,
-                     check_wire: bool, comm_id: int,
-                     control_group: dist.ProcessGroup | None = None) -> AFDCommunicator:
+                     check_wire: bool, comm_id: int, control_group: dist.ProcessGroup | None = None,
+                     finish_at_shutdown: bool = False) -> AFDCommunicator:
     """The communicator registered under ``comm_id`` when it is this one (same role, rank,
-    peers, group, checks, not stopped), else a new one, registered. The backend compiles one
-    program per graph (a prefill and a decode graph under ``generate()``); they share one
-    communicator, so the per-step token counts the runtime sets are the ones every op reads."""
+    peers, group, checks, shutdown behaviour, not stopped), else a new one, registered. The
+    backend compiles one program per graph (a prefill and a decode graph under ``generate()``);
+    they share one communicator, so the per-step token counts the runtime sets are the ones every
+    op reads."""
     old = _REGISTRY.get(comm_id)
     if (old is not None and not old.stopped
-            and (old.role, old.rank, old.peers, old.group, old.check_wire, old.control_group)
-            == (role, rank, tuple(peers), group, check_wire, control_group)):
+            and (old.role, old.rank, old.peers, old.group, old.check_wire, old.control_group, old.finish_at_shutdown)
+            == (role, rank, tuple(peers), group, check_wire, control_group, finish_at_shutdown)):
         return old
-    comm = AFDCommunicator(role, rank, tuple(peers), group, check_wire=check_wire, control_group=control_group)
+    comm = AFDCommunicator(role, rank, tuple(peers), group, check_wire=check_wire, control_group=control_group,
+                           finish_at_shutdown=finish_at_shutdown)
     register_communicator(comm, comm_id)
     return comm
 

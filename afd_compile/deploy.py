@@ -238,7 +238,8 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
                 buckets: TokenBuckets | None = DEFAULT_BUCKETS,
                 before_groups: Callable[[], dist.ProcessGroup | None] | None = None,
                 lowering: Build | None = None,
-                wrap: Callable[[fx.GraphModule], Callable[..., Any]] | None = None) -> AttentionWorker | FFNWorker:
+                wrap: Callable[[fx.GraphModule], Callable[..., Any]] | None = None,
+                finish_at_shutdown: bool = False) -> AttentionWorker | FFNWorker:
     """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id
     (an attention rank reuses the one registered there when it matches: :func:`communicator_for`).
     ``check_wire``: header checks on every transfer (None: ``AFD_CHECK_WIRE``; see AFDCommunicator).
@@ -255,7 +256,9 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     goes through its lowering stage (the backend; ``verify --lowered``); None: the portable
     programs, as ``rewrite`` writes them.
     ``wrap``: how each of the worker's programs runs (the backend compiles it: ``AttentionWorker.wrap``);
-    None: the FX program. The worker is constructed once, whole: nothing sets its fields later."""
+    None: the FX program. The worker is constructed once, whole: nothing sets its fields later.
+    ``finish_at_shutdown``: an attention rank's ``runtime.shutdown()`` tells its FFN rank it is
+    done if ``runtime.finish()`` was not called (the backend's, under ``generate()``)."""
     config = config or SplitConfig()
     role, idx = layout.role_of(rank)
     # the layout's fan-in constrains the FFN program only: an attention rank's program may have a
@@ -294,7 +297,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
                          **in_group, **ffn_bucket_fields(ffn, buckets))
     # one communicator per comm id, shared by every graph of this rank (prefill, decode)
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id,
-                            control)
+                            control, finish_at_shutdown)
     if layout.attn_tp == 1:
         counter = token_count_for_graph(gm, result.plan.cuts[0].token_dims)
     built = {stages_built: staged[0]} if stages_built != 1 else {}

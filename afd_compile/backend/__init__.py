@@ -404,9 +404,9 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     # compiled by the wrap when it first runs)
     worker = make_worker(ep.module(), layout, rank, config, device=device, check_wire=check,
                          stages=opts.stages, symm_mem=opts.symm_mem, buckets=opts.token_buckets,
-                         before_groups=before_groups, lowering=build, wrap=wrap_ffn if role == "ffn" else wrap)
+                         before_groups=before_groups, lowering=build, wrap=wrap_ffn if role == "ffn" else wrap,
+                         finish_at_shutdown=True)  # (shutdown() tells the FFN rank, if finish() was not called)
     if isinstance(worker, AttentionWorker):
-        worker.comm.finish_at_shutdown = True  # runtime.shutdown() tells the FFN rank, if finish() was not called
         return worker.step
     from ..runtime import SERVE_AT_SHUTDOWN
 
