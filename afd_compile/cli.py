@@ -30,6 +30,7 @@ from .limits import (
 from .outdir import OutputFolder, exit_on_sigterm, save_program
 from .plan_view import (
     AFD_LEGEND,
+    PASSES_HELP,
     TP_LEGEND,
     cache_json,
     moe_lines,
@@ -44,10 +45,6 @@ from .saved import MARKER
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
-PASSES_HELP = ("print, instead of the plan, the pass pipeline each rank kind of the layout runs on DEVICE, cpu or cuda (default "
-               "cuda), in order: its portable stage (what rewrite writes and verify checks) and its lowering (what "
-               "the backend runs on top); decided by the layout and options, not the model, which is not loaded")
-
 
 def _layout(args: argparse.Namespace, required: bool) -> AFDLayout | None:
     if args.attention_ranks is None and args.ffn_ranks is None:
@@ -59,7 +56,6 @@ def _layout(args: argparse.Namespace, required: bool) -> AFDLayout | None:
         raise UsageError("give both --attention-ranks and --ffn-ranks")
     return AFDLayout(args.attention_ranks, args.ffn_ranks, getattr(args, "ffn_tp", 1), getattr(args, "ffn_ep", 1),
                      getattr(args, "attn_tp", 1))
-
 
 
 _RANKS = count_flag(1, MAX_RANKS)  # a count of ranks (a layout has at most MAX_RANKS)
@@ -235,16 +231,22 @@ def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "defau
     return ep, plan_afd(ep, layout, config)
 
 
+def _tp_layout(args: argparse.Namespace):
+    """The TP layout the flags give (``--tp`` and its options)."""
+    from .scatter import TPLayout
+
+    return TPLayout(args.tp, 1 if args.attn_dp is None else args.attn_dp, moe_a2a=args.moe_a2a,
+                    dense_dp=args.dense_dp, vocab_parallel=args.vocab_parallel)
+
+
 def _tp_graph(args: argparse.Namespace):
     """The TP layout from the flags, the model's graph with roles annotated, and the program."""
     from .deploy import prepare_tp_graph
     from .passes.roles import POLICIES
     from .programs import load_program, positional_module
-    from .scatter import TPLayout
     from .split_api import SplitConfig
 
-    layout = TPLayout(args.tp, 1 if args.attn_dp is None else args.attn_dp, moe_a2a=args.moe_a2a,
-                      dense_dp=args.dense_dp, vocab_parallel=args.vocab_parallel)
+    layout = _tp_layout(args)
     ep = load_program(args.model)
     gm = positional_module(ep)
     prepare_tp_graph(gm, SplitConfig(policy=POLICIES[args.policy], graph_name=args.model))
@@ -319,7 +321,7 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.passes is not None:
-        return print_passes(args, _layout(args, required=False))
+        return print_passes(args, _tp_layout(args) if args.tp is not None else _layout(args, required=False))
     if args.tp is not None:
         return cmd_plan_tp(args)
     layout = _layout(args, required=False)

@@ -9,7 +9,6 @@ worker of :mod:`afd_compile.runtime`, which only runs them.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,7 +32,7 @@ from .passes.stages import (
     static_rows,
 )
 from .passes.symbolic import sym_expr
-from .pipeline import Build, lower, passes_for, record_lines
+from .pipeline import Build, lower, passes_for
 from .runtime import (
     AttentionWorker,
     FFNWorker,
@@ -52,8 +51,6 @@ if TYPE_CHECKING:
     from .passes.moe import MoERecord
     from .passes.split import SplitResult
     from .passes.tp_rewrite import TPProgram
-
-log = logging.getLogger("afd_compile.deploy")
 
 #: token buckets are on by default (a serving user should not have to know)
 DEFAULT_BUCKETS = TokenBuckets()
@@ -226,9 +223,7 @@ def tp_rank_lowered(gm: fx.GraphModule, layout: TPLayout, rank: int, config: Spl
     if layout.attn_dp > 1:
         check_any_token_total(program, list(examples), f"rank {rank}")
     build = dataclasses.replace(lowering, states=tuple(s.node for s in tp.shards.states))
-    records = lower(program, build)
-    for line in record_lines(records):
-        log.info("afd: rank %d tp: %s", rank, line)
+    records = lower(program, build, log_as=f"rank {rank} tp")
     return program, build, tuple(records.get("hold_local_states", ()))
 
 
@@ -332,8 +327,7 @@ def lowered(program: fx.GraphModule, staged: dict[int, fx.GraphModule], device: 
     program, staged = program.to(device), {k: p.to(device) for k, p in staged.items()}
     if lowering is not None:
         for k, prog in [(1, program), *sorted(staged.items())]:
-            for line in record_lines(lower(prog, lowering)):
-                log.info("afd: rank %d %s%s: %s", rank, lowering.kind, f" ({k} stages)" if k > 1 else "", line)
+            lower(prog, lowering, log_as=f"rank {rank} {lowering.kind}" + (f" ({k} stages)" if k > 1 else ""))
     return program, staged
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from typing import Any
 import torch.fx as fx
 
 from . import meta_keys
+
+log = logging.getLogger("afd_compile.pipeline")
 
 #: the rank kinds, each with its own pipeline
 RANK_KINDS = ("afd-attention", "afd-ffn", "tp", "none")
@@ -97,10 +100,6 @@ class Pass:
 
     def __str__(self) -> str:
         return f"{self.name} [{self.stage}]"
-
-
-def _always(b: Build) -> bool:
-    return True
 
 
 def _cuda(b: Build) -> bool:
@@ -254,20 +253,34 @@ def _lower_norms(gm: fx.GraphModule, build: Build) -> Any:
     return lower_for_inductor(gm)
 
 
-_LOWERING: dict[str, Callable[[fx.GraphModule, Build], Any]] = {
-    "hold_local_states": _hold_local_states, "replace_decode_attention": _decode_attention,
-    "router_topk": _router_topk, "fuse_send_recv": _fuse_send_recv, "receive_into_buffers": _receive_into,
-    "drop_export_guards": _drop_guards, "lower_for_inductor": _lower_norms,
+def _decode_lines(record: Any) -> list[str]:
+    left = sorted({r.why for r in record if not r.replaced})
+    return [f"decode attention: {sum(r.replaced for r in record)} of {len(record)} SDPA over the KV cache run as "
+            f"FlexAttention" + (f" (left: {'; '.join(left)})" if left else "")] if record else []
+
+
+#: per lowering pass: how it runs on a program, and what its record says (log lines)
+_LOWERING: dict[str, tuple[Callable[[fx.GraphModule, Build], Any], Callable[[Any], list[str]]]] = {
+    "hold_local_states": (_hold_local_states, lambda r: [f"KV cache {held}" for held in r]),
+    "replace_decode_attention": (_decode_attention, _decode_lines),
+    "router_topk": (_router_topk, lambda r: [f"{len(r)} router top-k as afd::router_topk"] if r else []),
+    "fuse_send_recv": (_fuse_send_recv, lambda r: [f"{len(r)} send/receive pairs as one op each (one batched call)"]),
+    "receive_into_buffers": (_receive_into, lambda r: [f"{len(r)} receives into buffers"]),
+    "drop_export_guards": (_drop_guards, lambda r: []),
+    "lower_for_inductor": (_lower_norms, lambda r: [f"{r} fused all-reduce + add + RMSNorm lowered for Inductor"]
+                           if r else []),
 }
 
 #: where a lowered program keeps what each lowering pass did (its record, by pass name)
 LOWERED_KEY = meta_keys.LOWERED
 
 
-def lower(gm: fx.GraphModule, build: Build, stop_before: str | None = None) -> dict[str, Any]:
+def lower(gm: fx.GraphModule, build: Build, stop_before: str | None = None,
+          log_as: str | None = None) -> dict[str, Any]:
     """Run ``build``'s lowering stage on ``gm``, in place, in order; each pass's record by name.
     ``stop_before``: a pass name; it and the passes after it are left for a later call. A pass
-    already run on ``gm`` (its record in ``gm.meta[LOWERED_KEY]``) is not run again."""
+    already run on ``gm`` (its record in ``gm.meta[LOWERED_KEY]``) is not run again. ``log_as``:
+    what each pass did is logged at INFO under this name (the rank and its program)."""
     names = [p.name for p in PIPELINES[build.kind]]
     if stop_before is not None and stop_before not in names:
         raise ValueError(f"lower: {stop_before!r} is not a pass of the {build.kind} pipeline")
@@ -278,14 +291,18 @@ def lower(gm: fx.GraphModule, build: Build, stop_before: str | None = None) -> d
             break
         if p.name in done:
             continue
-        records[p.name] = done[p.name] = _LOWERING[p.name](gm, build)
+        records[p.name] = done[p.name] = _LOWERING[p.name][0](gm, build)
+    if log_as is not None:
+        for line in record_lines(records):
+            log.info("afd: %s: %s", log_as, line)
     return records
 
 
 def builds_for(layout: object, device: str = "cuda", stages: int = 1, decode_attention: str = "auto",
-               inductor: bool = True) -> list[Build]:
+               inductor: bool = True, moe_op: bool = True) -> list[Build]:
     """The builds of every rank kind ``layout`` has (an ``AFDLayout``: its attention and FFN
-    ranks; a ``TPLayout``: its ranks; None: one process), for ``device`` and the options."""
+    ranks; a ``TPLayout``: its ranks; None: one process, ``moe_op`` whether it recognises MoE
+    blocks), for ``device`` and the options."""
     from .layout import AFDLayout
     from .scatter import TPLayout
 
@@ -296,7 +313,7 @@ def builds_for(layout: object, device: str = "cuda", stages: int = 1, decode_att
                       **common)]
     if isinstance(layout, TPLayout):
         return [Build("tp", attn_dp=layout.attn_dp, **common)]
-    return [Build("none", **common)]
+    return [Build("none", moe_op=moe_op, **common)]
 
 
 def pipeline_json(builds: Sequence[Build]) -> list[dict[str, Any]]:
@@ -311,25 +328,8 @@ def pipeline_json(builds: Sequence[Build]) -> list[dict[str, Any]]:
 
 
 def record_lines(records: dict[str, Any]) -> list[str]:
-    """What each lowering pass of :func:`lower`'s ``records`` did, one line each (the backend and
-    ``verify --lowered`` log them)."""
-    lines = []
-    for name, record in records.items():
-        if name == "router_topk":
-            lines.append(f"{len(record)} router top-k as afd::router_topk")
-        elif name == "replace_decode_attention":
-            left = sorted({r.why for r in record if not r.replaced})
-            lines.append(f"decode attention: {sum(r.replaced for r in record)} of {len(record)} SDPA over the KV "
-                         f"cache run as FlexAttention" + (f" (left: {'; '.join(left)})" if left else ""))
-        elif name == "fuse_send_recv":
-            lines.append(f"{len(record)} send/receive pairs as one op each (one batched call)")
-        elif name == "receive_into_buffers":
-            lines.append(f"{len(record)} receives into buffers")
-        elif name == "hold_local_states":
-            lines += [f"KV cache {held}" for held in record]
-        elif name == "lower_for_inductor":
-            lines.append(f"{record} fused all-reduce + add + RMSNorm lowered for Inductor")
-    return lines
+    """What each lowering pass of :func:`lower`'s ``records`` did, one line each."""
+    return [line for name, record in records.items() for line in _LOWERING[name][1](record)]
 
 
 def pipeline_table(builds: Sequence[Build]) -> str:

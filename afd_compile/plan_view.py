@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from .layout import AFDLayout
 
+#: ``plan --passes``'s help
+PASSES_HELP = ("print, instead of the plan, the pass pipeline each rank kind of the layout runs on DEVICE, cpu or cuda (default "
+               "cuda), in order: its portable stage (what rewrite writes and verify checks) and its lowering (what "
+               "the backend runs on top); decided by the layout and options, not the model, which is not loaded")
+
 
 def plan_table(result, layout: AFDLayout | None) -> str:
     from .passes.roles import META_KEY
@@ -150,25 +155,21 @@ def stage_text(stages: dict) -> str:
             f"{stages['static_rows']} sequences, each reading and writing its own cache rows"])])
 
 
-def print_passes(args: object, layout: AFDLayout | None) -> int:
-    """``plan --passes [DEVICE]``: the pass pipeline of each rank kind of the flags' layout
-    (``afd_compile.pipeline``), as a table or (``--json``) records. The model is not loaded: the
+def print_passes(args: object, layout: object) -> int:
+    """``plan --passes [DEVICE]``: the pass pipeline of each rank kind of ``layout`` (the flags':
+    an ``AFDLayout``, a ``TPLayout`` or None; ``afd_compile.pipeline``), as a table or (``--json``) records. The model is not loaded: the
     lists follow from the layout and options alone; a missing file is still an error."""
     import json
     import os
 
     from .cli_checks import UsageError
     from .pipeline import builds_for, pipeline_json, pipeline_table
-    from .scatter import TPLayout
 
     if getattr(args, "mermaid", None) is not None:
         raise UsageError("--passes prints the pass lists, --mermaid a picture of the plan: give one of them")
     if not os.path.isfile(args.model):  # type: ignore[attr-defined]
         what = "is not a file" if os.path.exists(args.model) else "no such file"  # type: ignore[attr-defined]
         raise UsageError(f"{args.model}: {what}")  # type: ignore[attr-defined]
-    if getattr(args, "tp", None) is not None:
-        layout = TPLayout(args.tp, args.attn_dp or 1, moe_a2a=args.moe_a2a, dense_dp=args.dense_dp,  # type: ignore[attr-defined]
-                          vocab_parallel=args.vocab_parallel)  # type: ignore[attr-defined]
     builds = builds_for(layout, args.passes, args.stages)  # type: ignore[attr-defined]
     print(json.dumps(pipeline_json(builds), indent=2) if args.json else pipeline_table(builds))  # type: ignore[attr-defined]
     return 0

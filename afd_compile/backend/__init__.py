@@ -91,7 +91,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import AFDCompileError
-from ..pipeline import LOWERED_KEY, Build, builds_for, lower, record_lines
+from ..pipeline import LOWERED_KEY, builds_for, lower
 from .agreement import agree_first, begin_first, refused_first
 from .compiled import (
     HOST_SYNC_OPS,
@@ -107,21 +107,6 @@ from .lift import Lifted, export_lifted, is_dynamic, is_static_address
 from .options import BackendOptionError, BackendOptions, check_options
 
 log = logging.getLogger("afd_compile.backend")
-
-
-def _lower(program: fx.GraphModule, build: Build, name: str) -> dict[str, Any]:
-    """``program``'s lowering stage (``afd_compile.pipeline``: what the backend runs on top of the
-    portable programs for its device and options), in place, what each pass did logged."""
-    records = lower(program, build)
-    for line in record_lines(records):
-        log.info("afd: %s: %s", name, line)
-    return records
-
-
-def _build(kind: str, opts: BackendOptions, device: torch.device, **facts: Any) -> Build:
-    """What decides the passes of this rank's pipeline, from the options and the device."""
-    return Build(kind, device=device.type, stages=opts.stages, decode_attention=opts.decode_attention,
-                 inductor=opts.inductor, **facts)
 
 
 def _no_layout(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable[..., Any]:
@@ -263,13 +248,14 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
         from ..deploy import no_layout_program
 
         prog = ep.module().to(device)
-        build = _build("none", opts, device, moe_op=_moe_op(opts, device))
+        (build,) = builds_for(None, device.type, decode_attention=opts.decode_attention, inductor=opts.inductor,
+                              moe_op=_moe_op(opts, device))
         records = no_layout_program(prog, build)
         for rec in records:
             log.info("afd: one process: %s", rec)
         if build.moe_op and opts.decode_attention != "flex" and not any(r.op for r in records):
             return None, lifted
-        _lower(prog, build, "one process")
+        lower(prog, build, log_as="one process")
         one = PerLayout(prog, key, opts.inductor, cudagraphs, "one process", static, build=build)
         run = lambda *x: one(tuple(tuple(t.shape) for t in x if isinstance(t, torch.Tensor)), *x)  # noqa: E731
     else:
