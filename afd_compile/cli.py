@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "default"):
+def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "default", stages: int = 1):
     from .deploy import plan_afd
     from .passes.roles import POLICIES
     from .programs import load_program
@@ -228,7 +228,7 @@ def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "defau
 
     ep = load_program(model)
     config = SplitConfig(compute_gate_on_attention=gate, policy=POLICIES[policy], graph_name=model)
-    return ep, plan_afd(ep, layout, config)
+    return ep, plan_afd(ep, layout, config, stages)
 
 
 def _tp_layout(args: argparse.Namespace):
@@ -240,7 +240,8 @@ def _tp_layout(args: argparse.Namespace):
 
 
 def _tp_graph(args: argparse.Namespace):
-    """The TP layout from the flags, the model's graph with roles annotated, and the program."""
+    """The TP layout from the flags, the model's graph prepared for its ranks (deploy's Work:
+    ``.gm`` has its roles annotated), and the program."""
     from .deploy import prepare_tp_graph
     from .passes.roles import POLICIES
     from .programs import load_program, positional_module
@@ -248,9 +249,9 @@ def _tp_graph(args: argparse.Namespace):
 
     layout = _tp_layout(args)
     ep = load_program(args.model)
-    gm = positional_module(ep)
-    prepare_tp_graph(gm, SplitConfig(policy=POLICIES[args.policy], graph_name=args.model))
-    return layout, gm, ep
+    work = prepare_tp_graph(positional_module(ep), layout, SplitConfig(policy=POLICIES[args.policy],
+                                                                       graph_name=args.model))
+    return layout, work, ep
 
 
 def _print_timings(args: argparse.Namespace, seconds: dict[str, float]) -> None:
@@ -280,12 +281,12 @@ def _shards_summary(shards, listed: bool = False) -> str:
 def cmd_plan_tp(args: argparse.Namespace) -> int:
     import json
 
-    from .deploy import tp_rank_program
+    from .deploy import tp_rank_of
 
     with _progress(args).phase(f"loaded and sharded {args.model} (rank 0)"):
-        layout, gm, _ = _tp_graph(args)
+        layout, work, _ = _tp_graph(args)
         # shard rank 0 as verify and rewrite do: a layout the model cannot take is refused here too
-        prog = tp_rank_program(gm, layout, 0, prepared=True, graph_name=args.model)
+        prog, gm = tp_rank_of(work, 0), work.gm
     from .passes.graph_utils import state_bytes, written_attrs
 
     cache = None
@@ -326,7 +327,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return cmd_plan_tp(args)
     layout = _layout(args, required=False)
     with _progress(args).phase(f"loaded and planned {args.model}"):
-        _, result = _plan(args.model, layout, args.gate_on_attention, args.policy)
+        ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy, _stages(args))
     if args.mermaid is not None:
         from .figures import afd_mermaid
 
@@ -348,7 +349,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if cache:
             data["cache"] = cache
         if args.stages != 1:
-            data["stages"] = _stage_schedule(args, result, layout)
+            data["stages"] = stage_schedule(result, ep)
         print(json.dumps(data, indent=2))
     else:
         print(plan_table(result, layout))
@@ -356,25 +357,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for line in moe_lines(result.moe):
             print(line)
     if args.stages != 1 and not args.json:
-        print(stage_text(_stage_schedule(args, result, layout)))
+        print(stage_text(stage_schedule(result, ep)))
     _print_timings(args, result.timings)
     return EXIT_OK
 
 
-def _stage_schedule(args: argparse.Namespace, result: object, layout: AFDLayout | None) -> dict:
+def _stages(args: argparse.Namespace) -> int:
     if args.stages < 1:
         raise UsageError(f"--stages must be >= 1, got {args.stages}")
-    return stage_schedule(args.model, args.stages, result, layout)
+    return args.stages
 
 
-def _export_tp_rank(gm, layout, rank: int, model: str, inputs: list):
+def _export_tp_rank(work, layout, rank: int, inputs: list):
     """(rank's TPProgram, its re-exported program)."""
     import torch
 
-    from .deploy import tp_rank_program
+    from .deploy import tp_rank_of
     from .programs import dynamic_shapes_of
 
-    prog = tp_rank_program(gm, layout, rank, prepared=True, graph_name=model)
+    prog = tp_rank_of(work, rank)
     x = tuple(inputs)
     if layout.attn_dp > 1:  # the carrier of all DP groups' tokens (equal groups in the example)
         x = (*x, torch.empty(layout.attn_dp * int(inputs[0].numel()), 0))
@@ -386,18 +387,18 @@ def cmd_rewrite_tp(args: argparse.Namespace) -> int:
     """One sharded program per TP rank, re-exported: ``rank<r>.pt2`` (its weight slices, its
     collectives with group ids) and ``plan.json`` (layout, groups, the scatter-mode plan)."""
 
-    from .programs import flat_inputs, load_program, write_json
+    from .programs import flat_inputs, write_json
 
     t = time.perf_counter()
     out = OutputFolder(args.output, args.force, inputs=[args.model])
     progress = _progress(args)
     with progress.phase(f"loaded {args.model}"):
-        layout, gm, _ = _tp_graph(args)
-        inputs = flat_inputs(load_program(args.model))
+        layout, work, ep = _tp_graph(args)
+        inputs = flat_inputs(ep)
     programs = []
     for rank in range(layout.tp):  # every rank planned and exported before anything is written
         with progress.phase(f"rank {rank}: sharded and re-exported"):
-            prog, ep = _export_tp_rank(gm, layout, rank, args.model, inputs)
+            prog, ep = _export_tp_rank(work, layout, rank, inputs)
         if rank == 0:
             _print_timings(args, prog.timings)
         programs.append((f"rank{rank}.pt2", ep))
@@ -440,7 +441,7 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
     out = OutputFolder(args.output, args.force, inputs=[args.model])
     progress = _progress(args)
     with progress.phase(f"loaded and split {args.model}"):
-        ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy)
+        ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy, _stages(args))
     original = positional_module(ep)
     with progress.phase("attention and FFN programs re-exported"):
         att, ffn = export_split(result.attention, result.ffn, original, flat_inputs(ep))
@@ -448,7 +449,7 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
                          token_count_for_graph(original, result.plan.cuts[0].token_dims).to_json(), cache_json(result))
     schedule = None
     if args.stages != 1:  # refused before anything is written; the role programs are saved unstaged
-        staged = _stage_schedule(args, result, layout)
+        staged = stage_schedule(result, ep)
         schedule = stage_text(staged)
         plan["stages"] = args.stages
         if staged["static_batch"] is not None:
@@ -482,14 +483,14 @@ def _verdict(run: Callable[[], object]) -> int:
 
 
 def cmd_verify_tp(args: argparse.Namespace) -> int:
-    from .deploy import tp_rank_program
+    from .deploy import tp_rank_of
     from .verify import verify_tp
 
     batches = parse_tokens(args.tokens)
     progress = _progress(args)
     with progress.phase(f"loaded and sharded {args.model} (rank 0)"):
-        layout, gm, ep = _tp_graph(args)
-        prog = tp_rank_program(gm, layout, 0, prepared=True, graph_name=args.model)  # fail fast, before spawning
+        layout, work, ep = _tp_graph(args)
+        prog = tp_rank_of(work, 0)  # fail fast, before spawning
     print(prog.plan.table())
     _print_timings(args, prog.timings)
     print(f"verify: {len(prog.shards.weights)} weights sharded, {len(prog.shards.arg_fixes)} head counts divided")
@@ -521,11 +522,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .verify import verify_afd  # (after the argument checks: they need no torch)
     progress = _progress(args)
     with progress.phase(f"loaded and split {args.model}"):
-        ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy)  # fail fast, before spawning
+        ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy, _stages(args))  # fail fast, before spawning
     print(plan_table(result, layout))
     _print_timings(args, result.timings)
     if args.stages != 1:
-        print(stage_text(_stage_schedule(args, result, layout)))
+        print(stage_text(stage_schedule(result, ep)))
     return _verdict(lambda: verify_afd(args.model, layout, batches=batches, gate=args.gate_on_attention,
                                        steps=args.steps, tol=args.tol, policy=args.policy, timeout_s=args.timeout,
                                        decode_steps=args.decode_steps, stages=args.stages,

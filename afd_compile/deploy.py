@@ -8,7 +8,6 @@ worker of :mod:`afd_compile.runtime`, which only runs them.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,21 +17,15 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from . import meta_keys
 from .buckets import TokenBuckets
 from .comm import AFDCommunicator, communicator_for, register_communicator, wire_checks_from_env
 from .layout import AFDLayout
 from .limits import MAX_RANKS, bounded_int
 from .passes.graph_utils import batch_symbol_dims
-from .passes.stages import (
-    check_stage_layout,
-    stage_attention_program,
-    stage_ffn_program,
-    static_batch,
-    static_rows,
-)
+from .passes.stages import static_batch
 from .passes.symbolic import sym_expr
-from .pipeline import Build, lower, passes_for
+from .pipeline import Build, builds_for, lower
+from .portable import Work, fork, run, staged_programs
 from .runtime import (
     AttentionWorker,
     FFNWorker,
@@ -44,12 +37,11 @@ from .runtime import (
     process_group,
 )
 from .scatter import TPLayout
-from .split_api import SplitConfig, split_graph_module
+from .split_api import SplitConfig
 
 if TYPE_CHECKING:
-    from .passes.ffn_tp import FFNTPProgram
     from .passes.moe import MoERecord
-    from .passes.split import SplitResult
+    from .passes.split import SplitPlan, SplitResult
     from .passes.tp_rewrite import TPProgram
 
 #: token buckets are on by default (a serving user should not have to know)
@@ -80,49 +72,6 @@ def token_count_for_graph(gm: fx.GraphModule, token_dims: Sequence[str]) -> Toke
     return TokenCount(tuple(dims), int(coeff))
 
 
-def stage_counts(stages: int, batch: int | None) -> list[int]:
-    """The numbers of micro-batches (>= 2) a step can run staged: each of 2..stages over a dynamic
-    batch (a step with fewer sequences than stages runs fewer); over a static batch (a static KV
-    cache) its fixed micro-batches' count."""
-    if stages == 1:
-        return []
-    if batch is not None:
-        n = len(static_rows(batch, stages))
-        return [n] if n > 1 else []
-    return list(range(2, stages + 1))
-
-
-def staged_programs(program: fx.GraphModule, role: str, stages: int, batch: int | None,
-                    built: dict[int, fx.GraphModule] | None = None) -> dict[int, fx.GraphModule]:
-    """``program`` as each number of micro-batches :func:`stage_counts` allows, by the number
-    (``built``: ones already made). A static batch's program is built for ``stages`` (the pass
-    fixes its micro-batches)."""
-    build: Callable[[fx.GraphModule, int], fx.GraphModule] = (
-        stage_attention_program if role == "attention" else functools.partial(stage_ffn_program, batch=batch))
-    out = dict(built or {})
-    for k in stage_counts(stages, batch):
-        if k not in out:
-            out[k] = build(program, stages if batch is not None else k)
-    return out
-
-
-def staged_pair(attention: fx.GraphModule, ffn: fx.GraphModule, layout: AFDLayout, stages: int,
-                batch: int | None) -> tuple[fx.GraphModule, fx.GraphModule, object]:
-    """Both roles' programs of ``stages`` micro-batches and the ping-pong schedule they hold for
-    ``layout``, checked: the two programs' transfers stage by stage in one order, every send
-    paired with its receive, no deadlock (a program that cannot be staged is refused here, not
-    at a step). ``batch``: the static batch of a static KV cache, else None."""
-    from .passes.pingpong import check_schedule, schedule_of_programs
-    from .passes.schedule import verify_schedule
-
-    check_stage_layout(layout, stages, batch)
-    staged = stage_attention_program(attention, stages), stage_ffn_program(ffn, stages, batch=batch)
-    verify_schedule(*staged)
-    schedule = schedule_of_programs(layout, *staged)
-    check_schedule(schedule)
-    return staged[0], staged[1], schedule
-
-
 @dataclass
 class RankProgram:
     """What rank ``rank`` of a layout runs: an AFD ``worker`` (attention or FFN, its programs of
@@ -147,64 +96,86 @@ def build_rank(gm: fx.GraphModule, layout: AFDLayout | TPLayout, rank: int, conf
     return RankProgram(rank, "ffn" if isinstance(worker, FFNWorker) else "attention", worker=worker)
 
 
-def plan_afd(ep: torch.export.ExportedProgram, layout: AFDLayout | None, config: SplitConfig) -> SplitResult:
-    """What ``plan`` / ``rewrite`` / ``verify`` build before anything runs: the split of ``ep``
-    (its inputs flat, in the program's order) for ``layout``, and the first attention rank's TP
-    program where the layout has attention TP groups, so a layout the model cannot take is
-    refused here, not on a rank."""
+@dataclass(frozen=True)
+class AFDPlan:
+    """What ``plan`` / ``rewrite`` / ``verify`` print and check before anything runs: the split
+    (``split``: both programs as cut) and the portable stage of the layout's first attention rank
+    and first FFN rank (``attention_rank`` / ``ffn_rank``: their attention TP program, FFN group
+    program, staged programs and ping-pong schedule, as a worker of that rank builds them)."""
+
+    split: SplitResult
+    attention_rank: Work
+    ffn_rank: Work
+
+    @property
+    def attention(self) -> fx.GraphModule:
+        return self.split.attention
+
+    @property
+    def ffn(self) -> fx.GraphModule:
+        return self.split.ffn
+
+    @property
+    def plan(self) -> SplitPlan:
+        return self.split.plan
+
+    @property
+    def moe(self) -> tuple:
+        return self.split.moe
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds per pass: the split's, then the ranks' own (attention TP, stages, FFN group)."""
+        return {**self.split.timings, **self.attention_rank.timings.seconds, **self.ffn_rank.timings.seconds}
+
+
+def plan_afd(ep: torch.export.ExportedProgram, layout: AFDLayout | None, config: SplitConfig,
+             stages: int = 1) -> AFDPlan:
+    """The split of ``ep`` (its inputs flat, in the program's order) for ``layout`` (None: one
+    attention rank and one FFN rank), then the first attention rank's and first FFN rank's
+    portable stage with ``stages`` micro-batches: a layout the model cannot take is refused here,
+    not on a rank."""
     from .programs import fresh_module
 
-    result = split_graph_module(fresh_module(ep), config, layout=layout)
-    if layout is not None and layout.attn_tp > 1:
-        attention_tp_program(fresh_module(ep), result, layout, 0, config, None)
-    return result
+    layout = layout or AFDLayout(1, 1)
+    attention_build, ffn_build = builds_for(layout, "cpu", stages)
+    ffn = run(Work(ffn_build, fresh_module(ep), layout, 0, config), until="verify_schedule")
+    assert ffn.split is not None
+    attention = run(fork(ffn, attention_build, rank=layout.ffn_ranks))
+    return AFDPlan(ffn.split, attention, run(ffn))
 
 
-def ffn_group_check(result: SplitResult, layout: AFDLayout) -> FFNTPProgram:
-    """The FFN program of group rank 0 of ``layout``'s FFN TP / EP groups, built on a copy (a
-    layout the MLP cannot take is refused here, before anything runs)."""
-    from .passes.ffn_tp import ffn_group_program
-    from .passes.graph_utils import copy_graph_module
-
-    return ffn_group_program(copy_graph_module(result.ffn)[0], layout.ffn_tp, layout.ffn_ep, 0)
+def prepare_tp_graph(gm: fx.GraphModule, layout: TPLayout, config: SplitConfig | None = None) -> Work:
+    """``gm`` ready for any rank of a TP layout, in place: the tp pipeline through its roles (MoE
+    recognised strictly, grouped projections unpacked, roles); then :func:`tp_rank_of` per rank."""
+    return run(Work(builds_for(layout, "cpu")[0], gm, layout, 0, config or SplitConfig()), until="annotate_roles")
 
 
-def prepare_tp_graph(gm: fx.GraphModule, config: SplitConfig) -> None:
-    """``gm`` ready for any rank of a TP layout, in place (the portable stage's first passes: MoE
-    recognised strictly, grouped projections unpacked, roles): then
-    ``tp_rank_program(..., prepared=True)`` per rank."""
-    from .passes.prepare import prepare_graph
-
-    prepare_graph(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
-                  graph_name=config.graph_name, strict=True)
+def tp_rank_of(prepared: Work, rank: int, fuse_norm: bool = True) -> TPProgram:
+    """Rank ``rank``'s program from a graph :func:`prepare_tp_graph` prepared (its plans, the
+    seconds each pass took); ``fuse_norm``: False stops before it."""
+    return run(fork(prepared, rank=rank), until=None if fuse_norm else "insert_all_reduces").tp_program()
 
 
 def no_layout_program(gm: fx.GraphModule, build: Build) -> list[MoERecord]:
     """A process with no layout: the portable stage of its pipeline on ``gm``, in place (the MoE
     recognition where ``build`` says, else nothing); the blocks' records."""
-    from .passes.moe import recognise_moe
-
     if build.kind != "none":
         raise ValueError(f"no_layout_program: a {build.kind} build has a layout")
-    return recognise_moe(gm) if any(p.name == "recognise_moe" for p in passes_for(build, "portable")) else []
+    return list(run(Work(build, gm)).moe)
 
 
 def tp_rank_program(gm: fx.GraphModule, layout: TPLayout, rank: int, config: SplitConfig | None = None, *,
-                    prepared: bool = False, fuse_norm: bool = True, graph_name: str | None = None) -> TPProgram:
-    """Rank ``rank`` of a TP layout: ``gm``'s MoE blocks recognised (strictly: TP shards the
-    experts) and its roles annotated, in place (skipped when ``prepared``: the caller did it once
-    for several ranks), then the sharded program (``passes/tp_rewrite.shard_for_rank``).
+                    fuse_norm: bool = True, graph_name: str | None = None) -> TPProgram:
+    """Rank ``rank`` of a TP layout: the tp pipeline's portable stage on ``gm`` (its MoE blocks
+    recognised and its roles annotated in place, then the sharded program).
     ``graph_name``: the name messages give the graph (default: the config's)."""
     import dataclasses
-
-    from .passes.tp_rewrite import shard_for_rank
 
     config = config or SplitConfig()
     if graph_name is not None:
         config = dataclasses.replace(config, graph_name=graph_name)
-    if not prepared:
-        prepare_tp_graph(gm, config)
-    return shard_for_rank(gm, layout, rank, graph_name=config.graph_name, fuse_norm=fuse_norm)
+    return tp_rank_of(prepare_tp_graph(gm, layout, config), rank, fuse_norm)
 
 
 def tp_rank_lowered(gm: fx.GraphModule, layout: TPLayout, rank: int, config: SplitConfig, device: torch.device,
@@ -235,8 +206,10 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
                 lowering: Build | None = None,
                 wrap: Callable[[fx.GraphModule], Callable[..., Any]] | None = None,
                 finish_at_shutdown: bool = False) -> AttentionWorker | FFNWorker:
-    """Split ``gm`` and wrap this rank's program. Registers the communicator under config.comm_id
-    (an attention rank reuses the one registered there when it matches: :func:`communicator_for`).
+    """Rank ``rank``'s worker: its programs built first (:func:`rank_work`: the rank's pipeline,
+    its portable stage, then ``lowering``'s), then its groups and communicator, then the worker,
+    constructed once, whole. Registers the communicator under config.comm_id (an attention rank
+    reuses the one registered there when it matches: :func:`communicator_for`).
     ``check_wire``: header checks on every transfer (None: ``AFD_CHECK_WIRE``; see AFDCommunicator).
     ``stages``: micro-batches per step (passes/stages.py); every rank of the layout the same.
     ``symm_mem``: an FFN or attention TP group on CUDA all-reduces small messages over symmetric
@@ -244,75 +217,81 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     ``buckets``: an attention rank's tokens cross the wire in bucket slots (buckets.py), and an
     FFN rank's rows are padded to the bucket of their total, so its programs are one per bucket, not
     per exact count; None: exact counts.
-    ``before_groups``: called once this rank's programs are split, before any process group is
-    made (the backend's agreement of every rank: one that refused its split stops the others
+    ``before_groups``: called once this rank's programs are built, before any process group is
+    made (the backend's agreement of every rank: one that refused its programs stops the others
     here); a group it returns carries the exchange instead of ``group``.
-    ``lowering``: this rank's build (``afd_compile.pipeline``): every program the worker holds
-    goes through its lowering stage (the backend; ``verify --lowered``); None: the portable
+    ``lowering``: this rank's build (``afd_compile.pipeline``: the backend; ``verify --lowered``):
+    every program the worker holds goes through its lowering stage too; None: the portable
     programs, as ``rewrite`` writes them.
     ``wrap``: how each of the worker's programs runs (the backend compiles it: ``AttentionWorker.wrap``);
-    None: the FX program. The worker is constructed once, whole: nothing sets its fields later.
+    None: the FX program.
     ``finish_at_shutdown``: an attention rank's ``runtime.shutdown()`` tells its FFN rank it is
     done if ``runtime.finish()`` was not called (the backend's, under ``generate()``)."""
     config = config or SplitConfig()
     role, idx = layout.role_of(rank)
-    # the layout's fan-in constrains the FFN program only: an attention rank's program may have a
-    # static token count (a decode graph of a static cache)
-    result = split_graph_module(gm, config, layout=layout if role == "ffn" else None)
-    attention, ffn = result.attention, result.ffn
-    size = layout.ffn_group_size
+    work = rank_work(gm, layout, rank, config, stages, lowering)
     if before_groups is not None:
         group = before_groups() or group
     groups, attn_groups, control, ffn_controls = layout_groups(layout, *group_key(group))
-    batch = static_batch(result.attention) if stages != 1 else None
-    check_stage_layout(layout, stages, batch)  # (one stage: the layout alone)
-    if role == "attention" and layout.attn_tp > 1:
-        attention, counter = attention_tp_program(gm, result, layout, idx, config, attn_groups[idx // layout.attn_tp])
-    if batch is not None:  # a static batch (a static KV cache): min(stages, batch) micro-batches
-        stages_built = len(static_rows(batch, stages))
-    else:
-        stages_built = stages
-    if stages_built != 1:  # the programs of all stages built now: refused here, not at a step
-        staged = staged_pair(attention, ffn, layout, stages, batch)[:2]
     device = device or torch.device("cpu")
     check = wire_checks_from_env() if check_wire is None else check_wire
-    if role == "attention" and layout.attn_tp > 1:
-        from .comm import GROUP_ATTN_TP, GROUP_TP
+    if role == "ffn":
+        assert work.ffn is not None
+        comm = communicator_for("ffn", rank, layout.peers_of_ffn(idx), group, check, config.comm_id, control)
+        size = layout.ffn_group_size
+        in_group = ffn_group_fields(layout, idx, groups, ffn_controls, device, symm_mem) if size > 1 else {}
+        program, by_stages = lowered(work.ffn, work.staged, device, lowering, rank)
+        return FFNWorker(program, comm, device, stages=stages, static_batch=work.static_batch, staged=by_stages,
+                         wrap=wrap, **in_group, **ffn_bucket_fields(work.ffn, buckets))
+    assert work.attention is not None and work.plan is not None
+    counter: TokenCount | GroupSlice = token_count_for_graph(work.gm, work.plan.cuts[0].token_dims)
+    if layout.attn_tp > 1:
+        from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
         from .symm_mem import prepare_groups
 
         own = attn_groups[idx // layout.attn_tp]
+        for gid in (GROUP_TP, GROUP_ATTN_TP):
+            register_group(gid, own)
         prepare_groups({GROUP_TP: own, GROUP_ATTN_TP: own}, device, symm_mem)
-    if role == "ffn":
-        comm = communicator_for("ffn", rank, layout.peers_of_ffn(idx), group, check, config.comm_id, control)
-        in_group = ffn_group_fields(ffn, layout, idx, groups, ffn_controls, device, symm_mem) if size > 1 else {}
-        # (a group's program: staged again, with its group inputs and collectives)
-        built = {stages_built: staged[1]} if stages_built != 1 and size == 1 else {}
-        program, by_stages = lowered(ffn, staged_programs(ffn, "ffn", stages, batch, built), device, lowering, rank)
-        return FFNWorker(program, comm, device, stages=stages, static_batch=batch, staged=by_stages, wrap=wrap,
-                         **in_group, **ffn_bucket_fields(ffn, buckets))
+        counter = GroupSlice(counter, layout.attn_tp, idx % layout.attn_tp)
     # one communicator per comm id, shared by every graph of this rank (prefill, decode)
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id,
                             control, finish_at_shutdown)
-    if layout.attn_tp == 1:
-        counter = token_count_for_graph(gm, result.plan.cuts[0].token_dims)
-    built = {stages_built: staged[0]} if stages_built != 1 else {}
-    program, by_stages = lowered(attention, staged_programs(attention, "attention", stages, batch, built), device,
-                                 lowering, rank)
-    return AttentionWorker(program, comm, counter, stages=stages, batch_dim=_stage_batch_dim(result.attention, stages),
-                           static=batch is not None, staged=by_stages, wrap=wrap,
+    program, by_stages = lowered(work.attention, work.staged, device, lowering, rank)
+    assert work.split is not None
+    return AttentionWorker(program, comm, counter, stages=stages, batch_dim=_stage_batch_dim(work.split.attention,
+                                                                                            stages),
+                           static=work.static_batch is not None, staged=by_stages, wrap=wrap,
                            **attention_bucket_fields(counter, buckets))
 
 
-def ffn_group_fields(ffn: fx.GraphModule, layout: AFDLayout, idx: int, groups: list[dist.ProcessGroup],
+def rank_work(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig, stages: int = 1,
+              build: Build | None = None) -> Work:
+    """Rank ``rank``'s portable stage on ``gm`` (``build``: the rank's, as :func:`pipeline.rank_build`
+    gives it; None: for the CPU): the split (an attention rank's without the layout's fan-in: its
+    program may have a static token count, a decode graph of a static cache), then the rank's own
+    passes (attention TP, stages, FFN group)."""
+    from .passes.stages import check_stages
+    from .pipeline import rank_build
+
+    check_stages(stages)
+    want = rank_build(layout, rank, stages)
+    if build is None:
+        build = want
+    elif (build.kind, build.stages) != (want.kind, want.stages):
+        raise ValueError(f"make_worker: rank {rank} of {layout} with {stages} stages is an {want.kind} rank; the "
+                         f"build given is an {build.kind} one of {build.stages} stages")
+    return run(Work(build, gm, layout, rank, config))
+
+
+def ffn_group_fields(layout: AFDLayout, idx: int, groups: list[dist.ProcessGroup],
                      controls: list[dist.ProcessGroup], device: torch.device, symm_mem: bool) -> dict[str, Any]:
-    """FFN rank ``idx`` of an FFN TP / EP group: its program made the group's (in place), the
-    group registered and prepared, and the worker's group fields."""
+    """FFN rank ``idx`` of an FFN TP / EP group: the group registered and prepared, and the
+    worker's group fields (its program is the group's: the pipeline's ``ffn_group_program``)."""
     from .comm import GROUP_FFN_TP, register_group
-    from .passes.ffn_tp import ffn_group_program
     from .symm_mem import prepare_groups
 
     size = layout.ffn_group_size
-    ffn_group_program(ffn, layout.ffn_tp, layout.ffn_ep, idx % size)
     register_group(GROUP_FFN_TP, groups[idx // size])
     prepare_groups({GROUP_FFN_TP: groups[idx // size]}, device, symm_mem)
     return {"ffn_group": groups[idx // size], "ffn_control_group": controls[idx // size], "group_rank": idx % size,
@@ -380,44 +359,6 @@ def _stage_batch_dim(program: fx.GraphModule, stages: int) -> tuple[int, int] | 
     return dims[0] if dims else (0, 0)
 
 
-def attention_tp_program(gm: fx.GraphModule, result: object, layout: AFDLayout, idx: int, config: SplitConfig,
-                         group: dist.ProcessGroup | None) -> tuple[fx.GraphModule, GroupSlice]:
-    """An attention rank of an attention TP group: the model sharded over the group with every
-    MLP SCATTERED over it (the scatter-mode TP rewrite with dense MLPs data-parallel: o_proj's
-    partial sum reduce-scattered to this rank's slice of the group's tokens, the residual stream
-    gathered back before the next attention), then cut: the slice is what this rank sends, so
-    each token crosses the wire once. MoE layers (whose SCATTERED mode is expert parallelism
-    inside the group) are refused for now."""
-    from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
-    from .layout import LayoutError
-    from .passes.graph_utils import propagate_meta_fresh
-    from .passes.prepare import prepare_graph
-    from .passes.roles import annotate_roles
-    from .passes.split import build_attention_program, plan_split
-    prepare_graph(gm, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
-                  graph_name=config.graph_name)
-    from .passes.router import moe_layers
-
-    moe = moe_layers(gm, meta_keys.ROLE)
-    if moe:
-        raise LayoutError(f"AFD layout {layout}: attention TP with MoE layers ({moe}: expert routing) is not supported "
-                          "yet; use attn_tp=1 (the FFN side can still be ffn_tp / ffn_ep)")
-    tp = tp_rank_program(gm, TPLayout(layout.attn_tp, dense_dp=True), idx % layout.attn_tp, config, prepared=True,
-                         fuse_norm=False)
-    for gid in (GROUP_TP, GROUP_ATTN_TP):
-        register_group(gid, group)
-    propagate_meta_fresh(tp.program)  # the MLPs now run on this rank's slice: their shapes change
-    annotate_roles(tp.program, config.policy, compute_gate_on_attention=config.compute_gate_on_attention,
-                   graph_name=config.graph_name)
-    plan = plan_split(tp.program, comm_id=config.comm_id, graph_name=config.graph_name,
-                      attention_only=True)
-    if [c.wire_in for c in plan.cuts] != [c.wire_in for c in result.plan.cuts]:
-        raise LayoutError(f"AFD layout {layout}: the attention TP program's wire {[str(c.wire_in) for c in plan.cuts]} "
-                          f"differs from the FFN program's {[str(c.wire_in) for c in result.plan.cuts]}")
-    total = token_count_for_graph(gm, result.plan.cuts[0].token_dims)
-    return build_attention_program(tp.program, plan), GroupSlice(total, layout.attn_tp, idx % layout.attn_tp)
-
-
 def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = None,
                           buckets: TokenBuckets | None = DEFAULT_BUCKETS,
                           group: dist.ProcessGroup | None = None,
@@ -452,7 +393,7 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
         check_saved_program(plan, "ffn", program)
         batch = plan.get("static_batch")
         fields = ffn_bucket_fields(program, buckets)
-        program, by_stages = lowered(program, staged_programs(program, "ffn", stages, batch), device, lowering, rank)
+        program, by_stages = lowered(program, staged_programs(program, "afd-ffn", stages, batch), device, lowering, rank)
         return FFNWorker(program, comm, device, stages=stages, static_batch=batch, staged=by_stages, **fields)
     comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),), group, control_group=control)
     register_communicator(comm, comm_id)
@@ -460,7 +401,7 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     check_saved_program(plan, "attention", program)
     batch = static_batch(program) if stages != 1 else None
     counter, batch_dim = TokenCount.from_json(plan["token_count"]), _stage_batch_dim(program, stages)
-    program, by_stages = lowered(program, staged_programs(program, "attention", stages, batch), device, lowering,
+    program, by_stages = lowered(program, staged_programs(program, "afd-attention", stages, batch), device, lowering,
                                  rank)
     return AttentionWorker(program, comm, counter, stages=stages, batch_dim=batch_dim, static=batch is not None,
                            staged=by_stages, **attention_bucket_fields(counter, buckets))

@@ -55,8 +55,8 @@ class Build:
     facts the passes depend on (nothing else: two builds with equal fields run the same passes).
 
     ``device``: "cpu" or "cuda" (the lowering's kernels are CUDA's); ``stages``: micro-batches;
-    ``attn_tp`` / ``ffn_group`` / ``fan_in``: attention TP group size, FFN TP x EP group size, the
-    most attention peers an FFN rank serves (AFD);
+    ``attn_tp`` / ``ffn_tp`` / ``ffn_ep`` / ``fan_in``: attention TP group size, FFN TP and EP group
+    sizes, the most attention peers an FFN rank serves (AFD);
     ``attn_dp``: a TP layout's attention DP groups;
     ``decode_attention``: the backend option ("auto" is FlexAttention on CUDA); ``inductor``:
     the program is compiled by Inductor (its lowering applies); ``moe_op``: with no layout,
@@ -67,7 +67,8 @@ class Build:
     device: str = "cpu"
     stages: int = 1
     attn_tp: int = 1
-    ffn_group: int = 1
+    ffn_tp: int = 1
+    ffn_ep: int = 1
     fan_in: int = 1
     attn_dp: int = 1
     decode_attention: str = "auto"
@@ -78,6 +79,11 @@ class Build:
     def __post_init__(self) -> None:
         if self.kind not in RANK_KINDS:
             raise ValueError(f"Build: kind {self.kind!r} is not one of {RANK_KINDS}")
+
+    @property
+    def ffn_group(self) -> int:
+        """The FFN group's size (TP x EP)."""
+        return self.ffn_tp * self.ffn_ep
 
     @property
     def flex(self) -> bool:
@@ -124,7 +130,7 @@ _PASSES: dict[str, Pass] = {p.name: p for p in (
          "reads afd.role"),
     Pass("ffn_tokens_follow_the_carrier", "portable", "a static-token FFN program over any multiple of its tokens",
          "writes gm.meta['afd.token_multiple']", "the FFN rank fans in several peers or is FFN-TP (a no-op on a "
-         "dynamic token count)", lambda b: b.fan_in > 1 or b.ffn_group > 1),
+         "dynamic token count)", lambda b: b.fan_in > 1 or b.ffn_tp > 1),
     Pass("verify_schedule", "portable", "both programs' transfers in one order, every send paired"),
     Pass("attention_tp_program", "portable", "the attention program sharded over its attention TP group, MLPs "
          "SCATTERED, then cut", "writes afd.dist, afd.role", "attn_tp > 1",
@@ -309,11 +315,20 @@ def builds_for(layout: object, device: str = "cuda", stages: int = 1, decode_att
     common = {"device": device, "decode_attention": decode_attention, "inductor": inductor}
     if isinstance(layout, AFDLayout):
         return [Build("afd-attention", stages=stages, attn_tp=layout.attn_tp, **common),
-                Build("afd-ffn", stages=stages, ffn_group=layout.ffn_group_size, fan_in=max(layout.block_sizes()),
-                      **common)]
+                Build("afd-ffn", stages=stages, ffn_tp=layout.ffn_tp, ffn_ep=layout.ffn_ep,
+                      fan_in=max(layout.block_sizes()), **common)]
     if isinstance(layout, TPLayout):
         return [Build("tp", attn_dp=layout.attn_dp, **common)]
     return [Build("none", moe_op=moe_op, **common)]
+
+
+def rank_build(layout: object, rank: int, stages: int = 1, device: str = "cpu", **options: Any) -> Build:
+    """The build of rank ``rank`` of ``layout`` (:func:`builds_for`: an AFD rank's role's, a TP
+    rank's, one process's with no layout)."""
+    from .layout import AFDLayout
+
+    builds = builds_for(layout, device, stages, **options)
+    return builds[layout.role_of(rank)[0] == "ffn"] if isinstance(layout, AFDLayout) else builds[0]
 
 
 def pipeline_json(builds: Sequence[Build]) -> list[dict[str, Any]]:

@@ -66,13 +66,11 @@ def attn_tp_line(layout: AFDLayout | None) -> str | None:
 
 
 def ffn_tp_line(result, layout: AFDLayout | None) -> str | None:
-    """An FFN TP group's program, built for group rank 0 (a layout the MLP cannot take is refused
-    here, before anything runs), in one line."""
-    if layout is None or layout.ffn_group_size == 1:
+    """The first FFN rank's group program (``deploy.AFDPlan``: built by the pipeline, so a layout
+    the MLP cannot take was refused before anything runs), in one line."""
+    prog = getattr(getattr(result, "ffn_rank", None), "ffn_group", None)
+    if layout is None or prog is None:
         return None
-    from .deploy import ffn_group_check
-
-    prog = ffn_group_check(result, layout)
     return f"ffn {prog.kind}: groups {[list(g) for g in layout.ffn_groups()]}; {prog}"
 
 
@@ -119,23 +117,22 @@ def moe_records(gm: object) -> tuple:
     return gm.meta.get(RECORDS_KEY, ())
 
 
-def stage_schedule(model: str, stages: int, result: object, layout: AFDLayout | None) -> dict:
-    """The staged programs (built: a program that cannot be staged is refused here), the
-    schedule they hold for the layout, checked, and the micro-batches of the saved example, as a
-    record (``plan --json`` prints it; :func:`stage_text` renders it)."""
-    from .deploy import staged_pair, token_count_for_graph
+def stage_schedule(result: object, ep: object) -> dict:
+    """The schedule the staged programs of ``result`` (``deploy.AFDPlan``: built and checked by
+    the pipeline) hold, and the micro-batches of the saved example of ``ep``, as a record
+    (``plan --json`` prints it; :func:`stage_text` renders it)."""
+    from .deploy import token_count_for_graph
     from .layout import micro_batches
-    from .passes.stages import static_batch, static_rows
-    from .programs import flat_inputs, load_program
+    from .passes.stages import static_rows
+    from .programs import flat_inputs
 
-    layout = layout or AFDLayout(1, 1)
-    fixed = static_batch(result.attention)
-    sched = staged_pair(result.attention, result.ffn, layout, stages, fixed)[2]
-    inputs = flat_inputs(load_program(model))
-    tokens = token_count_for_graph(result.attention, result.plan.cuts[0].token_dims)(inputs)
+    rank = result.ffn_rank  # type: ignore[attr-defined]
+    stages, fixed = rank.build.stages, rank.static_batch
+    inputs = flat_inputs(ep)  # type: ignore[arg-type]
+    tokens = token_count_for_graph(result.attention, result.plan.cuts[0].token_dims)(inputs)  # type: ignore[attr-defined]
     batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
     per_seq = tokens // batch if batch else 0
-    return {"stages": stages, "schedule": str(sched).splitlines(), "schedule_checked": True,
+    return {"stages": stages, "schedule": str(rank.schedule).splitlines(), "schedule_checked": True,
             "example": {"sequences": batch, "tokens_per_sequence": per_seq,
                         "tokens_per_stage": [(end - start) * per_seq
                                              for start, end in micro_batches([per_seq] * batch, stages)]},

@@ -34,7 +34,7 @@ from .layout import AFDLayout
 from .limits import MAX_STAGES
 from .passes.graph_utils import batch_symbol_dims
 from .passes.roles import POLICIES
-from .pipeline import LOWERED_KEY, builds_for
+from .pipeline import LOWERED_KEY, rank_build
 from .programs import flat_inputs, fresh_module, load_program, positional_module
 from .runtime import (
     AttentionWorker,
@@ -157,8 +157,7 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
     report(f"{case.layout.world_size} processes up (torch imported, process group formed)")
     lowering = None
     if case.lowered:  # (what the backend runs on a CPU rank, its Inductor lowering aside: verify runs FX)
-        attention, ffn = builds_for(case.layout, "cpu", case.stages, inductor=False)
-        lowering = ffn if case.layout.role_of(rank)[0] == "ffn" else attention
+        lowering = rank_build(case.layout, rank, case.stages, inductor=False)
     if case.saved is not None:  # what `rewrite` wrote (plan.json and the programs' sha256 checked)
         worker = load_rewritten_worker(case.saved, rank, buckets=case.buckets, group=group, lowering=lowering)
     else:

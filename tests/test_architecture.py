@@ -154,11 +154,11 @@ def test_layers_of_groups_members_and_finds_the_ffn_output(exported):
 
 
 def test_every_planned_transition_has_an_emitter_and_a_missing_one_is_named(exported, monkeypatch):
+    from afd_compile.deploy import tp_rank_program
     from afd_compile.errors import TPRewriteError
     from afd_compile.passes import emitters
     from afd_compile.passes.dist_states import plan_tp
     from afd_compile.passes.roles import annotate_roles
-    from afd_compile.passes.tp_rewrite import shard_for_rank
     from afd_compile.scatter import Collective, ScatterMode, TPLayout
 
     gm = exported("qwen3moe3_mixed")[0].module()  # MoE, dense, MoE layers
@@ -174,7 +174,7 @@ def test_every_planned_transition_has_an_emitter_and_a_missing_one_is_named(expo
     monkeypatch.delitem(emitters.EMITTERS, key)
     with pytest.raises(TPRewriteError, match=r"layer 0 prepare_mlp: all_gather \(settling a partial sum\) with a "
                                              r"FULL MLP: planned, but no emitter is registered"):
-        shard_for_rank(gm, TPLayout(4, 2), 0)
+        tp_rank_program(gm, TPLayout(4, 2), 0)
 
 
 # --- size and layering (issue 33) ----------------------------------------------------------------
@@ -258,24 +258,19 @@ def test_entry_points_import_no_rewriting_pass():
     assert not bad, f"entry points importing passes: {bad}"
 
 
-#: the functions that compose a rank's program out of passes, and the modules allowed to call them:
-#: deploy (what rank r of a layout runs) and the Python API (split, for the whole split at once)
-COMPOSERS = {"shard_for_rank": {"afd_compile.deploy"}, "split_graph_module": {"afd_compile.deploy",
-                                                                              "afd_compile.split_api"}}
+#: the modules that run a pipeline's portable stage (afd_compile.portable): deploy (what rank r of a
+#: layout runs) and the Python API (split, the whole split at once)
+COMPOSERS = {"afd_compile.deploy", "afd_compile.split_api"}
 
 
 def test_one_module_composes_a_ranks_program():
-    # issue 33: "what does rank r of layout L run" is answered by afd_compile.deploy (build_rank,
-    # make_worker, tp_rank_program); the CLI, verify and the backend call it, never the passes
-    calls = []
-    for path in PKG.rglob("*.py"):
-        mod = _module(path)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call):
-                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
-                if name in COMPOSERS and mod not in COMPOSERS[name]:
-                    calls.append((mod, name, node.lineno))
-    assert not calls, f"a rank's program composed outside afd_compile.deploy: {calls}"
+    # issue 51: "what does rank r of layout L run" is answered by afd_compile.deploy through the
+    # pipeline (portable.run over the declared passes); the CLI, verify and the backend call deploy
+    importers = {m for m, deps in _imports_cache.items() for t, _ in deps if t == "afd_compile.portable"}
+    assert importers <= COMPOSERS, f"a rank's program composed outside afd_compile.deploy: {importers - COMPOSERS}"
+    steps = {m for m, deps in _imports_cache.items() for t, names in deps
+             if t == "afd_compile.passes.tp_rewrite" and {"TP_STEPS", "TPWork"} & set(names or [])}
+    assert steps <= {"afd_compile.portable"}, steps
 
 
 def test_build_rank_answers_for_a_tp_layout_and_refuses_afd_options_there(exported):

@@ -347,10 +347,10 @@ def _fenced_after(text: str, marker: str) -> tuple[int, int]:
 def test_readme_figures_are_the_plans_pictures(exported, update_goldens):
     # the README's two pictures are `plan --mermaid` of a real plan (--update-goldens rewrites them)
     from afd_compile.cli import _plan
+    from afd_compile.deploy import tp_rank_program
     from afd_compile.figures import afd_mermaid, tp_mermaid
     from afd_compile.layout import AFDLayout
     from afd_compile.passes.roles import annotate_roles
-    from afd_compile.passes.tp_rewrite import shard_for_rank
     from afd_compile.scatter import TPLayout
 
     ep, path = exported("llama2")
@@ -358,7 +358,7 @@ def test_readme_figures_are_the_plans_pictures(exported, update_goldens):
     gm = ep.module()
     annotate_roles(gm)
     figures = {"-A 2 -F 1 --mermaid": afd_mermaid(result, AFDLayout(2, 1), 0),
-               "--tp 4 --attn-dp 2 --mermaid 1": tp_mermaid(shard_for_rank(gm, TPLayout(4, 2), 0).plan, 1)}
+               "--tp 4 --attn-dp 2 --mermaid 1": tp_mermaid(tp_rank_program(gm, TPLayout(4, 2), 0).plan, 1)}
     text = open(README).read()
     for flags, figure in figures.items():
         start, end = _fenced_after(text, f"<!-- figure: afd-compile plan llama2.pt2 {flags} ")

@@ -175,12 +175,12 @@ def test_attention_tp_refuses_moe_before_anything_runs(exported):
 def test_golden_plans_of_composed_layouts(exported, check_golden, update_goldens, layout, tag):
     import transformers
 
+    from afd_compile.deploy import plan_afd
     from afd_compile.plan_view import plan_table
-    from afd_compile.programs import fresh_module
-    from afd_compile.split_api import SplitConfig, split
+    from afd_compile.split_api import SplitConfig
 
     ep = exported("llama2")[0]
-    text = plan_table(split(fresh_module(ep), SplitConfig(graph_name="llama2"), layout=layout), layout) + "\n"
+    text = plan_table(plan_afd(ep, layout, SplitConfig(graph_name="llama2")), layout) + "\n"
     # the node counts follow transformers' Llama code (5.17 traces one node fewer per layer than
     # 5.24): one golden per transformers minor version
     name = f"plan_afd_llama2_{tag}.transformers-{'.'.join(transformers.__version__.split('.')[:2])}.txt"

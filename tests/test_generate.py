@@ -149,14 +149,14 @@ def test_the_cache_stays_with_attention_and_the_ffn_program_has_none(llama_cache
 
 @pytest.mark.parametrize(("attn_tp", "slices"), [(2, 2), (4, 2)])  # 2 KV heads: split, then replicated x2
 def test_a_tp_rank_writes_and_reads_only_its_kv_heads(llama_cached, attn_tp, slices):
+    from afd_compile.deploy import tp_rank_program
     from afd_compile.passes.roles import POLICIES, annotate_roles
-    from afd_compile.passes.tp_rewrite import shard_for_rank
     from afd_compile.scatter import TPLayout
 
     decode = llama_cached[1].module()
     annotate_roles(decode, POLICIES["default"])
     for rank in range(attn_tp):
-        prog = shard_for_rank(decode, TPLayout(attn_tp, 1), rank)
+        prog = tp_rank_program(decode, TPLayout(attn_tp, 1), rank)
         states = prog.shards.states
         assert len(states) == 4 and {(s.dim, s.size, s.slices, s.parts) for s in states} == {(1, 2, slices, attn_tp)}
         narrows = [n for n in prog.program.graph.nodes if n.target == torch.ops.aten.narrow.default]
@@ -168,16 +168,16 @@ def test_a_tp_rank_writes_and_reads_only_its_kv_heads(llama_cached, attn_tp, sli
 def test_a_backend_tp_rank_holds_only_its_kv_heads(llama_cached):
     # under the backend HF owns the cache: the program takes (decode) or allocates (prefill) the
     # rank's slice instead of narrowing HF's whole cache, and HF keeps a placeholder
+    from afd_compile.deploy import tp_rank_program
     from afd_compile.passes.local_state import hold_local_states
     from afd_compile.passes.roles import POLICIES, annotate_roles
-    from afd_compile.passes.tp_rewrite import shard_for_rank
     from afd_compile.scatter import TPLayout
 
     held = {}
     for name, ep in zip(("prefill", "decode"), llama_cached, strict=True):
         gm = ep.module()
         annotate_roles(gm, POLICIES["default"])
-        tp = shard_for_rank(gm, TPLayout(2, 1), 1)
+        tp = tp_rank_program(gm, TPLayout(2, 1), 1)
         held[name] = hold_local_states(tp.program, [s.node for s in tp.shards.states])
         prog = tp.program
         assert len(held[name]) == 4
@@ -219,16 +219,16 @@ def test_tp_refuses_a_cache_that_grows_by_concatenation():
     # transformers' default DynamicCache appends each step's K/V with cat: TP cannot keep its heads
     # in place; the error says so and names the fix (a static cache). AFD needs no change: the
     # cache, whatever its kind, stays on the attention side
+    from afd_compile.deploy import tp_rank_program
     from afd_compile.passes.roles import POLICIES, annotate_roles
     from afd_compile.passes.shard import ShardError
-    from afd_compile.passes.tp_rewrite import shard_for_rank
     from afd_compile.scatter import TPLayout
 
     gm = _cached_graphs("llama", static=False)[0].module()
     annotate_roles(gm, POLICIES["default"])
     with pytest.raises(ShardError, match=r"a KV cache that grows by concatenation \(transformers' DynamicCache\).*"
                                          r"cache_implementation = 'static'"):
-        shard_for_rank(gm, TPLayout(2, 1), 0)
+        tp_rank_program(gm, TPLayout(2, 1), 0)
 
 
 def test_a_cache_written_along_its_split_dim_is_refused():
@@ -278,8 +278,8 @@ def test_a_program_returning_the_cache_it_allocates_is_not_graph_captured(llama_
     # the caller to keep: a CUDA graph's outputs are overwritten by its next replay, so that
     # program runs without capture (and cudagraphs=True is refused naming the output)
     from afd_compile.backend import BackendOptionError, PerLayout, returned_state
+    from afd_compile.deploy import tp_rank_program
     from afd_compile.passes.roles import POLICIES, annotate_roles
-    from afd_compile.passes.tp_rewrite import shard_for_rank
     from afd_compile.scatter import TPLayout
     from afd_compile.split_api import split
 
@@ -288,7 +288,7 @@ def test_a_program_returning_the_cache_it_allocates_is_not_graph_captured(llama_
     assert len(returned_state(attention)) == 4  # K and V of 2 layers
     gm = prefill.module()
     annotate_roles(gm, POLICIES["default"])
-    tp = shard_for_rank(gm, TPLayout(2, 1), 1).program  # the cache is narrowed: written through a view
+    tp = tp_rank_program(gm, TPLayout(2, 1), 1).program  # the cache is narrowed: written through a view
     assert len(returned_state(tp)) == 4
     assert returned_state(split(decode.module()).attention) == []  # decode updates the caller's cache
     assert PerLayout(attention, "k", True, None, "rank 1 attention").cudagraphs is False

@@ -49,13 +49,11 @@ def test_bmm_experts_shard_over_the_intermediate_size_and_match(bmm_moe_path):
     # experts as bmm over stacked [E, in, out] weights: recognised as one afd::moe_experts op,
     # whose [E, 2I, H] gate_up is column-parallel on 2I (in its two blocks) and [E, H, I] down
     # row-parallel on I, one all-reduce after the weighted sum over experts
-    from afd_compile.passes.prepare import prepare_graph
-    from afd_compile.passes.tp_rewrite import shard_for_rank
+    from afd_compile.deploy import tp_rank_program
     from afd_compile.programs import load_program
 
     gm = load_program(bmm_moe_path).module()
-    prepare_graph(gm, strict=True)
-    weights = {str(w) for w in shard_for_rank(gm, TPLayout(2), 0).shards.weights}
+    weights = {str(w) for w in tp_rank_program(gm, TPLayout(2), 0).shards.weights}
     assert "column-parallel afd_moe0_w_gate_up dim 1 / 2 over mlp in blocks [128, 128]" in weights
     assert "row-parallel afd_moe0_w_down dim 2 / 2 over mlp" in weights
     results = run_tp_cases([TPCase(bmm_moe_path, TPLayout(t, d), b) for t, d, b in GQA_TP])
@@ -68,15 +66,15 @@ def test_bmm_experts_shard_over_the_intermediate_size_and_match(bmm_moe_path):
 
 
 def test_replicated_kv_heads_cannot_be_repeat_interleaved(gqa_path):
+    from afd_compile.deploy import tp_rank_program
     from afd_compile.passes.roles import annotate_roles
     from afd_compile.passes.shard import ShardError
-    from afd_compile.passes.tp_rewrite import shard_for_rank
     from afd_compile.programs import load_program
 
     gm = load_program(gqa_path).module()
     annotate_roles(gm)
     with pytest.raises(ShardError, match=r"combines tensors split into different numbers of heads per rank"):
-        shard_for_rank(gm, TPLayout(4), 0)  # 2 KV heads over 4 ranks: replicated, then repeated twice
+        tp_rank_program(gm, TPLayout(4), 0)  # 2 KV heads over 4 ranks: replicated, then repeated twice
 
 
 class _FlatMLP(torch.nn.Module):
@@ -96,9 +94,10 @@ def test_dp_attention_refuses_an_mlp_with_sizes_fixed_at_trace_time():
     # under DP attention the MLP runs on every DP group's tokens, a count set per step: a graph
     # traced with a static batch (dynamo's decode step under a static KV cache) that built sizes
     # from its own token count cannot; the check names the node and layer (a dynamic export passes)
+    from afd_compile.deploy import tp_rank_program
     from afd_compile.errors import TPRewriteError
     from afd_compile.passes.roles import annotate_roles
-    from afd_compile.passes.tp_rewrite import check_any_token_total, shard_for_rank
+    from afd_compile.passes.tp_rewrite import check_any_token_total
 
     model = GQADecoder()
     for block in model.layers:
@@ -109,7 +108,7 @@ def test_dp_attention_refuses_an_mlp_with_sizes_fixed_at_trace_time():
             ep = torch.export.export(model.eval(), (ids,)) if static else export(model)
         gm = ep.module()
         annotate_roles(gm)
-        prog = shard_for_rank(gm, TPLayout(2, 2), 0).program
+        prog = tp_rank_program(gm, TPLayout(2, 2), 0).program
         if static:
             with pytest.raises(TPRewriteError, match=r"rank 0: DP attention: layer 0: node \w+ \(aten\.(view|reshape)"
                                r"[.\w]*\) fails when the DP groups hold 11 tokens in all \(this rank 10\)"):

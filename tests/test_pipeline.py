@@ -56,7 +56,8 @@ def test_the_lowering_a_build_runs_follows_from_its_device_and_options(build, lo
         (Build("afd-ffn"), ["build_ffn_program", "verify_schedule"],
          ["ffn_group_program", "stage_programs", "ffn_tokens_follow_the_carrier"]),
         (Build("afd-ffn", fan_in=2), ["ffn_tokens_follow_the_carrier"], ["ffn_group_program"]),
-        (Build("afd-ffn", ffn_group=2), ["ffn_tokens_follow_the_carrier", "ffn_group_program"], []),
+        (Build("afd-ffn", ffn_tp=2), ["ffn_tokens_follow_the_carrier", "ffn_group_program"], []),
+        (Build("afd-ffn", ffn_ep=2), ["ffn_group_program"], ["ffn_tokens_follow_the_carrier"]),
         (Build("tp"), ["unpack_grouped_projections", "insert_all_reduces", "fuse_norm"], ["rewrite_dp_attention"]),
         (Build("tp", attn_dp=2), ["rewrite_dp_attention", "vocab_parallel_head"],
          ["insert_all_reduces", "fuse_norm"]),
@@ -88,17 +89,34 @@ def test_the_pipeline_id_changes_with_the_passes_that_run():
 
 
 def test_the_split_runs_the_declared_portable_passes_in_order(exported):
-    # the names split_graph_module times, in order, are the declared AFD split passes (those that
-    # did something: a dynamic token count leaves ffn_tokens_follow_the_carrier nothing to do)
+    # split runs the afd-ffn pipeline of the layout's FFN ranks through verify_schedule: the passes
+    # it times, in order, are the declared ones (a pass that applies and finds nothing still runs)
     from afd_compile.layout import AFDLayout
     from afd_compile.split_api import split
 
     ep = exported("llama2")[0]
     result = split(ep, layout=AFDLayout(2, 1))
     declared = _names(Build("afd-ffn", fan_in=2), "portable")
-    timed = list(result.timings)
-    assert timed == [n for n in declared if n in timed], (timed, declared)
-    assert set(declared) - set(timed) <= {"ffn_tokens_follow_the_carrier", "stage_programs", "ffn_group_program"}
+    assert list(result.timings) == declared[:declared.index("verify_schedule") + 1]
+
+
+def test_a_worker_runs_its_ranks_declared_portable_passes(exported):
+    # what deploy runs for a rank is its build's list, in order: the attention rank of an
+    # attention TP group and the FFN rank of an FFN TP group, both staged
+    from afd_compile.deploy import rank_work
+    from afd_compile.layout import AFDLayout
+    from afd_compile.pipeline import rank_build
+    from afd_compile.programs import fresh_module
+    from afd_compile.split_api import SplitConfig
+
+    ep = exported("llama2")[0]
+    layout = AFDLayout(2, 2, attn_tp=2, ffn_tp=2)
+    for rank in (0, 2):
+        work = rank_work(fresh_module(ep), layout, rank, SplitConfig(), stages=2)
+        assert work.done == list(work.timings.seconds) == _names(rank_build(layout, rank, 2), "portable")
+        assert sorted(work.staged) == [2] and work.schedule is not None
+        assert (work.ffn_group is not None) == (rank == 0)  # (rank 0: an FFN group's)
+    assert work.ffn_group is None and work.attention is not work.split.attention  # (rank 2: attention TP)
 
 
 def test_a_tp_rank_runs_the_declared_portable_passes_in_order(exported):
@@ -106,11 +124,12 @@ def test_a_tp_rank_runs_the_declared_portable_passes_in_order(exported):
     from afd_compile.scatter import TPLayout
 
     ep = exported("llama2")[0]
-    prog = tp_rank_program(ep.module(), TPLayout(2), 0)
-    declared = _names(Build("tp"), "portable")
-    timed = list(prog.timings)
-    assert timed == [n for n in declared if n in timed], (timed, declared)
-    assert set(declared) - set(timed) == {"recognise_moe", "unpack_grouped_projections", "annotate_roles"}
+    for layout in (TPLayout(2), TPLayout(4, 2)):
+        prog = tp_rank_program(ep.module(), layout, 0)
+        assert list(prog.timings) == _names(Build("tp", attn_dp=layout.attn_dp), "portable")
+    with pytest.raises(ValueError, match="'fuse_norm' is not a portable pass of the afd-ffn pipeline"):
+        from afd_compile.portable import Work, run
+        run(Work(Build("afd-ffn"), ep.module()), until="fuse_norm")
 
 
 def test_lower_runs_the_ffn_lowering_once_in_place(exported):

@@ -251,7 +251,7 @@ def test_the_schedule_the_programs_hold_is_checked(llama_split):
     (2, 1, []),             # one static row: unstaged
 ])
 def test_the_builder_makes_every_stage_count_a_step_can_take(stages, batch, counts):
-    from afd_compile.deploy import stage_counts
+    from afd_compile.portable import stage_counts
 
     assert stage_counts(stages, batch) == counts
 

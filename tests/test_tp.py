@@ -8,18 +8,17 @@ import operator
 import pytest
 import torch
 
-from afd_compile.passes.prepare import prepare_graph
+from afd_compile.deploy import tp_rank_program
 from afd_compile.passes.roles import annotate_roles
 from afd_compile.passes.shard import ShardError
-from afd_compile.passes.tp_rewrite import TPRewriteError, shard_for_rank
+from afd_compile.passes.tp_rewrite import TPRewriteError
 from afd_compile.scatter import TPLayout
 from afd_compile.verify import TPCase, run_tp_cases
 
 
 def _program(exported, name, layout, rank=0, fuse_norm=True):
     gm = exported(name)[0].module()
-    prepare_graph(gm, graph_name=name, strict=True)  # (what every entry point runs: the MoE op recognised)
-    return shard_for_rank(gm, layout, rank, graph_name=name, fuse_norm=fuse_norm)
+    return tp_rank_program(gm, layout, rank, graph_name=name, fuse_norm=fuse_norm)
 
 
 def test_all_reduce_add_rmsnorm_is_kept_as_one_fusable_unit(exported):
@@ -56,7 +55,7 @@ def test_decode_graph_with_one_token_per_sequence_splits_the_same_heads():
 
     gm = export_lm(build_hf("llama", num_layers=1), seq=1).module()
     annotate_roles(gm)
-    prog = shard_for_rank(gm, TPLayout(2), 0, graph_name="decode", fuse_norm=False)
+    prog = tp_rank_program(gm, TPLayout(2), 0, graph_name="decode", fuse_norm=False)
     assert {(f.old, f.new) for f in prog.shards.arg_fixes} == {(2, 1), (4, 2)}
     assert "each slice on" not in str(prog.shards)  # no KV head replicated
 
@@ -98,7 +97,7 @@ def test_a_scale_sliced_for_a_split_path_must_not_be_read_whole_elsewhere(export
         gm.graph.call_function(torch.ops.aten.neg.default, (w,))  # a second, unsplit reader
     annotate_roles(gm)
     with pytest.raises(ShardError, match="q_norm.weight is applied along the split dim .* also read it whole"):
-        shard_for_rank(gm, TPLayout(2), 0, graph_name="olmo2")
+        tp_rank_program(gm, TPLayout(2), 0, graph_name="olmo2")
 
 
 def test_explicit_attention_shards_v_with_q_and_k(exported):
@@ -463,15 +462,14 @@ def test_gpt_oss_sinks_interleaved_gate_up_and_expert_biases(exported):
         owner, name = bias.rsplit(".", 1)
         gm.get_submodule(owner).register_parameter(name, torch.nn.Parameter(
             torch.arange(1.0, 1 + old.numel()).view_as(old), requires_grad=False))
-        prepare_graph(gm, graph_name="gpt_oss", strict=True)
-        ranks.append(shard_for_rank(gm, TPLayout(2), rank, graph_name="gpt_oss", fuse_norm=False))
+        ranks.append(tp_rank_program(gm, TPLayout(2), rank, graph_name="gpt_oss", fuse_norm=False))
     full = torch.arange(1.0, 1 + ranks[0].program.get_parameter(bias).numel())
     assert torch.equal(ranks[0].program.get_parameter(bias).flatten(), full)
     assert not ranks[1].program.get_parameter(bias).any()
 
 
 def test_falcon_qkv_packed_per_kv_group_is_unpacked_into_blocks(exported):
-    # [kv groups, q per group + 2, head_dim]: prepare_graph unpacks the fused weight into [all q |
+    # [kv groups, q per group + 2, head_dim]: the tp pipeline unpacks the fused weight into [all q |
     # all k | all v] blocks (passes/grouped_qkv.py), so each rank holds its query heads and the K/V
     # of their group: at TP 2 (2 groups) rank 1 holds group 1 whole, the original rows 64..127 in
     # their order; the K/V broadcast to the q heads of each group has its group count divided
@@ -533,7 +531,7 @@ def test_the_allreduce_add_rmsnorm_unit_fuses_in_bf16_and_computes_the_same():
         gm = ep.module()
         annotate_roles(gm)
         # (the head whole: one rank of a group of one cannot gather a vocabulary split in two)
-        progs[fuse] = shard_for_rank(gm, TPLayout(2, vocab_parallel=False), 0, graph_name="bf16",
+        progs[fuse] = tp_rank_program(gm, TPLayout(2, vocab_parallel=False), 0, graph_name="bf16",
                                      fuse_norm=fuse).program
     fused = [n for n in progs[True].graph.nodes if n.target == torch.ops.afd.all_reduce_add_rms_norm.default]
     assert len(fused) == 4 and all(n.args[5] == torch.bfloat16 for n in fused)
@@ -655,11 +653,10 @@ def test_expert_parallelism_of_one_moe_block_shared_by_two_layers_is_refused():
     layers[1].self_attn.layer_idx = 0
     ep = export_lm(model)
     gm = ep.module()
-    prepare_graph(gm, strict=True)
-    assert shard_for_rank(gm, TPLayout(2), 1).shards.weights  # the whole MoE over TP: sliced once
+    assert tp_rank_program(gm, TPLayout(2), 1).shards.weights  # the whole MoE over TP: sliced once
     message = (r"layer 0: its experts' weights .* are read by layer\(s\) \[1\] too \(one MoE block applied as several "
                r"layers\): expert parallelism of a shared MoE block is not supported")
     with pytest.raises(ShardError, match=message):
-        shard_for_rank(gm, TPLayout(2, moe_a2a=True), 0)
+        tp_rank_program(gm, TPLayout(2, moe_a2a=True), 0)
     with pytest.raises(FFNTPError, match=message):
         expert_parallel_ffn(split(ep.module(), layout=AFDLayout(2, 2, ffn_ep=2)).ffn, 2, 0)

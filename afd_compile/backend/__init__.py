@@ -91,7 +91,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import AFDCompileError
-from ..pipeline import LOWERED_KEY, builds_for, lower
+from ..pipeline import LOWERED_KEY, builds_for, lower, rank_build
 from .agreement import agree_first, begin_first, refused_first
 from .compiled import (
     HOST_SYNC_OPS,
@@ -369,9 +369,9 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
 
         return process_group(range(world), opts.timeout_s)  # (of its own, with the asked-for timeout)
 
-    attention, ffn = builds_for(layout, device.type, opts.stages, opts.decode_attention, opts.inductor)
     role = layout.role_of(rank)[0]
-    build = ffn if role == "ffn" else attention
+    build = rank_build(layout, rank, opts.stages, device.type, decode_attention=opts.decode_attention,
+                       inductor=opts.inductor)
     eager = ffn_step_ops() if opts.ffn_capture == "compute" else ()
     by_step = opts.ffn_capture == "all"
 

@@ -70,7 +70,7 @@ def _narrow_of(node: fx.Node) -> fx.Node | None:
 
 
 def hold_local_states(gm: fx.GraphModule, states: Sequence[str]) -> tuple[HeldState, ...]:
-    """Rewrite ``gm`` (a TP rank program from ``shard_for_rank``) so that each state in ``states``
+    """Rewrite ``gm`` (a TP rank program: ``deploy.tp_rank_program``) so that each state in ``states``
     (node names of ``ShardPlan.states``) narrowed where read and written is instead taken or
     allocated as the rank's slice. A state that is neither a placeholder nor a factory call, or
     not narrowed once, is left as it is (the caller's whole tensor, narrowed). With a held input,

@@ -1,8 +1,8 @@
 """Timing the passes of a pipeline: seconds per pass, in the order they ran.
 
-``split_graph_module`` (AFD) and ``shard_for_rank`` (TP) run their passes through one
-:class:`PassTimings` each and return it with their result; the CLI's ``--timings`` and
-``benchmarks/pass_time.py`` print it::
+``afd_compile.portable.run`` times each pass of a rank's pipeline through the rank's
+:class:`PassTimings`; the split and TP results carry the seconds, and the CLI's ``--timings``
+and ``benchmarks/pass_time.py`` print them::
 
     timings = PassTimings()
     with timings("annotate_roles"):

@@ -89,7 +89,7 @@ def check_stage_layout(layout: AFDLayout, stages: int, batch: int | None) -> Non
     and the CLI call it): attention TP groups over a static ``batch`` (a static KV cache). FFN TP /
     EP groups are staged (:func:`stage_ffn_program`), and attention TP groups over a dynamic
     batch (each micro-batch's tokens split over the group apart: ``runtime.AttentionWorker``)."""
-    _check_stages(stages)
+    check_stages(stages)
     if stages == 1:
         return
     if layout.attn_tp > 1 and batch is not None:
@@ -97,7 +97,8 @@ def check_stage_layout(layout: AFDLayout, stages: int, batch: int | None) -> Non
                          f"KV cache, batch {batch}) are not supported yet; use stages=1 or attn_tp=1")
 
 
-def _check_stages(stages: int) -> None:
+def check_stages(stages: int) -> None:
+    """``stages`` is an integer in [1, MAX_STAGES]."""
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise StageError(f"stages must be an integer >= 1, got {stages!r}")
     if stages > MAX_STAGES:  # (each stage copies the program's nodes)
@@ -166,7 +167,7 @@ def stage_attention_program(gm: fx.GraphModule, stages: int, name: str = "attent
     :func:`static_rows`, ``min(stages, B)`` of them; its inputs are ``gm``'s, each stage reads and
     writes its own rows of the cache, and every constant that is the batch says the stage's rows
     (``passes/batch_dims.py``)."""
-    _check_stages(stages)
+    check_stages(stages)
     if stages == 1:
         return gm
     sym, dims = batch_symbol_dims(gm)
@@ -433,7 +434,7 @@ def stage_ffn_program(gm: fx.GraphModule, stages: int, name: str = "FFN program"
     ``reduce_scatter_tokens``); an expert-parallel group's all-to-alls need nothing more. Every
     rank of a group runs the same stages (a stage with no token of its own still joins the
     group's collectives)."""
-    _check_stages(stages)
+    check_stages(stages)
     if batch is not None:
         stages = len(static_rows(batch, stages))
     if stages == 1:

@@ -20,6 +20,7 @@ fused kernel to replace).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -33,7 +34,6 @@ from .anatomy import rebind_token_sizes
 from .dist_states import TPPlan, annotate_dist_states, plan_tp
 from .emitters import Site, check_emitters, emit_layer
 from .graph_utils import Builder, copy_graph_module, layers_of
-from .pipeline import PassTimings
 from .roles import META_KEY as ROLE_KEY
 from .scattered import ScatteredRewriteError, expert_parallel, rewrite_scattered_layers
 from .shard import ShardPlan, apply_shards, plan_shards
@@ -68,56 +68,120 @@ def _check_supported(plan: TPPlan, layout: TPLayout, gm: fx.GraphModule) -> None
     check_emitters(plan)
 
 
-def shard_for_rank(gm: fx.GraphModule, layout: TPLayout, rank: int, graph_name: str = "graph",
-                   fuse_norm: bool = True) -> TPProgram:
-    """This rank's program. Needs ``afd.role`` on ``gm`` (run annotate_roles first). With
-    ``fuse_norm`` each all-reduce + residual add + RMSNorm becomes one fusable op (fuse_norm.py)."""
-    timings = PassTimings()
-    with timings("plan_tp"):
-        plan = plan_tp(gm, layout, graph_name)
-    with timings("annotate_dist_states"):
-        annotate_dist_states(gm, plan)
-    _check_supported(plan, layout, gm)
-    scattered = frozenset(m.index for m, _ in plan.layers if m.mlp is ScatterMode.SCATTERED)
-    with timings("plan_shards"):
-        shards = plan_shards(gm, attn_parts=layout.attn_tp, mlp_parts=layout.tp, replicated_mlp=scattered)
-    with timings("apply_shards"):
-        new, _ = copy_graph_module(gm)
-        apply_shards(new, shards, {"attn": layout.attn_tp_rank(rank), "mlp": rank})
-        fake_mode = detect_fake_mode([n.meta.get("val") for n in new.graph.nodes if "val" in n.meta])
-        by_name = {n.name: n for n in new.graph.nodes}
-        _settle_split_means(new, shards, by_name, fake_mode)
-    if plan.head is not None:
-        with timings("vocab_parallel_head"):
-            split_head(new, plan.head, layout.attn_tp_rank(rank), fake_mode)
-    experts = []
-    with timings("expert_parallel"):
-        for m, _ in plan.layers:  # MoE with all-to-all: experts split over the TP group
-            if m.kind == "moe" and m.mlp is ScatterMode.SCATTERED and layout.tp > 1:
-                try:
-                    experts.extend(expert_parallel(new, m.index, layout.tp, rank, fake_mode))
-                except ScatteredRewriteError as e:
-                    raise TPRewriteError(str(e)) from None
-    if experts:  # (expert_parallel sliced them)
-        shards = replace(shards, weights=shards.weights + tuple(experts))
-    with timings("rewrite_scattered_layers"):
-        settled = rewrite_scattered_layers(new, plan, layout, rank, fake_mode)
-        if settled or experts:
-            new.graph.eliminate_dead_code()
-    if layout.attn_dp > 1:
-        with timings("rewrite_dp_attention"):
-            _rewrite_dp_attention(new, plan, layout, rank, fake_mode, skip=scattered)
-            new.graph.lint()
-            new.recompile()
-        return TPProgram(new, plan, shards, rank, timings.seconds)
-    with timings("insert_all_reduces"):
-        _emit_standard_tp(new, plan, shards, settled, by_name, fake_mode)
-    if fuse_norm:
-        from .fuse_norm import fuse_allreduce_add_rmsnorm
+@dataclass
+class TPWork:
+    """One TP rank's program as the steps of :data:`TP_STEPS` build it, in order (the ``tp``
+    pipeline's portable passes after the roles: ``afd_compile.portable`` runs them). ``gm`` is the
+    prepared graph (MoE op, unpacked projections, ``afd.role``): planned and annotated with
+    ``afd.dist``, never rewritten; ``new`` is the rank's copy the rewriting steps change."""
 
-        with timings("fuse_norm"):
-            fuse_allreduce_add_rmsnorm(new)
-    return TPProgram(new, plan, shards, rank, timings.seconds)
+    gm: fx.GraphModule
+    layout: TPLayout
+    rank: int
+    graph_name: str = "graph"
+    plan: TPPlan | None = None
+    shards: ShardPlan | None = None
+    new: fx.GraphModule | None = None
+    fake_mode: object = None
+    by_name: dict[str, fx.Node] = field(default_factory=dict)
+    settled: frozenset[int] = frozenset()
+    experts: bool = False  # expert_parallel sliced experts (the graph has dead nodes to drop)
+
+    @property
+    def scattered(self) -> frozenset[int]:
+        """The layers whose MLP is SCATTERED (data-parallel over the group, or expert-parallel)."""
+        assert self.plan is not None
+        return frozenset(m.index for m, _ in self.plan.layers if m.mlp is ScatterMode.SCATTERED)
+
+    def program(self, timings: dict[str, float]) -> TPProgram:
+        assert self.new is not None and self.plan is not None and self.shards is not None
+        return TPProgram(self.new, self.plan, self.shards, self.rank, timings)
+
+
+def _plan(w: TPWork) -> None:
+    w.plan = plan_tp(w.gm, w.layout, w.graph_name)
+
+
+def _annotate(w: TPWork) -> None:
+    assert w.plan is not None
+    annotate_dist_states(w.gm, w.plan)
+    _check_supported(w.plan, w.layout, w.gm)
+
+
+def _plan_shards(w: TPWork) -> None:
+    w.shards = plan_shards(w.gm, attn_parts=w.layout.attn_tp, mlp_parts=w.layout.tp, replicated_mlp=w.scattered)
+
+
+def _apply_shards(w: TPWork) -> None:
+    assert w.shards is not None
+    w.new, _ = copy_graph_module(w.gm)
+    apply_shards(w.new, w.shards, {"attn": w.layout.attn_tp_rank(w.rank), "mlp": w.rank})
+    w.fake_mode = detect_fake_mode([n.meta.get("val") for n in w.new.graph.nodes if "val" in n.meta])
+    w.by_name = {n.name: n for n in w.new.graph.nodes}
+    _settle_split_means(w.new, w.shards, w.by_name, w.fake_mode)
+
+
+def _vocab_head(w: TPWork) -> None:
+    assert w.plan is not None and w.new is not None
+    if w.plan.head is not None:
+        split_head(w.new, w.plan.head, w.layout.attn_tp_rank(w.rank), w.fake_mode)
+
+
+def _expert_parallel(w: TPWork) -> None:
+    assert w.plan is not None and w.new is not None and w.shards is not None
+    experts = []
+    for m, _ in w.plan.layers:  # MoE with all-to-all: experts split over the TP group
+        if m.kind == "moe" and m.mlp is ScatterMode.SCATTERED and w.layout.tp > 1:
+            try:
+                experts.extend(expert_parallel(w.new, m.index, w.layout.tp, w.rank, w.fake_mode))
+            except ScatteredRewriteError as e:
+                raise TPRewriteError(str(e)) from None
+    if experts:  # (expert_parallel sliced them)
+        w.shards = replace(w.shards, weights=w.shards.weights + tuple(experts))
+        w.experts = True
+
+
+def _scattered_layers(w: TPWork) -> None:
+    assert w.plan is not None and w.new is not None
+    w.settled = frozenset(rewrite_scattered_layers(w.new, w.plan, w.layout, w.rank, w.fake_mode))
+    if w.settled or w.experts:
+        w.new.graph.eliminate_dead_code()
+
+
+def _dp_attention(w: TPWork) -> None:
+    assert w.plan is not None and w.new is not None
+    _rewrite_dp_attention(w.new, w.plan, w.layout, w.rank, w.fake_mode, skip=w.scattered)
+    w.new.graph.lint()
+    w.new.recompile()
+
+
+def _all_reduces(w: TPWork) -> None:
+    assert w.plan is not None and w.new is not None and w.shards is not None
+    _emit_standard_tp(w.new, w.plan, w.shards, w.settled, w.by_name, w.fake_mode)
+
+
+def _fuse_norm(w: TPWork) -> None:
+    from .fuse_norm import fuse_allreduce_add_rmsnorm
+
+    assert w.new is not None
+    fuse_allreduce_add_rmsnorm(w.new)
+
+
+#: the steps that make a prepared graph rank ``rank``'s program, in order, by the ``tp``
+#: pipeline's pass names (``afd_compile.pipeline`` says which apply: ``rewrite_dp_attention``
+#: with attention DP groups, ``insert_all_reduces`` and ``fuse_norm`` without)
+TP_STEPS: dict[str, Callable[[TPWork], None]] = {
+    "plan_tp": _plan,
+    "annotate_dist_states": _annotate,
+    "plan_shards": _plan_shards,
+    "apply_shards": _apply_shards,
+    "vocab_parallel_head": _vocab_head,
+    "expert_parallel": _expert_parallel,
+    "rewrite_scattered_layers": _scattered_layers,
+    "rewrite_dp_attention": _dp_attention,
+    "insert_all_reduces": _all_reduces,
+    "fuse_norm": _fuse_norm,
+}
 
 
 def _emit_standard_tp(new: fx.GraphModule, plan: TPPlan, shards: ShardPlan, settled: set[int] | frozenset[int],

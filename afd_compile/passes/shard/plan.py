@@ -34,8 +34,8 @@ def refuse_unrecognised_moe(gm: fx.GraphModule, where: str) -> None:
     if left:
         raise ShardError(f"{where}: the MoE block combined at {left[0].end.name} (experts chosen by "
                          f"{left[0].ids.name}) is not one afd::moe_experts op: tensor and expert parallelism "
-                         "shard only the recognised op (run passes.prepare.prepare_graph(gm, strict=True) first, "
-                         "as every entry point does: it names the form it cannot recognise)")
+                         "shard only the recognised op (build the rank through afd_compile.deploy.tp_rank_program, "
+                         "as every entry point does: its MoE recognition names the form it cannot recognise)")
 
 
 def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
