@@ -100,7 +100,7 @@ def all_gather_tokens(x: torch.Tensor, group_id: int, total: int, stage: int = 0
     """Every DP group's tokens, in group order: ``(own, H) -> (total, H)``. Each rank is its own
     DP group (attn_tp == 1). Padding rule: every rank pads to the largest count, gathers, and
     drops the padding (so groups with zero tokens take part too). ``stage``: whose per-step
-    counts (``comm.set_tp_step``) to use: a micro-batch's, in an FFN group's staged program."""
+    counts (``comm.step_counts``) to use: a micro-batch's, in an FFN group's staged program."""
     import torch.distributed as dist
 
     from .comm import get_group

@@ -9,8 +9,10 @@ counts), which the runtime learns once per step from a small control message.
 
 from __future__ import annotations
 
+import contextvars
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +94,9 @@ class AFDCommunicator:
     #: the group the per-step control messages travel on as host tensors (runtime.control_group:
     #: a gloo group beside an NCCL ``group``); None: on ``group``, as device tensors on NCCL
     control_group: dist.ProcessGroup | None = None
+    #: transfers a staged program started and has not waited on, this step: (layer, stage, "send" |
+    #: "recv") -> (works, tensors kept alive until the wait) (ops.p2p_send_start / recv_start / recv_wait)
+    in_flight: dict[tuple[int, int, str], tuple[list, list]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.role not in ("attention", "ffn"):
@@ -321,16 +326,28 @@ class TPStep:
         return self.counts[self.attn_dp_rank]
 
 
-_TP_STEP: list[TPStep] = []
+#: the token counts of the step running now (one per micro-batch stage): set for the duration of
+#: one program call by :func:`step_counts`, read by the token collectives
+_STEP_COUNTS: contextvars.ContextVar[tuple[TPStep, ...]] = contextvars.ContextVar("afd_step_counts", default=())
 
 
-def set_tp_step(step: TPStep | Sequence[TPStep]) -> None:
-    """This step's counts; a sequence: one per micro-batch stage (an FFN group's staged program)."""
-    _TP_STEP[:] = [step] if isinstance(step, TPStep) else list(step)
+@contextmanager
+def step_counts(step: TPStep | Sequence[TPStep]) -> Iterator[None]:
+    """This step's DP / FFN-group token counts for the program run inside the block (a sequence:
+    one per micro-batch stage, an FFN group's staged program). The runtime opens it around each
+    program call whose token collectives need them; nothing outlives the step."""
+    token = _STEP_COUNTS.set((step,) if isinstance(step, TPStep) else tuple(step))
+    try:
+        yield
+    finally:
+        _STEP_COUNTS.reset(token)
 
 
 def get_tp_step(where: str, stage: int = 0) -> TPStep:
-    if stage >= len(_TP_STEP) or not _TP_STEP[stage].counts:
-        raise RuntimeError(f"{where}: no per-step DP token counts for stage {stage} (set for {len(_TP_STEP)} "
-                           "stage(s)); the runtime must call set_tp_step() first")
-    return _TP_STEP[stage]
+    """Stage ``stage``'s counts of the step running now (``where``: the op asking, for the error)."""
+    steps = _STEP_COUNTS.get()
+    if stage >= len(steps) or not steps[stage].counts:
+        raise RuntimeError(f"{where}: no per-step DP token counts for stage {stage} (given for {len(steps)} "
+                           "stage(s)); run the program inside afd_compile.comm.step_counts(...), as the runtime's "
+                           "workers do")
+    return steps[stage]

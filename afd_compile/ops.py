@@ -211,19 +211,17 @@ def _(dep, comm_id, layer_idx, stage_idx, num_tokens, spec):
 #   ... the next micro-batch's work ...
 #   outs   = afd::p2p_recv_wait(handle, comm_id, layer, stage, num_tokens, spec, tensors, dep)
 #
-# The works and the tensors in flight (the sent ones stay alive until the wait) are held here,
-# keyed by (comm, layer, stage, direction): unique within a step. On NCCL a work's wait() makes
-# the current stream wait for the transfer, not the host, so the three ops are capturable.
+# The works and the tensors in flight (the sent ones stay alive until the wait) are held by the
+# communicator (AFDCommunicator.in_flight), keyed by (layer, stage, direction): unique within a
+# step. On NCCL a work's wait() makes the current stream wait for the transfer, not the host, so
+# the three ops are capturable.
 
-#: transfers started and not waited on: (comm_id, layer, stage, "send" | "recv") -> (works, tensors)
-IN_FLIGHT: dict[tuple[int, int, int, str], tuple[list, list[torch.Tensor]]] = {}
-
-
-def _hold(key: tuple[int, int, int, str], works: list, tensors: list[torch.Tensor], where: str) -> None:
-    if key in IN_FLIGHT:
-        raise RuntimeError(f"{where}: a {key[3]} of this layer and stage is already in flight (started twice "
+def _hold(comm: AFDCommunicator, key: tuple[int, int, str], works: list, tensors: list[torch.Tensor],
+          where: str) -> None:
+    if key in comm.in_flight:
+        raise RuntimeError(f"{where}: a {key[2]} of this layer and stage is already in flight (started twice "
                            "without a wait in between)")
-    IN_FLIGHT[key] = (works, tensors)
+    comm.in_flight[key] = (works, tensors)
 
 
 @afd_op("afd::p2p_send_start", mutates_args=())
@@ -235,7 +233,7 @@ def p2p_send_start(
     comm, where, sends = _attention_sends(sent, comm_id, layer_idx, stage_idx, spec, "p2p_send_start")
     works = comm.start(sends, [], layer_idx=layer_idx, stage_idx=stage_idx, where=where)
     # (what is on the wire, padded to the bucket slot, stays alive until the wait)
-    _hold((comm_id, layer_idx, stage_idx, "send"), works, [t for t, _, _ in sends], where)
+    _hold(comm, (layer_idx, stage_idx, "send"), works, [t for t, _, _ in sends], where)
     return _token(tensors[0])
 
 
@@ -251,7 +249,7 @@ def p2p_recv_start(
     comm, where, recvs, outs = _attention_recv_buffers(dep, comm_id, layer_idx, stage_idx, num_tokens, spec,
                                                        "p2p_recv_start")
     works = comm.start([], recvs, layer_idx=layer_idx, stage_idx=stage_idx, where=where)
-    _hold((comm_id, layer_idx, stage_idx, "recv"), works, outs, where)
+    _hold(comm, (layer_idx, stage_idx, "recv"), works, outs, where)
     return _token(dep)
 
 
@@ -271,11 +269,11 @@ def p2p_recv_wait(
     transfer is done."""
     comm = get_communicator(comm_id)
     where = _where("p2p_recv_wait", comm, layer_idx, stage_idx)
-    key = (comm_id, layer_idx, stage_idx, "recv")
-    if key not in IN_FLIGHT:
+    key = (layer_idx, stage_idx, "recv")
+    if key not in comm.in_flight:
         raise RuntimeError(f"{where}: no receive of this layer and stage was started")
-    works, outs = IN_FLIGHT.pop(key)
-    sent = IN_FLIGHT.pop((comm_id, layer_idx, stage_idx, "send"), ([], []))
+    works, outs = comm.in_flight.pop(key)
+    sent = comm.in_flight.pop((layer_idx, stage_idx, "send"), ([], []))
     comm.wait([*sent[0], *works], where)
     return _own_rows(outs, num_tokens)
 

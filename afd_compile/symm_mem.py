@@ -11,8 +11,9 @@ memory is off takes NCCL (``dist.all_reduce``). Which path a message takes is de
 :func:`junction_path` from its size and dtype alone, so every rank of a group takes the same one.
 
 Off, logged once per group with the reason: CPU / gloo groups (the composite path), a torch without
-the ``symm_mem`` ops, ``AFD_SYMM_MEM=0``, a rank whose device cannot reach a peer, or a rendezvous
-that failed on any rank (the group agrees: one rank off turns it off for all). NVLink multicast
+the ``symm_mem`` ops, the one switch off (the backend's option ``symm_mem=False``, or
+``make_worker(symm_mem=False)``), a rank whose device cannot reach a peer, or a rendezvous that
+failed on any rank (the group agrees: one rank off turns it off for all). NVLink multicast
 (``multimem_*``) is never used.
 """
 
@@ -79,8 +80,6 @@ _GROUPS: dict[int, SymmGroup] = {}
 
 def local_reason(group: dist.ProcessGroup, device: torch.device) -> str:
     """Why this rank cannot use symmetric memory for ``group`` ('' when it can), without communicating."""
-    if os.environ.get("AFD_SYMM_MEM", "1") in ("0", ""):
-        return "AFD_SYMM_MEM=0"
     if device.type != "cuda":
         return f"tensors on {device.type}, not CUDA"
     if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):

@@ -71,7 +71,7 @@ def test_bad_options_are_refused_clearly():
         BackendOptions.parse({"attention": 2})
     assert BackendOptions.parse(None).mode == "none"
     assert BackendOptions.parse({"tp": 2, "attn_dp": 2}).mode == "tp"
-    with pytest.raises(BackendOptionError, match="vocab_parallel applies to a TP layout"):
+    with pytest.raises(BackendOptionError, match="vocab_parallel=True applies to a TP layout"):
         BackendOptions.parse({"vocab_parallel": True})
 
 

@@ -58,9 +58,9 @@ def test_a_negative_count_and_a_slot_smaller_than_the_count_are_refused() -> Non
 def test_backend_option_buckets_is_checked() -> None:
     from afd_compile.backend import BackendOptionError, BackendOptions
 
-    assert BackendOptions.parse({"attention": 2, "ffn": 1}).token_buckets == TokenBuckets()
-    assert BackendOptions.parse({"attention": 2, "ffn": 1, "buckets": "off"}).token_buckets is None
-    assert BackendOptions.parse({"attention": 2, "ffn": 1, "buckets": [8, 64]}).token_buckets.sizes == (8, 64)
+    assert BackendOptions.parse({"attention": 2, "ffn": 1}).afd.token_buckets == TokenBuckets()
+    assert BackendOptions.parse({"attention": 2, "ffn": 1, "buckets": "off"}).afd.token_buckets is None
+    assert BackendOptions.parse({"attention": 2, "ffn": 1, "buckets": [8, 64]}).afd.token_buckets.sizes == (8, 64)
     with pytest.raises(BackendOptionError, match=r"buckets=\[4, 2\] \(list\) must be"):
         BackendOptions.parse({"attention": 2, "ffn": 1, "buckets": [4, 2]})
     with pytest.raises(BackendOptionError, match="buckets='off' applies to an AFD layout"):
@@ -70,12 +70,13 @@ def test_backend_option_buckets_is_checked() -> None:
 def test_backend_option_ffn_capture_is_checked() -> None:
     from afd_compile.backend import BackendOptionError, BackendOptions
 
-    assert BackendOptions.parse({"attention": 2, "ffn": 1}).ffn_capture == "all"
-    assert BackendOptions.parse({"attention": 2, "ffn": 1, "ffn_capture": "compute"}).ffn_capture == "compute"
+    assert BackendOptions.parse({"attention": 2, "ffn": 1}).afd.ffn_capture == "all"
+    assert BackendOptions.parse({"attention": 2, "ffn": 1, "ffn_capture": "compute"}).afd.ffn_capture == "compute"
     with pytest.raises(BackendOptionError, match=r"ffn_capture='graph' \(str\) must be 'compute' or 'all'"):
         BackendOptions.parse({"attention": 2, "ffn": 1, "ffn_capture": "graph"})
-    with pytest.raises(BackendOptionError, match="ffn_capture='all' applies to an AFD layout"):
-        BackendOptions.parse({"tp": 2, "ffn_capture": "all"})
+    with pytest.raises(BackendOptionError, match="ffn_capture='compute' applies to an AFD layout"):
+        BackendOptions.parse({"tp": 2, "ffn_capture": "compute"})
+    assert BackendOptions.parse({"tp": 2, "ffn_capture": "all"}).afd is None  # (its default changes nothing)
 
 
 def test_an_ffn_program_is_compiled_per_rows_and_captured_per_peer_sizes() -> None:

@@ -486,9 +486,10 @@ def test_control_messages_are_checked(message, expected):
         ({"tp": 2, "inductor": "yes"}, "option inductor='yes' (str) must be a bool"),
         ({"tp": 2, "timeout_s": 0}, "option timeout_s=0 (int) must be None or seconds in (0, 604800] (a week)"),
         ({"tp": 2, "rank": -1}, "option rank=-1 (int) must be None or an int in [0, 65536)"),
-        ({"attn_dp": 2}, "attn_dp=2 needs a TP layout"),
-        ({"moe_a2a": True}, "moe_a2a / dense_dp need a TP layout"),
-        ({"tp": 2, "check_wire": True}, "check_wire applies to an AFD layout"),
+        ({"attn_dp": 2}, "attn_dp=2 applies to a TP layout (tp > 1) only"),
+        ({"moe_a2a": True}, "moe_a2a=True applies to a TP layout"),
+        ({"tp": 2, "check_wire": True}, "check_wire=True applies to an AFD layout (attention, ffn) only"),
+        ({"stages": 2}, "stages=2 applies to an AFD layout"),
     ],
 )
 def test_backend_options_are_type_and_range_checked(options, message):

@@ -236,10 +236,10 @@ def _distribute(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backend
     log.info("afd: rank %d: exported dynamo graph (%d nodes) in %.1fs", rank, len(ep.graph.nodes),
              time.perf_counter() - t0)
     key = layout_key(opts, rank, world)
-    ffn_rank = opts.mode == "afd" and rank < opts.ffn
-    if not is_dynamic(ep) and (opts.attn_dp > 1 or ffn_rank):
+    ffn_rank = opts.afd is not None and rank < opts.afd.ffn
+    if not is_dynamic(ep) and ((opts.tp is not None and opts.tp.attn_dp > 1) or ffn_rank):
         raise BackendOptionError(
-            f"afd backend: rank {rank}: {'DP attention' if opts.attn_dp > 1 else 'an AFD FFN rank'} runs programs over a "
+            f"afd backend: rank {rank}: {'an AFD FFN rank' if ffn_rank else 'DP attention'} runs programs over a "
             "token count that changes per step (set by other ranks), so it needs a graph with a dynamic batch: "
             "torch.compile(model, backend='afd', dynamic=True, options=...), and a first call whose batch and "
             "sequence are >= 2 (dynamo specialises dims of size 0 and 1)")
@@ -303,7 +303,7 @@ def graph_break_hint() -> str:
 def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int, world: int, key: str,
                cudagraphs: bool | None, device: torch.device, static: Sequence[int] = (),
                examples: Sequence[Any] = ()) -> Callable[..., Any]:
-    from ..comm import GROUP_ATTN_TP, GROUP_TP
+    from ..comm import GROUP_ATTN_TP, GROUP_TP, step_counts
     from ..deploy import tp_rank_lowered
     from ..passes.roles import POLICIES
     from ..runtime import dp_step_counts, register_tp_groups, tp_groups
@@ -334,8 +334,9 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
         if layout.attn_dp == 1:
             out = compiled(shapes, *inputs)
         else:
-            counts = dp_step_counts(user, layout, rank)  # one small all-gather per step
-            out = compiled((shapes, counts), *inputs, torch.empty(sum(counts), 0, device=device))
+            step = dp_step_counts(user, layout, rank)  # one small all-gather per step
+            with step_counts(step):
+                out = compiled((shapes, step.counts), *inputs, torch.empty(step.total, 0, device=device))
         return bind_outputs(held, user, out) if held else out
 
     return run
@@ -350,11 +351,11 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     from ..runtime import AttentionWorker
     from ..split_api import SplitConfig
 
-    layout = opts.layout()  # (check_options: a valid AFD layout)
-    assert isinstance(layout, AFDLayout)
+    layout, afd = opts.layout(), opts.afd  # (check_options: a valid AFD layout)
+    assert isinstance(layout, AFDLayout) and afd is not None
     from ..comm import wire_checks_from_env
 
-    check = wire_checks_from_env() if opts.check_wire is None else opts.check_wire
+    check = wire_checks_from_env() if afd.check_wire is None else afd.check_wire
     if check and cudagraphs is not False:
         raise BackendOptionError(
             f"afd backend: rank {rank}: wire checks (check_wire / AFD_CHECK_WIRE=1) compare headers on the host, "
@@ -370,10 +371,10 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
         return process_group(range(world), opts.timeout_s)  # (of its own, with the asked-for timeout)
 
     role = layout.role_of(rank)[0]
-    build = rank_build(layout, rank, opts.stages, device.type, decode_attention=opts.decode_attention,
+    build = rank_build(layout, rank, afd.stages, device.type, decode_attention=opts.decode_attention,
                        inductor=opts.inductor)
-    eager = ffn_step_ops() if opts.ffn_capture == "compute" else ()
-    by_step = opts.ffn_capture == "all"
+    eager = ffn_step_ops() if afd.ffn_capture == "compute" else ()
+    by_step = afd.ffn_capture == "all"
 
     def wrap(prog: fx.GraphModule) -> Callable[..., Any]:  # one compiled program per input shapes
         compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} attention", static, build=build)
@@ -389,14 +390,14 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     # (every program of the worker, each stage count's too, lowered by the rank's pipeline; each
     # compiled by the wrap when it first runs)
     worker = make_worker(ep.module(), layout, rank, config, device=device, check_wire=check,
-                         stages=opts.stages, symm_mem=opts.symm_mem, buckets=opts.token_buckets,
+                         stages=afd.stages, symm_mem=opts.symm_mem, buckets=afd.token_buckets,
                          before_groups=before_groups, lowering=build, wrap=wrap_ffn if role == "ffn" else wrap,
                          finish_at_shutdown=True)  # (shutdown() tells the FFN rank, if finish() was not called)
     if isinstance(worker, AttentionWorker):
         return worker.step
-    from ..runtime import SERVE_AT_SHUTDOWN
+    from ..runtime import serve_at_shutdown
 
-    SERVE_AT_SHUTDOWN.append(worker)  # runtime.shutdown() hears the peers stop
+    serve_at_shutdown(worker)  # runtime.shutdown() hears the peers stop
     for prog in (worker.program, *worker.staged.values()):
         STATS["exchanges_fused"] += len(prog.meta[LOWERED_KEY].get("fuse_send_recv", ()))
     worker.program_for(1)  # (its program's capture settings checked now, not at the first step)
@@ -499,17 +500,14 @@ def serve(model: torch.nn.Module, options: dict[str, Any], example_inputs: tuple
 def _serve(model: torch.nn.Module, opts: BackendOptions, example_inputs: tuple | None,
            example_kwargs: dict[str, Any] | None) -> int:
     rank, world = opts.resolved()
-    if opts.mode != "afd":
-        raise BackendOptionError(f"afd serve: the options give no AFD layout (attention={opts.attention}, ffn={opts.ffn}); only an FFN "
-                                 "rank of an AFD deployment serves")
-    from ..layout import AFDLayout
-
-    layout = opts.layout()
-    assert isinstance(layout, AFDLayout)  # (mode "afd": checked above)
-    role, _ = layout.role_of(rank)
+    if opts.afd is None:
+        raise BackendOptionError(f"afd serve: the options give no AFD layout (mode {opts.mode}); only an FFN rank of an "
+                                 "AFD deployment serves")
+    afd = opts.afd
+    role, _ = afd.layout().role_of(rank)
     if role != "ffn":
-        raise BackendOptionError(f"afd serve: rank {rank} is an attention rank of layout attention={opts.attention}, "
-                                 f"ffn={opts.ffn} (FFN ranks are 0..{opts.ffn - 1}); attention ranks run the model "
+        raise BackendOptionError(f"afd serve: rank {rank} is an attention rank of layout attention={afd.attention}, "
+                                 f"ffn={afd.ffn} (FFN ranks are 0..{afd.ffn - 1}); attention ranks run the model "
                                  "(generate()) and call afd_compile.runtime.finish() after it")
     import torch.distributed as dist
 

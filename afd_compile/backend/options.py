@@ -76,38 +76,33 @@ _OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 @dataclass(frozen=True)
-class BackendOptions:
-    tp: int = 1
-    attn_dp: int = 1
-    moe_a2a: bool = False
-    dense_dp: bool = False
-    vocab_parallel: bool = False
-    attention: int = 0
-    ffn: int = 0
-    rank: int | None = None
-    world_size: int | None = None
-    inductor: bool = True
-    cudagraphs: bool | None = None
-    policy: str = "default"
-    comm_id: int = 0
-    timeout_s: float | None = None
-    check_wire: bool | None = None
-    decode_attention: str = "auto"
-    moe_experts: str = "auto"
-    stages: int = 1
+class AFDOptions:
+    """The options of an AFD layout (``attention`` and ``ffn`` ranks, both given): its groups,
+    micro-batch stages, the attention ranks' token buckets, what an FFN rank's CUDA graphs hold,
+    the wire checks."""
+
+    attention: int
+    ffn: int
     ffn_tp: int = 1
     ffn_ep: int = 1
     attn_tp: int = 1
-    symm_mem: bool = True
-    #: token buckets of an AFD layout's attention ranks (buckets.py): "default", "off" / False, or
-    #: the sizes; each attention rank's tokens cross the wire padded to a bucket, an FFN rank's rows
-    #: to the bucket of their total, so it compiles one program per bucket, not per exact count
+    stages: int = 1
+    #: token buckets of the attention ranks (buckets.py): "default", "off" / False, or the sizes;
+    #: each attention rank's tokens cross the wire padded to a bucket, an FFN rank's rows to the
+    #: bucket of their total, so it compiles one program per bucket, not per exact count
     buckets: str | bool | tuple[int, ...] = "default"
     #: what an FFN rank's CUDA graphs hold: "all" (its whole program, the exchange inside: compiled
     #: once per bucket of its rows, captured once per tuple of its peers' sizes: a step is one replay),
     #: "compute" (the exchange with its peers and its group runs between the captured pieces, reading
-    #: each step's per-peer sizes: no graph per tuple, host work every layer)
+    #: each step's per-peer sizes: one graph per bucket of rows, host work every layer; for an FFN
+    #: rank of many peers, docs/backend.md)
     ffn_capture: str = "all"
+    check_wire: bool | None = None
+
+    def layout(self) -> AFDLayout:
+        from ..layout import AFDLayout
+
+        return AFDLayout(self.attention, self.ffn, self.ffn_tp, self.ffn_ep, self.attn_tp)
 
     @property
     def token_buckets(self) -> TokenBuckets | None:
@@ -115,6 +110,51 @@ class BackendOptions:
         from ..buckets import TokenBuckets
 
         return TokenBuckets.parse(self.buckets)
+
+
+@dataclass(frozen=True)
+class TPOptions:
+    """The options of a TP layout (``tp`` > 1 ranks): attention DP groups and the SCATTERED /
+    vocabulary-parallel choices."""
+
+    tp: int
+    attn_dp: int = 1
+    moe_a2a: bool = False
+    dense_dp: bool = False
+    vocab_parallel: bool = False
+
+    def layout(self) -> TPLayout:
+        from ..scatter import TPLayout
+
+        return TPLayout(self.tp, self.attn_dp, moe_a2a=self.moe_a2a, dense_dp=self.dense_dp,
+                        vocab_parallel=self.vocab_parallel)
+
+
+#: what a layout's defining options are when the layout is not given
+_ABSENT = {"attention": 0, "ffn": 0, "tp": 1}
+
+#: each layout's options (the flat ``options={...}`` names), and the words its errors use
+_LAYOUT_OPTIONS = {"afd": (AFDOptions, "an AFD layout (attention, ffn)"), "tp": (TPOptions, "a TP layout (tp > 1)")}
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """The parsed options: ``afd`` / ``tp`` hold a layout's options when that layout is given
+    (None otherwise: an option of a layout not given is refused by :meth:`parse`, so what applies
+    follows from which record holds it); the rest apply to every process."""
+
+    afd: AFDOptions | None = None
+    tp: TPOptions | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    inductor: bool = True
+    cudagraphs: bool | None = None
+    policy: str = "default"
+    comm_id: int = 0
+    timeout_s: float | None = None
+    decode_attention: str = "auto"
+    moe_experts: str = "auto"
+    symm_mem: bool = True
 
     @staticmethod
     def parse(options: dict[str, Any] | None) -> BackendOptions:
@@ -124,65 +164,47 @@ class BackendOptions:
         if any(not isinstance(k, str) for k in options or {}):
             raise BackendOptionError(f"afd backend: option names are strings, got {sorted(map(repr, options))}")
         options = dict(options or {})
-        names = {f.name for f in dataclasses.fields(BackendOptions)}
-        unknown = sorted(set(options) - names)
+        unknown = sorted(set(options) - set(_OPTION_TYPES))
         if unknown:
-            raise BackendOptionError(f"afd backend: unknown option(s) {unknown}; known: {sorted(names)}")
+            raise BackendOptionError(f"afd backend: unknown option(s) {unknown}; known: {sorted(_OPTION_TYPES)}")
         for name, value in options.items():
             ok, what = _OPTION_TYPES[name]
             if not ok(value):
                 raise BackendOptionError(f"afd backend: option {name}={value!r} ({type(value).__name__}) must be {what}")
         if isinstance(options.get("buckets"), list):
             options["buckets"] = tuple(options["buckets"])
-        opts = BackendOptions(**options)
-        if opts.tp > 1 and (opts.attention or opts.ffn):
+        given = {"afd": bool(options.get("attention") or options.get("ffn")), "tp": options.get("tp", 1) > 1}
+        if given["afd"] and given["tp"]:
             raise BackendOptionError("afd backend: give either a TP layout (tp, attn_dp) or an AFD layout "
                                      "(attention, ffn), not both")
-        if opts.attn_dp > 1 and opts.tp == 1:
-            raise BackendOptionError(f"afd backend: attn_dp={opts.attn_dp} needs a TP layout (tp > 1)")
-        if (opts.moe_a2a or opts.dense_dp) and opts.tp == 1:
-            raise BackendOptionError("afd backend: moe_a2a / dense_dp need a TP layout (tp > 1)")
-        if opts.vocab_parallel and opts.tp == 1:
-            raise BackendOptionError("afd backend: vocab_parallel applies to a TP layout (tp > 1) only")
-        if bool(opts.attention) != bool(opts.ffn):
+        if given["afd"] and not (options.get("attention") and options.get("ffn")):
             raise BackendOptionError(f"afd backend: AFD needs both attention and ffn ranks (attention="
-                                     f"{opts.attention}, ffn={opts.ffn})")
-        if opts.check_wire is not None and not opts.attention:
-            raise BackendOptionError("afd backend: check_wire applies to an AFD layout (attention, ffn) only")
-        for name in ("ffn_tp", "ffn_ep", "attn_tp"):
-            if getattr(opts, name) > 1 and not opts.attention:
-                raise BackendOptionError(f"afd backend: {name}={getattr(opts, name)} applies to an AFD layout "
-                                         "(attention, ffn) only")
-        if "buckets" in options and not opts.attention:
-            raise BackendOptionError(f"afd backend: buckets={options['buckets']!r} applies to an AFD layout "
-                                     "(attention, ffn) only: it sets the wire slots of the attention ranks")
-        if "ffn_capture" in options and not opts.attention:
-            raise BackendOptionError(f"afd backend: ffn_capture={opts.ffn_capture!r} applies to an AFD layout "
-                                     "(attention, ffn) only")
-        if opts.stages > 1 and not opts.attention:
-            raise BackendOptionError(f"afd backend: stages={opts.stages} applies to an AFD layout (attention, ffn) only")
+                                     f"{options.get('attention', 0)}, ffn={options.get('ffn', 0)})")
+        groups: dict[str, Any] = {}
+        for kind, (cls, words) in _LAYOUT_OPTIONS.items():
+            mine = {f.name: f for f in dataclasses.fields(cls)}
+            if given[kind]:
+                groups[kind] = cls(**{k: v for k, v in options.items() if k in mine})
+                continue
+            for name, value in options.items():  # (its default changes nothing: not refused)
+                if name in mine and value != _ABSENT.get(name, mine[name].default):
+                    raise BackendOptionError(f"afd backend: {name}={value!r} applies to {words} only")
+        grouped = {f.name for cls, _ in _LAYOUT_OPTIONS.values() for f in dataclasses.fields(cls)}
+        rest = {k: v for k, v in options.items() if k not in grouped}
         from ..passes.roles import POLICIES
 
-        if opts.policy not in POLICIES:
-            raise BackendOptionError(f"afd backend: unknown policy {opts.policy!r} (known: {sorted(POLICIES)})")
-        return opts
+        if rest.get("policy", "default") not in POLICIES:
+            raise BackendOptionError(f"afd backend: unknown policy {rest['policy']!r} (known: {sorted(POLICIES)})")
+        return BackendOptions(**groups, **rest)
 
     def layout(self) -> AFDLayout | TPLayout | None:
         """The layout the options describe: an ``AFDLayout`` (attention, ffn and their groups), a
         ``TPLayout`` (tp, attn_dp and the SCATTERED / vocabulary options), or None (one process)."""
-        from ..layout import AFDLayout
-        from ..scatter import TPLayout
-
-        if self.mode == "afd":
-            return AFDLayout(self.attention, self.ffn, self.ffn_tp, self.ffn_ep, self.attn_tp)
-        if self.mode == "tp":
-            return TPLayout(self.tp, self.attn_dp, moe_a2a=self.moe_a2a, dense_dp=self.dense_dp,
-                            vocab_parallel=self.vocab_parallel)
-        return None
+        return self.afd.layout() if self.afd else self.tp.layout() if self.tp else None
 
     @property
     def mode(self) -> str:
-        return "afd" if self.attention else "tp" if self.tp > 1 or self.attn_dp > 1 else "none"
+        return "afd" if self.afd else "tp" if self.tp else "none"
 
     def resolved(self) -> tuple[int, int]:
         """(rank, world size): the live process group's when there is one (a ``rank`` /
@@ -214,9 +236,9 @@ def check_options(options: dict[str, Any] | None) -> BackendOptions:
     if opts.mode != "none" and not dist.is_initialized():
         raise BackendOptionError(f"afd backend: layout {opts.mode} needs torch.distributed initialised on every "
                                  "rank first (torchrun + afd_compile.runtime.init_distributed())")
-    if opts.mode == "tp" and opts.tp != world:
-        raise BackendOptionError(f"afd backend: tp={opts.tp} must equal the world size ({world})")
-    if opts.mode == "afd":
+    if opts.tp is not None and opts.tp.tp != world:
+        raise BackendOptionError(f"afd backend: tp={opts.tp.tp} must equal the world size ({world})")
+    if opts.afd is not None:
         from ..layout import LayoutError
 
         try:
@@ -224,6 +246,6 @@ def check_options(options: dict[str, Any] | None) -> BackendOptions:
         except LayoutError as e:
             raise BackendOptionError(f"afd backend: {e}") from None
         if layout.world_size != world:
-            raise BackendOptionError(f"afd backend: attention={opts.attention} + ffn={opts.ffn} ranks must equal the "
-                                     f"world size ({world})")
+            raise BackendOptionError(f"afd backend: attention={opts.afd.attention} + ffn={opts.afd.ffn} ranks must "
+                                     f"equal the world size ({world})")
     return opts

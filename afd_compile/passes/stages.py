@@ -476,7 +476,7 @@ _GROUP_COLLECTIVES = {afd.all_gather_tokens.default: 3, afd.reduce_scatter_token
 
 def _group_stage(old: fx.Node, new: fx.Node, s: int) -> None:
     """The ``on_copy`` of an FFN TP group's program: each copied group collective reads stage
-    ``s``'s counts (``comm.set_tp_step`` with one entry per stage)."""
+    ``s``'s counts (``comm.step_counts`` with one entry per stage)."""
     at = _GROUP_COLLECTIVES.get(new.target) if new.op == "call_function" else None
     if at is not None:
         new.args = (*new.args[:at], s)

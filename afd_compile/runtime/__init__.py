@@ -43,7 +43,6 @@ from .launch import (
 )
 from .protocol import (
     FAILED,
-    SERVE_AT_SHUTDOWN,
     STOP,
     AttentionWorker,
     ControlError,
@@ -55,6 +54,7 @@ from .protocol import (
     dp_step_counts,
     finish,
     send_control,
+    serve_at_shutdown,
     shutdown,
     step_failed,
     tell_failed,
@@ -62,9 +62,9 @@ from .protocol import (
 
 __all__ = [
     "LaunchError", "PeerRefused", "agree", "TPRank", "check_launch", "report_launch_error",
-    "LOCAL_PROCESS_BYTES", "LOCAL_PROCESS_LIMIT_RULE", "PEER_GONE", "SERVE_AT_SHUTDOWN", "STOP", "FAILED", "WORKER_PRELOAD",
+    "LOCAL_PROCESS_BYTES", "LOCAL_PROCESS_LIMIT_RULE", "PEER_GONE", "STOP", "FAILED", "WORKER_PRELOAD",
     "WORKER_PRELOAD_IF_IMPORTED", "AttentionWorker", "ControlError", "FFNWorker", "GroupSlice", "LauncherFailure",
-    "RankFailure", "RunFault", "TokenCount", "dp_step_counts", "finish", "free_port", "init_distributed",
+    "RankFailure", "RunFault", "TokenCount", "dp_step_counts", "serve_at_shutdown", "finish", "free_port", "init_distributed",
     "max_local_processes", "process_group", "control_group", "progress", "run_local", "send_control", "shutdown", "step_failed", "before_destroy", "tell_failed",
     "tp_groups", "register_tp_groups", "group_key",
 ]

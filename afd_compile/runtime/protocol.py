@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..buckets import TokenBuckets
-from ..comm import AFDCommunicator
+from ..comm import AFDCommunicator, TPStep
 from ..errors import AFDCompileError
 from ..layout import micro_batches
 from ..scatter import TPLayout
@@ -77,7 +77,7 @@ def shutdown(sync: bool = True) -> None:
             log.warning("afd: shutdown: could not tell an FFN rank this rank stopped: %s", e)
         try:  # ... and the backend's FFN workers hear it (else the peers' STOP finds no receiver)
             by_comm: dict[int, list[FFNWorker]] = {}
-            for w in SERVE_AT_SHUTDOWN:  # workers of several graphs share a communicator: serve it once
+            for w in _SERVE_AT_SHUTDOWN:  # workers of several graphs share a communicator: serve it once
                 by_comm.setdefault(id(w.comm), []).append(w)
             for workers in by_comm.values():
                 w = workers[-1]
@@ -86,7 +86,7 @@ def shutdown(sync: bool = True) -> None:
                     w.serve()
         except Exception as e:  # a peer already gone
             log.warning("afd: shutdown: FFN rank could not hear every attention peer stop: %s", e)
-        SERVE_AT_SHUTDOWN.clear()
+        _SERVE_AT_SHUTDOWN.clear()
     for hook in list(_BEFORE_DESTROY):  # (the backend's release(): registered when it compiles)
         hook()
     forget_groups()
@@ -109,9 +109,14 @@ def step_failed(what: str) -> None:
         _FAILED_STEP = what
 
 
-#: FFN workers the compile backend runs one step per call: :func:`shutdown` serves them until
-#: every attention peer has stopped (the peers' shutdown sends STOP)
-SERVE_AT_SHUTDOWN: list[FFNWorker] = []
+#: FFN workers the compile backend runs one step per call (:func:`serve_at_shutdown`)
+_SERVE_AT_SHUTDOWN: list[FFNWorker] = []
+
+
+def serve_at_shutdown(worker: FFNWorker) -> None:
+    """:func:`shutdown` serves ``worker`` until every attention peer has stopped (the peers'
+    shutdown sends STOP): the compile backend's FFN workers, which run one step per call."""
+    _SERVE_AT_SHUTDOWN.append(worker)
 
 
 @dataclass(frozen=True)
@@ -424,10 +429,15 @@ class FFNWorker:
         self._launch(self.program_for(1), slots)
 
     def _launch(self, program: Callable[..., Any], carriers: list[torch.Tensor]) -> None:
-        """Run a step's program on its token carriers, recording the step's layouts."""
+        """Run a step's program on its token carriers, recording the step's layouts; an FFN
+        group's counts are the step's (``comm.step_counts``) while it runs."""
+        from ..comm import step_counts
+
         self.layouts.add(self.step_counts)
         self.carriers.add(tuple(int(c.shape[0]) for c in carriers))
-        program(*carriers)
+        counts = self.group_stage_counts if self.stages > 1 else (self.group_counts,)
+        with step_counts(tuple(TPStep(self.group_rank, c) for c in counts) if self.group_size > 1 else ()):
+            program(*carriers)
 
     def _receive(self, peers: Sequence[int], width: int) -> list[list[int]]:
         """One message of ``width`` int64 from each of ``peers`` on the control group, read on
@@ -457,12 +467,10 @@ class FFNWorker:
                     per_stage: list[tuple[int, ...]] | None = None) -> tuple[int, ...] | None:
         """Exchange this rank's token count (and, with stages, its tokens per stage) with its FFN
         group (-1: every peer has left) and record the group's counts for the program's
-        collectives (``comm.set_tp_step``: with stages one entry per stage the group runs, up to
-        its last stage with a token anywhere in the group: ``group_stage_counts``). Returns the
+        collectives (``group_counts``; with stages one entry per stage the group runs, up to its
+        last stage with a token anywhere in the group: ``group_stage_counts``). Returns the
         per-peer counts (zeros once this rank's peers have left while others of the group run),
         or None once every rank of the group is done."""
-        from ..comm import TPStep, set_tp_step
-
         group = self.ffn_control_group if self.ffn_control_group is not None else self.ffn_group
         dev = "cuda" if self.ffn_control_group is None and dist.get_backend(group) == "nccl" else "cpu"
         # (over a static batch B each stage's tokens are padded to a multiple of B: stages._padded_tokens)
@@ -483,9 +491,6 @@ class FFNWorker:
             live = [s for s in range(self.stages) if any(g[1 + s] for g in got)]
             k = live[-1] + 1 if live else 0
             self.group_stage_counts = tuple(tuple(g[1 + s] for g in got) for s in range(k))
-            set_tp_step([TPStep(self.group_rank, c) for c in self.group_stage_counts])
-        else:
-            set_tp_step(TPStep(self.group_rank, self.group_counts))
         return counts if counts is not None else tuple(0 for _ in self.comm.peers)
 
     def _check_control(self, messages: dict[int, list[int]]) -> tuple[int, ...] | None:
@@ -539,10 +544,11 @@ class GroupSlice:
         return group_token_sizes(total, self.parts)[self.rank]
 
 
-def dp_step_counts(x: Sequence[torch.Tensor], lay: TPLayout, rank: int) -> tuple[int, ...]:
-    """All TP ranks exchange their token counts (one small all-gather per step) and record the
-    step's per-DP-group counts for the DP collectives; returns them."""
-    from ..comm import GROUP_TP, GROUP_TP_CONTROL, TPStep, get_group, set_tp_step
+def dp_step_counts(x: Sequence[torch.Tensor], lay: TPLayout, rank: int) -> TPStep:
+    """All TP ranks exchange their token counts (one small all-gather per step): the step's
+    per-DP-group counts, for the DP collectives of the program run inside
+    ``comm.step_counts(...)`` (:class:`TPRank` does)."""
+    from ..comm import GROUP_TP, GROUP_TP_CONTROL, TPStep, get_group
 
     own = int(x[0].numel())  # tokens of this rank's input (batch x sequence)
     try:  # (a gloo group beside the TP group: no device-to-host wait on NCCL)
@@ -557,8 +563,7 @@ def dp_step_counts(x: Sequence[torch.Tensor], lay: TPLayout, rank: int) -> tuple
     for r, c in enumerate(per_rank):
         if c != groups[lay.attn_dp_rank(r)]:
             raise RuntimeError(f"ranks of attention DP group {lay.attn_dp_rank(r)} disagree on tokens: {per_rank}")
-    set_tp_step(TPStep(lay.attn_dp_rank(rank), tuple(groups)))
-    return tuple(groups)
+    return TPStep(lay.attn_dp_rank(rank), tuple(groups))
 
 
 @dataclass
@@ -574,6 +579,9 @@ class TPRank:
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         if self.layout.attn_dp > 1:
-            counts = dp_step_counts(inputs, self.layout, self.rank)
-            return self.program(*inputs, torch.empty(sum(counts), 0, device=inputs[0].device))
+            from ..comm import step_counts
+
+            step = dp_step_counts(inputs, self.layout, self.rank)
+            with step_counts(step):
+                return self.program(*inputs, torch.empty(step.total, 0, device=inputs[0].device))
         return self.program(*inputs)
