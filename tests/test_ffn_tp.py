@@ -127,7 +127,7 @@ def test_cli_plans_ffn_tp_and_refuses_what_it_cannot(exported):
 def test_backend_option_ffn_tp_is_checked():
     from afd_compile.backend import BackendOptionError, BackendOptions
 
-    assert BackendOptions.parse({"attention": 2, "ffn": 2, "ffn_tp": 2}).ffn_tp == 2
+    assert BackendOptions.parse({"attention": 2, "ffn": 2, "ffn_tp": 2}).afd.ffn_tp == 2
     with pytest.raises(BackendOptionError, match="ffn_tp=2 applies to an AFD layout"):
         BackendOptions.parse({"tp": 2, "ffn_tp": 2})
     with pytest.raises(BackendOptionError, match=r"ffn_tp=0 \(int\) must be an int in \[1, 65536\]"):
