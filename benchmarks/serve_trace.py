@@ -8,13 +8,15 @@ the whole capacity. Each run is a
 ``verify`` run: every step of every attention rank is compared with the unsplit model (fp32), so
 the table is also a numerics check. Per run it reports:
 
-- ``FFN programs compiled``: the carrier sizes (rows per stage) the FFN rank ran on: what the
-  backend compiles one program for, whatever ``ffn_capture`` (and without CUDA graphs: gloo, CPU);
+- ``FFN programs compiled``: the numbers of micro-batch stages its steps ran: the backend compiles
+  each stage count's program once, for symbolic rows (a dynamic export), whatever ``ffn_capture``;
 - ``CUDA graphs, ffn_capture="all"``: the token layouts it ran a program for (per stage and peer):
   what the backend captures one CUDA graph for by default (``ffn_capture="all"``: the exchange is
   in the graph, which replays the receive sizes it captured); a capture of a compiled program, no
-  compile. With ``ffn_capture="compute"`` the exchange runs between captured pieces instead, one
-  set of pieces per program compiled, at a per-step host cost (BENCHMARKS.md: an FFN rank's real program);
+  compile;
+- ``CUDA graphs, "compute"``: the carrier sizes (rows per stage) it ran on: with
+  ``ffn_capture="compute"`` the exchange runs between captured pieces, which Inductor records once
+  per input shape, at a per-step host cost (BENCHMARKS.md: an FFN rank's real program);
 - ``row counts touched``: the distinct row counts of any stage (with buckets: the buckets the
   FFN rank's totals touched: the issue's target for the programs compiled);
 - ``host messages / step``: messages the FFN rank read on the host per step (control messages,
@@ -78,7 +80,8 @@ def main() -> int:
         ffn = res[0]
         att = [v for v in res.values() if v["role"] == "attention"]
         rows.append({"layout": f"{a}A1F", "stages": s, "buckets": b, "steps": args.steps,
-                     "graphs_captured": len(ffn["layouts"]), "programs_compiled": len(ffn["carriers"]),
+                     "graphs_captured": len(ffn["layouts"]), "programs_compiled": len({len(c) for c in ffn["carriers"]}),
+                     "graphs_compute": len(ffn["carriers"]),
                      "buckets_touched": len({v for c in ffn["carriers"] for v in c}),
                      "host_reads_per_step": ffn["control_reads"] / max(ffn["steps"], 1),
                      "device_reads_per_step": ffn["device_reads"] / max(ffn["steps"], 1),
@@ -86,12 +89,12 @@ def main() -> int:
                      "max_rel_err": max(v["max_rel_err"] for v in att)})
     print(f"serve_trace: {args.steps} steps, per-peer batch drawn from 0..{args.max_batch} (seed {args.seed}), "
           f"one token per sequence; {time.perf_counter() - t0:.0f} s")
-    print("| layout | S | buckets | FFN programs compiled | CUDA graphs, ffn_capture=\"all\" | row counts touched | "
-          "host messages / step | device reads / step | max rel err |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| layout | S | buckets | FFN programs compiled | CUDA graphs, ffn_capture=\"all\" | CUDA graphs, \"compute\" "
+          "| row counts touched | host messages / step | device reads / step | max rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layout']} | {r['stages']} | {r['buckets']} | {r['programs_compiled']} | "
-              f"{r['graphs_captured']} | {r['buckets_touched']} | {r['host_reads_per_step']:.2f} | "
+              f"{r['graphs_captured']} | {r['graphs_compute']} | {r['buckets_touched']} | {r['host_reads_per_step']:.2f} | "
               f"{r['device_reads_per_step']:.2f} | {r['max_rel_err']:.2g} |")
     if args.json:
         with open(args.json, "w") as f:

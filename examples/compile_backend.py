@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
 import re
 import sys
 import warnings
@@ -93,6 +94,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4, help="tokens per sequence (1: a decode step)")
+    parser.add_argument("--max-batch", type=int, default=0,
+                        help="a changing batch: each step's batch drawn (seeded, per attention group) from 1..N "
+                        "(default: 2 or 3, alternating)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-inductor", action="store_true", help="run the FX programs (no Inductor)")
     parser.add_argument("--check-cache", action="store_true",
@@ -142,6 +146,8 @@ def main() -> int:
         # decode graph, static in the sequence); two token
         # layouts per rank, alternating, so from step 2 on every step replays a compiled layout
         batch = 2 + (max(group, 0) + step) % 2
+        if args.max_batch and not ffn_rank:  # (an FFN rank's own tokens only shape its program: its peers' count)
+            batch = random.Random(1000 * group + step).randint(1, args.max_batch)
         ids = torch.randint(0, 128, (batch, args.seq), generator=torch.Generator().manual_seed(100 * group + step))
         ids = ids.to(device)
         with torch.no_grad():

@@ -242,11 +242,20 @@ def test_compiled_matches_eager_on_gloo_ranks(n, args):
     proc = _run(n, *args)
     _check(proc, n, "--check-cache" in args)
     if "--stages" in args:  # the peers swap batch sizes 2 | 3 between steps: an FFN rank's own tokens per
-        # stage change (its group's totals stay). A program not captured in a CUDA graph (gloo, CPU) is
-        # compiled per carrier sizes (its exchange reads the per-peer sizes when it runs): 2 here (and
-        # the one --check-cache compiles again)
-        want = 2 + ("--check-cache" in args)
+        # stage change (its group's totals stay). Each of its programs is compiled once for symbolic rows
+        # (a step's carrier sizes are its inputs' sizes): one here (and the one --check-cache compiles again)
+        want = 1 + ("--check-cache" in args)
         assert re.search(rf"^rank 0: .* layouts_compiled={want} ", proc.stdout, flags=re.M), proc.stdout
+
+
+def test_a_changing_batch_compiles_each_rank_once():
+    # issue 52: under dynamic=True a batch drawn from 1..8 each step (different per attention rank):
+    # an attention rank compiles one program for the symbolic batch (and one for a batch of 1, which
+    # dynamo specialises), the FFN rank one for any rows: not one per batch size or bucket
+    proc = _run(3, "--attention", "2", "--ffn", "1", "--steps", "10", "--max-batch", "8")
+    _check(proc, 3, False)
+    compiled = dict(re.findall(r"^rank (\d+): .*layouts_compiled=(\d+)", proc.stdout, flags=re.M))
+    assert compiled["0"] == "1" and int(compiled["1"]) <= 2 and int(compiled["2"]) <= 2, proc.stdout
 
 
 @pytest.mark.slow

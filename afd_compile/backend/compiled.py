@@ -149,8 +149,14 @@ class PerLayout:
 
     def __init__(self, program: fx.GraphModule, cache_key: str, inductor: bool, cudagraphs: bool | None,
                  name: str, static: Sequence[int] = (), eager_ops: Sequence[str] = (),
-                 step_graphs: bool = False, build: Build | None = None) -> None:
+                 step_graphs: bool = False, build: Build | None = None, symbolic: bool = True) -> None:
         self.program = program
+        #: compiled once for the program's own symbolic sizes (:func:`symbolic_inputs`), whatever
+        #: the layout a call names; False (or a program that cannot be): once per layout
+        held = symbolic_inputs(program) if symbolic and inductor else "not asked"
+        self.symbolic = not isinstance(held, str)
+        if isinstance(held, str) and held not in ("not asked", "no input size is symbolic (a static export)"):
+            log.info("afd: %s: compiled once per token layout, not for a symbolic batch: %s", name, held)
         #: the pipeline the program was built by: what of its lowering is left runs at the first
         #: compile (a program built elsewhere: the Inductor lowering alone)
         self.build = build or Build("none", inductor=inductor)
@@ -193,9 +199,10 @@ class PerLayout:
         return self._function(layout, inputs)(*inputs)
 
     def _function(self, layout: tuple, inputs: Sequence[Any]) -> Callable[..., Any]:
-        fn = self.compiled.get(layout)
+        fn = self.compiled.get(("symbolic",) if self.symbolic else layout)
         if fn is None:
-            fn = self._compile(inputs)
+            fn = self._compile(inputs)  # (may find the lowered program cannot compile symbolically)
+            layout = ("symbolic",) if self.symbolic else layout
             self.compiled[layout] = fn
             STATS["layouts_compiled"] += 1
             log.info("afd: %s: compiled layout %s (%d layouts so far)", self.name, layout, len(self.compiled))
@@ -243,9 +250,17 @@ class PerLayout:
                    "triton.cudagraphs": self.cudagraphs and not self.step_graphs}
         if self.eager_ops:  # (pieces between them captured apart; torch >= 2.9 has the option)
             patches |= {"graph_partition": True, "custom_should_partition_ops": list(self.eager_ops)}
-        # fake inputs with a shape env (static: one program per layout) so the FX graph cache applies
-        mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-        fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in inputs]
+        # fake inputs with a shape env so the FX graph cache applies: the program's own (its symbolic
+        # sizes, as export traced them: one program for every batch), or static (one per layout)
+        held = symbolic_inputs(self.program) if self.symbolic else None
+        if isinstance(held, str):  # (its lowering left an input without a traced value)
+            log.info("afd: %s: compiled once per token layout, not for a symbolic batch: %s", self.name, held)
+            self.symbolic = False
+        if isinstance(held, tuple):
+            mode, fake = held
+        else:
+            mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+            fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in inputs]
         # mark the program as dynamo's: AOT then takes its parameters and buffers as static inputs.
         # Without the mark it finds no static input, and every CUDA graph replay first copies every
         # weight into the graph's input buffers (measured on the GPU host: 41 copies, ~0.7 ms per
@@ -269,6 +284,25 @@ class PerLayout:
                  "" if self.static_inputs is None else f" ({self.static_inputs} inputs at static addresses: "
                  "weights and caches a CUDA graph reads in place)")
         return fn
+
+
+def symbolic_inputs(program: fx.GraphModule) -> tuple[Any, list[Any]] | str:
+    """The fake tensors ``program``'s inputs were traced with and their fake mode, when some input
+    size is symbolic (a dynamic export: ``dynamic=True``, ``mark_dynamic``, dynamo's automatic
+    dynamic shapes) and every input has one; else why not (the program compiles per layout)."""
+    from torch._guards import detect_fake_mode
+
+    places = [n for n in program.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in places]
+    if not any(isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape) for v in vals):
+        return "no input size is symbolic (a static export)"
+    missing = [n.name for n, v in zip(places, vals, strict=True) if v is None]
+    if missing:  # (a staged attention program's micro-batch carriers: their sizes split the batch)
+        return f"input {missing[0]} has no traced value"
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None or mode.shape_env is None:
+        return "its inputs' fake tensors have no shape environment"
+    return mode, vals
 
 
 def _dump_program(program: fx.GraphModule, inputs: Sequence[Any], name: str) -> None:

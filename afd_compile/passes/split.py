@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -474,7 +475,9 @@ def propagate_ffn_meta(ffn: fx.GraphModule, static_tokens: int | None = None, mu
             tokens: object = static_tokens
         else:  # a fresh symbol for the token count, made directly so no version specialises it
             source = ConstantSource(ph.name)
-            sym = shape_env.create_symbol(8 * (i + 1), source=source, dynamic_dim=DimDynamic.DYNAMIC)
+            sym = shape_env.create_symbol(8 * (i + 1), source=source, dynamic_dim=DimDynamic.DYNAMIC,
+                                          do_not_specialize_zero_one=True)  # (a step of 1 row: the same program)
+            shape_env.constrain_symbol_range(sym, compiler_min=1, compiler_max=sys.maxsize - 1)
             tokens = shape_env.create_symintnode(sym, hint=8 * (i + 1), source=source) * multiple
         with mode:
             inputs.append(torch.empty((tokens, 0), device=device))

@@ -467,6 +467,10 @@ def stage_ffn_program(gm: fx.GraphModule, stages: int, name: str = "FFN program"
     g.output(outs[-1][0])
     staged = fx.GraphModule(gm, g)
     staged.meta.update(gm.meta)
+    if batch is None:  # (each carrier a fresh symbol: the program compiles once for any rows)
+        from .split import propagate_ffn_meta
+
+        propagate_ffn_meta(staged)
     return staged
 
 
