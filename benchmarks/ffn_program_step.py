@@ -5,9 +5,11 @@ The program is the real one: an HF Llama-shaped decoder (random weights, bf16, `
 layers, ``--hidden`` / ``--inter``) exported, split for AFD 2A1F (``split``), the FFN rank's
 program compiled by ``PerLayout`` as the backend does:
 
-- ``all``: ``ffn_capture="all"`` (the default, chosen from this benchmark): compiled once per bucket of rows,
-  captured whole by hand (``PerLayout(step_graphs=True)``), the exchange inside, one graph per
-  tuple of the peers' sizes; each send fused with the next receive as the backend does;
+- ``all``: ``ffn_capture="all"`` (the default, chosen from this benchmark): compiled once for
+  symbolic rows, captured whole by hand (``PerLayout(step_graphs=True)``), the exchange inside, one
+  graph per tuple of the peers' sizes; each send fused with the next receive as the backend does;
+- ``all, per shape``: the same compiled for each row count apart (``PerLayout(symbolic=False)``:
+  what a symbolic compile costs a step, against kernels specialised to the shape);
 - ``compute``: the exchange ops run between captured pieces (Inductor's graph partition), each
   send and the next layer's receive as two ops;
 - ``compute, fused``: the same with each send and the next receive as one op
@@ -69,9 +71,9 @@ def compiled_way(ffn: fx.GraphModule, way: str, name: str):
     prog.meta.update(ffn.meta)
     fused = fuse_send_recv(prog) if way != "compute" else []
     receive_into_buffers(prog)  # (the backend's lowering: a piece reads tensors, not an op's list)
-    eager = ffn_step_ops() if way != "all" else ()
+    eager = ffn_step_ops() if not way.startswith("all") else ()
     return PerLayout(prog, f"ffn_program_step-{way}", True, True, name, eager_ops=eager,
-                     step_graphs=way == "all"), len(fused)
+                     step_graphs=way.startswith("all"), symbolic=way != "all, per shape"), len(fused)
 
 
 def op_host_us(hidden: int, dev: torch.device, calls: int = 400) -> dict[str, float]:
@@ -121,7 +123,7 @@ def main() -> int:
     ffn = ffn_program(args.layers, args.hidden, args.inter, dev)
     comm = AFDCommunicator("ffn", 2, (0, 1))
     register_communicator(comm, 0)
-    ways = ("all", "compute", "compute, fused")
+    ways = ("all", "all, per shape", "compute", "compute, fused")
     compiled = {w: compiled_way(ffn, w, f"ffn ({w})") for w in ways}
     rows = []
     with torch.no_grad():
@@ -140,6 +142,7 @@ def main() -> int:
                 row[w] = round(wall_us_per_step(step, args.steps), 1)
                 row[f"{w} graphs/step"] = graph_launches(step)
             row["compute_over_all"] = round(row["compute"] / row["all"], 3)
+            row["symbolic_over_per_shape"] = round(row["all"] / row["all, per shape"], 3)
             row["fused_over_all"] = round(row["compute, fused"] / row["all"], 3)
             rows.append(row)
         comm.set_step({0: (4, 4)})
@@ -148,11 +151,12 @@ def main() -> int:
     print(f"ffn_program_step: {torch.cuda.get_device_name()}, torch {torch.__version__}; Llama-shaped FFN rank "
           f"of AFD 2A1F, {args.layers} layers, hidden {args.hidden}, intermediate {args.inter}, bf16; exchange "
           f"posting nothing (a stand-in); {fused_pairs} send/receive pairs fused; {args.steps} steps a loop")
-    print("| T | all: one graph (us/step) | compute: pieces (us/step) | compute / all | compute, fused (us/step) | "
-          "fused / all | graph launches a step (all / compute / fused) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| T | all: one graph (us/step) | all, compiled per shape | symbolic / per shape | compute: pieces (us/step) "
+          "| compute / all | compute, fused (us/step) | fused / all | graph launches a step (all / compute / fused) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tokens']} | {r['all']} | {r['compute']} | {r['compute_over_all']} | {r['compute, fused']} | "
+        print(f"| {r['tokens']} | {r['all']} | {r['all, per shape']} | {r['symbolic_over_per_shape']} | {r['compute']} | "
+              f"{r['compute_over_all']} | {r['compute, fused']} | "
               f"{r['fused_over_all']} | {r['all graphs/step']:g} / {r['compute graphs/step']:g} / "
               f"{r['compute, fused graphs/step']:g} |")
     print(f"host µs a call of afd::p2p_send_recv_group_into (T = 8, two peers): {host}")

@@ -256,8 +256,11 @@ class PerLayout:
         if isinstance(held, str):  # (its lowering left an input without a traced value)
             log.info("afd: %s: compiled once per token layout, not for a symbolic batch: %s", self.name, held)
             self.symbolic = False
-        if isinstance(held, tuple):
-            mode, fake = held
+        if isinstance(held, tuple):  # (on the inputs' device: a program built on the CPU runs on CUDA)
+            mode, vals = held
+            with mode:
+                fake = [v.to(x.device) if isinstance(v, torch.Tensor) and isinstance(x, torch.Tensor)
+                        and v.device != x.device else v for v, x in zip(vals, inputs, strict=False)]
         else:
             mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
             fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in inputs]
