@@ -7,6 +7,8 @@ Public within the package (no pass reaches into another pass's private names).
 from __future__ import annotations
 
 import copy
+import itertools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +106,24 @@ def copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node,
         if hasattr(gm, k):
             setattr(new, k, getattr(gm, k))
     return new, env
+
+
+_CARRIERS = itertools.count()  # (each carrier's source a name of its own)
+
+
+def row_carrier(mode: Any, name: str, hint: int, device: torch.device) -> torch.Tensor:
+    """A ``(rows, 0)`` carrier's fake value in ``mode`` (a fake mode with a shape env): ``rows`` a
+    fresh symbol of its own (no duck sizing) whose example value is ``hint``, one row or more, so a
+    program compiled for it runs for any count."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    env = mode.shape_env
+    source = ConstantSource(f"{name}_{next(_CARRIERS)}")
+    sym = env.create_symbol(hint, source=source, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True)
+    env.constrain_symbol_range(sym, compiler_min=1, compiler_max=sys.maxsize - 1)
+    with mode:
+        return torch.empty((env.create_symintnode(sym, hint=hint, source=source), 0), device=device)
 
 
 def del_attr_path(root: torch.nn.Module, dotted: str) -> None:

@@ -71,7 +71,7 @@ from ..layout import AFDLayout
 from ..limits import MAX_STAGES
 from .batch_dims import META_KEY as BATCH_KEY
 from .batch_dims import BatchError, plan_batch
-from .graph_utils import aliases_first_arg, batch_symbol_dims, writes_first_arg
+from .graph_utils import aliases_first_arg, batch_symbol_dims, row_carrier, writes_first_arg
 from .symbolic import sym_expr
 
 aten = torch.ops.aten
@@ -159,6 +159,23 @@ def _replicate(gm: fx.GraphModule, stages: int, graph: fx.Graph, envs: list[dict
     return [[fx.node.map_arg(a, lambda x, _env=env: _env[x]) for a in out.args] for env in envs]
 
 
+def _carrier_vals(carriers: list[fx.Node], batched: torch.Tensor, dim: int) -> None:
+    """Each micro-batch carrier's traced value: a fresh symbol (so the staged program compiles once
+    for any split) whose example value is its share of the batch's, so no stage is traced empty
+    (a slice traced as 0 rows specialises). Left without one (the program then compiles per input
+    shapes) when the batch's example value has fewer sequences than stages."""
+    size = batched.shape[dim]
+    mode = getattr(batched, "fake_mode", None)
+    if mode is None or mode.shape_env is None or not isinstance(size, torch.SymInt):
+        return
+    hint = int(mode.shape_env.size_hint(size.node.expr))
+    if hint < len(carriers):
+        return
+    for s, c in enumerate(carriers):
+        share = hint // len(carriers) + (s < hint % len(carriers))
+        c.meta["val"] = row_carrier(mode, c.name, share, batched.device)
+
+
 def stage_attention_program(gm: fx.GraphModule, stages: int, name: str = "attention program") -> fx.GraphModule:
     """The attention program of ``stages`` micro-batches (module docstring); ``stages = 1``
     returns ``gm`` itself. With a dynamic batch its inputs are ``gm``'s, then one ``[b_s, 0]``
@@ -180,6 +197,7 @@ def stage_attention_program(gm: fx.GraphModule, stages: int, name: str = "attent
         new_ph[n] = g.placeholder(n.name)
         new_ph[n].meta.update(n.meta)
     carriers = [g.placeholder(f"stage_rows_{s}") for s in range(stages)]
+    _carrier_vals(carriers, placeholders[dims[0][0]].meta["val"], dims[0][1])
     batch_dims: dict[int, list[int]] = {}
     for i, d in [*dims, *_written_rows(gm, placeholders, sym)]:
         batch_dims.setdefault(i, []).append(d)
