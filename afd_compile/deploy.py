@@ -1,9 +1,14 @@
-"""What rank r of a layout runs: the one place that composes the passes into a rank's program.
+"""What rank r of a layout runs: the one place that composes a rank's program, by running the
+rank's pipeline (``afd_compile.pipeline`` declares it, ``afd_compile.portable`` runs its portable
+stage, ``pipeline.lower`` its lowering).
 
 ``make_worker`` (a rank splitting a graph for itself: verify, the backend, torchrun scripts) and
-``load_rewritten_worker`` (a rank running what ``afd-compile rewrite`` saved) build every program
-the rank will run, the programs of each number of micro-batch stages included, and hand them to a
-worker of :mod:`afd_compile.runtime`, which only runs them.
+``load_rewritten_worker`` (a rank running what ``afd-compile rewrite`` saved: its remaining pass,
+the staged programs, run here; their schedule was checked when rewrite wrote them) build every
+program the rank will run, the programs of each number of micro-batch stages included, and hand
+them to a worker of :mod:`afd_compile.runtime`, which only runs them. ``plan_afd`` (plan, rewrite,
+verify) and ``prepare_tp_graph`` / ``tp_rank_of`` / ``tp_rank_program`` (TP ranks) run the same
+passes.
 """
 
 from __future__ import annotations

@@ -217,3 +217,15 @@ def test_verify_saved_lowered_lowers_the_programs_rewrite_wrote(exported, tmp_pa
     assert run_cli("rewrite", exported("llama2")[1], "-o", str(tp), "--tp", "2", "-q").returncode == 0
     with pytest.raises(VerifyInputError, match="a TP folder; lowered=True runs an AFD layout's lowering stage"):
         verify_saved(exported("llama2")[1], str(tp), lowered=True)
+
+
+def test_every_declared_pass_has_one_runner_and_every_runner_a_declaration():
+    # a pass is added where it is declared (pipeline.PIPELINES) with its runner beside the others of
+    # its stage (portable._RUNNERS, pipeline._LOWERING): neither can be missing
+    from afd_compile import pipeline, portable
+
+    runners = {"portable": portable._RUNNERS, "lowering": pipeline._LOWERING}
+    missing = [(kind, p.name) for kind in RANK_KINDS for p in PIPELINES[kind] if p.name not in runners[p.stage]]
+    assert not missing, missing
+    declared = {p.name for passes in PIPELINES.values() for p in passes}
+    assert set(portable._RUNNERS) | set(pipeline._LOWERING) == declared

@@ -281,6 +281,11 @@ class PerLayout:
         except Exception:
             _dump_program(self.program, inputs, self.name)
             raise
+        if isinstance(held, tuple) and _specialised(mode, fake):  # (its example sizes held: compile per layout)
+            log.info("afd: %s: compiled once per token layout, not for a symbolic batch: the compile "
+                     "specialised an input size to its example value", self.name)
+            self.symbolic = False
+            return self._compile(inputs)
         meta = context.fw_metadata
         self.static_inputs = len(meta.static_input_indices) if meta is not None else None
         log.info("afd: %s: Inductor compile %.1fs%s", self.name, time.perf_counter() - t0,
@@ -306,6 +311,18 @@ def symbolic_inputs(program: fx.GraphModule) -> tuple[Any, list[Any]] | str:
     if mode is None or mode.shape_env is None:
         return "its inputs' fake tensors have no shape environment"
     return mode, vals
+
+
+def _specialised(mode: Any, fakes: Sequence[Any]) -> bool:
+    """Whether compiling fixed a symbolic input size of ``fakes`` to a number (a size traced as 1,
+    say): the program would then hold that size, which nothing checks when it runs."""
+    env = mode.shape_env
+    for v in fakes:
+        if isinstance(v, torch.Tensor):
+            for d in v.shape:
+                if isinstance(d, torch.SymInt) and env.replace(d.node.expr).is_number:
+                    return True
+    return False
 
 
 def _dump_program(program: fx.GraphModule, inputs: Sequence[Any], name: str) -> None:

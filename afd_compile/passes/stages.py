@@ -162,14 +162,15 @@ def _replicate(gm: fx.GraphModule, stages: int, graph: fx.Graph, envs: list[dict
 def _carrier_vals(carriers: list[fx.Node], batched: torch.Tensor, dim: int) -> None:
     """Each micro-batch carrier's traced value: a fresh symbol (so the staged program compiles once
     for any split) whose example value is its share of the batch's, so no stage is traced empty
-    (a slice traced as 0 rows specialises). Left without one (the program then compiles per input
-    shapes) when the batch's example value has fewer sequences than stages."""
+    (a slice traced as 0 rows specialises, and so does a size traced as 1). Left without one (the
+    program then compiles per input shapes) when the batch's example value has fewer than two
+    sequences a stage."""
     size = batched.shape[dim]
     mode = getattr(batched, "fake_mode", None)
     if mode is None or mode.shape_env is None or not isinstance(size, torch.SymInt):
         return
     hint = int(mode.shape_env.size_hint(size.node.expr))
-    if hint < len(carriers):
+    if hint < 2 * len(carriers):  # (a share traced as 1 row would be specialised to it)
         return
     for s, c in enumerate(carriers):
         share = hint // len(carriers) + (s < hint % len(carriers))
