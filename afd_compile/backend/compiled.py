@@ -305,7 +305,7 @@ def symbolic_inputs(program: fx.GraphModule) -> tuple[Any, list[Any]] | str:
     if not any(isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape) for v in vals):
         return "no input size is symbolic (a static export)"
     missing = [n.name for n, v in zip(places, vals, strict=True) if v is None]
-    if missing:  # (a staged attention program traced with fewer sequences than stages: its carriers)
+    if missing:  # (a staged attention program traced with fewer than two sequences a stage: its carriers)
         return f"input {missing[0]} has no traced value"
     mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     if mode is None or mode.shape_env is None:
