@@ -97,6 +97,17 @@ class AFDCommunicator:
     #: transfers a staged program started and has not waited on, this step: (layer, stage, "send" |
     #: "recv") -> (works, tensors kept alive until the wait) (ops.p2p_send_start / recv_start / recv_wait)
     in_flight: dict[tuple[int, int, str], tuple[list, list]] = field(default_factory=dict)
+    #: a fixed slot (runtime/slots.py): every transfer of a step is this many rows a peer, and each
+    #: attention send carries a header ``[tokens, flags]`` beside its data; None: per-step sizes
+    fixed_slot: int | None = None
+    #: an attention rank's header this step (fixed slot), on the exchange's device
+    header_out: torch.Tensor | None = None
+    #: an attention rank's transfers, in its program's order (fixed slot: what a step owes)
+    schedule: tuple = ()
+    #: an attention rank's transfers this step, ("send" | "recv", layer, stage) (fixed slot)
+    step_log: list[tuple[str, int, int]] = field(default_factory=list)
+    #: an FFN rank's headers received this step per (layer, stage): ``[peers, 2]`` (fixed slot)
+    headers_in: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.role not in ("attention", "ffn"):
@@ -209,7 +220,26 @@ class AFDCommunicator:
             self._check_headers(sends, recvs, layer_idx, stage_idx, where)
         ops = [dist.P2POp(dist.isend, t.contiguous(), p, self.group) for t, p, _ in sends]
         ops += [dist.P2POp(dist.irecv, t, p, self.group) for t, p, _ in recvs]
+        if self.fixed_slot is not None:
+            ops += self._header_ops(sends, recvs, layer_idx, stage_idx, recv_at or (layer_idx, stage_idx))
         return list(dist.batch_isend_irecv(ops))
+
+    def _header_ops(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], layer_idx: int, stage_idx: int,
+                    recv_at: tuple[int, int]) -> list[dist.P2POp]:
+        """A fixed slot's headers (runtime/slots.py), after the data they describe: an attention
+        rank's send carries its ``header_out`` (and its transfers are logged); an FFN rank
+        receives one header per peer it receives from into ``headers_in[recv_at]``."""
+        if self.role == "attention":
+            self.step_log += [(d, layer_idx, stage_idx) for d, xs in (("send", sends), ("recv", recvs)) if xs]
+            assert self.header_out is not None
+            return [dist.P2POp(dist.isend, self.header_out, self.peers[0], self.group)] if sends else []
+        if not recvs:
+            return []
+        buf = self.headers_in.get(recv_at)
+        if buf is None:
+            buf = self.headers_in[recv_at] = torch.zeros(len(self.peers), 2, dtype=torch.int64,
+                                                         device=recvs[0][0].device)
+        return [dist.P2POp(dist.irecv, buf[self.peers.index(p)], p, self.group) for p in dict.fromkeys(p for _, p, _ in recvs)]
 
     def _count(self, transfers: Sequence[Transfer], stage_idx: int) -> None:
         if transfers:

@@ -41,6 +41,8 @@ from .runtime import (
     group_key,
     process_group,
 )
+from .runtime.slots import check_fixed_slot
+from .runtime.slots import prepare as prepare_slots
 from .scatter import TPLayout
 from .split_api import SplitConfig
 
@@ -235,6 +237,16 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     config = config or SplitConfig()
     role, idx = layout.role_of(rank)
     work = rank_work(gm, layout, rank, config, stages, lowering)
+    counter: TokenCount | GroupSlice | None = None
+    if role == "ffn":
+        assert work.ffn is not None
+        static = not ffn_bucket_fields(work.ffn, TokenBuckets())
+    else:
+        assert work.attention is not None and work.plan is not None
+        counter = token_count_for_graph(work.gm, work.plan.cuts[0].token_dims)
+        static = work.static_batch is not None or not attention_bucket_fields(counter, TokenBuckets())
+    slot = check_fixed_slot(buckets, rank=rank, stages=stages, ffn_group_size=layout.ffn_group_size,
+                            static_tokens=static)
     if before_groups is not None:
         group = before_groups() or group
     groups, attn_groups, control, ffn_controls = layout_groups(layout, *group_key(group))
@@ -243,13 +255,13 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     if role == "ffn":
         assert work.ffn is not None
         comm = communicator_for("ffn", rank, layout.peers_of_ffn(idx), group, check, config.comm_id, control)
+        prepare_slots(comm, slot, device)
         size = layout.ffn_group_size
         in_group = ffn_group_fields(layout, idx, groups, ffn_controls, device, symm_mem) if size > 1 else {}
         program, by_stages = lowered(work.ffn, work.staged, device, lowering, rank)
         return FFNWorker(program, comm, device, stages=stages, static_batch=work.static_batch, staged=by_stages,
-                         wrap=wrap, **in_group, **ffn_bucket_fields(work.ffn, buckets))
-    assert work.attention is not None and work.plan is not None
-    counter: TokenCount | GroupSlice = token_count_for_graph(work.gm, work.plan.cuts[0].token_dims)
+                         wrap=wrap, **in_group, **ffn_bucket_fields(work.ffn, None if slot else buckets))
+    assert counter is not None and work.split is not None
     if layout.attn_tp > 1:
         from .comm import GROUP_ATTN_TP, GROUP_TP, register_group
         from .symm_mem import prepare_groups
@@ -263,11 +275,11 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id,
                             control, finish_at_shutdown)
     program, by_stages = lowered(work.attention, work.staged, device, lowering, rank)
-    assert work.split is not None
+    prepare_slots(comm, slot, device, program)
     return AttentionWorker(program, comm, counter, stages=stages, batch_dim=_stage_batch_dim(work.split.attention,
                                                                                             stages),
                            static=work.static_batch is not None, staged=by_stages, wrap=wrap,
-                           **attention_bucket_fields(counter, buckets))
+                           **attention_bucket_fields(counter, None if slot else buckets))
 
 
 def rank_work(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig, stages: int = 1,
@@ -397,7 +409,10 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
         program = load_program(plan.path("ffn")).module()
         check_saved_program(plan, "ffn", program)
         batch = plan.get("static_batch")
-        fields = ffn_bucket_fields(program, buckets)
+        slot = check_fixed_slot(buckets, rank=rank, stages=stages, ffn_group_size=1,
+                                static_tokens=not ffn_bucket_fields(program, TokenBuckets()))
+        prepare_slots(comm, slot, device)
+        fields = ffn_bucket_fields(program, None if slot else buckets)
         program, by_stages = lowered(program, staged_programs(program, "afd-ffn", stages, batch), device, lowering, rank)
         return FFNWorker(program, comm, device, stages=stages, static_batch=batch, staged=by_stages, **fields)
     comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),), group, control_group=control)
@@ -406,10 +421,13 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     check_saved_program(plan, "attention", program)
     batch = static_batch(program) if stages != 1 else None
     counter, batch_dim = TokenCount.from_json(plan["token_count"]), _stage_batch_dim(program, stages)
+    slot = check_fixed_slot(buckets, rank=rank, stages=stages, ffn_group_size=1,
+                            static_tokens=batch is not None or not attention_bucket_fields(counter, TokenBuckets()))
     program, by_stages = lowered(program, staged_programs(program, "afd-attention", stages, batch), device, lowering,
                                  rank)
+    prepare_slots(comm, slot, device, program)
     return AttentionWorker(program, comm, counter, stages=stages, batch_dim=batch_dim, static=batch is not None,
-                           staged=by_stages, **attention_bucket_fields(counter, buckets))
+                           staged=by_stages, **attention_bucket_fields(counter, None if slot else buckets))
 
 
 def load_rewritten_rank(outdir: str, rank: int, device: torch.device | None = None,

@@ -97,6 +97,9 @@ def main() -> int:
     parser.add_argument("--max-batch", type=int, default=0,
                         help="a changing batch: each step's batch drawn (seeded, per attention group) from 1..N "
                         "(default: 2 or 3, alternating)")
+    parser.add_argument("--buckets", metavar="LIST",
+                        help="AFD: the attention ranks' wire slots (backend option buckets: 'default', 'off', sizes, "
+                        "or 'fixed:N': N rows every step, counts on the device, no control message)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-inductor", action="store_true", help="run the FX programs (no Inductor)")
     parser.add_argument("--check-cache", action="store_true",
@@ -126,7 +129,8 @@ def main() -> int:
                **({"vocab_parallel": True} if args.vocab_parallel else {}),
                **({"ffn_tp": args.ffn_tp} if args.ffn_tp != 1 else {}),
                **({"ffn_ep": args.ffn_ep} if args.ffn_ep != 1 else {}),
-               **({"attn_tp": args.attn_tp} if args.attn_tp != 1 else {})}
+               **({"attn_tp": args.attn_tp} if args.attn_tp != 1 else {}),
+               **({"buckets": args.buckets} if args.buckets else {})}
     check_options(options)
     progress.line(f"{world} processes up, options checked")
     with progress.phase(f"built {args.model or args.family}"):

@@ -251,8 +251,9 @@ def test_compiled_matches_eager_on_gloo_ranks(n, args):
 def test_a_changing_batch_compiles_each_rank_once():
     # issue 52: under dynamic=True a batch drawn from 1..8 each step (different per attention rank):
     # an attention rank compiles one program for the symbolic batch (and one for a batch of 1, which
-    # dynamo specialises), the FFN rank one for any rows: not one per batch size or bucket
-    proc = _run(3, "--attention", "2", "--ffn", "1", "--steps", "10", "--max-batch", "8")
+    # dynamo specialises), the FFN rank one for any rows: not one per batch size or bucket. The wire
+    # slot is fixed (32 rows, the most a rank sends: 8 sequences of 4): the counts travel on the device
+    proc = _run(3, "--attention", "2", "--ffn", "1", "--steps", "10", "--max-batch", "8", "--buckets", "fixed:32")
     _check(proc, 3, False)
     compiled = dict(re.findall(r"^rank (\d+): .*layouts_compiled=(\d+)", proc.stdout, flags=re.M))
     assert compiled["0"] == "1" and int(compiled["1"]) <= 2 and int(compiled["2"]) <= 2, proc.stdout

@@ -3,7 +3,9 @@ runtime only runs programs; what a rank runs is built by :mod:`afd_compile.deplo
 
 - :mod:`.dist`: joining the process group, groups created once per process, TP layouts' groups;
 - :mod:`.protocol`: the AFD workers (an attention rank's step, an FFN rank's serve loop), their
-  per-step control messages, and leaving cleanly (:func:`shutdown`);
+  per-step control messages, and leaving cleanly (:func:`shutdown`); :mod:`.slots`: the fixed
+  slot, whose counts travel on the device instead; :mod:`.tokens`: a step's token count;
+  :mod:`.tp`: a TP rank as it runs;
 - :mod:`.launch`: local runs (:func:`run_local`): a forkserver, a launcher, the ranks, and the
   supervision that names the first process that failed.
 
@@ -47,11 +49,7 @@ from .protocol import (
     AttentionWorker,
     ControlError,
     FFNWorker,
-    GroupSlice,
-    TokenCount,
-    TPRank,
     before_destroy,
-    dp_step_counts,
     finish,
     send_control,
     serve_at_shutdown,
@@ -59,6 +57,8 @@ from .protocol import (
     step_failed,
     tell_failed,
 )
+from .tokens import GroupSlice, TokenCount
+from .tp import TPRank, dp_step_counts
 
 __all__ = [
     "LaunchError", "PeerRefused", "agree", "TPRank", "check_launch", "report_launch_error",

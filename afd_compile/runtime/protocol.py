@@ -29,8 +29,9 @@ from ..buckets import TokenBuckets
 from ..comm import AFDCommunicator, TPStep
 from ..errors import AFDCompileError
 from ..layout import micro_batches
-from ..scatter import TPLayout
+from . import slots
 from .dist import forget_groups
+from .tokens import GroupSlice, TokenCount
 
 log = logging.getLogger("afd_compile.runtime")
 
@@ -119,32 +120,6 @@ def serve_at_shutdown(worker: FFNWorker) -> None:
     _SERVE_AT_SHUTDOWN.append(worker)
 
 
-@dataclass(frozen=True)
-class TokenCount:
-    """A step's token count as ``factor * prod(inputs[i].shape[d] for i, d in dims)``."""
-
-    dims: tuple[tuple[int, int], ...]
-    factor: int = 1
-
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> int:
-        n = self.factor
-        for i, d in self.dims:
-            n *= int(inputs[i].shape[d])
-        return n
-
-    def to_json(self) -> dict:
-        return {"dims": [list(x) for x in self.dims], "factor": self.factor}
-
-    def describe(self, names: Sequence[str]) -> str:
-        """``input_ids.shape[0] * input_ids.shape[1]`` (``names``: the program's inputs, in order)."""
-        terms = [f"{names[i]}.shape[{d}]" for i, d in sorted(self.dims)]
-        return " * ".join(([str(self.factor)] if self.factor != 1 or not terms else []) + terms)
-
-    @staticmethod
-    def from_json(data: dict) -> TokenCount:
-        return TokenCount(tuple((int(i), int(d)) for i, d in data["dims"]), int(data["factor"]))
-
-
 @dataclass
 class AttentionWorker:
     program: fx.GraphModule
@@ -199,6 +174,8 @@ class AttentionWorker:
         # an attention TP rank whose slice is empty still runs: its group's collectives need it
         total = slice_of.total(inputs) if slice_of is not None else self.count_tokens(inputs)
         n = slice_of.of(total) if slice_of is not None else total
+        if self.comm.fixed_slot is not None:  # (one stage: slots.check_fixed_slot)
+            return self._fixed_step(inputs, n, total)
         if self.stages == 1:
             slot = self.slot(n)
             send_control(self.comm, slot)
@@ -224,6 +201,22 @@ class AttentionWorker:
             return self.program_for(len(rows))(*inputs)
         dev = inputs[self.batch_dim[0]].device
         return self.program_for(len(rows))(*inputs, *(torch.empty(r, 0, device=dev) for r in rows))
+
+    def _fixed_step(self, inputs: Sequence[torch.Tensor], n: int, total: int) -> Any:
+        """A step in a fixed slot (runtime/slots.py): its header, then the program (its sends carry
+        the header); with no token, a step of zeros (the FFN rank receives every step)."""
+        comm, slot = self.comm, self.comm.fixed_slot
+        assert slot is not None
+        slots.set_header(comm, n, int(comm.check_wire))
+        if n > slot:
+            raise slots.FixedSlotError(f"afd: attention rank {comm.rank}: {n} tokens this step, more than the fixed "
+                                       f"slot of {slot} rows; give a larger slot ('fixed:N', N the most tokens a "
+                                       "rank sends in a step) or a bucket list")
+        comm.set_step({0: (n,)}, {0: slot})
+        if total == 0:
+            slots.owe(comm, 0, int(comm.check_wire))
+            return None
+        return self.program_for(1)(*inputs)
 
     def stop(self) -> None:
         if _FAILED_STEP is not None:
@@ -254,6 +247,12 @@ def send_control(comm: AFDCommunicator, n: int, stage_counts: Sequence[int] | No
     dev, group = comm.control_device, comm.control_peer_group
     stages = len(stage_counts) if stage_counts is not None else 1
     flags = int(comm.check_wire) | (stages - 1) << 1
+    if comm.fixed_slot is not None:  # (a fixed slot tells only a STOP, in band: a step of zeros)
+        assert n == STOP, "a fixed slot's steps carry their counts in their headers"
+        comm.step_log.clear()
+        slots.owe(comm, STOP, flags)
+        comm.stopped = True
+        return
     dist.send(torch.tensor([n, flags], dtype=torch.int64, device=dev), comm.peers[0], group=group)
     if n == STOP:
         comm.stopped = True
@@ -267,7 +266,19 @@ def tell_failed(comm: AFDCommunicator) -> None:
     device send on an error path could wait behind the failed step's work). An FFN rank reading
     its control messages ends at once naming this rank; one blocked on this step's data (gloo)
     still waits until its timeout. This rank sends nothing after it."""
-    if comm.stopped or comm.role != "attention" or comm.control_device != "cpu" or not dist.is_initialized():
+    if comm.stopped or comm.role != "attention" or not dist.is_initialized():
+        return
+    if comm.fixed_slot is not None:  # in band: the rest of the step (or a whole one) in zeros, saying FAILED
+        comm.stopped = True
+        if len(comm.step_log) == len(comm.schedule):  # (no transfer of the step made, or all of it)
+            comm.step_log.clear()
+        try:
+            slots.owe(comm, FAILED, 0)
+        except Exception as e:  # a transfer of the step failed (the peer gone): nothing more to tell
+            log.warning("afd: attention rank %d could not tell FFN rank %d its step failed: %s", comm.rank,
+                        comm.peers[0], e)
+        return
+    if comm.control_device != "cpu":
         return
     comm.stopped = True
     try:
@@ -350,6 +361,8 @@ class FFNWorker:
     #: those of them that travelled on an NCCL group: each a device-to-host wait on the step path
     #: (it waits for everything queued on the stream before it); 0 with a control group
     device_reads: int = 0
+    #: steps whose fixed-slot headers were read after the step ran (runtime/slots.py)
+    header_reads: int = 0
 
     def rows(self, tokens: int) -> int:
         """The rows a program runs for ``tokens`` received tokens (padded to a bucket: rows that
@@ -383,6 +396,8 @@ class FFNWorker:
         running) and run the program once; returns the counts (0 for a peer that has left), or
         None once every peer has stopped. A peer that sends STOP leaves: later steps serve the
         others (attention ranks may finish at different steps, e.g. at EOS under ``generate()``)."""
+        if self.comm.fixed_slot is not None:
+            return self._serve_fixed(on_step)
         live = [p for p in self.comm.peers if p not in self.left]
         got = dict(zip(live, self._receive(live, 2), strict=True))
         counts = self._check_control(got)
@@ -417,6 +432,30 @@ class FFNWorker:
             self._run(counts)
         elif self.group_size > 1 and sum(self.group_counts):  # no token here, some in the group: join its collectives
             self._run(counts)
+        return counts
+
+    def _serve_fixed(self, on_step: Callable[[tuple[int, ...]], None] | None) -> tuple[int, ...] | None:
+        """A step in a fixed slot (runtime/slots.py): every live peer's slot received, nothing read
+        first; the headers read after the step give the counts (and STOP / FAILED)."""
+        comm, slot = self.comm, self.comm.fixed_slot
+        assert slot is not None
+        live = [p for p in comm.peers if p not in self.left]
+        if not live:
+            return None
+        sizes = tuple(0 if p in self.left else slot for p in comm.peers)
+        comm.set_step({0: sizes})
+        self.step_counts = (sizes, ())
+        self._launch(self.program_for(1), [torch.empty(sum(sizes), 0, device=self.device)])
+        heads = slots.read_headers(comm, live)
+        self.header_reads += 1
+        counts = self._check_control({p: slots.step_message(h, FAILED) for p, h in heads.items()})
+        if counts is None:  # (the last peers' stop: a step of zeros, not one served)
+            return None
+        if max(counts) > slot:
+            raise ControlError(f"afd: FFN rank {comm.rank}: a header says {max(counts)} tokens, more than the fixed "
+                               f"slot of {slot} rows")
+        if on_step:
+            on_step(counts)
         return counts
 
     def _run(self, counts: tuple[int, ...]) -> None:
@@ -523,65 +562,3 @@ class FFNWorker:
 
 class ControlError(AFDCompileError):
     """A per-step control message an FFN rank cannot accept."""
-
-
-@dataclass(frozen=True)
-class GroupSlice:
-    """An attention-TP rank's token count: its slice of the group's ``total`` tokens (the group
-    shares its sequences; ``ops.group_token_sizes``' rule, the first ranks one row more)."""
-
-    total: Callable[[Sequence[torch.Tensor]], int]
-    parts: int
-    rank: int
-
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> int:
-        return self.of(self.total(inputs))
-
-    def of(self, total: int) -> int:
-        """This rank's slice of ``total`` group tokens (a step's, or a micro-batch's)."""
-        from ..ops import group_token_sizes
-
-        return group_token_sizes(total, self.parts)[self.rank]
-
-
-def dp_step_counts(x: Sequence[torch.Tensor], lay: TPLayout, rank: int) -> TPStep:
-    """All TP ranks exchange their token counts (one small all-gather per step): the step's
-    per-DP-group counts, for the DP collectives of the program run inside
-    ``comm.step_counts(...)`` (:class:`TPRank` does)."""
-    from ..comm import GROUP_TP, GROUP_TP_CONTROL, TPStep, get_group
-
-    own = int(x[0].numel())  # tokens of this rank's input (batch x sequence)
-    try:  # (a gloo group beside the TP group: no device-to-host wait on NCCL)
-        group = get_group(GROUP_TP_CONTROL)
-    except KeyError:
-        group = get_group(GROUP_TP)
-    dev = x[0].device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(lay.tp)]
-    dist.all_gather(counts, torch.tensor([own], device=dev), group=group)
-    per_rank = [int(c) for c in counts]
-    groups = [per_rank[i * lay.attn_tp] for i in range(lay.attn_dp)]
-    for r, c in enumerate(per_rank):
-        if c != groups[lay.attn_dp_rank(r)]:
-            raise RuntimeError(f"ranks of attention DP group {lay.attn_dp_rank(r)} disagree on tokens: {per_rank}")
-    return TPStep(lay.attn_dp_rank(rank), tuple(groups))
-
-
-@dataclass
-class TPRank:
-    """A TP rank's program as it runs: with attention DP groups every step first exchanges the
-    groups' token counts (:func:`dp_step_counts`) and passes the program its carrier of the
-    total; else the program alone. The process groups its collectives name are registered first
-    (:func:`afd_compile.deploy.load_rewritten_rank` does)."""
-
-    program: Callable[..., Any]
-    layout: TPLayout
-    rank: int
-
-    def __call__(self, *inputs: torch.Tensor) -> Any:
-        if self.layout.attn_dp > 1:
-            from ..comm import step_counts
-
-            step = dp_step_counts(inputs, self.layout, self.rank)
-            with step_counts(step):
-                return self.program(*inputs, torch.empty(step.total, 0, device=inputs[0].device))
-        return self.program(*inputs)

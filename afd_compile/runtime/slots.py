@@ -1,0 +1,140 @@
+"""A fixed slot: one receive size for every step, the token counts on the device.
+
+With token buckets ``"fixed:C"`` (buckets.py) every attention rank sends ``C`` rows at every
+transfer of every step, whatever its token count (none included: zeros), and beside each send a
+header ``[tokens, flags]`` (int64, on the exchange's device) in the same batched call. Its FFN
+rank therefore knows every receive size before a step (``C`` per live peer): it reads no control
+message on the host, and one program (on CUDA one captured graph) serves every step::
+
+    attention rank a (step t)                         FFN rank
+      header_out <- [n_a, flags]                        (nothing read before the step)
+      layer l: send  hidden[C rows] + header  ----->    recv C rows + header per live peer
+               recv  out[C rows]    <---------------    send each peer its C rows
+      (rows past n_a: its last row repeated, dropped)   after the step: headers_in read
+                                                        (counts; STOP / FAILED)
+
+What ends a peer travels the same way, in band: a rank that stops sends one more step of zeros
+whose headers say STOP (:func:`owe`); a rank whose step raised completes the step's remaining
+transfers with zeros and headers saying FAILED, so its FFN rank finishes the step, reads the
+headers and ends naming it (no hang, no host message). The FFN rank reads the headers once its
+step has run (on CUDA a wait for its own step, not for a peer's message): a peer that said STOP
+is not received from again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..buckets import TokenBuckets
+from ..comm import AFDCommunicator
+from ..errors import AFDCompileError
+
+
+class FixedSlotError(AFDCompileError):
+    """A fixed slot asked for where it cannot apply, or a step it cannot hold."""
+
+
+@dataclass(frozen=True)
+class WireStep:
+    """One transfer of an attention rank's step: ``send`` or ``recv`` at (layer, stage), the
+    tensors of ``spec`` (a wire spec string)."""
+
+    direction: str
+    layer: int
+    stage: int
+    spec: str
+
+
+def wire_schedule(program: fx.GraphModule) -> tuple[WireStep, ...]:
+    """The transfers of an (unstaged) attention program, in the order it makes them."""
+    ops = torch.ops.afd
+    out = []
+    for n in program.graph.nodes:
+        if n.target is ops.p2p_send.default:
+            out.append(WireStep("send", int(n.args[2]), int(n.args[3]), str(n.args[4])))
+        elif n.target is ops.p2p_recv.default:
+            out.append(WireStep("recv", int(n.args[2]), int(n.args[3]), str(n.args[5])))
+    return tuple(out)
+
+
+def check_fixed_slot(buckets: TokenBuckets | None, *, rank: int, stages: int, ffn_group_size: int,
+                     static_tokens: bool) -> int | None:
+    """The slot of a fixed-slot deployment (None: buckets are not a fixed slot), refused where
+    the fixed slot does not apply yet, naming what to change. Every rank decides alike."""
+    slot = buckets.fixed_slot if buckets is not None else None
+    if slot is None:
+        return None
+    why = ("micro-batch stages > 1" if stages > 1 else "an FFN TP / EP group" if ffn_group_size > 1
+           else "a static token count (a static export, or a static KV cache's batch)" if static_tokens else None)
+    if why:
+        raise FixedSlotError(f"rank {rank}: token buckets {buckets}: a fixed slot does not apply to {why} yet; use a "
+                             "bucket list (buckets='default' or sizes), whose per-step control message serves it")
+    return slot
+
+
+def prepare(comm: AFDCommunicator, slot: int | None, device: torch.device,
+            program: fx.GraphModule | None = None) -> None:
+    """Make ``comm`` exchange fixed slots of ``slot`` rows (None: nothing to do): an attention
+    rank's communicator gets its header and the transfers of its ``program`` (what a step it
+    cannot finish still owes)."""
+    if slot is None:
+        return
+    comm.fixed_slot = slot
+    if comm.role == "attention":
+        assert program is not None
+        comm.schedule = wire_schedule(program)
+        comm.header_out = torch.zeros(2, dtype=torch.int64, device=device)
+
+
+def set_header(comm: AFDCommunicator, tokens: int, flags: int) -> None:
+    """This step's header of an attention rank: what every send of the step carries."""
+    assert comm.header_out is not None
+    comm.header_out.copy_(torch.tensor([tokens, flags], dtype=torch.int64))
+    comm.step_log.clear()
+
+
+def owe(comm: AFDCommunicator, tokens: int, flags: int) -> None:
+    """Send (and receive) what this step still owes the FFN rank, zeros in slots of the fixed
+    size, every header ``[tokens, flags]``: the whole step for a stop (``comm.step_log`` empty),
+    the rest of a step that raised. A step whose transfers are not a prefix of the schedule (a
+    transfer that failed) cannot be completed: FixedSlotError."""
+    from ..wire import WireSpec
+
+    assert comm.fixed_slot is not None and comm.header_out is not None
+    done = [(s.direction, s.layer, s.stage) for s in comm.schedule[:len(comm.step_log)]]
+    if done != comm.step_log:
+        raise FixedSlotError(f"afd: attention rank {comm.rank}: its step's transfers {comm.step_log} are not the "
+                             f"start of its schedule; the step cannot be completed for FFN rank {comm.peers[0]}")
+    rest = comm.schedule[len(comm.step_log):]
+    comm.header_out.copy_(torch.tensor([tokens, flags], dtype=torch.int64))
+    dev, peer, slot = comm.header_out.device, comm.peers[0], comm.fixed_slot
+    for s in rest:
+        spec = WireSpec.parse(s.spec)
+        bufs = [(torch.zeros(w.shape(slot), dtype=w.dtype, device=dev), peer, w.kind) for w in spec.tensors]
+        sends, recvs = (bufs, []) if s.direction == "send" else ([], bufs)
+        comm.exchange(sends, recvs, layer_idx=s.layer, stage_idx=s.stage,
+                      where=f"afd: attention rank {comm.rank}, the owed transfers of its step")
+    comm.step_log.clear()
+
+
+def read_headers(comm: AFDCommunicator, live: Sequence[int]) -> dict[int, list[tuple[int, int]]]:
+    """An FFN rank's headers of the step just run: per live peer, ``(tokens, flags)`` of each of
+    its transfers (one device-to-host copy, after the step's own work)."""
+    if not comm.headers_in:
+        return {p: [] for p in live}
+    keys = sorted(comm.headers_in)
+    got = torch.stack([comm.headers_in[k] for k in keys]).tolist()  # [transfers, peers, 2]
+    index = {p: i for i, p in enumerate(comm.peers)}
+    return {p: [(int(h[index[p]][0]), int(h[index[p]][1])) for h in got] for p in live}
+
+
+def step_message(headers: Sequence[tuple[int, int]], failed: int) -> list[int]:
+    """A peer's step as one control message ``[tokens, flags]``: ``failed`` if any of its
+    headers says so (its step raised part way), else its first header's."""
+    if any(t == failed for t, _ in headers):
+        return [failed, 0]
+    return list(headers[0])

@@ -1,0 +1,139 @@
+"""A fixed slot (runtime/slots.py): every attention rank sends the same rows every step with its
+count in a header on the device; the FFN rank reads no control message, runs one program for
+every step (per set of live peers), hears a stop and a failed step in band, and stays exact."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+
+from afd_compile.buckets import BucketError, TokenBuckets
+from afd_compile.layout import AFDLayout
+from afd_compile.runtime import RankFailure, run_local
+from afd_compile.runtime.slots import FixedSlotError, check_fixed_slot, step_message
+from afd_compile.verify import Case, run_cases
+
+#: sequences per attention rank, step after step (rank a at step s takes TRACE[(a + s) % 7], 5
+#: tokens a sequence): zero-token steps included
+TRACE = (0, 1, 2, 3, 4, 6, 7)
+SLOT = TokenBuckets.parse("fixed:40")
+
+
+def test_a_fixed_slot_parses_and_holds_up_to_its_size() -> None:
+    assert SLOT.fixed_slot == 40 and str(SLOT) == "a fixed slot of 40 rows"
+    assert [SLOT.slot(n) for n in (0, 1, 40)] == [40, 40, 40] and SLOT.padded(0) == 40
+    assert TokenBuckets.parse("16").fixed_slot is None  # (one bucket, then multiples of it: not fixed)
+    with pytest.raises(BucketError, match="a fixed slot of 40 rows cannot hold 41 tokens"):
+        SLOT.slot(41)
+    for bad, why in (("fixed:x", "'fixed:N'"), ("fixed:0", "integer in [1,"), ("fixed:", "'fixed:N'")):
+        with pytest.raises(BucketError, match=re.escape(why)):
+            TokenBuckets.parse(bad)
+
+
+@pytest.mark.parametrize("kw, why", [({"stages": 2}, "micro-batch stages > 1"),
+                                     ({"ffn_group_size": 2}, "an FFN TP / EP group"),
+                                     ({"static_tokens": True}, "a static token count")])
+def test_a_fixed_slot_is_refused_where_it_does_not_apply_naming_why(kw: dict, why: str) -> None:
+    args = {"rank": 3, "stages": 1, "ffn_group_size": 1, "static_tokens": False} | kw
+    with pytest.raises(FixedSlotError, match=f"rank 3: token buckets a fixed slot of 40 rows: .*{re.escape(why)}"):
+        check_fixed_slot(SLOT, **args)
+    assert check_fixed_slot(TokenBuckets(), **args) is None  # (a bucket list: the control message protocol)
+    assert check_fixed_slot(SLOT, rank=0, stages=1, ffn_group_size=1, static_tokens=False) == 40
+
+
+def test_a_peers_step_is_failed_if_any_of_its_headers_says_so() -> None:
+    assert step_message([(5, 1), (5, 1)], -2) == [5, 1]
+    assert step_message([(5, 1), (-2, 0)], -2) == [-2, 0]
+
+
+def test_every_step_one_program_no_control_message_and_exact(exported) -> None:
+    llama, moe = exported("llama2")[1], exported("qwen3moe2")[1]
+    steps = len(TRACE)
+    cases = [Case(llama, AFDLayout(2, 1), TRACE, steps=steps, buckets=SLOT),
+             # an MoE: padded rows and zero-token peers' zeros go through the router and experts, dropped
+             Case(moe, AFDLayout(3, 1), TRACE, steps=steps, buckets=SLOT),
+             Case(llama, AFDLayout(4, 2), TRACE, steps=steps, buckets=SLOT),  # two FFN ranks, 2 peers each
+             Case(llama, AFDLayout(4, 1, attn_tp=2), TRACE, steps=steps, buckets=SLOT)]  # attention TP slices
+    results = run_cases(cases)
+    for case, res in zip(cases, results, strict=True):
+        att = [v for v in res.values() if v["role"] == "attention"]
+        assert len(att) == case.layout.attention_ranks and sum(v["compared"] for v in att) >= steps, (case, res)
+        assert max(v["max_rel_err"] for v in att) <= 1e-5, (case, res)
+        for f in range(case.layout.ffn_ranks):
+            ffn = res[f]
+            peers = len(case.layout.peers_of_ffn(f))
+            # one program for every step (the per-peer sizes never change), nothing read before a step
+            assert ffn["layouts"] == [repr(((40,) * peers, ()))] and ffn["carriers"] == [(40 * peers,)], ffn
+            assert ffn["control_reads"] == ffn["device_reads"] == 0 and ffn["steps"] == steps, ffn
+
+
+def _stops_early(rank: int, world: int, path: str) -> dict:
+    """Attention rank 2 stops after 2 steps, rank 1 after 4: the FFN rank serves 4 steps and runs
+    a program for both peers, then one for rank 1 alone."""
+    from afd_compile.deploy import make_worker
+    from afd_compile.programs import load_program
+    from afd_compile.runtime import AttentionWorker, shutdown
+
+    worker = make_worker(load_program(path).module(), AFDLayout(2, 1), rank, buckets=SLOT)
+    if isinstance(worker, AttentionWorker):
+        for step in range(2 if rank == 2 else 4):
+            worker.step(torch.randint(0, 128, (1 + step, 5)))
+        worker.stop()
+        shutdown()
+        return {}
+    steps = worker.serve()
+    shutdown()
+    return {"steps": steps, "layouts": sorted(worker.layouts), "left": sorted(worker.left),
+            "header_reads": worker.header_reads}
+
+
+def test_a_stop_travels_in_band_and_the_others_go_on(exported) -> None:
+    res = run_local(_stops_early, 3, exported("llama2")[1], timeout_s=60)[0]
+    assert res["steps"] == 4 and res["left"] == [1, 2], res
+    assert res["layouts"] == [((40, 0), ()), ((40, 40), ())], res
+    # 5 steps read: rank 2's stop rides with rank 1's third step, rank 1's stop is a step of its own
+    assert res["header_reads"] == 5, res
+
+
+def _fails(rank: int, world: int, path: str, where: str) -> None:
+    """Attention rank 1's second step raises: before any transfer (no inputs to count), too many
+    tokens for the slot, or after its first layer's transfers (an exchange that raises once
+    done); the rank stays up, as a server that logs the error would."""
+    from afd_compile.comm import AFDCommunicator
+    from afd_compile.deploy import make_worker
+    from afd_compile.programs import load_program
+    from afd_compile.runtime import AttentionWorker
+
+    worker = make_worker(load_program(path).module(), AFDLayout(1, 1), rank, buckets=SLOT)
+    if not isinstance(worker, AttentionWorker):
+        worker.serve()
+        return
+    worker.step(torch.randint(0, 128, (2, 5)))
+    if where == "mid-step":
+        exchange, calls = AFDCommunicator.exchange, []
+
+        def once_then_raise(self, *args, **kwargs):  # (the transfers done, then this rank fails)
+            exchange(self, *args, **kwargs)
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected: the attention layer after the first exchange failed")
+
+        AFDCommunicator.exchange = once_then_raise
+    with pytest.raises(Exception):  # noqa: B017 (each kind of failure raises its own error)
+        if where == "before":
+            worker.step()
+        else:
+            worker.step(torch.randint(0, 128, (9 if where == "overflow" else 2, 5)))
+    time.sleep(30)
+
+
+@pytest.mark.parametrize("where", ["before", "overflow", "mid-step"])
+def test_a_failed_step_travels_in_band_and_the_ffn_rank_ends_naming_it(exported, where: str) -> None:
+    t = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        run_local(_fails, 2, exported("llama2")[1], where, timeout_s=25)
+    assert e.value.rank == 0 and "attention rank 1 failed its step" in str(e.value), str(e.value)
+    assert time.monotonic() - t < 25, "the FFN rank waited for the timeout"
