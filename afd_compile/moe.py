@@ -19,7 +19,8 @@ fake (so export, dynamo, AOT autograd and Inductor keep it as one node).
 - ``weight_first``: the routing weight scales the expert's input (else its output, the usual).
 
 Per token ``t``: ``out[t] = sum_k expert(topk_ids[t, k], x[t]) * topk_weights[t, k]``, in ``x``'s
-dtype. Linear in ``x`` only when the experts are (they are not): what TP and EP rely on is that
+dtype; a pair whose id is outside ``[0, E)`` takes no expert and adds nothing (no weights read,
+no rows computed for it: how an FFN rank's fixed slot leaves out its padded rows). Linear in ``x`` only when the experts are (they are not): what TP and EP rely on is that
 it is a sum over experts (EP) and, for one expert, a row-parallel sum over ``I`` (TP), which the
 sharding rules of the op say once.
 
@@ -96,6 +97,8 @@ def reference(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, a
     token = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
     scale = topk_weights.reshape(-1)
     for e in torch.unique(flat).tolist():
+        if not 0 <= e < w_gate_up.shape[0]:  # (a pair that takes no expert)
+            continue
         pair = (flat == e).nonzero().squeeze(1)
         rows = token[pair]
         h = x[rows]
@@ -116,24 +119,27 @@ def grouped(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, act
     and summed per token; no host synchronisation (a CUDA graph captures it)."""
     n_experts, k = w_gate_up.shape[0], topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
-    experts, perm = torch.sort(flat)
+    # (a pair that takes no expert, an id outside [0, E), sorts past the real ones as E)
+    experts, perm = torch.sort(torch.where((flat >= 0) & (flat < n_experts), flat, n_experts))
     rows = perm // k
     h = x[rows]
     w = topk_weights.reshape(-1)[perm, None].to(x.dtype)
-    counts = torch.zeros(n_experts, dtype=torch.int32, device=x.device).scatter_add_(
+    took = experts < n_experts
+    counts = torch.zeros(n_experts + 1, dtype=torch.int32, device=x.device).scatter_add_(
         0, experts.to(torch.int64), torch.ones_like(experts, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    offs = torch.cumsum(counts[:n_experts], 0, dtype=torch.int32)
     if weight_first:
         h = h * w
     y = torch._grouped_mm(h, w_gate_up.transpose(-2, -1), offs=offs)
     if b_gate_up is not None:
-        y = y + b_gate_up[experts]
+        y = y + b_gate_up[experts.clamp(max=n_experts - 1)]
     y = _activate(y, activation, gated, alpha, limit)
     y = torch._grouped_mm(y, w_down.transpose(-2, -1), offs=offs)
     if b_down is not None:
-        y = y + b_down[experts]
+        y = y + b_down[experts.clamp(max=n_experts - 1)]
     if not weight_first:
         y = y * w
+    y = torch.where(took[:, None], y, 0)  # (rows past the last group: no expert's)
     # back to (token, k) order, then each token's K rows summed: deterministic, no atomics
     pairs = torch.empty_like(y)
     pairs[perm] = y

@@ -19,6 +19,10 @@ else twice:
 4. each token's ``K`` rows summed in fp32 in order and cast to ``x``'s dtype (one kernel):
    deterministic, no atomics in the sums.
 
+A pair whose expert id is outside ``[0, E)`` takes no expert: align leaves it out (its expert's
+rows, and so the weights read and the blocks run, are the real pairs'), and the sum skips it. An
+FFN rank's fixed slot marks its padded rows so (their compute then follows the real tokens).
+
 Numbers: fp32 accumulation and activation (the reference rounds to the input dtype after each
 projection): equal to the reference to bf16 rounding.
 """
@@ -81,11 +85,11 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     rows = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=dev)
     step = 1024
-    _count_kernel[(triton.cdiv(pairs, step),)](flat, counts, slot, pairs, BLOCK=step)
+    _count_kernel[(triton.cdiv(pairs, step),)](flat, counts, slot, pairs, E=num_experts, BLOCK=step)
     chunk = 128
     _layout_kernel[(triton.cdiv(blocks, chunk),)](counts, start, block_expert, blocks, E=num_experts,
                                                   E_POW2=e_pow2, BLOCK_M=block_m, CHUNK=chunk)
-    _place_kernel[(triton.cdiv(pairs, step),)](flat, slot, start, rows, pairs, BLOCK=step)
+    _place_kernel[(triton.cdiv(pairs, step),)](flat, slot, start, rows, pairs, E=num_experts, BLOCK=step)
     return rows, block_expert
 
 
@@ -104,8 +108,8 @@ def _align_one_kernel(ids_ptr, counts_ptr, slot_ptr, start_ptr, rows_ptr, block_
     tl.debug_barrier()
     for p0 in range(0, pairs, BLOCK):
         offs = p0 + tl.arange(0, BLOCK)
-        ok = offs < pairs
-        e = tl.load(ids_ptr + offs, mask=ok, other=0)
+        e = tl.load(ids_ptr + offs, mask=offs < pairs, other=E)
+        ok = (offs < pairs) & (e >= 0) & (e < E)  # (an id outside [0, E): a pair that takes no expert)
         tl.store(slot_ptr + offs, tl.atomic_add(counts_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=ok), mask=ok)
     tl.debug_barrier()
     c = tl.load(counts_ptr + offs_e, mask=real, other=0)
@@ -120,17 +124,17 @@ def _align_one_kernel(ids_ptr, counts_ptr, slot_ptr, start_ptr, rows_ptr, block_
     tl.debug_barrier()
     for p0 in range(0, pairs, BLOCK):
         offs = p0 + tl.arange(0, BLOCK)
-        ok = offs < pairs
-        e = tl.load(ids_ptr + offs, mask=ok, other=0)
+        e = tl.load(ids_ptr + offs, mask=offs < pairs, other=E)
+        ok = (offs < pairs) & (e >= 0) & (e < E)
         at = tl.load(start_ptr + e, mask=ok, other=0) + tl.load(slot_ptr + offs, mask=ok, other=0)
         tl.store(rows_ptr + at, offs.to(tl.int32), mask=ok)
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, slot_ptr, pairs, BLOCK: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, slot_ptr, pairs, E: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < pairs
-    e = tl.load(ids_ptr + offs, mask=ok, other=0)
+    e = tl.load(ids_ptr + offs, mask=offs < pairs, other=E)
+    ok = (offs < pairs) & (e >= 0) & (e < E)
     slot = tl.atomic_add(counts_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=ok)
     tl.store(slot_ptr + offs, slot, mask=ok)
 
@@ -153,10 +157,10 @@ def _layout_kernel(counts_ptr, start_ptr, block_expert_ptr, blocks, E: tl.conste
 
 
 @triton.jit
-def _place_kernel(ids_ptr, slot_ptr, start_ptr, rows_ptr, pairs, BLOCK: tl.constexpr):
+def _place_kernel(ids_ptr, slot_ptr, start_ptr, rows_ptr, pairs, E: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < pairs
-    e = tl.load(ids_ptr + offs, mask=ok, other=0)
+    e = tl.load(ids_ptr + offs, mask=offs < pairs, other=E)
+    ok = (offs < pairs) & (e >= 0) & (e < E)
     at = tl.load(start_ptr + e, mask=ok, other=0) + tl.load(slot_ptr + offs, mask=ok, other=0)
     tl.store(rows_ptr + at, offs.to(tl.int32), mask=ok)
 
@@ -299,28 +303,34 @@ def fused(x, topk_ids, topk_weights, w_gate_up, w_down, b_gate_up, b_down, activ
     h = up(x, w_gate_up, b_gate_up, rows, block_expert, rw, top_k, activation, gated, weight_first, alpha, limit,
            cfg)
     y = down(h, w_down, b_down, rows, block_expert, rw, weight_first, {**cfg, **cfg.get("down", {})})
-    return token_sum(y, top_k)
+    return token_sum(y, topk_ids, w_gate_up.shape[0])
 
 
 @triton.jit
-def _token_sum_kernel(y_ptr, out_ptr, hidden, K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _token_sum_kernel(y_ptr, ids_ptr, out_ptr, hidden, E: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < hidden
     acc = tl.zeros((BLOCK_H,), tl.float32)
     for k in tl.static_range(K):  # (in order: the same sum on every run)
-        acc += tl.load(y_ptr + (t * K + k) * hidden + offs, mask=ok, other=0.0).to(tl.float32)
+        e = tl.load(ids_ptr + t * K + k)
+        took = (e >= 0) & (e < E)  # (a pair that took no expert adds nothing: its row was never written)
+        acc += tl.load(y_ptr + (t * K + k) * hidden + offs, mask=ok & took, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def token_sum(y: torch.Tensor, top_k: int, block_h: int = 1024, num_warps: int = 4) -> torch.Tensor:
+def token_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, block_h: int = 1024,
+              num_warps: int = 4) -> torch.Tensor:
     """Each token's ``top_k`` rows of ``y [T K, H]`` summed in fp32, in order, cast to ``y``'s
-    dtype in the same kernel (torch's sum and cast: two kernels and an fp32 ``[T, H]`` between)."""
+    dtype in the same kernel (torch's sum and cast: two kernels and an fp32 ``[T, H]`` between);
+    a pair whose id in ``topk_ids [T, K]`` is outside ``[0, num_experts)`` adds nothing."""
     pairs, hidden = y.shape
+    top_k = topk_ids.shape[1]
     out = torch.empty(pairs // top_k, hidden, dtype=y.dtype, device=y.device)
     if pairs:
-        _token_sum_kernel[(pairs // top_k, triton.cdiv(hidden, block_h))](y, out, hidden, K=top_k, BLOCK_H=block_h,
-                                                                          num_warps=num_warps)
+        _token_sum_kernel[(pairs // top_k, triton.cdiv(hidden, block_h))](
+            y, topk_ids.reshape(-1).contiguous(), out, hidden, E=num_experts, K=top_k, BLOCK_H=block_h,
+            num_warps=num_warps)
     return out
 
 

@@ -1,37 +1,32 @@
-"""Serving a changing batch (issue 35): what a request trace costs an FFN rank, with and without
-token buckets, on CPU (gloo).
+"""Serving a changing batch (issues 35, 52): what a request trace costs an FFN rank, with and
+without token buckets and with a fixed slot, on CPU (gloo).
 
 A seeded trace of per-peer batch sizes drawn between 0 and ``--max-batch`` (default 64) sequences
-of one token (a decode step) runs through AFD 2A1F and 3A1F, one and two micro-batch stages, each
-with exact counts on the wire (``buckets=off``), with the default buckets, and with one bucket of
-the whole capacity. Each run is a
-``verify`` run: every step of every attention rank is compared with the unsplit model (fp32), so
-the table is also a numerics check. Per run it reports:
+of one token (a decode step) runs through AFD 2A1F and 3A1F (one and two micro-batch stages),
+8A1F and 4A2F (one stage), each with exact counts on the wire (``buckets=off``), the default
+buckets, and a fixed slot of ``--max-batch`` rows (``fixed:N``: every peer sends N rows every
+step, its count in a header on the device; runtime/slots.py). Each run is a ``verify`` run:
+every step of every attention rank is compared with the unsplit model (fp32), so the table is
+also a numerics check. Per run, for the FFN rank that needs the most (4A2F has two):
 
 - ``FFN programs compiled``: the numbers of micro-batch stages its steps ran: the backend compiles
   each stage count's program once, for symbolic rows (a dynamic export), whatever ``ffn_capture``;
 - ``CUDA graphs, ffn_capture="all"``: the token layouts it ran a program for (per stage and peer):
-  what the backend captures one CUDA graph for by default (``ffn_capture="all"``: the exchange is
-  in the graph, which replays the receive sizes it captured); a capture of a compiled program, no
-  compile;
+  what the backend captures one CUDA graph for by default (the exchange is in the graph, which
+  replays the receive sizes it captured); with a fixed slot the sizes never change: one graph
+  per set of live peers;
 - ``CUDA graphs, "compute"``: the carrier sizes (rows per stage) it ran on: with
   ``ffn_capture="compute"`` the exchange runs between captured pieces, which Inductor records once
-  per input shape, at a per-step host cost (BENCHMARKS.md: an FFN rank's real program);
-- ``row counts touched``: the distinct row counts of any stage (with buckets: the buckets the
-  FFN rank's totals touched: the issue's target for the programs compiled);
-- ``host messages / step``: messages the FFN rank read on the host per step (control messages,
-  stage counts): they travel on a gloo group beside the exchange's (``runtime.control_group``),
-  host to host; token buckets do not change their number (the per-step control message stays:
-  NCCL's receive sizes must match the sends, see docs/backend.md);
-- ``device reads / step``: those of them that waited on the device (an NCCL group; 0 with the
+  per input shape, at a per-step host cost (BENCHMARKS.md);
+- ``row counts touched``: the distinct row counts of any stage;
+- ``host messages / step``: control messages (and stage counts) the FFN rank waited for on the
+  host before a step: with buckets or exact counts its peers' sizes, which NCCL's receives must
+  match; 0 with a fixed slot (its counts arrive with the data and are read after the step);
+- ``device reads / step``: host messages that waited on the device (an NCCL group; 0 with the
   control group, which every deployment of ``make_worker`` makes);
 - ``max rel err``: the worst error of any compared output.
 
-The third bucket list is one size, ``--max-batch``: a fixed slot, every peer's tokens padded to the
-whole capacity, so the tuples of per-peer slots are only which peers had tokens; with
-``ffn_capture="all"`` that is what an FFN rank captures a graph per.
-
-    python benchmarks/serve_trace.py --json $OUT/serve_trace.json          # 200 steps (~2 min)
+    python benchmarks/serve_trace.py --json $OUT/serve_trace.json          # 200 steps (~5 min)
     python benchmarks/serve_trace.py --steps 20 --max-batch 16             # a quick look
 """
 
@@ -70,16 +65,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "llama_decode.pt2")
         torch.export.save(export_lm(build_hf("llama", num_layers=2), batch=3, seq=1), path)
-        fixed = str(args.max_batch)  # one size: every peer's slot is the whole capacity (a fixed slot)
-        runs = [(a, s, b) for a in (2, 3) for s in (1, 2) for b in ("off", "default", fixed)]
-        cases = [Case(path, AFDLayout(a, 1), trace, steps=args.steps, stages=s, buckets=TokenBuckets.parse(b))
-                 for a, s, b in runs]
+        fixed = f"fixed:{args.max_batch}"  # every peer's slot the whole capacity, counts on the device
+        runs = [((a, 1), s, b) for a in (2, 3) for s in (1, 2) for b in ("off", "default", fixed) if s == 1 or b != fixed]
+        runs += [(lay, 1, b) for lay in ((8, 1), (4, 2)) for b in ("off", "default", fixed)]
+        cases = [Case(path, AFDLayout(*lay), trace, steps=args.steps, stages=s, buckets=TokenBuckets.parse(b))
+                 for lay, s, b in runs]
         results = run_cases(cases, timeout_s=600)
     rows = []
-    for (a, s, b), res in zip(runs, results, strict=True):
-        ffn = res[0]
+    for (lay, s, b), res in zip(runs, results, strict=True):
+        ffn = max((res[f] for f in range(lay[1])), key=lambda r: (len(r["layouts"]), len(r["carriers"])))
         att = [v for v in res.values() if v["role"] == "attention"]
-        rows.append({"layout": f"{a}A1F", "stages": s, "buckets": b, "steps": args.steps,
+        rows.append({"layout": f"{lay[0]}A{lay[1]}F", "stages": s, "buckets": b, "steps": args.steps,
                      "graphs_captured": len(ffn["layouts"]), "programs_compiled": len({len(c) for c in ffn["carriers"]}),
                      "graphs_compute": len(ffn["carriers"]),
                      "buckets_touched": len({v for c in ffn["carriers"] for v in c}),

@@ -142,7 +142,21 @@ def test_token_sum_is_torchs_sum_and_cast(t, k, h):
 
     y = torch.randn(t * k, h, device="cuda", generator=torch.Generator("cuda").manual_seed(t)).to(torch.bfloat16)
     want = y.view(t, k, h).sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
-    got = token_sum(y, k)
+    ids = torch.zeros(t, k, dtype=torch.int64, device="cuda")
+    got = token_sum(y, ids, 4)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-2)  # (fp32 sums in another order: a bf16 ulp)
-    assert torch.equal(got, token_sum(y, k))  # the same bits every run
+    assert torch.equal(got, token_sum(y, ids, 4))  # the same bits every run
+
+
+@pytest.mark.parametrize("t", [7, 300, 1100])  # (align in one program, and in three kernels)
+def test_a_pair_outside_the_experts_takes_none_and_adds_nothing(t):
+    # an FFN rank's fixed slot marks its padded rows with id E: they read no weights, add nothing
+    x, ids, w, gu, dn, bgu, bdn = _operands(t, True, True)
+    ids = ids.clone()
+    ids[t // 2:] = E  # the rows past the real ones
+    ids[0, 0] = -1  # and one pair of a real row
+    got = moe_experts(x, ids, w, gu, dn, bgu, bdn).float()
+    want = reference(x.float(), ids, w.float(), gu.float(), dn.float(), bgu.float(), bdn.float(), "silu", True, False)
+    assert torch.equal(got[t // 2:], torch.zeros_like(got[t // 2:]))
+    assert float((got - want).abs().max() / want.abs().max()) <= 2e-2

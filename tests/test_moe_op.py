@@ -95,3 +95,22 @@ def test_a_misshapen_call_is_refused_naming_the_op(kwargs, message):
     args = {"w_gate_up": block.experts.gate_up_proj, "w_down": block.experts.down_proj, **kwargs}
     with pytest.raises(ValueError, match="afd::moe_experts: " + message.replace("[", r"\[")):
         moe.moe_experts(x, ids, w, **args)
+
+
+@pytest.mark.parametrize("impl", ["reference", "grouped"])
+def test_a_pair_outside_the_experts_takes_none_and_adds_nothing(impl):
+    # an FFN rank's fixed slot marks its padded rows with id E (or any id outside [0, E)): no
+    # expert is computed for them and they add nothing to their token's sum
+    x, ids, w, wgu, wd, _, _ = _random_case(9, True, False)
+    e = wgu.shape[0]
+    masked = ids.clone()
+    masked[5:] = e
+    masked[0, 1] = -1
+    took = (masked >= 0) & (masked < e)
+    want = moe.reference(x, masked.clamp(0, e - 1), w * took, wgu, wd, None, None, "silu", True, False)
+    try:
+        got = getattr(moe, impl)(x, masked, w, wgu, wd, None, None, "silu", True, False)
+    except (RuntimeError, NotImplementedError) as err:  # a torch whose CPU build has no _grouped_mm
+        pytest.skip(f"torch._grouped_mm on CPU: {err}")
+    assert torch.equal(got[5:], torch.zeros_like(got[5:]))
+    assert float((got - want).abs().max()) / float(want.abs().max()) < 1e-6
