@@ -255,7 +255,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     if role == "ffn":
         assert work.ffn is not None
         comm = communicator_for("ffn", rank, layout.peers_of_ffn(idx), group, check, config.comm_id, control)
-        prepare_slots(comm, slot, device)
+        prepare_slots(comm, slot, device, lowering=lowering)
         size = layout.ffn_group_size
         in_group = ffn_group_fields(layout, idx, groups, ffn_controls, device, symm_mem) if size > 1 else {}
         program, by_stages = lowered(work.ffn, work.staged, device, lowering, rank)
@@ -275,7 +275,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id,
                             control, finish_at_shutdown)
     program, by_stages = lowered(work.attention, work.staged, device, lowering, rank)
-    prepare_slots(comm, slot, device, program)
+    prepare_slots(comm, slot, device, program, lowering)
     return AttentionWorker(program, comm, counter, stages=stages, batch_dim=_stage_batch_dim(work.split.attention,
                                                                                             stages),
                            static=work.static_batch is not None, staged=by_stages, wrap=wrap,
@@ -411,7 +411,7 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
         batch = plan.get("static_batch")
         slot = check_fixed_slot(buckets, rank=rank, stages=stages, ffn_group_size=1,
                                 static_tokens=not ffn_bucket_fields(program, TokenBuckets()))
-        prepare_slots(comm, slot, device)
+        prepare_slots(comm, slot, device, lowering=lowering)
         fields = ffn_bucket_fields(program, None if slot else buckets)
         program, by_stages = lowered(program, staged_programs(program, "afd-ffn", stages, batch), device, lowering, rank)
         return FFNWorker(program, comm, device, stages=stages, static_batch=batch, staged=by_stages, **fields)
@@ -425,7 +425,7 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
                             static_tokens=batch is not None or not attention_bucket_fields(counter, TokenBuckets()))
     program, by_stages = lowered(program, staged_programs(program, "afd-attention", stages, batch), device, lowering,
                                  rank)
-    prepare_slots(comm, slot, device, program)
+    prepare_slots(comm, slot, device, program, lowering)
     return AttentionWorker(program, comm, counter, stages=stages, batch_dim=batch_dim, static=batch is not None,
                            staged=by_stages, **attention_bucket_fields(counter, None if slot else buckets))
 

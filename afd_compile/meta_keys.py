@@ -33,5 +33,7 @@ HELD_STATE = "afd.held_state"
 RECV_INTO = "afd.recv_into"
 #: node.meta: a send and the next receive fused (passes/fuse_exchange.py)
 FUSED_EXCHANGE = "afd.fused_exchange"
+#: node.meta: an experts op whose fixed slot's padded rows were marked (passes/slot_rows.py)
+SLOT_ROWS = "afd.slot_rows"
 #: gm.meta: what each lowering pass did, by pass name (pipeline.lower)
 LOWERED = "afd.lowered"

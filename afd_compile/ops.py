@@ -453,6 +453,34 @@ def _(tensors, outs, comm_id, layer_idx, stage_idx, spec, recv_layer_idx, recv_s
     return None
 
 
+# --- FFN side, a fixed slot's real rows (runtime/slots.py, passes/slot_rows.py) ----------------
+
+
+@afd_op("afd::slot_rows", mutates_args=())
+def slot_rows(dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int) -> torch.Tensor:
+    """Which of an FFN rank's received rows are a peer's real tokens under a fixed slot: a bool
+    ``[rows]``, each live peer's ``C`` rows in order, the first ``n_p`` true (``n_p`` from the
+    header that came with the data at ``layer_idx`` / ``stage_idx``; a stop or failure: none).
+    Read on the device from the headers' buffer, so a captured graph reads each step's counts.
+    ``dep``: the receive's output (this runs after it)."""
+    comm = get_communicator(comm_id)
+    where = _where("slot_rows", comm, layer_idx, stage_idx)
+    slot, heads = comm.fixed_slot, comm.headers_in.get((layer_idx, stage_idx))
+    if slot is None or heads is None:
+        raise RuntimeError(f"{where}: no fixed slot's headers were received at this layer and stage (a program "
+                           "lowered for a fixed slot run without one: give the same buckets to every rank)")
+    live = [i for i, n in enumerate(comm.step_seq_lens.get(stage_idx, ())) if n]
+    if len(live) * slot != dep.shape[0]:
+        raise ValueError(f"{where}: {dep.shape[0]} rows received, but {len(live)} live peers of {slot} rows")
+    grid = torch.arange(slot, device=heads.device)[None, :] < heads[:, :1].clamp(min=0)  # [peers, C]
+    return torch.cat([grid[i] for i in live]) if live else grid.new_zeros(0)
+
+
+@slot_rows.register_fake
+def _(dep, comm_id, layer_idx, stage_idx):
+    return torch.empty(dep.shape[0], dtype=torch.bool, device=dep.device)
+
+
 AFD_OPS = (
     torch.ops.afd.p2p_send.default,
     torch.ops.afd.p2p_recv.default,

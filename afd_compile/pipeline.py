@@ -23,6 +23,7 @@ package's source), as vLLM's pass manager folds each pass's uuid.
     build = Build("afd-ffn", device="cuda")
     [p.name for p in passes_for(build, "lowering")]
     # ['router_topk', 'fuse_send_recv', 'receive_into_buffers', 'drop_export_guards', 'lower_for_inductor']
+    # (and 'mark_slot_rows' after 'router_topk' with Build(..., fixed_slot=True))
     records = lower(program, build)   # each applicable lowering pass, in order, in place
     # (the backend lowers a rank's programs when it builds them; PerLayout runs what is left,
     # the Inductor lowering of a program built elsewhere, at its first compile)
@@ -57,7 +58,8 @@ class Build:
     ``device``: "cpu" or "cuda" (the lowering's kernels are CUDA's); ``stages``: micro-batches;
     ``attn_tp`` / ``ffn_tp`` / ``ffn_ep`` / ``fan_in``: attention TP group size, FFN TP and EP group
     sizes, the most attention peers an FFN rank serves (AFD);
-    ``attn_dp``: a TP layout's attention DP groups;
+    ``attn_dp``: a TP layout's attention DP groups; ``fixed_slot``: the attention ranks' wire is a
+    fixed slot (buckets ``"fixed:C"``: runtime/slots.py);
     ``decode_attention``: the backend option ("auto" is FlexAttention on CUDA); ``inductor``:
     the program is compiled by Inductor (its lowering applies); ``moe_op``: with no layout,
     whether the MoE recognition runs (the backend's ``moe_experts``); ``states``: a TP rank's
@@ -74,6 +76,7 @@ class Build:
     decode_attention: str = "auto"
     inductor: bool = True
     moe_op: bool = True
+    fixed_slot: bool = False
     states: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -159,6 +162,9 @@ _PASSES: dict[str, Pass] = {p.name: p for p in (
          "", "decode_attention='flex', or 'auto' on CUDA under a layout", lambda b: b.flex),
     Pass("router_topk", "lowering", "an MoE router's top-k over few experts as afd::router_topk", "", "CUDA",
          _cuda),
+    Pass("mark_slot_rows", "lowering", "a fixed slot's padded rows given no expert (from the headers' counts, on "
+         "the device)", "writes node.meta['afd.slot_rows']", "a fixed slot (buckets 'fixed:C')",
+         lambda b: b.fixed_slot),
     Pass("fuse_send_recv", "lowering", "each layer's send and the next layer's receive as one batched op"),
     Pass("receive_into_buffers", "lowering", "every receive into buffers the program allocates"),
     Pass("drop_export_guards", "lowering", "torch.export's input-shape guard call removed (the caller's guards "
@@ -175,7 +181,7 @@ PIPELINES: dict[str, tuple[Pass, ...]] = {kind: tuple(_PASSES[n] for n in names)
     "afd-attention": (*_SPLIT, "verify_schedule", "attention_tp_program", "stage_programs",
                       "router_topk", "replace_decode_attention", *_INDUCTOR),
     "afd-ffn": (*_SPLIT, "ffn_tokens_follow_the_carrier", "verify_schedule", "stage_programs", "ffn_group_program",
-                "router_topk", "fuse_send_recv", "receive_into_buffers", *_INDUCTOR),
+                "router_topk", "mark_slot_rows", "fuse_send_recv", "receive_into_buffers", *_INDUCTOR),
     "tp": ("recognise_moe", "unpack_grouped_projections", "annotate_roles", "plan_tp", "annotate_dist_states",
            "plan_shards", "apply_shards", "vocab_parallel_head", "expert_parallel", "rewrite_scattered_layers",
            "rewrite_dp_attention", "insert_all_reduces", "fuse_norm",
@@ -234,6 +240,12 @@ def _router_topk(gm: fx.GraphModule, build: Build) -> Any:
     return use_router_topk(gm)
 
 
+def _slot_rows(gm: fx.GraphModule, build: Build) -> Any:
+    from .passes.slot_rows import mark_slot_rows
+
+    return mark_slot_rows(gm)
+
+
 def _fuse_send_recv(gm: fx.GraphModule, build: Build) -> Any:
     from .passes.fuse_exchange import fuse_send_recv
 
@@ -270,6 +282,7 @@ _LOWERING: dict[str, tuple[Callable[[fx.GraphModule, Build], Any], Callable[[Any
     "hold_local_states": (_hold_local_states, lambda r: [f"KV cache {held}" for held in r]),
     "replace_decode_attention": (_decode_attention, _decode_lines),
     "router_topk": (_router_topk, lambda r: [f"{len(r)} router top-k as afd::router_topk"] if r else []),
+    "mark_slot_rows": (_slot_rows, lambda r: [f"{len(r)} experts ops skip a fixed slot's padded rows"] if r else []),
     "fuse_send_recv": (_fuse_send_recv, lambda r: [f"{len(r)} send/receive pairs as one op each (one batched call)"]),
     "receive_into_buffers": (_receive_into, lambda r: [f"{len(r)} receives into buffers"]),
     "drop_export_guards": (_drop_guards, lambda r: []),
@@ -305,18 +318,18 @@ def lower(gm: fx.GraphModule, build: Build, stop_before: str | None = None,
 
 
 def builds_for(layout: object, device: str = "cuda", stages: int = 1, decode_attention: str = "auto",
-               inductor: bool = True, moe_op: bool = True) -> list[Build]:
+               inductor: bool = True, moe_op: bool = True, fixed_slot: bool = False) -> list[Build]:
     """The builds of every rank kind ``layout`` has (an ``AFDLayout``: its attention and FFN
     ranks; a ``TPLayout``: its ranks; None: one process, ``moe_op`` whether it recognises MoE
-    blocks), for ``device`` and the options."""
+    blocks), for ``device`` and the options (``fixed_slot``: an AFD wire of fixed slots)."""
     from .layout import AFDLayout
     from .scatter import TPLayout
 
     common = {"device": device, "decode_attention": decode_attention, "inductor": inductor}
     if isinstance(layout, AFDLayout):
-        return [Build("afd-attention", stages=stages, attn_tp=layout.attn_tp, **common),
+        return [Build("afd-attention", stages=stages, attn_tp=layout.attn_tp, fixed_slot=fixed_slot, **common),
                 Build("afd-ffn", stages=stages, ffn_tp=layout.ffn_tp, ffn_ep=layout.ffn_ep,
-                      fan_in=max(layout.block_sizes()), **common)]
+                      fan_in=max(layout.block_sizes()), fixed_slot=fixed_slot, **common)]
     if isinstance(layout, TPLayout):
         return [Build("tp", attn_dp=layout.attn_dp, **common)]
     return [Build("none", moe_op=moe_op, **common)]
@@ -371,6 +384,8 @@ def _facts(build: Build) -> str:
         out.append(f"attn_tp {build.attn_tp}")
     if build.ffn_group > 1:
         out.append(f"FFN group {build.ffn_group}")
+    if build.fixed_slot:
+        out.append("fixed slot")
     out.append(f"decode_attention {build.decode_attention}")
     out.append("inductor" if build.inductor else "no inductor")
     return ", ".join(out)

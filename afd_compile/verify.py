@@ -157,7 +157,8 @@ def _run_case(rank: int, case: Case, group: object, cache: dict) -> dict:
     report(f"{case.layout.world_size} processes up (torch imported, process group formed)")
     lowering = None
     if case.lowered:  # (what the backend runs on a CPU rank, its Inductor lowering aside: verify runs FX)
-        lowering = rank_build(case.layout, rank, case.stages, inductor=False)
+        lowering = rank_build(case.layout, rank, case.stages, inductor=False,
+                              fixed_slot=case.buckets is not None and case.buckets.fixed)
     if case.saved is not None:  # what `rewrite` wrote (plan.json and the programs' sha256 checked)
         worker = load_rewritten_worker(case.saved, rank, buckets=case.buckets, group=group, lowering=lowering)
     else:

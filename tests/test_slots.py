@@ -137,3 +137,19 @@ def test_a_failed_step_travels_in_band_and_the_ffn_rank_ends_naming_it(exported,
         run_local(_fails, 2, exported("llama2")[1], where, timeout_s=25)
     assert e.value.rank == 0 and "attention rank 1 failed its step" in str(e.value), str(e.value)
     assert time.monotonic() - t < 25, "the FFN rank waited for the timeout"
+
+
+def test_a_fixed_slot_ffn_program_marks_its_padded_rows_for_the_experts(exported) -> None:
+    # lowered as the backend does (verify --lowered): each experts op's ids come through
+    # afd::slot_rows, and the numbers stay exact (rows the mark wrongly dropped would not)
+    from afd_compile.pipeline import Build, passes_for
+
+    assert "mark_slot_rows" in [p.name for p in passes_for(Build("afd-ffn", fixed_slot=True), "lowering")]
+    assert "mark_slot_rows" not in [p.name for p in passes_for(Build("afd-ffn"), "lowering")]
+    steps = len(TRACE)
+    cases = [Case(exported("qwen3moe2")[1], AFDLayout(3, 1), TRACE, steps=steps, buckets=SLOT, lowered=True)]
+    (res,) = run_cases(cases)
+    att = [v for v in res.values() if v["role"] == "attention"]
+    assert sum(v["compared"] for v in att) >= steps and max(v["max_rel_err"] for v in att) <= 1e-5, res
+    assert res[0]["lowered"]["mark_slot_rows"] == 2, res[0]  # (one experts op a layer)
+    assert res[0]["layouts"] == [repr(((40, 40, 40), ()))] and res[0]["control_reads"] == 0, res[0]

@@ -371,8 +371,9 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
         return process_group(range(world), opts.timeout_s)  # (of its own, with the asked-for timeout)
 
     role = layout.role_of(rank)[0]
+    buckets = afd.token_buckets
     build = rank_build(layout, rank, afd.stages, device.type, decode_attention=opts.decode_attention,
-                       inductor=opts.inductor)
+                       inductor=opts.inductor, fixed_slot=buckets is not None and buckets.fixed)
     eager = ffn_step_ops() if afd.ffn_capture == "compute" else ()
     by_step = afd.ffn_capture == "all"
 
@@ -390,7 +391,7 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
     # (every program of the worker, each stage count's too, lowered by the rank's pipeline; each
     # compiled by the wrap when it first runs)
     worker = make_worker(ep.module(), layout, rank, config, device=device, check_wire=check,
-                         stages=afd.stages, symm_mem=opts.symm_mem, buckets=afd.token_buckets,
+                         stages=afd.stages, symm_mem=opts.symm_mem, buckets=buckets,
                          before_groups=before_groups, lowering=build, wrap=wrap_ffn if role == "ffn" else wrap,
                          finish_at_shutdown=True)  # (shutdown() tells the FFN rank, if finish() was not called)
     if isinstance(worker, AttentionWorker):
@@ -431,7 +432,9 @@ def ffn_step_ops() -> tuple[str, ...]:
     from ..ops import AFD_OPS, LOWERED_OPS
 
     fixed = {torch.ops.afd.all_reduce.default, torch.ops.afd.all_gather_last.default}  # (shapes fixed by the input)
-    return tuple(sorted({op._schema.name for op in AFD_OPS + LOWERED_OPS + COLLECTIVE_OPS if op not in fixed}))
+    # (and a fixed slot's real rows: which peers are live is read when it runs)
+    ops = AFD_OPS + LOWERED_OPS + COLLECTIVE_OPS + (torch.ops.afd.slot_rows.default,)
+    return tuple(sorted({op._schema.name for op in ops if op not in fixed}))
 
 
 def ffn_key(compiled: PerLayout, worker: Any, carriers: Sequence[torch.Tensor]) -> tuple:

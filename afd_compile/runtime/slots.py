@@ -32,6 +32,7 @@ import torch.fx as fx
 from ..buckets import TokenBuckets
 from ..comm import AFDCommunicator
 from ..errors import AFDCompileError
+from ..pipeline import Build
 
 
 class FixedSlotError(AFDCompileError):
@@ -77,10 +78,15 @@ def check_fixed_slot(buckets: TokenBuckets | None, *, rank: int, stages: int, ff
 
 
 def prepare(comm: AFDCommunicator, slot: int | None, device: torch.device,
-            program: fx.GraphModule | None = None) -> None:
+            program: fx.GraphModule | None = None, lowering: Build | None = None) -> None:
     """Make ``comm`` exchange fixed slots of ``slot`` rows (None: nothing to do): an attention
     rank's communicator gets its header and the transfers of its ``program`` (what a step it
-    cannot finish still owes)."""
+    cannot finish still owes). ``lowering``: the build the rank's programs were lowered by, which
+    must agree (an FFN program lowered for a fixed slot reads its headers)."""
+    if lowering is not None and lowering.fixed_slot != (slot is not None):
+        raise FixedSlotError(f"rank {comm.rank}: its programs were lowered {'for' if lowering.fixed_slot else 'without'}"
+                             f" a fixed slot, its wire {'is one' if slot is not None else 'is not one'}: build both "
+                             "from the same buckets (pipeline.rank_build(..., fixed_slot=))")
     if slot is None:
         return
     comm.fixed_slot = slot
