@@ -53,6 +53,9 @@ def test_every_step_one_program_no_control_message_and_exact(exported) -> None:
     llama, moe = exported("llama2")[1], exported("qwen3moe2")[1]
     steps = len(TRACE)
     cases = [Case(llama, AFDLayout(2, 1), TRACE, steps=steps, buckets=SLOT),
+             # the same ranks then with buckets: a communicator reused under the same id leaves the
+             # fixed slot behind (it once kept it, and the FFN rank waited on headers never sent)
+             Case(llama, AFDLayout(2, 1), TRACE, steps=steps),
              # an MoE: padded rows and zero-token peers' zeros go through the router and experts, dropped
              Case(moe, AFDLayout(3, 1), TRACE, steps=steps, buckets=SLOT),
              Case(llama, AFDLayout(4, 2), TRACE, steps=steps, buckets=SLOT),  # two FFN ranks, 2 peers each
@@ -62,7 +65,7 @@ def test_every_step_one_program_no_control_message_and_exact(exported) -> None:
         att = [v for v in res.values() if v["role"] == "attention"]
         assert len(att) == case.layout.attention_ranks and sum(v["compared"] for v in att) >= steps, (case, res)
         assert max(v["max_rel_err"] for v in att) <= 1e-5, (case, res)
-        for f in range(case.layout.ffn_ranks):
+        for f in range(case.layout.ffn_ranks if case.buckets is SLOT else 0):
             ffn = res[f]
             peers = len(case.layout.peers_of_ffn(f))
             # one program for every step (the per-peer sizes never change), nothing read before a step

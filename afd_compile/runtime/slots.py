@@ -87,9 +87,13 @@ def prepare(comm: AFDCommunicator, slot: int | None, device: torch.device,
         raise FixedSlotError(f"rank {comm.rank}: its programs were lowered {'for' if lowering.fixed_slot else 'without'}"
                              f" a fixed slot, its wire {'is one' if slot is not None else 'is not one'}: build both "
                              "from the same buckets (pipeline.rank_build(..., fixed_slot=))")
+    # (a communicator registered earlier under the same id may be reused for this worker: what an
+    # earlier deployment's wire left on it goes)
+    comm.fixed_slot, comm.header_out, comm.schedule = slot, None, ()
+    comm.headers_in.clear()
+    comm.step_log.clear()
     if slot is None:
         return
-    comm.fixed_slot = slot
     if comm.role == "attention":
         assert program is not None
         comm.schedule = wire_schedule(program)
