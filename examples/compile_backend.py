@@ -100,6 +100,9 @@ def main() -> int:
     parser.add_argument("--buckets", metavar="LIST",
                         help="AFD: the attention ranks' wire slots (backend option buckets: 'default', 'off', sizes, "
                         "or 'fixed:N': N rows every step, counts on the device, no control message)")
+    parser.add_argument("--batch-buckets", metavar="LIST",
+                        help="AFD: an attention rank's batch padded to these numbers of sequences (backend option "
+                        "batch_buckets; default 'auto': when its program is captured in CUDA graphs)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-inductor", action="store_true", help="run the FX programs (no Inductor)")
     parser.add_argument("--check-cache", action="store_true",
@@ -130,7 +133,8 @@ def main() -> int:
                **({"ffn_tp": args.ffn_tp} if args.ffn_tp != 1 else {}),
                **({"ffn_ep": args.ffn_ep} if args.ffn_ep != 1 else {}),
                **({"attn_tp": args.attn_tp} if args.attn_tp != 1 else {}),
-               **({"buckets": args.buckets} if args.buckets else {})}
+               **({"buckets": args.buckets} if args.buckets else {}),
+               **({"batch_buckets": args.batch_buckets} if args.batch_buckets else {})}
     check_options(options)
     progress.line(f"{world} processes up, options checked")
     with progress.phase(f"built {args.model or args.family}"):
@@ -182,7 +186,7 @@ def main() -> int:
     from afd_compile.backend import STATS  # imported by the backend already; read its counters
 
     info = (STATS["layouts_compiled"], STATS["calls"], counters["inductor"]["cudagraph_skips"],
-            STATS["cudagraphs_off"], control, graphs, STATS["exchanges_fused"])
+            STATS["cudagraphs_off"], control, graphs, STATS["exchanges_fused"], STATS["batches_padded"])
     infos: list[tuple | None] = [None] * world
     dist.all_gather_object(infos, info)
     errs: list[float | None] = [None] * world
@@ -206,9 +210,9 @@ def main() -> int:
               "exchanges_fused = its programs' send/receive pairs run as one op)")
         for r, e in enumerate(errs):
             cache = f" fx_graph_cache_hits_on_recompile={all_hits[r]}" if args.check_cache else ""
-            layouts, calls, skips, off, ctl, graphs, fused = infos[r]
+            layouts, calls, skips, off, ctl, graphs, fused, padded = infos[r]
             alone = f" inductor_alone_err={ctl:.3g}" if ctl is not None else ""
-            verdict = (f"max_rel_err={e:.3g}" if e is not None
+            verdict = (f"max_rel_err={e:.3g} batches_padded={padded}" if e is not None
                        else f"ffn (served its attention peers) exchanges_fused={fused}")
             print(f"rank {r}: {verdict}{cache} layouts_compiled={layouts} calls={calls} "
                   f"cuda_graphs_recorded={graphs} cudagraph_skips={skips} programs_without_cudagraphs={off}{alone}")

@@ -252,11 +252,37 @@ def test_a_changing_batch_compiles_each_rank_once():
     # issue 52: under dynamic=True a batch drawn from 1..8 each step (different per attention rank):
     # an attention rank compiles one program for the symbolic batch (and one for a batch of 1, which
     # dynamo specialises), the FFN rank one for any rows: not one per batch size or bucket. The wire
-    # slot is fixed (32 rows, the most a rank sends: 8 sequences of 4): the counts travel on the device
-    proc = _run(3, "--attention", "2", "--ffn", "1", "--steps", "10", "--max-batch", "8", "--buckets", "fixed:32")
+    # slot is fixed (40 rows, the most a rank sends: 8 sequences of 5): the counts travel on the device
+    # And each attention rank's batch is padded to a bucket of sequences (batch_buckets; on CUDA by
+    # default, where its CUDA graphs are one per batch size; dynamo's own graph for a batch of 1 stays)
+    # (5 tokens a sequence: a padded batch of 4 against sequences of 4 would be one duck-sized symbol
+    # to dynamo, and a batch of 8 a recompile)
+    proc = _run(3, "--attention", "2", "--ffn", "1", "--steps", "10", "--max-batch", "8", "--seq", "5",
+                "--buckets", "fixed:40", "--batch-buckets", "2,4,8")
     _check(proc, 3, False)
     compiled = dict(re.findall(r"^rank (\d+): .*layouts_compiled=(\d+)", proc.stdout, flags=re.M))
     assert compiled["0"] == "1" and int(compiled["1"]) <= 2 and int(compiled["2"]) <= 2, proc.stdout
+    padded = re.findall(r"^rank [12]: .*batches_padded=(\d+)", proc.stdout, flags=re.M)
+    assert len(padded) == 2 and all(int(p) > 0 for p in padded), proc.stdout
+
+
+def test_a_batch_is_padded_to_its_bucket_and_cut_back(exported):
+    from afd_compile.backend.pad_batch import BatchPad
+    from afd_compile.buckets import TokenBuckets
+
+    gm = exported("llama2")[0].module()
+    pad = BatchPad.of(gm, TokenBuckets((2, 4, 8)))
+    assert isinstance(pad, BatchPad) and pad.inputs == ((0, 0),) and pad.outputs == ((0, 0),), pad
+    ids = torch.randint(0, 128, (3, 5))
+    (padded,), batch = pad.pad([ids])
+    assert batch == 3 and padded.shape == (4, 5) and torch.equal(padded[3], ids[2]) and torch.equal(padded[:3], ids)
+    out = gm(padded)  # (the exported module returns the logits; a split program, a tuple of them)
+    cut, cut_tuple = pad.cut(out, batch), pad.cut((out,), batch)
+    assert cut.shape[0] == 3 and torch.equal(cut, out[:3]) and torch.equal(cut_tuple[0], cut)
+    torch.testing.assert_close(cut, gm(ids))  # (attention is per sequence: the real rows unchanged)
+    assert BatchPad.of(gm, TokenBuckets(), static=[0]) == "an input it updates in place (a KV cache) holds the batch"
+    static = torch.export.export(gm, (ids,)).module()
+    assert BatchPad.of(static, TokenBuckets()) == "its batch is static"
 
 
 @pytest.mark.slow

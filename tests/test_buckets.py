@@ -65,6 +65,13 @@ def test_backend_option_buckets_is_checked() -> None:
         BackendOptions.parse({"attention": 2, "ffn": 1, "buckets": [4, 2]})
     with pytest.raises(BackendOptionError, match="buckets='off' applies to an AFD layout"):
         BackendOptions.parse({"tp": 2, "buckets": "off"})
+    assert BackendOptions.parse({"attention": 2, "ffn": 1, "buckets": "fixed:64"}).afd.token_buckets.fixed_slot == 64
+    # an attention rank's batch buckets: sequences, never a fixed slot
+    assert BackendOptions.parse({"attention": 2, "ffn": 1}).afd.batch_buckets == "auto"
+    assert BackendOptions.parse({"attention": 2, "ffn": 1, "batch_buckets": [2, 4]}).afd.batch_buckets == (2, 4)
+    for bad in ("fixed:8", "sometimes", [3, 1]):
+        with pytest.raises(BackendOptionError, match=r"batch_buckets=.* must be 'auto', 'default', 'off'"):
+            BackendOptions.parse({"attention": 2, "ffn": 1, "batch_buckets": bad})
 
 
 def test_backend_option_ffn_capture_is_checked() -> None:

@@ -54,9 +54,14 @@ Options (all optional)::
                        above AFD_SYMM_MEM_MAX_BYTES (default 2 MiB) (afd_compile/symm_mem.py); where
                        it is unavailable NCCL, logged once per group with the reason (default True;
                        False: NCCL for every all-reduce)
-    buckets            AFD: token buckets, "default", "off" or ascending sizes (buckets.py): an
+    buckets            AFD: token buckets, "default", "off", ascending sizes or "fixed:N" (buckets.py): an
                        attention rank's tokens cross the wire padded to the next bucket, an FFN rank's
-                       rows to the bucket of its peers' total
+                       rows to the bucket of its peers' total; "fixed:N": N rows a rank every step,
+                       counts on the device, no control message (runtime/slots.py)
+    batch_buckets      AFD: an attention rank's batch padded to the next of these numbers of sequences
+                       before its step, the outputs cut back (backend/pad_batch.py): its CUDA graphs
+                       one per bucket, not per batch size; "auto" (default): the default buckets when
+                       its program is captured in CUDA graphs, else none; "off", or sizes
     ffn_capture        AFD on CUDA: "all" (default): an FFN rank compiles one program per bucket of
                        its rows and captures it whole, its exchange inside, once per tuple of its
                        peers' sizes (a capture, no compile): a step is one graph replay; "compute": its
@@ -395,7 +400,7 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
                          before_groups=before_groups, lowering=build, wrap=wrap_ffn if role == "ffn" else wrap,
                          finish_at_shutdown=True)  # (shutdown() tells the FFN rank, if finish() was not called)
     if isinstance(worker, AttentionWorker):
-        return worker.step
+        return _padded_step(worker, afd.batch_buckets, device, cudagraphs, static, rank)
     from ..runtime import serve_at_shutdown
 
     serve_at_shutdown(worker)  # runtime.shutdown() hears the peers stop
@@ -412,6 +417,36 @@ def _afd_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: in
 
     serve_one.worker = worker  # type: ignore[attr-defined]
     return serve_one
+
+
+def _padded_step(worker: Any, value: Any, device: torch.device, cudagraphs: bool | None, static: Sequence[int],
+                 rank: int) -> Callable[..., Any]:
+    """The attention worker's step, its batch padded to a bucket of sequences (pad_batch.py) when
+    option ``batch_buckets`` asks for it ("auto": the default buckets when its program is captured
+    in CUDA graphs); a step whose padded tokens a fixed wire slot cannot hold runs as it came."""
+    from ..buckets import TokenBuckets
+    from ..runtime import GroupSlice
+    from .pad_batch import BatchPad
+
+    if value == "auto":
+        value = device.type == "cuda" and cudagraphs is not False
+    buckets = TokenBuckets.parse(value)
+    pad = BatchPad.of(worker.program, buckets, static) if buckets is not None else None
+    if isinstance(pad, str):
+        log.info("afd: rank %d attention: its batch is not padded to capture sizes: %s", rank, pad)
+    if not isinstance(pad, BatchPad):
+        return worker.step
+    count = worker.count_tokens.total if isinstance(worker.count_tokens, GroupSlice) else worker.count_tokens
+    slot = worker.comm.fixed_slot
+
+    def step(*inputs: Any) -> Any:
+        padded, batch = pad.pad(inputs)
+        if slot is not None and count(padded) > slot:
+            padded = list(inputs)
+        STATS["batches_padded"] += padded[0] is not inputs[0]
+        return pad.cut(worker.step(*padded), batch)
+
+    return step
 
 
 def _say_ffn_capture(compiled: PerLayout, rank: int) -> None:

@@ -25,7 +25,7 @@ log = logging.getLogger("afd_compile.backend")
 
 #: counters of this process: graphs compiled per layout, calls, layouts seen
 STATS: dict[str, int] = {"graphs": 0, "layouts_compiled": 0, "calls": 0, "no_layout": 0, "cudagraphs_off": 0,
-                         "exchanges_fused": 0, "graphs_captured": 0}
+                         "exchanges_fused": 0, "graphs_captured": 0, "batches_padded": 0}
 
 
 #: ops that synchronise with the host inside (so a CUDA graph cannot capture them), and why

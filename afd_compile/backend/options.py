@@ -71,7 +71,9 @@ _OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "attn_tp": _ranks(1),
     "symm_mem": (lambda v: isinstance(v, bool), "a bool"),
     "ffn_capture": (lambda v: v in ("compute", "all"), "'compute' or 'all'"),
-    "buckets": (_buckets_ok, "'default', 'off', a bool, or an ascending list of token counts >= 1"),
+    "buckets": (_buckets_ok, "'default', 'off', 'fixed:N', a bool, or an ascending list of token counts >= 1"),
+    "batch_buckets": (lambda v: v == "auto" or (_buckets_ok(v) and not str(v).strip().lower().startswith("fixed")),
+                      "'auto', 'default', 'off', a bool, or an ascending list of sequence counts >= 1"),
 }
 
 
@@ -98,6 +100,10 @@ class AFDOptions:
     #: rank of many peers, docs/backend.md)
     ffn_capture: str = "all"
     check_wire: bool | None = None
+    #: an attention rank's batch padded to the next of these numbers of sequences before its step,
+    #: the outputs cut back (backend/pad_batch.py): its CUDA graphs are one per bucket, not per
+    #: batch size; "auto": the default buckets when its program is captured in CUDA graphs
+    batch_buckets: str | bool | tuple[int, ...] = "auto"
 
     def layout(self) -> AFDLayout:
         from ..layout import AFDLayout
@@ -171,8 +177,9 @@ class BackendOptions:
             ok, what = _OPTION_TYPES[name]
             if not ok(value):
                 raise BackendOptionError(f"afd backend: option {name}={value!r} ({type(value).__name__}) must be {what}")
-        if isinstance(options.get("buckets"), list):
-            options["buckets"] = tuple(options["buckets"])
+        for name in ("buckets", "batch_buckets"):
+            if isinstance(options.get(name), list):
+                options[name] = tuple(options[name])
         given = {"afd": bool(options.get("attention") or options.get("ffn")), "tp": options.get("tp", 1) > 1}
         if given["afd"] and given["tp"]:
             raise BackendOptionError("afd backend: give either a TP layout (tp, attn_dp) or an AFD layout "
