@@ -144,8 +144,8 @@ class TokenBuckets:
 
 BUCKETS_HELP = ("AFD: token buckets, the wire slots of the attention ranks: 'default' (1,2,4, multiples of 8 to 256, "
                 "of 16 to 512, then of 256), 'off' (exact counts), ascending sizes '1,2,4,8,16' ('N': one bucket of "
-                "N, then multiples of N), or 'fixed:N' (every step N rows a rank, counts on the device, no control "
-                "message; one stage, no FFN group); an attention "
+                "N, then multiples of N), or 'fixed:N' (every step N rows a rank and stage, counts on the device, no "
+                "control message; not with an FFN group); an attention "
                 "rank's tokens cross the wire padded to the next bucket, and an FFN rank's rows to the bucket of "
                 "their total, so it runs one program per bucket; not with --tp")
 

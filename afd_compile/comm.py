@@ -100,7 +100,7 @@ class AFDCommunicator:
     #: a fixed slot (runtime/slots.py): every transfer of a step is this many rows a peer, and each
     #: attention send carries a header ``[tokens, flags]`` beside its data; None: per-step sizes
     fixed_slot: int | None = None
-    #: an attention rank's header this step (fixed slot), on the exchange's device
+    #: an attention rank's headers this step, one per stage (fixed slot), on the exchange's device
     header_out: torch.Tensor | None = None
     #: an attention rank's transfers, in its program's order (fixed slot: what a step owes)
     schedule: tuple = ()
@@ -232,7 +232,8 @@ class AFDCommunicator:
         if self.role == "attention":
             self.step_log += [(d, layer_idx, stage_idx) for d, xs in (("send", sends), ("recv", recvs)) if xs]
             assert self.header_out is not None
-            return [dist.P2POp(dist.isend, self.header_out, self.peers[0], self.group)] if sends else []
+            head = self.header_out[max(stage_idx, 0)]
+            return [dist.P2POp(dist.isend, head, self.peers[0], self.group)] if sends else []
         if not recvs:
             return []
         buf = self.headers_in.get(recv_at)

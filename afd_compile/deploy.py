@@ -244,8 +244,10 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     else:
         assert work.attention is not None and work.plan is not None
         counter = token_count_for_graph(work.gm, work.plan.cuts[0].token_dims)
-        static = work.static_batch is not None or not attention_bucket_fields(counter, TokenBuckets())
-    slot = check_fixed_slot(buckets, rank=rank, stages=stages, ffn_group_size=layout.ffn_group_size,
+        # (a static count sends its slot as any other; a static batch of fewer sequences than stages
+        # would leave a stage empty, which a fixed slot cannot: every stage crosses)
+        static = work.static_batch is not None and work.static_batch < stages
+    slot = check_fixed_slot(buckets, rank=rank, ffn_group_size=layout.ffn_group_size,
                             static_tokens=static)
     if before_groups is not None:
         group = before_groups() or group
@@ -275,7 +277,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id,
                             control, finish_at_shutdown)
     program, by_stages = lowered(work.attention, work.staged, device, lowering, rank)
-    prepare_slots(comm, slot, device, program, lowering)
+    prepare_slots(comm, slot, device, by_stages[stages] if stages > 1 else program, lowering, stages)
     return AttentionWorker(program, comm, counter, stages=stages, batch_dim=_stage_batch_dim(work.split.attention,
                                                                                             stages),
                            static=work.static_batch is not None, staged=by_stages, wrap=wrap,
@@ -409,7 +411,7 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
         program = load_program(plan.path("ffn")).module()
         check_saved_program(plan, "ffn", program)
         batch = plan.get("static_batch")
-        slot = check_fixed_slot(buckets, rank=rank, stages=stages, ffn_group_size=1,
+        slot = check_fixed_slot(buckets, rank=rank, ffn_group_size=1,
                                 static_tokens=not ffn_bucket_fields(program, TokenBuckets()))
         prepare_slots(comm, slot, device, lowering=lowering)
         fields = ffn_bucket_fields(program, None if slot else buckets)
@@ -421,11 +423,11 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     check_saved_program(plan, "attention", program)
     batch = static_batch(program) if stages != 1 else None
     counter, batch_dim = TokenCount.from_json(plan["token_count"]), _stage_batch_dim(program, stages)
-    slot = check_fixed_slot(buckets, rank=rank, stages=stages, ffn_group_size=1,
-                            static_tokens=batch is not None or not attention_bucket_fields(counter, TokenBuckets()))
+    slot = check_fixed_slot(buckets, rank=rank, ffn_group_size=1,
+                            static_tokens=batch is not None and batch < stages)
     program, by_stages = lowered(program, staged_programs(program, "afd-attention", stages, batch), device, lowering,
                                  rank)
-    prepare_slots(comm, slot, device, program, lowering)
+    prepare_slots(comm, slot, device, by_stages[stages] if stages > 1 else program, lowering, stages)
     return AttentionWorker(program, comm, counter, stages=stages, batch_dim=batch_dim, static=batch is not None,
                            staged=by_stages, **attention_bucket_fields(counter, None if slot else buckets))
 

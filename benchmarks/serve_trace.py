@@ -66,7 +66,7 @@ def main() -> int:
         path = os.path.join(d, "llama_decode.pt2")
         torch.export.save(export_lm(build_hf("llama", num_layers=2), batch=3, seq=1), path)
         fixed = f"fixed:{args.max_batch}"  # every peer's slot the whole capacity, counts on the device
-        runs = [((a, 1), s, b) for a in (2, 3) for s in (1, 2) for b in ("off", "default", fixed) if s == 1 or b != fixed]
+        runs = [((a, 1), s, b) for a in (2, 3) for s in (1, 2) for b in ("off", "default", fixed)]
         runs += [(lay, 1, b) for lay in ((8, 1), (4, 2)) for b in ("off", "default", fixed)]
         cases = [Case(path, AFDLayout(*lay), trace, steps=args.steps, stages=s, buckets=TokenBuckets.parse(b))
                  for lay, s, b in runs]

@@ -267,8 +267,8 @@ def test_a_changing_batch_compiles_each_rank_once():
 
 
 def test_a_batch_is_padded_to_its_bucket_and_cut_back(exported):
-    from afd_compile.backend.pad_batch import BatchPad
     from afd_compile.buckets import TokenBuckets
+    from afd_compile.runtime.pad_batch import BatchPad
 
     gm = exported("llama2")[0].module()
     pad = BatchPad.of(gm, TokenBuckets((2, 4, 8)))

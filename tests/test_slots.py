@@ -33,15 +33,15 @@ def test_a_fixed_slot_parses_and_holds_up_to_its_size() -> None:
             TokenBuckets.parse(bad)
 
 
-@pytest.mark.parametrize("kw, why", [({"stages": 2}, "micro-batch stages > 1"),
-                                     ({"ffn_group_size": 2}, "an FFN TP / EP group"),
-                                     ({"static_tokens": True}, "a static token count")])
+@pytest.mark.parametrize("kw, why", [({"ffn_group_size": 2}, "an FFN TP / EP group"),
+                                     ({"static_tokens": True}, "a static batch of fewer sequences than stages")])
 def test_a_fixed_slot_is_refused_where_it_does_not_apply_naming_why(kw: dict, why: str) -> None:
-    args = {"rank": 3, "stages": 1, "ffn_group_size": 1, "static_tokens": False} | kw
-    with pytest.raises(FixedSlotError, match=f"rank 3: token buckets a fixed slot of 40 rows: .*{re.escape(why)}"):
+    args = {"rank": 3, "ffn_group_size": 1, "static_tokens": False} | kw
+    with pytest.raises(FixedSlotError, match=f"a fixed slot of 40 rows .token buckets. does not apply to rank 3: "
+                                             f"{re.escape(why)}"):
         check_fixed_slot(SLOT, **args)
     assert check_fixed_slot(TokenBuckets(), **args) is None  # (a bucket list: the control message protocol)
-    assert check_fixed_slot(SLOT, rank=0, stages=1, ffn_group_size=1, static_tokens=False) == 40
+    assert check_fixed_slot(SLOT, rank=0, ffn_group_size=1, static_tokens=False) == 40
 
 
 def test_a_peers_step_is_failed_if_any_of_its_headers_says_so() -> None:
@@ -59,7 +59,10 @@ def test_every_step_one_program_no_control_message_and_exact(exported) -> None:
              # an MoE: padded rows and zero-token peers' zeros go through the router and experts, dropped
              Case(moe, AFDLayout(3, 1), TRACE, steps=steps, buckets=SLOT),
              Case(llama, AFDLayout(4, 2), TRACE, steps=steps, buckets=SLOT),  # two FFN ranks, 2 peers each
-             Case(llama, AFDLayout(4, 1, attn_tp=2), TRACE, steps=steps, buckets=SLOT)]  # attention TP slices
+             Case(llama, AFDLayout(4, 1, attn_tp=2), TRACE, steps=steps, buckets=SLOT),  # attention TP slices
+             # micro-batch stages: every stage of every step crosses (a batch of fewer sequences than
+             # stages runs padded to one a stage), the counts per stage in each stage's headers
+             Case(llama, AFDLayout(3, 1), TRACE, steps=steps, buckets=SLOT, stages=3)]
     results = run_cases(cases)
     for case, res in zip(cases, results, strict=True):
         att = [v for v in res.values() if v["role"] == "attention"]
@@ -69,7 +72,8 @@ def test_every_step_one_program_no_control_message_and_exact(exported) -> None:
             ffn = res[f]
             peers = len(case.layout.peers_of_ffn(f))
             # one program for every step (the per-peer sizes never change), nothing read before a step
-            assert ffn["layouts"] == [repr(((40,) * peers, ()))] and ffn["carriers"] == [(40 * peers,)], ffn
+            sizes = ((40,) * peers,) * case.stages if case.stages > 1 else ((40,) * peers, ())
+            assert ffn["layouts"] == [repr(sizes)] and ffn["carriers"] == [(40 * peers,) * case.stages], ffn
             assert ffn["control_reads"] == ffn["device_reads"] == 0 and ffn["steps"] == steps, ffn
 
 
@@ -150,9 +154,14 @@ def test_a_fixed_slot_ffn_program_marks_its_padded_rows_for_the_experts(exported
     assert "mark_slot_rows" in [p.name for p in passes_for(Build("afd-ffn", fixed_slot=True), "lowering")]
     assert "mark_slot_rows" not in [p.name for p in passes_for(Build("afd-ffn"), "lowering")]
     steps = len(TRACE)
-    cases = [Case(exported("qwen3moe2")[1], AFDLayout(3, 1), TRACE, steps=steps, buckets=SLOT, lowered=True)]
-    (res,) = run_cases(cases)
-    att = [v for v in res.values() if v["role"] == "attention"]
-    assert sum(v["compared"] for v in att) >= steps and max(v["max_rel_err"] for v in att) <= 1e-5, res
-    assert res[0]["lowered"]["mark_slot_rows"] == 2, res[0]  # (one experts op a layer)
-    assert res[0]["layouts"] == [repr(((40, 40, 40), ()))] and res[0]["control_reads"] == 0, res[0]
+    moe = exported("qwen3moe2")[1]
+    # (with 2 stages each stage's experts take its own stage's mark: the last stage's, fewer tokens,
+    # would drop real rows of the first; checked to fail so)
+    cases = [Case(moe, AFDLayout(3, 1), TRACE, steps=steps, buckets=SLOT, lowered=True),
+             Case(moe, AFDLayout(2, 1), TRACE, steps=steps, buckets=SLOT, lowered=True, stages=2)]
+    results = run_cases(cases)
+    for res in results:
+        att = [v for v in res.values() if v["role"] == "attention"]
+        assert sum(v["compared"] for v in att) >= steps and max(v["max_rel_err"] for v in att) <= 1e-5, res
+        assert res[0]["lowered"]["mark_slot_rows"] == 2 and res[0]["control_reads"] == 0, res[0]  # (an op a layer)
+    assert results[0][0]["layouts"] == [repr(((40, 40, 40), ()))], results[0][0]

@@ -59,7 +59,7 @@ Options (all optional)::
                        rows to the bucket of its peers' total; "fixed:N": N rows a rank every step,
                        counts on the device, no control message (runtime/slots.py)
     batch_buckets      AFD: an attention rank's batch padded to the next of these numbers of sequences
-                       before its step, the outputs cut back (backend/pad_batch.py): its CUDA graphs
+                       before its step, the outputs cut back (runtime/pad_batch.py): its CUDA graphs
                        one per bucket, not per batch size; "auto" (default): the default buckets when
                        its program is captured in CUDA graphs, else none; "off", or sizes
     ffn_capture        AFD on CUDA: "all" (default): an FFN rank compiles one program per bucket of
@@ -426,7 +426,7 @@ def _padded_step(worker: Any, value: Any, device: torch.device, cudagraphs: bool
     in CUDA graphs); a step whose padded tokens a fixed wire slot cannot hold runs as it came."""
     from ..buckets import TokenBuckets
     from ..runtime import GroupSlice
-    from .pad_batch import BatchPad
+    from ..runtime.pad_batch import BatchPad
 
     if value == "auto":
         value = device.type == "cuda" and cudagraphs is not False

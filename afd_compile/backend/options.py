@@ -101,7 +101,7 @@ class AFDOptions:
     ffn_capture: str = "all"
     check_wire: bool | None = None
     #: an attention rank's batch padded to the next of these numbers of sequences before its step,
-    #: the outputs cut back (backend/pad_batch.py): its CUDA graphs are one per bucket, not per
+    #: the outputs cut back (runtime/pad_batch.py): its CUDA graphs are one per bucket, not per
     #: batch size; "auto": the default buckets when its program is captured in CUDA graphs
     batch_buckets: str | bool | tuple[int, ...] = "auto"
 

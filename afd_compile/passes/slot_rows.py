@@ -19,10 +19,11 @@ After::
     where = aten.where(unsqueeze, ids, E)                      # padded rows: no expert
     moe = afd.moe_experts(x, where, weights, w_gate_up, w_down, ...)
 
-Every layer's counts are the step's, so one mark serves all. A dense FFN has nothing to mark:
-its padded rows are computed (benchmarks/slot_padding.py measures what that costs). Applies to
-an FFN program of one stage whose experts take its received rows as they came (no FFN group: a
-fixed slot is refused with one).
+Every layer's counts are the step's, so one mark serves all of a micro-batch stage's layers (a
+staged program: one mark a stage, each experts op taking its stage's, ``node.meta['afd.stage']``).
+A dense FFN has nothing to mark: its padded rows are computed (benchmarks/slot_padding.py
+measures what that costs). Applies to an FFN program whose experts take its received rows as they
+came (no FFN group: a fixed slot is refused with one).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .. import meta_keys
 
 afd = torch.ops.afd
 META = meta_keys.SLOT_ROWS
+STAGE = meta_keys.STAGE
 _RECEIVES = (afd.p2p_recv_group.default,)
 
 
@@ -64,20 +66,27 @@ def mark_slot_rows(gm: fx.GraphModule) -> list[SlotRows]:
     """Mark the padded rows of each ``afd::moe_experts`` of ``gm`` (in place; module docstring);
     the ops marked (none: a dense FFN, or no receive)."""
     graph = gm.graph
-    recv = next((n for n in graph.nodes if n.target in _RECEIVES), None)
     moes = [n for n in graph.nodes if n.target == afd.moe_experts.default]
-    if recv is None or not moes:
-        return []
-    first = next((u for u in recv.users if u.target is operator.getitem and u.args[1] == 0), None)
-    if first is None:
-        with graph.inserting_after(recv):
-            first = graph.call_function(operator.getitem, (recv, 0))
-    with graph.inserting_after(first):
-        rows = graph.call_function(afd.slot_rows.default, (first, recv.args[1], recv.args[2], recv.args[3]))
+    marks: dict[int, fx.Node] = {}  # per micro-batch stage: its real rows, after its first receive
+    for recv in [n for n in graph.nodes if n.target in _RECEIVES] if moes else []:
+        stage = int(recv.args[3])
+        if stage in marks:
+            continue
+        first = next((u for u in recv.users if u.target is operator.getitem and u.args[1] == 0), None)
+        if first is None:
+            with graph.inserting_after(recv):
+                first = graph.call_function(operator.getitem, (recv, 0))
+        with graph.inserting_after(first):
+            marks[stage] = graph.call_function(afd.slot_rows.default, (first, recv.args[1], recv.args[2], stage))
     out = []
-    for moe in moes:
+    for moe in moes if marks else []:
         ids = moe.args[1]
         assert isinstance(ids, fx.Node)
+        stage = int(moe.meta.get(STAGE, 0))  # (a staged program's copy of a node names its stage)
+        if stage not in marks:
+            raise ValueError(f"slot_rows: {moe.name} computes micro-batch stage {stage}, which no receive of the "
+                             f"program feeds (stages received: {sorted(marks)})")
+        rows = marks[stage]
         e = _experts(gm, moe.args[3])
         with graph.inserting_before(moe):
             col = graph.call_function(torch.ops.aten.unsqueeze.default, (rows, -1))

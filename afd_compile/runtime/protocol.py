@@ -174,8 +174,8 @@ class AttentionWorker:
         # an attention TP rank whose slice is empty still runs: its group's collectives need it
         total = slice_of.total(inputs) if slice_of is not None else self.count_tokens(inputs)
         n = slice_of.of(total) if slice_of is not None else total
-        if self.comm.fixed_slot is not None:  # (one stage: slots.check_fixed_slot)
-            return self._fixed_step(inputs, n, total)
+        if self.comm.fixed_slot is not None:
+            return self._fixed_step(inputs, n, total, slice_of)
         if self.stages == 1:
             slot = self.slot(n)
             send_control(self.comm, slot)
@@ -202,21 +202,42 @@ class AttentionWorker:
         dev = inputs[self.batch_dim[0]].device
         return self.program_for(len(rows))(*inputs, *(torch.empty(r, 0, device=dev) for r in rows))
 
-    def _fixed_step(self, inputs: Sequence[torch.Tensor], n: int, total: int) -> Any:
-        """A step in a fixed slot (runtime/slots.py): its header, then the program (its sends carry
-        the header); with no token, a step of zeros (the FFN rank receives every step)."""
-        comm, slot = self.comm, self.comm.fixed_slot
+    def _fixed_step(self, inputs: Sequence[torch.Tensor], n: int, total: int, slice_of: GroupSlice | None) -> Any:
+        """A step in a fixed slot (runtime/slots.py): its headers, then the program (its sends carry
+        them); every stage runs (an empty micro-batch sends its slot of zeros), and with no token
+        the step is all zeros (the FFN rank receives every stage of every step)."""
+        comm, slot, flags = self.comm, self.comm.fixed_slot, int(self.comm.check_wire) | (self.stages - 1) << 1
         assert slot is not None
-        slots.set_header(comm, n, int(comm.check_wire))
-        if n > slot:
-            raise slots.FixedSlotError(f"afd: attention rank {comm.rank}: {n} tokens this step, more than the fixed "
-                                       f"slot of {slot} rows; give a larger slot ('fixed:N', N the most tokens a "
-                                       "rank sends in a step) or a bucket list")
-        comm.set_step({0: (n,)}, {0: slot})
+        counts, rows = [n], []
+        if self.stages > 1:
+            assert self.batch_dim is not None
+            batch = int(inputs[self.batch_dim[0]].shape[self.batch_dim[1]])
+            if 0 < batch < self.stages:  # (every stage runs: a sequence each, the last repeated, its outputs dropped)
+                from ..buckets import TokenBuckets
+                from .pad_batch import BatchPad
+
+                pad = BatchPad.of(self.program, TokenBuckets((self.stages,)))
+                assert isinstance(pad, BatchPad), pad
+                padded, _ = pad.pad(inputs)
+                more = self.count_tokens.total(padded) if slice_of is not None else self.count_tokens(padded)
+                return pad.cut(self._fixed_step(padded, slice_of.of(more) if slice_of else more, more, slice_of),
+                               batch)
+            per_seq = total // batch if batch else 0
+            rows = [end - start for start, end in micro_batches([per_seq] * batch, self.stages)]
+            counts = [r * per_seq if slice_of is None else slice_of.of(r * per_seq) for r in rows]
+        slots.set_header(comm, counts, flags)
+        if max(counts) > slot:
+            raise slots.FixedSlotError(f"afd: attention rank {comm.rank}: {max(counts)} tokens in a stage of this "
+                                       f"step, more than the fixed slot of {slot} rows; give a larger slot "
+                                       "('fixed:N', N the most tokens a rank sends in a stage) or a bucket list")
+        comm.set_step({s: (c,) for s, c in enumerate(counts)}, {s: slot for s in range(self.stages)})
         if total == 0:
-            slots.owe(comm, 0, int(comm.check_wire))
+            slots.owe(comm, 0, flags)
             return None
-        return self.program_for(1)(*inputs)
+        if self.stages == 1 or self.static:  # (a static batch's micro-batches are fixed: no carriers)
+            return self.program_for(self.stages)(*inputs)
+        dev = inputs[self.batch_dim[0]].device
+        return self.program_for(self.stages)(*inputs, *(torch.empty(r, 0, device=dev) for r in rows))
 
     def stop(self) -> None:
         if _FAILED_STEP is not None:
@@ -443,17 +464,20 @@ class FFNWorker:
         if not live:
             return None
         sizes = tuple(0 if p in self.left else slot for p in comm.peers)
-        comm.set_step({0: sizes})
-        self.step_counts = (sizes, ())
-        self._launch(self.program_for(1), [torch.empty(sum(sizes), 0, device=self.device)])
+        comm.set_step(dict.fromkeys(range(self.stages), sizes))
+        self.step_counts = (sizes,) * self.stages if self.stages > 1 else (sizes, ())
+        carriers = [torch.empty(sum(sizes), 0, device=self.device) for _ in range(self.stages)]
+        self._launch(self.program_for(self.stages), carriers)
         heads = slots.read_headers(comm, live)
         self.header_reads += 1
-        counts = self._check_control({p: slots.step_message(h, FAILED) for p, h in heads.items()})
+        counts = self._check_control({p: slots.step_message(h.values(), FAILED) for p, h in heads.items()})
         if counts is None:  # (the last peers' stop: a step of zeros, not one served)
             return None
-        if max(counts) > slot:
-            raise ControlError(f"afd: FFN rank {comm.rank}: a header says {max(counts)} tokens, more than the fixed "
-                               f"slot of {slot} rows")
+        over = [(p, t) for p, h in heads.items() for t, _ in h.values() if t > slot]
+        if over:
+            raise ControlError(f"afd: FFN rank {comm.rank}: attention rank {over[0][0]}'s header says {over[0][1]} "
+                               f"tokens, more than the fixed slot of {slot} rows")
+        counts = tuple(slots.step_tokens(heads[p]) if p in heads else 0 for p in comm.peers)
         if on_step:
             on_step(counts)
         return counts

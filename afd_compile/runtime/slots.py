@@ -51,38 +51,41 @@ class WireStep:
 
 
 def wire_schedule(program: fx.GraphModule) -> tuple[WireStep, ...]:
-    """The transfers of an (unstaged) attention program, in the order it makes them."""
+    """The transfers of an attention program (a staged one: of every micro-batch), in the order it
+    posts them."""
     ops = torch.ops.afd
     out = []
     for n in program.graph.nodes:
-        if n.target is ops.p2p_send.default:
+        if n.target in (ops.p2p_send.default, ops.p2p_send_start.default):
             out.append(WireStep("send", int(n.args[2]), int(n.args[3]), str(n.args[4])))
-        elif n.target is ops.p2p_recv.default:
+        elif n.target in (ops.p2p_recv.default, ops.p2p_recv_start.default):
             out.append(WireStep("recv", int(n.args[2]), int(n.args[3]), str(n.args[5])))
     return tuple(out)
 
 
-def check_fixed_slot(buckets: TokenBuckets | None, *, rank: int, stages: int, ffn_group_size: int,
+def check_fixed_slot(buckets: TokenBuckets | None, *, rank: int, ffn_group_size: int,
                      static_tokens: bool) -> int | None:
     """The slot of a fixed-slot deployment (None: buckets are not a fixed slot), refused where
     the fixed slot does not apply yet, naming what to change. Every rank decides alike."""
     slot = buckets.fixed_slot if buckets is not None else None
     if slot is None:
         return None
-    why = ("micro-batch stages > 1" if stages > 1 else "an FFN TP / EP group" if ffn_group_size > 1
-           else "a static token count (a static export, or a static KV cache's batch)" if static_tokens else None)
+    why = ("an FFN TP / EP group" if ffn_group_size > 1
+           else "a static batch of fewer sequences than stages, or an FFN program of static rows" if static_tokens
+           else None)
     if why:
-        raise FixedSlotError(f"rank {rank}: token buckets {buckets}: a fixed slot does not apply to {why} yet; use a "
+        raise FixedSlotError(f"afd: {buckets} (token buckets) does not apply to rank {rank}: {why} (not yet); use a "
                              "bucket list (buckets='default' or sizes), whose per-step control message serves it")
     return slot
 
 
 def prepare(comm: AFDCommunicator, slot: int | None, device: torch.device,
-            program: fx.GraphModule | None = None, lowering: Build | None = None) -> None:
+            program: fx.GraphModule | None = None, lowering: Build | None = None, stages: int = 1) -> None:
     """Make ``comm`` exchange fixed slots of ``slot`` rows (None: nothing to do): an attention
-    rank's communicator gets its header and the transfers of its ``program`` (what a step it
-    cannot finish still owes). ``lowering``: the build the rank's programs were lowered by, which
-    must agree (an FFN program lowered for a fixed slot reads its headers)."""
+    rank's communicator gets its header (one per micro-batch stage) and the transfers of its
+    ``program`` (the program of every stage: what a step it cannot finish still owes).
+    ``lowering``: the build the rank's programs were lowered by, which must agree (an FFN program
+    lowered for a fixed slot reads its headers)."""
     if lowering is not None and lowering.fixed_slot != (slot is not None):
         raise FixedSlotError(f"rank {comm.rank}: its programs were lowered {'for' if lowering.fixed_slot else 'without'}"
                              f" a fixed slot, its wire {'is one' if slot is not None else 'is not one'}: build both "
@@ -97,13 +100,14 @@ def prepare(comm: AFDCommunicator, slot: int | None, device: torch.device,
     if comm.role == "attention":
         assert program is not None
         comm.schedule = wire_schedule(program)
-        comm.header_out = torch.zeros(2, dtype=torch.int64, device=device)
+        comm.header_out = torch.zeros(stages, 2, dtype=torch.int64, device=device)
 
 
-def set_header(comm: AFDCommunicator, tokens: int, flags: int) -> None:
-    """This step's header of an attention rank: what every send of the step carries."""
+def set_header(comm: AFDCommunicator, tokens: Sequence[int], flags: int) -> None:
+    """This step's headers of an attention rank, its tokens per stage: what every send of a stage
+    carries."""
     assert comm.header_out is not None
-    comm.header_out.copy_(torch.tensor([tokens, flags], dtype=torch.int64))
+    comm.header_out.copy_(torch.tensor([[n, flags] for n in tokens], dtype=torch.int64))
     comm.step_log.clear()
 
 
@@ -120,31 +124,42 @@ def owe(comm: AFDCommunicator, tokens: int, flags: int) -> None:
         raise FixedSlotError(f"afd: attention rank {comm.rank}: its step's transfers {comm.step_log} are not the "
                              f"start of its schedule; the step cannot be completed for FFN rank {comm.peers[0]}")
     rest = comm.schedule[len(comm.step_log):]
-    comm.header_out.copy_(torch.tensor([tokens, flags], dtype=torch.int64))
+    comm.header_out.copy_(torch.tensor([tokens, flags], dtype=torch.int64).expand_as(comm.header_out))
     dev, peer, slot = comm.header_out.device, comm.peers[0], comm.fixed_slot
+    where = f"afd: attention rank {comm.rank}, the owed transfers of its step"
+    works, held = [], []  # (all posted in the program's order, then waited on: the FFN rank takes them in its own)
     for s in rest:
         spec = WireSpec.parse(s.spec)
         bufs = [(torch.zeros(w.shape(slot), dtype=w.dtype, device=dev), peer, w.kind) for w in spec.tensors]
         sends, recvs = (bufs, []) if s.direction == "send" else ([], bufs)
-        comm.exchange(sends, recvs, layer_idx=s.layer, stage_idx=s.stage,
-                      where=f"afd: attention rank {comm.rank}, the owed transfers of its step")
+        works += comm.start(sends, recvs, layer_idx=s.layer, stage_idx=s.stage, where=where)
+        held += bufs
+    comm.wait(works, where, held)
+    comm.in_flight.clear()
     comm.step_log.clear()
 
 
-def read_headers(comm: AFDCommunicator, live: Sequence[int]) -> dict[int, list[tuple[int, int]]]:
+def read_headers(comm: AFDCommunicator, live: Sequence[int]) -> dict[int, dict[tuple[int, int], tuple[int, int]]]:
     """An FFN rank's headers of the step just run: per live peer, ``(tokens, flags)`` of each of
-    its transfers (one device-to-host copy, after the step's own work)."""
-    if not comm.headers_in:
-        return {p: [] for p in live}
+    its transfers by (layer, stage) (one device-to-host copy, after the step's own work)."""
     keys = sorted(comm.headers_in)
+    if not keys:
+        return {p: {} for p in live}
     got = torch.stack([comm.headers_in[k] for k in keys]).tolist()  # [transfers, peers, 2]
     index = {p: i for i, p in enumerate(comm.peers)}
-    return {p: [(int(h[index[p]][0]), int(h[index[p]][1])) for h in got] for p in live}
+    return {p: {k: (int(h[index[p]][0]), int(h[index[p]][1])) for k, h in zip(keys, got, strict=True)} for p in live}
+
+
+def step_tokens(headers: dict[tuple[int, int], tuple[int, int]]) -> int:
+    """A peer's tokens this step: its first layer's header of each stage, summed."""
+    first = min((layer for layer, _ in headers), default=0)
+    return sum(max(t, 0) for (layer, _), (t, _) in headers.items() if layer == first)
 
 
 def step_message(headers: Sequence[tuple[int, int]], failed: int) -> list[int]:
     """A peer's step as one control message ``[tokens, flags]``: ``failed`` if any of its
     headers says so (its step raised part way), else its first header's."""
+    headers = list(headers)
     if any(t == failed for t, _ in headers):
         return [failed, 0]
     return list(headers[0])

@@ -1,4 +1,5 @@
-"""An attention rank's batch padded to a capture size (backend option ``batch_buckets``).
+"""An attention rank's batch padded to a capture size (backend option ``batch_buckets``; and,
+under a fixed slot with micro-batch stages, to one sequence a stage).
 
 An attention rank's program is compiled once for the symbolic batch, but Inductor's CUDA graphs
 record one graph per batch size a step brings (CUDA graph trees key by input shapes). As vLLM
@@ -27,7 +28,7 @@ import torch.fx as fx
 
 from ..buckets import TokenBuckets
 
-log = logging.getLogger("afd_compile.backend")
+log = logging.getLogger("afd_compile.runtime")
 
 
 @dataclass(frozen=True)
