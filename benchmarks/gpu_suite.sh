@@ -164,6 +164,8 @@ if [[ $SECTIONS == *" one "* || $SECTIONS == *" moe "* ]]; then  # issue 34: the
   # a fixed wire slot's padded rows on the FFN side: MoE (masked or not) and dense, against exact rows
   TAIL=12 run one_slot_padding python3 benchmarks/slot_padding.py --json "$OUT/one_slot_padding.json"
   TAIL=8 run one_slot_program_step python3 benchmarks/slot_program_step.py --json "$OUT/one_slot_program_step.json"
+  # an attention rank's CUDA graphs over a changing batch, its batch as it came or padded to buckets
+  TAIL=6 run one_attention_graphs python3 benchmarks/attention_graphs.py --json "$OUT/one_attention_graphs.json"
   TAIL=8 run one_moe_ffn python3 benchmarks/moe_ffn.py --json "$OUT/one_moe_ffn.json"
   TAIL=9 run one_moe_kernels python3 benchmarks/moe_kernels.py --json "$OUT/one_moe_kernels.json"
   TAIL=12 run one_moe_kernels_split python3 benchmarks/moe_kernels.py --split --tokens 64,256,1024 --json "$OUT/one_moe_kernels_split.json"
