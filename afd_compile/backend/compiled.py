@@ -243,7 +243,7 @@ class PerLayout:
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
         from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+        from torch.fx.experimental.symbolic_shapes import PendingUnbackedSymbolNotFound, ShapeEnv
 
         t0 = time.perf_counter()
         patches = {"post_grad_custom_post_pass": _custom_pass(f"{self.cache_key}/{pipeline_id(self.build)}"),
@@ -278,6 +278,16 @@ class PerLayout:
             with inductor_config.patch(patches), tracing(context), torch.no_grad(), \
                     _static_inputs(self.program, self.static):
                 fn = compile_fx(self.program, fake)
+        except PendingUnbackedSymbolNotFound as e:
+            if not isinstance(held, tuple):
+                _dump_program(self.program, inputs, self.name)
+                raise
+            # (the traced shape environment holds data-dependent sizes its trace never bound: an EP
+            # group's all-to-all row counts; a fresh one per layout binds them afresh)
+            log.info("afd: %s: compiled once per token layout, not for a symbolic batch: its traced sizes hold "
+                     "data-dependent ones the compile cannot bind (%s)", self.name, str(e).splitlines()[0][:120])
+            self.symbolic = False
+            return self._compile(inputs)
         except Exception:
             _dump_program(self.program, inputs, self.name)
             raise
