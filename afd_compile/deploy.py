@@ -41,6 +41,7 @@ from .runtime import (
     group_key,
     process_group,
 )
+from .runtime.pad_batch import BatchPad
 from .runtime.slots import check_fixed_slot
 from .runtime.slots import prepare as prepare_slots
 from .scatter import TPLayout
@@ -281,7 +282,37 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     return AttentionWorker(program, comm, counter, stages=stages, batch_dim=_stage_batch_dim(work.split.attention,
                                                                                             stages),
                            static=work.static_batch is not None, staged=by_stages, wrap=wrap,
+                           batch_pad=_stage_pad(program, slot, stages),
                            **attention_bucket_fields(counter, None if slot else buckets))
+
+
+def batch_pad(program: fx.GraphModule, buckets: TokenBuckets, static: Sequence[int] = ()) -> BatchPad | str:
+    """Where ``program``'s batch is, to pad it to ``buckets`` (runtime/pad_batch.py), or why it
+    cannot be padded (a static batch; an input it updates in place, a KV cache, holds it)."""
+    from .passes.graph_utils import batch_symbol_dims
+
+    key, dims = batch_symbol_dims(program)
+    if key is None:
+        return "its batch is static"
+    if any(i in static for i, _ in dims):
+        return "an input it updates in place (a KV cache) holds the batch"
+    out = next(n for n in program.graph.nodes if n.op == "output").args[0]
+    carried = []
+    for j, node in enumerate(out if isinstance(out, (list, tuple)) else [out]):
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            carried += [(j, d) for d, size in enumerate(val.shape) if isinstance(size, torch.SymInt)
+                        and str(size.node.expr) == key]
+    return BatchPad(buckets, tuple(dims), tuple(carried))
+
+
+def _stage_pad(program: fx.GraphModule, slot: int | None, stages: int) -> BatchPad | None:
+    """A fixed slot's staged attention worker: its batch padded to one sequence a stage when it
+    has fewer (every stage crosses)."""
+    if slot is None or stages == 1:
+        return None
+    pad = batch_pad(program, TokenBuckets((stages,)))
+    return pad if isinstance(pad, BatchPad) else None
 
 
 def rank_work(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitConfig, stages: int = 1,
@@ -429,7 +460,8 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
                                  rank)
     prepare_slots(comm, slot, device, by_stages[stages] if stages > 1 else program, lowering, stages)
     return AttentionWorker(program, comm, counter, stages=stages, batch_dim=batch_dim, static=batch is not None,
-                           staged=by_stages, **attention_bucket_fields(counter, None if slot else buckets))
+                           staged=by_stages, batch_pad=_stage_pad(program, slot, stages),
+                           **attention_bucket_fields(counter, None if slot else buckets))
 
 
 def load_rewritten_rank(outdir: str, rank: int, device: torch.device | None = None,

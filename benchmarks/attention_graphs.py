@@ -56,12 +56,11 @@ def main() -> int:
     from afd_compile.backend import PerLayout
     from afd_compile.buckets import TokenBuckets
     from afd_compile.comm import AFDCommunicator, register_communicator
-    from afd_compile.deploy import token_count_for_graph
+    from afd_compile.deploy import batch_pad, token_count_for_graph
     from afd_compile.layout import AFDLayout
     from afd_compile.models import build_hf, export_lm
     from afd_compile.pipeline import Build, lower
     from afd_compile.runtime import AttentionWorker
-    from afd_compile.runtime.pad_batch import BatchPad
     from afd_compile.runtime.slots import prepare
     from afd_compile.split_api import split
 
@@ -97,7 +96,7 @@ def main() -> int:
             prepare(comm, slot, dev, prog)
             worker = AttentionWorker(prog, comm, counter, wrap=lambda p, c=compiled: (
                 lambda *x: c(tuple(tuple(t.shape) for t in x), *x)))
-            pad = BatchPad.of(prog, TokenBuckets()) if way != "as it came" else None
+            pad = batch_pad(prog, TokenBuckets()) if way != "as it came" else None
             assert not isinstance(pad, str), pad
 
             def step(b: int, worker=worker, pad=pad):

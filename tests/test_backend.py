@@ -268,10 +268,11 @@ def test_a_changing_batch_compiles_each_rank_once():
 
 def test_a_batch_is_padded_to_its_bucket_and_cut_back(exported):
     from afd_compile.buckets import TokenBuckets
+    from afd_compile.deploy import batch_pad
     from afd_compile.runtime.pad_batch import BatchPad
 
     gm = exported("llama2")[0].module()
-    pad = BatchPad.of(gm, TokenBuckets((2, 4, 8)))
+    pad = batch_pad(gm, TokenBuckets((2, 4, 8)))
     assert isinstance(pad, BatchPad) and pad.inputs == ((0, 0),) and pad.outputs == ((0, 0),), pad
     ids = torch.randint(0, 128, (3, 5))
     (padded,), batch = pad.pad([ids])
@@ -280,9 +281,9 @@ def test_a_batch_is_padded_to_its_bucket_and_cut_back(exported):
     cut, cut_tuple = pad.cut(out, batch), pad.cut((out,), batch)
     assert cut.shape[0] == 3 and torch.equal(cut, out[:3]) and torch.equal(cut_tuple[0], cut)
     torch.testing.assert_close(cut, gm(ids))  # (attention is per sequence: the real rows unchanged)
-    assert BatchPad.of(gm, TokenBuckets(), static=[0]) == "an input it updates in place (a KV cache) holds the batch"
+    assert batch_pad(gm, TokenBuckets(), static=[0]) == "an input it updates in place (a KV cache) holds the batch"
     static = torch.export.export(gm, (ids,)).module()
-    assert BatchPad.of(static, TokenBuckets()) == "its batch is static"
+    assert batch_pad(static, TokenBuckets()) == "its batch is static"
 
 
 @pytest.mark.slow

@@ -425,13 +425,14 @@ def _padded_step(worker: Any, value: Any, device: torch.device, cudagraphs: bool
     option ``batch_buckets`` asks for it ("auto": the default buckets when its program is captured
     in CUDA graphs); a step whose padded tokens a fixed wire slot cannot hold runs as it came."""
     from ..buckets import TokenBuckets
+    from ..deploy import batch_pad
     from ..runtime import GroupSlice
     from ..runtime.pad_batch import BatchPad
 
     if value == "auto":
         value = device.type == "cuda" and cudagraphs is not False
     buckets = TokenBuckets.parse(value)
-    pad = BatchPad.of(worker.program, buckets, static) if buckets is not None else None
+    pad = batch_pad(worker.program, buckets, static) if buckets is not None else None
     if isinstance(pad, str):
         log.info("afd: rank %d attention: its batch is not padded to capture sizes: %s", rank, pad)
     if not isinstance(pad, BatchPad):

@@ -18,47 +18,23 @@ program updates in place: a KV cache) the batch is not padded, said once at INFO
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx as fx
 
 from ..buckets import TokenBuckets
-
-log = logging.getLogger("afd_compile.runtime")
 
 
 @dataclass(frozen=True)
 class BatchPad:
     """Where a program's batch is: the (input, dim) and (output, dim) pairs that carry it, and the
-    buckets it is padded to."""
+    buckets it is padded to (:func:`afd_compile.deploy.batch_pad` finds them in a program)."""
 
     buckets: TokenBuckets
     inputs: tuple[tuple[int, int], ...]
     outputs: tuple[tuple[int, int], ...]
-
-    @staticmethod
-    def of(program: fx.GraphModule, buckets: TokenBuckets, static: Sequence[int] = ()) -> BatchPad | str:
-        """The padding of ``program``'s batch, or why it cannot be padded."""
-        from ..passes.graph_utils import batch_symbol_dims
-
-        key, dims = batch_symbol_dims(program)
-        if key is None:
-            return "its batch is static"
-        if any(i in static for i, _ in dims):
-            return "an input it updates in place (a KV cache) holds the batch"
-        out = next(n for n in program.graph.nodes if n.op == "output").args[0]
-        outs = out if isinstance(out, (list, tuple)) else [out]
-        carried = []
-        for j, node in enumerate(outs):
-            val = node.meta.get("val") if isinstance(node, fx.Node) else None
-            if isinstance(val, torch.Tensor):
-                carried += [(j, d) for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt)
-                            and str(s.node.expr) == key]
-        return BatchPad(buckets, tuple(dims), tuple(carried))
 
     def pad(self, inputs: Sequence[Any]) -> tuple[list[Any], int]:
         """``inputs`` with the batch padded to its bucket (the last sequence repeated); the real

@@ -31,6 +31,7 @@ from ..errors import AFDCompileError
 from ..layout import micro_batches
 from . import slots
 from .dist import forget_groups
+from .pad_batch import BatchPad
 from .tokens import GroupSlice, TokenCount
 
 log = logging.getLogger("afd_compile.runtime")
@@ -146,6 +147,8 @@ class AttentionWorker:
     #: the granularity of the token count (its static factor: a static batch of a static cache);
     #: the FFN program views the tokens in groups of it
     slot_unit: int = 1
+    #: a fixed slot with stages: how a batch of fewer sequences than stages is padded to one a stage
+    batch_pad: BatchPad | None = None
 
     def slot(self, n: int) -> int:
         """The rows ``n`` tokens take on the wire this step."""
@@ -213,11 +216,10 @@ class AttentionWorker:
             assert self.batch_dim is not None
             batch = int(inputs[self.batch_dim[0]].shape[self.batch_dim[1]])
             if 0 < batch < self.stages:  # (every stage runs: a sequence each, the last repeated, its outputs dropped)
-                from ..buckets import TokenBuckets
-                from .pad_batch import BatchPad
-
-                pad = BatchPad.of(self.program, TokenBuckets((self.stages,)))
-                assert isinstance(pad, BatchPad), pad
+                pad = self.batch_pad
+                if pad is None:
+                    raise slots.FixedSlotError(f"afd: attention rank {comm.rank}: {batch} sequences for {self.stages} "
+                                               "stages, and no way to pad its batch was built (deploy builds it)")
                 padded, _ = pad.pad(inputs)
                 more = self.count_tokens.total(padded) if slice_of is not None else self.count_tokens(padded)
                 return pad.cut(self._fixed_step(padded, slice_of.of(more) if slice_of else more, more, slice_of),
