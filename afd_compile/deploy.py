@@ -278,7 +278,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id,
                             control, finish_at_shutdown)
     program, by_stages = lowered(work.attention, work.staged, device, lowering, rank)
-    prepare_slots(comm, slot, device, by_stages[stages] if stages > 1 else program, lowering, stages)
+    prepare_slots(comm, slot, device, by_stages.get(stages, program), lowering, stages)
     return AttentionWorker(program, comm, counter, stages=stages, batch_dim=_stage_batch_dim(work.split.attention,
                                                                                             stages),
                            static=work.static_batch is not None, staged=by_stages, wrap=wrap,
@@ -458,7 +458,7 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
                             static_tokens=batch is not None and batch < stages)
     program, by_stages = lowered(program, staged_programs(program, "afd-attention", stages, batch), device, lowering,
                                  rank)
-    prepare_slots(comm, slot, device, by_stages[stages] if stages > 1 else program, lowering, stages)
+    prepare_slots(comm, slot, device, by_stages.get(stages, program), lowering, stages)
     return AttentionWorker(program, comm, counter, stages=stages, batch_dim=batch_dim, static=batch is not None,
                            staged=by_stages, batch_pad=_stage_pad(program, slot, stages),
                            **attention_bucket_fields(counter, None if slot else buckets))
