@@ -165,3 +165,13 @@ def test_a_fixed_slot_ffn_program_marks_its_padded_rows_for_the_experts(exported
         assert sum(v["compared"] for v in att) >= steps and max(v["max_rel_err"] for v in att) <= 1e-5, res
         assert res[0]["lowered"]["mark_slot_rows"] == 2 and res[0]["control_reads"] == 0, res[0]  # (an op a layer)
     assert results[0][0]["layouts"] == [repr(((40, 40, 40), ()))], results[0][0]
+
+
+def test_a_fixed_slot_takes_no_count_in_a_control_message() -> None:
+    from afd_compile.comm import AFDCommunicator
+    from afd_compile.runtime import ControlError, send_control
+
+    comm = AFDCommunicator("attention", 1, (0,), fixed_slot=8)
+    with pytest.raises(ControlError, match=r"attention rank 1 sends its fixed slot's counts .* got 5"):
+        send_control(comm, 5)
+    assert not comm.stopped

@@ -444,7 +444,7 @@ def _padded_step(worker: Any, value: Any, device: torch.device, cudagraphs: bool
         padded, batch = pad.pad(inputs)
         if slot is not None and count(padded) > slot:
             padded = list(inputs)
-        STATS["batches_padded"] += padded[0] is not inputs[0]
+        STATS["batches_padded"] += any(p is not x for p, x in zip(padded, inputs, strict=True))
         return pad.cut(worker.step(*padded), batch)
 
     return step

@@ -271,7 +271,9 @@ def send_control(comm: AFDCommunicator, n: int, stage_counts: Sequence[int] | No
     stages = len(stage_counts) if stage_counts is not None else 1
     flags = int(comm.check_wire) | (stages - 1) << 1
     if comm.fixed_slot is not None:  # (a fixed slot tells only a STOP, in band: a step of zeros)
-        assert n == STOP, "a fixed slot's steps carry their counts in their headers"
+        if n != STOP:
+            raise ControlError(f"afd: attention rank {comm.rank} sends its fixed slot's counts in the headers of its "
+                               f"transfers; a control message can only say STOP ({STOP}), got {n}")
         comm.step_log.clear()
         slots.owe(comm, STOP, flags)
         comm.stopped = True
