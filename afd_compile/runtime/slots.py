@@ -107,8 +107,17 @@ def set_header(comm: AFDCommunicator, tokens: Sequence[int], flags: int) -> None
     """This step's headers of an attention rank, its tokens per stage: what every send of a stage
     carries."""
     assert comm.header_out is not None
-    comm.header_out.copy_(torch.tensor([[n, flags] for n in tokens], dtype=torch.int64))
+    _fill_header(comm.header_out, tokens, flags)
     comm.step_log.clear()
+
+
+def _fill_header(header: torch.Tensor, tokens: Sequence[int], flags: int) -> None:
+    """``header[s] = [tokens[s], flags]`` by fills with scalar arguments: on CUDA kernel launches that
+    wait for nothing (a copy from a host tensor would wait for the stream's queued work: the
+    previous step's, on every step)."""
+    for s, n in enumerate(tokens):
+        header[s, 0].fill_(n)
+    header[:, 1].fill_(flags)
 
 
 def owe(comm: AFDCommunicator, tokens: int, flags: int) -> None:
@@ -124,7 +133,7 @@ def owe(comm: AFDCommunicator, tokens: int, flags: int) -> None:
         raise FixedSlotError(f"afd: attention rank {comm.rank}: its step's transfers {comm.step_log} are not the "
                              f"start of its schedule; the step cannot be completed for FFN rank {comm.peers[0]}")
     rest = comm.schedule[len(comm.step_log):]
-    comm.header_out.copy_(torch.tensor([tokens, flags], dtype=torch.int64).expand_as(comm.header_out))
+    _fill_header(comm.header_out, [tokens] * comm.header_out.shape[0], flags)
     dev, peer, slot = comm.header_out.device, comm.peers[0], comm.fixed_slot
     where = f"afd: attention rank {comm.rank}, the owed transfers of its step"
     works, held = [], []  # (all posted in the program's order, then waited on: the FFN rank takes them in its own)
