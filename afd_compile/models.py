@@ -114,10 +114,12 @@ def build_hf(family: str, num_layers: int = 2, seed: int = 0, **overrides: Any) 
 
 
 def export_lm(model: torch.nn.Module, batch: int = 2, seq: int = 5, *, dynamic: bool = True,
-              vocab_size: int = 128, seed: int = 0) -> torch.export.ExportedProgram:
-    """Export with ``input_ids`` of shape (batch, seq); batch and sequence dynamic by default."""
+              vocab_size: int = 128, seed: int = 0, device: torch.device | str = "cpu"
+              ) -> torch.export.ExportedProgram:
+    """Export with ``input_ids`` of shape (batch, seq) on ``device`` (the model's: constants the
+    trace creates, such as rotary positions, are made there); batch and sequence dynamic by default."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
+    ids = torch.randint(0, vocab_size, (batch, seq), generator=g).to(device)
     shapes = None
     if dynamic:
         # batch is the dimension the split relies on; the sequence is AUTO: dynamic where the
