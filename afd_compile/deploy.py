@@ -42,7 +42,7 @@ from .runtime import (
     process_group,
 )
 from .runtime.pad_batch import BatchPad
-from .runtime.slots import check_fixed_slot
+from .runtime.slots import GroupAgreement, check_fixed_slot
 from .runtime.slots import prepare as prepare_slots
 from .scatter import TPLayout
 from .split_api import SplitConfig
@@ -248,8 +248,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
         # (a static count sends its slot as any other; a static batch of fewer sequences than stages
         # would leave a stage empty, which a fixed slot cannot: every stage crosses)
         static = work.static_batch is not None and work.static_batch < stages
-    slot = check_fixed_slot(buckets, rank=rank, ffn_group_size=layout.ffn_group_size,
-                            static_tokens=static)
+    slot = check_fixed_slot(buckets, rank=rank, static_tokens=static)
     if before_groups is not None:
         group = before_groups() or group
     groups, attn_groups, control, ffn_controls = layout_groups(layout, *group_key(group))
@@ -261,6 +260,9 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
         prepare_slots(comm, slot, device, lowering=lowering)
         size = layout.ffn_group_size
         in_group = ffn_group_fields(layout, idx, groups, ffn_controls, device, symm_mem) if size > 1 else {}
+        if in_group and slot is not None:  # (every group rank's rows: a slot per peer; agreed in band)
+            in_group["slot_group"] = GroupAgreement(in_group["ffn_group"], tuple(
+                slot * len(layout.peers_of_ffn(f)) for f in layout.ffn_group(idx)), device)
         program, by_stages = lowered(work.ffn, work.staged, device, lowering, rank)
         return FFNWorker(program, comm, device, stages=stages, static_batch=work.static_batch, staged=by_stages,
                          wrap=wrap, **in_group, **ffn_bucket_fields(work.ffn, None if slot else buckets))
@@ -442,8 +444,7 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
         program = load_program(plan.path("ffn")).module()
         check_saved_program(plan, "ffn", program)
         batch = plan.get("static_batch")
-        slot = check_fixed_slot(buckets, rank=rank, ffn_group_size=1,
-                                static_tokens=not ffn_bucket_fields(program, TokenBuckets()))
+        slot = check_fixed_slot(buckets, rank=rank, static_tokens=not ffn_bucket_fields(program, TokenBuckets()))
         prepare_slots(comm, slot, device, lowering=lowering)
         fields = ffn_bucket_fields(program, None if slot else buckets)
         program, by_stages = lowered(program, staged_programs(program, "afd-ffn", stages, batch), device, lowering, rank)
@@ -454,8 +455,7 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     check_saved_program(plan, "attention", program)
     batch = static_batch(program) if stages != 1 else None
     counter, batch_dim = TokenCount.from_json(plan["token_count"]), _stage_batch_dim(program, stages)
-    slot = check_fixed_slot(buckets, rank=rank, ffn_group_size=1,
-                            static_tokens=batch is not None and batch < stages)
+    slot = check_fixed_slot(buckets, rank=rank, static_tokens=batch is not None and batch < stages)
     program, by_stages = lowered(program, staged_programs(program, "afd-attention", stages, batch), device, lowering,
                                  rank)
     prepare_slots(comm, slot, device, by_stages.get(stages, program), lowering, stages)

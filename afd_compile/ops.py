@@ -460,7 +460,8 @@ def _(tensors, outs, comm_id, layer_idx, stage_idx, spec, recv_layer_idx, recv_s
 def slot_rows(dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int) -> torch.Tensor:
     """Which of an FFN rank's received rows are a peer's real tokens under a fixed slot: a bool
     ``[rows]``, each live peer's ``C`` rows in order, the first ``n_p`` true (``n_p`` from the
-    header that came with the data at ``layer_idx`` / ``stage_idx``; a stop or failure: none).
+    header that came with the data at ``layer_idx`` / ``stage_idx``; a stop or failure: none),
+    then the padding in place of peers gone (an FFN group's rows never change): false.
     Read on the device from the headers' buffer, so a captured graph reads each step's counts.
     ``dep``: the receive's output (this runs after it)."""
     comm = get_communicator(comm_id)
@@ -470,10 +471,12 @@ def slot_rows(dep: torch.Tensor, comm_id: int, layer_idx: int, stage_idx: int) -
         raise RuntimeError(f"{where}: no fixed slot's headers were received at this layer and stage (a program "
                            "lowered for a fixed slot run without one: give the same buckets to every rank)")
     live = [i for i, n in enumerate(comm.step_seq_lens.get(stage_idx, ())) if n]
-    if len(live) * slot != dep.shape[0]:
-        raise ValueError(f"{where}: {dep.shape[0]} rows received, but {len(live)} live peers of {slot} rows")
+    rows = comm.step_rows.get(stage_idx, len(live) * slot)  # (in an FFN group: gone peers' rows are padding)
+    if rows != dep.shape[0] or rows < len(live) * slot:
+        raise ValueError(f"{where}: {dep.shape[0]} rows received, but {len(live)} live peers of {slot} rows"
+                         + (f" in {rows} rows" if rows != len(live) * slot else ""))
     grid = torch.arange(slot, device=heads.device)[None, :] < heads[:, :1].clamp(min=0)  # [peers, C]
-    return torch.cat([grid[i] for i in live]) if live else grid.new_zeros(0)
+    return torch.cat([*(grid[i] for i in live), grid.new_zeros(rows - len(live) * slot)])
 
 
 @slot_rows.register_fake

@@ -33,15 +33,13 @@ def test_a_fixed_slot_parses_and_holds_up_to_its_size() -> None:
             TokenBuckets.parse(bad)
 
 
-@pytest.mark.parametrize("kw, why", [({"ffn_group_size": 2}, "an FFN TP / EP group"),
-                                     ({"static_tokens": True}, "a static batch of fewer sequences than stages")])
-def test_a_fixed_slot_is_refused_where_it_does_not_apply_naming_why(kw: dict, why: str) -> None:
-    args = {"rank": 3, "ffn_group_size": 1, "static_tokens": False} | kw
+def test_a_fixed_slot_is_refused_where_it_does_not_apply_naming_why() -> None:
+    why = "a static batch of fewer sequences than stages"
     with pytest.raises(FixedSlotError, match=f"a fixed slot of 40 rows .token buckets. does not apply to rank 3: "
                                              f"{re.escape(why)}"):
-        check_fixed_slot(SLOT, **args)
-    assert check_fixed_slot(TokenBuckets(), **args) is None  # (a bucket list: the control message protocol)
-    assert check_fixed_slot(SLOT, rank=0, ffn_group_size=1, static_tokens=False) == 40
+        check_fixed_slot(SLOT, rank=3, static_tokens=True)
+    assert check_fixed_slot(TokenBuckets(), rank=3, static_tokens=True) is None  # (a bucket list: control messages)
+    assert check_fixed_slot(SLOT, rank=0, static_tokens=False) == 40
 
 
 def test_a_peers_step_is_failed_if_any_of_its_headers_says_so() -> None:
@@ -175,3 +173,68 @@ def test_a_fixed_slot_takes_no_count_in_a_control_message() -> None:
     with pytest.raises(ControlError, match=r"attention rank 1 sends its fixed slot's counts .* got 5"):
         send_control(comm, 5)
     assert not comm.stopped
+
+
+def test_an_ffn_group_runs_a_fixed_slot_exact_with_one_program(exported) -> None:
+    # an FFN TP / EP group: every rank runs a slot per peer whatever its peers send (a peer gone:
+    # padding), so the group's collectives need no count; MoE padded rows marked (TP: the marks
+    # gathered like the rows; EP: the dispatch's ids, a padded row goes to no rank)
+    llama, moe = exported("llama2")[1], exported("qwen3moe2")[1]
+    steps = len(TRACE)
+    cases = [Case(llama, AFDLayout(2, 2, ffn_tp=2), TRACE, steps=steps, buckets=SLOT),
+             Case(moe, AFDLayout(3, 2, ffn_tp=2), TRACE, steps=steps, buckets=SLOT, lowered=True),
+             Case(moe, AFDLayout(2, 2, ffn_ep=2), TRACE, steps=steps, buckets=SLOT, lowered=True),
+             Case(llama, AFDLayout(4, 2, ffn_tp=2), TRACE, steps=steps, buckets=SLOT, stages=2)]
+    results = run_cases(cases)
+    for case, res in zip(cases, results, strict=True):
+        att = [v for v in res.values() if v["role"] == "attention"]
+        assert sum(v["compared"] for v in att) >= steps and max(v["max_rel_err"] for v in att) <= 1e-5, (case, res)
+        for f in range(case.layout.ffn_ranks):
+            ffn, peers = res[f], len(case.layout.peers_of_ffn(f))
+            live, gone = ((40,) * peers, (0,) * peers)
+            # the steps, then one of padding once every peer has stopped, as the group agrees
+            want = [repr((s,) * case.stages if case.stages > 1 else (s, ())) for s in (gone, live)]
+            assert ffn["layouts"] == want and ffn["steps"] == steps + 1 and ffn["control_reads"] == 0, (case, ffn)
+            if case.lowered:  # (an op a layer; with EP its dispatch and combine)
+                assert ffn["lowered"]["mark_slot_rows"] == 2 * (1 + case.layout.ffn_ep // 2), ffn
+
+
+def _group_ends(rank: int, world: int, path: str, fail: bool) -> dict:
+    """AFD 2A2F, ffn_tp=2: attention rank 2 stops after 2 steps (``fail``: its second step
+    raises before any transfer), rank 3 runs 4 steps then stops."""
+    from afd_compile.deploy import make_worker
+    from afd_compile.programs import load_program
+    from afd_compile.runtime import AttentionWorker, shutdown
+
+    worker = make_worker(load_program(path).module(), AFDLayout(2, 2, ffn_tp=2), rank, buckets=SLOT)
+    if isinstance(worker, AttentionWorker):
+        for step in range(2 if rank == 2 else 4):
+            if fail and rank == 2 and step == 1:
+                with pytest.raises(Exception):  # noqa: B017 (no inputs to count)
+                    worker.step()
+                time.sleep(30)  # (up, as a server that logs the error would; the run ends before)
+                return {}
+            worker.step(torch.randint(0, 128, (1 + step, 5)))
+        worker.stop()
+        shutdown()
+        return {}
+    steps = worker.serve()
+    shutdown()
+    return {"steps": steps, "layouts": sorted(worker.layouts), "left": sorted(worker.left)}
+
+
+def test_an_ffn_group_ends_together_when_its_ranks_peers_stop_apart(exported) -> None:
+    res = run_local(_group_ends, 4, exported("llama2")[1], False, timeout_s=60)
+    # FFN rank 0's peer stops after 2 steps, rank 1's after 4: both serve 4 steps, then rank 1's
+    # peer's stop step, then one step of padding in which rank 1 says it is done too
+    for f in (0, 1):
+        assert res[f]["steps"] == 5 and res[f]["left"] == [2 + f], res
+        assert res[f]["layouts"] == [((0,), ()), ((40,), ())], res
+
+
+def test_an_ffn_groups_failed_peer_ends_every_rank_of_the_group_naming_it(exported) -> None:
+    t = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        run_local(_group_ends, 4, exported("llama2")[1], True, timeout_s=25)
+    assert e.value.rank in (0, 1) and "attention rank 2 (a peer of FFN group rank 0) failed its step" in str(e.value)
+    assert time.monotonic() - t < 25, "an FFN rank waited for the timeout"

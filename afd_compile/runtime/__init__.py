@@ -16,6 +16,7 @@ calls :func:`shutdown`.
 
 from __future__ import annotations
 
+from .control import FAILED, STOP, ControlError, finish, send_control, tell_failed
 from .dist import (
     LaunchError,
     PeerRefused,
@@ -44,18 +45,12 @@ from .launch import (
     run_local,
 )
 from .protocol import (
-    FAILED,
-    STOP,
     AttentionWorker,
-    ControlError,
     FFNWorker,
     before_destroy,
-    finish,
-    send_control,
     serve_at_shutdown,
     shutdown,
     step_failed,
-    tell_failed,
 )
 from .tokens import GroupSlice, TokenCount
 from .tp import TPRank, dp_step_counts

@@ -27,22 +27,15 @@ import torch.fx as fx
 
 from ..buckets import TokenBuckets
 from ..comm import AFDCommunicator, TPStep
-from ..errors import AFDCompileError
 from ..layout import micro_batches
 from . import slots
+from .control import FAILED, STOP, ControlError, finish, send_control, tell_failed
 from .dist import forget_groups
 from .pad_batch import BatchPad
 from .tokens import GroupSlice, TokenCount
 
 log = logging.getLogger("afd_compile.runtime")
 
-STOP = -1
-#: the token count of a control message an attention rank sends when its step raised: its FFN
-#: rank ends at once, naming it, instead of waiting on it until the timeout
-FAILED = -2
-
-#: failure notices in flight (isend works kept alive until the process ends)
-_NOTICES: list = []
 
 
 #: what runs before the process group is destroyed (:func:`before_destroy`), in registration order
@@ -256,81 +249,6 @@ def program_of(staged: dict[int, fx.GraphModule], k: int, role: str) -> fx.Graph
     return staged[k]
 
 
-def send_control(comm: AFDCommunicator, n: int, stage_counts: Sequence[int] | None = None) -> None:
-    """An attention rank's per-step control message to its FFN rank: ``[tokens, flags]``
-    (``tokens`` = :data:`STOP`: this rank is done; it sends nothing after it), ``flags`` = the
-    wire checks (bit 0) and the micro-batch stages - 1 (bits 1 and up; 0 for one stage, so a
-    one-stage message is what it always was); with 2 or more stages a second message follows
-    with the tokens of each stage."""
-    if comm.role != "attention":
-        raise ValueError(f"afd: rank {comm.rank} is an FFN rank; only attention ranks send control messages")
-    if comm.stopped:
-        raise ControlError(f"afd: attention rank {comm.rank} already told FFN rank {comm.peers[0]} it stopped; "
-                           "it cannot run another step (a new deployment needs a new comm_id)")
-    dev, group = comm.control_device, comm.control_peer_group
-    stages = len(stage_counts) if stage_counts is not None else 1
-    flags = int(comm.check_wire) | (stages - 1) << 1
-    if comm.fixed_slot is not None:  # (a fixed slot tells only a STOP, in band: a step of zeros)
-        if n != STOP:
-            raise ControlError(f"afd: attention rank {comm.rank} sends its fixed slot's counts in the headers of its "
-                               f"transfers; a control message can only say STOP ({STOP}), got {n}")
-        comm.step_log.clear()
-        slots.owe(comm, STOP, flags)
-        comm.stopped = True
-        return
-    dist.send(torch.tensor([n, flags], dtype=torch.int64, device=dev), comm.peers[0], group=group)
-    if n == STOP:
-        comm.stopped = True
-    elif stages > 1:
-        dist.send(torch.tensor(list(stage_counts), dtype=torch.int64, device=dev), comm.peers[0], group=group)
-
-
-def tell_failed(comm: AFDCommunicator) -> None:
-    """An attention rank whose step raised: send :data:`FAILED` to its FFN rank, without waiting
-    (the FFN rank may be mid-step and never take it), on a control group of host tensors only (a
-    device send on an error path could wait behind the failed step's work). An FFN rank reading
-    its control messages ends at once naming this rank; one blocked on this step's data (gloo)
-    still waits until its timeout. This rank sends nothing after it."""
-    if comm.stopped or comm.role != "attention" or not dist.is_initialized():
-        return
-    if comm.fixed_slot is not None:  # in band: the rest of the step (or a whole one) in zeros, saying FAILED
-        comm.stopped = True
-        if len(comm.step_log) == len(comm.schedule):  # (no transfer of the step made, or all of it)
-            comm.step_log.clear()
-        try:
-            slots.owe(comm, FAILED, 0)
-        except Exception as e:  # a transfer of the step failed (the peer gone): nothing more to tell
-            log.warning("afd: attention rank %d could not tell FFN rank %d its step failed: %s", comm.rank,
-                        comm.peers[0], e)
-        return
-    if comm.control_device != "cpu":
-        return
-    comm.stopped = True
-    try:
-        _NOTICES.append(dist.isend(torch.tensor([FAILED, 0], dtype=torch.int64), comm.peers[0],
-                                   group=comm.control_peer_group))
-    except Exception as e:  # the peer already gone: nothing to tell
-        log.warning("afd: attention rank %d could not tell FFN rank %d its step failed: %s", comm.rank, comm.peers[0], e)
-
-
-def finish(comm_id: int | None = None, *, at_shutdown: bool = False) -> list[int]:
-    """Attention rank: tell the FFN rank(s) this rank is done (one STOP per AFD communicator, or
-    only ``comm_id``'s), so :func:`serve` on them returns once every peer has finished. Call it
-    after the last step (``generate()`` returned); :func:`shutdown` calls it for the backend's
-    communicators not stopped yet (``at_shutdown``). Returns the comm ids stopped; a communicator
-    already stopped (or an FFN one) is skipped."""
-    from ..comm import registered_communicators
-
-    done = []
-    for cid, comm in sorted(registered_communicators().items()):
-        if at_shutdown and not comm.finish_at_shutdown:
-            continue
-        if (comm_id is None or cid == comm_id) and comm.role == "attention" and not comm.stopped:
-            send_control(comm, STOP)
-            done.append(cid)
-    return done
-
-
 @dataclass
 class FFNWorker:
     program: fx.GraphModule
@@ -388,6 +306,8 @@ class FFNWorker:
     device_reads: int = 0
     #: steps whose fixed-slot headers were read after the step ran (runtime/slots.py)
     header_reads: int = 0
+    #: an FFN group's in-band agreement under a fixed slot (its ranks' rows, gone peers, failures)
+    slot_group: slots.GroupAgreement | None = None
 
     def rows(self, tokens: int) -> int:
         """The rows a program runs for ``tokens`` received tokens (padded to a bucket: rows that
@@ -461,30 +381,60 @@ class FFNWorker:
 
     def _serve_fixed(self, on_step: Callable[[tuple[int, ...]], None] | None) -> tuple[int, ...] | None:
         """A step in a fixed slot (runtime/slots.py): every live peer's slot received, nothing read
-        first; the headers read after the step give the counts (and STOP / FAILED)."""
-        comm, slot = self.comm, self.comm.fixed_slot
+        first; the headers read after the step give the counts (and STOP / FAILED). In an FFN
+        group the rows never change (a gone peer's are padding) and its ranks agree in band
+        (``slots.GroupAgreement``)."""
+        comm, slot, agree = self.comm, self.comm.fixed_slot, self.slot_group
         assert slot is not None
         live = [p for p in comm.peers if p not in self.left]
-        if not live:
+        if not live and agree is None:
             return None
         sizes = tuple(0 if p in self.left else slot for p in comm.peers)
         comm.set_step(dict.fromkeys(range(self.stages), sizes))
+        rows, group = sum(sizes), []
+        if agree is not None:
+            rows = slot * len(comm.peers)
+            comm.step_rows = dict.fromkeys(range(self.stages), rows)
+            self.group_counts, self.group_stage_counts = agree.rows, (agree.rows,) * self.stages
+            group = [torch.empty(sum(agree.rows), 0, device=self.device)] * self.stages if self.group_input else []
         self.step_counts = (sizes,) * self.stages if self.stages > 1 else (sizes, ())
-        carriers = [torch.empty(sum(sizes), 0, device=self.device) for _ in range(self.stages)]
-        self._launch(self.program_for(self.stages), carriers)
+        self._launch(self.program_for(self.stages), [torch.empty(rows, 0, device=self.device)] * self.stages + group)
+        if agree is not None:
+            agree.post()
         heads = slots.read_headers(comm, live)
         self.header_reads += 1
-        counts = self._check_control({p: slots.step_message(h.values(), FAILED) for p, h in heads.items()})
-        if counts is None:  # (the last peers' stop: a step of zeros, not one served)
-            return None
+        msgs = {p: slots.step_message(h.values(), FAILED) for p, h in heads.items()}
+        failed = [p for p, (n, _) in msgs.items() if n == FAILED] if agree is not None else []
+        self.left.update(failed)  # (a group goes on one step, then every rank raises: _group_verdict)
+        counts = self._check_control({p: m for p, m in msgs.items() if p not in failed})
         over = [(p, t) for p, h in heads.items() for t, _ in h.values() if t > slot]
         if over:
             raise ControlError(f"afd: FFN rank {comm.rank}: attention rank {over[0][0]}'s header says {over[0][1]} "
                                f"tokens, more than the fixed slot of {slot} rows")
-        counts = tuple(slots.step_tokens(heads[p]) if p in heads else 0 for p in comm.peers)
+        if agree is not None and self._group_verdict(agree, failed):
+            return None
+        if counts is None and agree is None:  # (the last peers' stop: a step of zeros, not one served)
+            return None
+        counts = tuple(slots.step_tokens(heads[p]) if p in heads and p not in failed else 0 for p in comm.peers)
         if on_step:
             on_step(counts)
         return counts
+
+    def _group_verdict(self, agree: slots.GroupAgreement, failed: list[int]) -> bool:
+        """This rank's state for the next step, then what its group posted this step: True when
+        every rank's peers have gone (the group stops together); a rank's failed peer raises here
+        on every rank of the group, naming it."""
+        if failed and agree.state[0] != slots.PEER_FAILED:
+            agree.state = (slots.PEER_FAILED, failed[0])
+        elif agree.state[0] == slots.SERVING and len(self.left) == len(self.comm.peers):
+            agree.state = (slots.DONE, -1)
+        got = agree.read()
+        bad = next(((r, p) for r, (s, p) in enumerate(got) if s == slots.PEER_FAILED), None)
+        if bad is not None:
+            raise ControlError(f"afd: FFN rank {self.comm.rank}: attention rank {bad[1]} (a peer of FFN group rank "
+                               f"{bad[0]}) failed its step (it said so in its fixed slot's header); the FFN group "
+                               "stops serving")
+        return all(s == slots.DONE for s, _ in got)
 
     def _run(self, counts: tuple[int, ...]) -> None:
         """The unstaged program on this step's ``(T, 0)`` carrier (and, in an FFN TP group, the
@@ -586,7 +536,3 @@ class FFNWorker:
         if len(self.left) == len(self.comm.peers):
             return None
         return tuple(0 if p in self.left else messages[p][0] for p in self.comm.peers)
-
-
-class ControlError(AFDCompileError):
-    """A per-step control message an FFN rank cannot accept."""

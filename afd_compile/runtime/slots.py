@@ -24,9 +24,10 @@ is not received from again.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from ..buckets import TokenBuckets
@@ -63,20 +64,56 @@ def wire_schedule(program: fx.GraphModule) -> tuple[WireStep, ...]:
     return tuple(out)
 
 
-def check_fixed_slot(buckets: TokenBuckets | None, *, rank: int, ffn_group_size: int,
-                     static_tokens: bool) -> int | None:
+def check_fixed_slot(buckets: TokenBuckets | None, *, rank: int, static_tokens: bool) -> int | None:
     """The slot of a fixed-slot deployment (None: buckets are not a fixed slot), refused where
     the fixed slot does not apply yet, naming what to change. Every rank decides alike."""
     slot = buckets.fixed_slot if buckets is not None else None
     if slot is None:
         return None
-    why = ("an FFN TP / EP group" if ffn_group_size > 1
-           else "a static batch of fewer sequences than stages, or an FFN program of static rows" if static_tokens
-           else None)
-    if why:
-        raise FixedSlotError(f"afd: {buckets} (token buckets) does not apply to rank {rank}: {why} (not yet); use a "
-                             "bucket list (buckets='default' or sizes), whose per-step control message serves it")
+    if static_tokens:
+        raise FixedSlotError(f"afd: {buckets} (token buckets) does not apply to rank {rank}: a static batch of fewer "
+                             "sequences than stages, or an FFN program of static rows (not yet); use a bucket list "
+                             "(buckets='default' or sizes), whose per-step control message serves it")
     return slot
+
+
+#: an FFN group rank's state in :class:`GroupAgreement`: serving, every peer gone, a peer failed
+SERVING, DONE, PEER_FAILED = 0, 1, 2
+
+
+@dataclass
+class GroupAgreement:
+    """An FFN TP / EP group's in-band agreement under a fixed slot. Every rank of the group runs
+    ``rows[r]`` rows a step (``C`` per attention peer of group rank ``r``; a peer that left is
+    padding), so the group's collectives need no per-step count. What a rank knows only from its
+    headers (every peer gone, a peer failed) reaches the others one step late: each step, beside
+    its program, the rank all-gathers its state of the step before (on the group, on the
+    device), read with its headers::
+
+        step k: program (C rows a peer, padding for the gone)  +  all_gather([state_(k-1), peer])
+                after the step: headers read -> state_k;  the gathered states read:
+                every rank DONE -> the group stops together; any PEER_FAILED -> every rank raises
+
+    A rank whose peers have all gone runs steps of padding only until its group agrees."""
+
+    group: object
+    rows: tuple[int, ...]
+    device: torch.device
+    state: tuple[int, int] = (SERVING, -1)
+    _posted: list[torch.Tensor] = field(default_factory=list)
+
+    def post(self) -> None:
+        """All-gather this rank's state (before this step) beside the step's own work."""
+        mine = torch.empty(2, dtype=torch.int64, device=self.device)
+        mine[0].fill_(self.state[0])
+        mine[1].fill_(self.state[1])
+        self._posted = [torch.empty_like(mine) for _ in self.rows]
+        dist.all_gather(self._posted, mine, group=self.group)
+
+    def read(self) -> list[tuple[int, int]]:
+        """Every group rank's state as posted this step: ``(state, attention rank)``."""
+        got = torch.stack(self._posted).tolist()
+        return [(int(s), int(p)) for s, p in got]
 
 
 def prepare(comm: AFDCommunicator, slot: int | None, device: torch.device,
