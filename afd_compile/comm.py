@@ -108,6 +108,13 @@ class AFDCommunicator:
     step_log: list[tuple[str, int, int]] = field(default_factory=list)
     #: an FFN rank's headers received this step per (layer, stage): ``[peers, 2]`` (fixed slot)
     headers_in: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    #: an attention rank whose program has fewer micro-batches than its FFN rank's (a static batch
+    #: of fewer sequences than stages; fixed slot): after the transfer ("send" | "recv", layer,
+    #: stage) the missing stages' transfers at that layer (``slots.WireStep``s), in zeros, in the
+    #: order the program's last stage made its own (runtime/slots.ghost_plan)
+    ghosts: dict[tuple[str, int, int], tuple] | None = None
+    #: the buffers of those transfers, made once per shape (zeros sent; receives never read)
+    ghost_buffers: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.role not in ("attention", "ffn"):
@@ -222,7 +229,33 @@ class AFDCommunicator:
         ops += [dist.P2POp(dist.irecv, t, p, self.group) for t, p, _ in recvs]
         if self.fixed_slot is not None:
             ops += self._header_ops(sends, recvs, layer_idx, stage_idx, recv_at or (layer_idx, stage_idx))
-        return list(dist.batch_isend_irecv(ops))
+        works = list(dist.batch_isend_irecv(ops))
+        after = (self.ghosts or {}).get(("send" if sends else "recv", layer_idx, max(stage_idx, 0)))
+        if after:
+            works += self._ghost_stages(after, where, (sends or recvs)[0][0].device)
+        return works
+
+    def _ghost_stages(self, steps: Sequence[Any], where: str, device: torch.device) -> list[Any]:
+        """The transfers ``steps`` (``slots.WireStep``) of stages this attention rank's program does
+        not have: zeros sent, received into buffers never read, each with its stage's header
+        (tokens 0), in the FFN rank's order."""
+        from .wire import WireSpec
+
+        assert self.fixed_slot is not None
+        works = []
+        for g in steps:
+            bufs = [(self._ghost(g.direction, w.shape(self.fixed_slot), w.dtype, device), self.peers[0], w.kind)
+                    for w in WireSpec.parse(g.spec).tensors]
+            out, into = (bufs, []) if g.direction == "send" else ([], bufs)
+            works += self.start(out, into, layer_idx=g.layer, stage_idx=g.stage,
+                                where=f"{where} (stage {g.stage}: none here)")
+        return works
+
+    def _ghost(self, direction: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (direction, tuple(shape), dtype, device)
+        if key not in self.ghost_buffers:
+            self.ghost_buffers[key] = torch.zeros(shape, dtype=dtype, device=device)
+        return self.ghost_buffers[key]
 
     def _header_ops(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], layer_idx: int, stage_idx: int,
                     recv_at: tuple[int, int]) -> list[dist.P2POp]:

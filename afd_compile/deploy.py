@@ -245,9 +245,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     else:
         assert work.attention is not None and work.plan is not None
         counter = token_count_for_graph(work.gm, work.plan.cuts[0].token_dims)
-        # (a static count sends its slot as any other; a static batch of fewer sequences than stages
-        # would leave a stage empty, which a fixed slot cannot: every stage crosses)
-        static = work.static_batch is not None and work.static_batch < stages
+        static = False  # (a static count sends its slot as any other)
     slot = check_fixed_slot(buckets, rank=rank, static_tokens=static)
     if before_groups is not None:
         group = before_groups() or group
@@ -280,12 +278,25 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
     comm = communicator_for("attention", rank, (layout.ffn_of_attention(idx),), group, check, config.comm_id,
                             control, finish_at_shutdown)
     program, by_stages = lowered(work.attention, work.staged, device, lowering, rank)
-    prepare_slots(comm, slot, device, by_stages.get(stages, program), lowering, stages)
+    wire = _prepare_attention_slots(comm, slot, device, program, by_stages, lowering, stages, work.static_batch)
     return AttentionWorker(program, comm, counter, stages=stages, batch_dim=_stage_batch_dim(work.split.attention,
                                                                                             stages),
                            static=work.static_batch is not None, staged=by_stages, wrap=wrap,
-                           batch_pad=_stage_pad(program, slot, stages),
+                           batch_pad=_stage_pad(program, slot, stages), **wire,
                            **attention_bucket_fields(counter, None if slot else buckets))
+
+
+def _prepare_attention_slots(comm: AFDCommunicator, slot: int | None, device: torch.device, program: fx.GraphModule,
+                             by_stages: dict[int, fx.GraphModule], lowering: Build | None, stages: int,
+                             batch: int | None) -> dict[str, Any]:
+    """An attention rank's fixed slot (``slots.prepare``; None: nothing), its worker's fields: over
+    a static batch of fewer sequences than stages its program has fewer micro-batches, and the
+    others cross in zeros (ghost stages)."""
+    from .passes.stages import static_rows
+
+    real = len(static_rows(batch, stages)) if batch is not None and batch < stages else stages
+    schedule, ghosts = prepare_slots(comm, slot, device, by_stages.get(real, program), lowering, stages, real)
+    return {"wire": schedule, "ghosts": ghosts, "real_stages": real} if slot is not None else {}
 
 
 def batch_pad(program: fx.GraphModule, buckets: TokenBuckets, static: Sequence[int] = ()) -> BatchPad | str:
@@ -455,12 +466,12 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     check_saved_program(plan, "attention", program)
     batch = static_batch(program) if stages != 1 else None
     counter, batch_dim = TokenCount.from_json(plan["token_count"]), _stage_batch_dim(program, stages)
-    slot = check_fixed_slot(buckets, rank=rank, static_tokens=batch is not None and batch < stages)
+    slot = check_fixed_slot(buckets, rank=rank, static_tokens=False)
     program, by_stages = lowered(program, staged_programs(program, "afd-attention", stages, batch), device, lowering,
                                  rank)
-    prepare_slots(comm, slot, device, by_stages.get(stages, program), lowering, stages)
+    wire = _prepare_attention_slots(comm, slot, device, program, by_stages, lowering, stages, batch)
     return AttentionWorker(program, comm, counter, stages=stages, batch_dim=batch_dim, static=batch is not None,
-                           staged=by_stages, batch_pad=_stage_pad(program, slot, stages),
+                           staged=by_stages, batch_pad=_stage_pad(program, slot, stages), **wire,
                            **attention_bucket_fields(counter, None if slot else buckets))
 
 

@@ -3,7 +3,7 @@ without token buckets and with a fixed slot, on CPU (gloo).
 
 A seeded trace of per-peer batch sizes drawn between 0 and ``--max-batch`` (default 64) sequences
 of one token (a decode step) runs through AFD 2A1F and 3A1F (one and two micro-batch stages),
-8A1F and 4A2F (one stage), each with exact counts on the wire (``buckets=off``), the default
+8A1F, 4A2F and 4A2F with an FFN TP group of 2 (one stage), each with exact counts on the wire (``buckets=off``), the default
 buckets, and a fixed slot of ``--max-batch`` rows (``fixed:N``: every peer sends N rows every
 step, its count in a header on the device; runtime/slots.py). Each run is a ``verify`` run:
 every step of every attention rank is compared with the unsplit model (fp32), so the table is
@@ -21,7 +21,9 @@ also a numerics check. Per run, for the FFN rank that needs the most (4A2F has t
 - ``row counts touched``: the distinct row counts of any stage;
 - ``host messages / step``: control messages (and stage counts) the FFN rank waited for on the
   host before a step: with buckets or exact counts its peers' sizes, which NCCL's receives must
-  match; 0 with a fixed slot (its counts arrive with the data and are read after the step);
+  match (in an FFN TP group also the group's counts, an all-gather); 0 with a fixed slot (its
+  counts arrive with the data and are read after the step; a group's ranks all-gather their state
+  beside the step, read after it too: runtime/slots.GroupAgreement);
 - ``device reads / step``: host messages that waited on the device (an NCCL group; 0 with the
   control group, which every deployment of ``make_worker`` makes);
 - ``max rel err``: the worst error of any compared output.
@@ -43,6 +45,13 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
+def _layout(lay: tuple[int, ...]) -> object:
+    """(attention, FFN[, ffn_tp]) as an AFD layout."""
+    from afd_compile.layout import AFDLayout
+
+    return AFDLayout(lay[0], lay[1], ffn_tp=lay[2] if len(lay) > 2 else 1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=200)
@@ -54,7 +63,6 @@ def main() -> int:
     import torch
 
     from afd_compile.buckets import TokenBuckets
-    from afd_compile.layout import AFDLayout
     from afd_compile.models import build_hf, export_lm
     from afd_compile.verify import Case, run_cases
 
@@ -67,15 +75,15 @@ def main() -> int:
         torch.export.save(export_lm(build_hf("llama", num_layers=2), batch=3, seq=1), path)
         fixed = f"fixed:{args.max_batch}"  # every peer's slot the whole capacity, counts on the device
         runs = [((a, 1), s, b) for a in (2, 3) for s in (1, 2) for b in ("off", "default", fixed)]
-        runs += [(lay, 1, b) for lay in ((8, 1), (4, 2)) for b in ("off", "default", fixed)]
-        cases = [Case(path, AFDLayout(*lay), trace, steps=args.steps, stages=s, buckets=TokenBuckets.parse(b))
+        runs += [(lay, 1, b) for lay in ((8, 1), (4, 2), (4, 2, 2)) for b in ("off", "default", fixed)]
+        cases = [Case(path, _layout(lay), trace, steps=args.steps, stages=s, buckets=TokenBuckets.parse(b))
                  for lay, s, b in runs]
         results = run_cases(cases, timeout_s=600)
     rows = []
     for (lay, s, b), res in zip(runs, results, strict=True):
         ffn = max((res[f] for f in range(lay[1])), key=lambda r: (len(r["layouts"]), len(r["carriers"])))
         att = [v for v in res.values() if v["role"] == "attention"]
-        rows.append({"layout": f"{lay[0]}A{lay[1]}F", "stages": s, "buckets": b, "steps": args.steps,
+        rows.append({"layout": str(_layout(lay)), "stages": s, "buckets": b, "steps": args.steps,
                      "graphs_captured": len(ffn["layouts"]), "programs_compiled": len({len(c) for c in ffn["carriers"]}),
                      "graphs_compute": len(ffn["carriers"]),
                      "buckets_touched": len({v for c in ffn["carriers"] for v in c}),

@@ -120,6 +120,9 @@ def main() -> int:
                         help="AFD: attention rank i generates stagger*i fewer tokens (they finish at different steps)")
     parser.add_argument("--stages", type=int, default=1,
                         help="AFD: micro-batches per step (each its own rows of the static cache)")
+    parser.add_argument("--buckets", default="default",
+                        help="AFD: the backend's buckets option ('default', 'off', sizes, or 'fixed:N': N rows a rank "
+                             "and stage every step, counts on the device)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-inductor", action="store_true", help="run the FX programs (no Inductor)")
     parser.add_argument("--decode-attention", default="auto", choices=["auto", "sdpa", "flex"],
@@ -136,6 +139,8 @@ def main() -> int:
         parser.error("--idle-dp-group needs --attn-dp 2 or more (another DP group has the sequences)")
     if args.stages != 1 and not afd:
         parser.error("--stages applies to AFD layouts (--attention A --ffn F)")
+    if args.buckets != "default" and not afd:
+        parser.error("--buckets applies to AFD layouts (--attention A --ffn F)")
     if args.stagger and not afd:
         parser.error("--stagger applies to AFD layouts (TP ranks of one step must take the same steps)")
     # the launch and the options are checked before anything is built (one line, exit 2)
@@ -150,7 +155,7 @@ def main() -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     options = {"inductor": not args.no_inductor, "timeout_s": args.timeout, "decode_attention": args.decode_attention}
     if afd:
-        options.update(attention=args.attention, ffn=args.ffn, stages=args.stages)
+        options.update(attention=args.attention, ffn=args.ffn, stages=args.stages, buckets=args.buckets)
     else:
         options.update(tp=args.tp, attn_dp=args.attn_dp)
     check_options(options)

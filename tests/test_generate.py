@@ -21,6 +21,10 @@ RUNS = [  # (processes, example arguments)
     # expands the rotary frequencies to a size read off the batch: both followed per micro-batch
     (3, ("--attention", "2", "--ffn", "1", "--family", "qwen3_moe", "--stages", "2", "--no-inductor")),
     (4, ("--tp", "4", "--attn-dp", "2", "--idle-dp-group", "--no-inductor")),  # 2 sequences | none
+    # a fixed slot over static caches (2 sequences | 3) of 3 stages: rank 1's program has 2 micro-batches
+    # and sends the third in zeros (ghost stages); ranks finishing apart stop in band
+    (3, ("--attention", "2", "--ffn", "1", "--stages", "3", "--buckets", "fixed:16", "--stagger", "2",
+         "--no-inductor")),
 ]
 SLOW_RUNS = [  # (CI time: FlexAttention through the backend is also compiled and checked in test_decode_attention.py;
     #            a Qwen3-MoE TP cache in the default decode-step verify runs)

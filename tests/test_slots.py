@@ -34,12 +34,30 @@ def test_a_fixed_slot_parses_and_holds_up_to_its_size() -> None:
 
 
 def test_a_fixed_slot_is_refused_where_it_does_not_apply_naming_why() -> None:
-    why = "a static batch of fewer sequences than stages"
+    why = "its FFN program has static rows"
     with pytest.raises(FixedSlotError, match=f"a fixed slot of 40 rows .token buckets. does not apply to rank 3: "
                                              f"{re.escape(why)}"):
         check_fixed_slot(SLOT, rank=3, static_tokens=True)
     assert check_fixed_slot(TokenBuckets(), rank=3, static_tokens=True) is None  # (a bucket list: control messages)
     assert check_fixed_slot(SLOT, rank=0, static_tokens=False) == 40
+
+
+def test_a_program_of_fewer_micro_batches_owes_the_others_in_zeros_in_the_ffn_ranks_order() -> None:
+    # a static batch of 2 sequences over 3 stages: its program has 2 (each stage sends, then
+    # receives); after its last stage's last transfer at a layer, stage 2's, in zeros, in the order
+    # a program of 3 makes them (a send posted before the receive of stage 1 would wait on the FFN
+    # rank, which waits on that receive: a deadlock under wire checks)
+    from afd_compile.runtime.slots import WireStep, ghost_plan, with_ghosts
+
+    two = [WireStep(d, layer, s, "hidden:float32[64]") for layer in (0, 1) for s in (0, 1) for d in ("send", "recv")]
+    got = [(w.direction, w.layer, w.stage) for w in with_ghosts(two, 2, 3)]
+    assert got == [("send", 0, 0), ("recv", 0, 0), ("send", 0, 1), ("recv", 0, 1), ("send", 0, 2), ("recv", 0, 2),
+                   ("send", 1, 0), ("recv", 1, 0), ("send", 1, 1), ("recv", 1, 1), ("send", 1, 2), ("recv", 1, 2)]
+    assert sorted(ghost_plan(two, 2, 3)) == [("recv", 0, 1), ("recv", 1, 1)]
+    one = [WireStep("send", 0, 0, "h"), WireStep("recv", 0, 0, "h")]  # (one sequence: the unstaged program)
+    assert [(w.direction, w.stage) for w in with_ghosts(one, 1, 3)] == [("send", 0), ("recv", 0), ("send", 1),
+                                                                        ("recv", 1), ("send", 2), ("recv", 2)]
+    assert with_ghosts(two, 2, 2) == tuple(two) and ghost_plan(two, 2, 2) == {}
 
 
 def test_a_peers_step_is_failed_if_any_of_its_headers_says_so() -> None:

@@ -142,6 +142,13 @@ class AttentionWorker:
     slot_unit: int = 1
     #: a fixed slot with stages: how a batch of fewer sequences than stages is padded to one a stage
     batch_pad: BatchPad | None = None
+    #: a fixed slot: this worker's transfers and ghost stages (``slots.prepare``), set on the
+    #: communicator each step (the programs of one rank, prefill and decode, share it)
+    wire: tuple = ()
+    ghosts: dict | None = None
+    #: the micro-batches of its program when fewer than ``stages`` (a static batch; the others
+    #: cross in zeros: ``ghosts``)
+    real_stages: int | None = None
 
     def slot(self, n: int) -> int:
         """The rows ``n`` tokens take on the wire this step."""
@@ -204,11 +211,15 @@ class AttentionWorker:
         the step is all zeros (the FFN rank receives every stage of every step)."""
         comm, slot, flags = self.comm, self.comm.fixed_slot, int(self.comm.check_wire) | (self.stages - 1) << 1
         assert slot is not None
+        if self.wire:
+            comm.schedule, comm.ghosts = self.wire, self.ghosts
         counts, rows = [n], []
         if self.stages > 1:
             assert self.batch_dim is not None
             batch = int(inputs[self.batch_dim[0]].shape[self.batch_dim[1]])
-            if 0 < batch < self.stages:  # (every stage runs: a sequence each, the last repeated, its outputs dropped)
+            # (every stage runs: a sequence each, the last repeated, its outputs dropped; a static
+            # batch's missing stages cross in zeros instead: ghosts)
+            if 0 < batch < self.stages and not self.static:
                 pad = self.batch_pad
                 if pad is None:
                     raise slots.FixedSlotError(f"afd: attention rank {comm.rank}: {batch} sequences for {self.stages} "
@@ -230,7 +241,7 @@ class AttentionWorker:
             slots.owe(comm, 0, flags)
             return None
         if self.stages == 1 or self.static:  # (a static batch's micro-batches are fixed: no carriers)
-            return self.program_for(self.stages)(*inputs)
+            return self.program_for(self.real_stages or self.stages)(*inputs)
         dev = inputs[self.batch_dim[0]].device
         return self.program_for(self.stages)(*inputs, *(torch.empty(r, 0, device=dev) for r in rows))
 

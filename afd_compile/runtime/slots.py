@@ -64,6 +64,30 @@ def wire_schedule(program: fx.GraphModule) -> tuple[WireStep, ...]:
     return tuple(out)
 
 
+def ghost_plan(schedule: Sequence[WireStep], real: int, stages: int) -> dict[tuple[str, int, int], tuple[WireStep, ...]]:
+    """An attention program of ``real`` micro-batches whose FFN rank runs ``stages``: after the
+    last transfer of its last stage at each layer, the missing stages' transfers at that layer, in
+    the order its last stage made its own (the order a program of every stage makes them: each
+    stage sends, then receives)."""
+    last = max(real - 1, 0)
+    plan: dict[tuple[str, int, int], tuple[WireStep, ...]] = {}
+    for layer in dict.fromkeys(step.layer for step in schedule):
+        own = [step for step in schedule if step.layer == layer and max(step.stage, 0) == last]
+        if own and real < stages:
+            plan[(own[-1].direction, layer, last)] = tuple(
+                WireStep(step.direction, layer, s, step.spec) for s in range(real, stages) for step in own)
+    return plan
+
+
+def with_ghosts(schedule: Sequence[WireStep], real: int, stages: int) -> tuple[WireStep, ...]:
+    """An attention schedule of ``real`` micro-batches as its FFN rank's of ``stages`` sees it:
+    :func:`ghost_plan`'s transfers where the communicator posts them."""
+    plan, out = ghost_plan(schedule, real, stages), []
+    for step in schedule:
+        out += [step, *plan.get((step.direction, step.layer, max(step.stage, 0)), ())]
+    return tuple(out)
+
+
 def check_fixed_slot(buckets: TokenBuckets | None, *, rank: int, static_tokens: bool) -> int | None:
     """The slot of a fixed-slot deployment (None: buckets are not a fixed slot), refused where
     the fixed slot does not apply yet, naming what to change. Every rank decides alike."""
@@ -71,9 +95,9 @@ def check_fixed_slot(buckets: TokenBuckets | None, *, rank: int, static_tokens: 
     if slot is None:
         return None
     if static_tokens:
-        raise FixedSlotError(f"afd: {buckets} (token buckets) does not apply to rank {rank}: a static batch of fewer "
-                             "sequences than stages, or an FFN program of static rows (not yet); use a bucket list "
-                             "(buckets='default' or sizes), whose per-step control message serves it")
+        raise FixedSlotError(f"afd: {buckets} (token buckets) does not apply to rank {rank}: its FFN program has "
+                             "static rows (an export whose every shape is fixed: its rows cannot become a slot per "
+                             "peer); export the token count dynamic, or use a bucket list (buckets='default' or sizes)")
     return slot
 
 
@@ -117,10 +141,14 @@ class GroupAgreement:
 
 
 def prepare(comm: AFDCommunicator, slot: int | None, device: torch.device,
-            program: fx.GraphModule | None = None, lowering: Build | None = None, stages: int = 1) -> None:
+            program: fx.GraphModule | None = None, lowering: Build | None = None, stages: int = 1,
+            real_stages: int | None = None) -> tuple[tuple[WireStep, ...], dict | None]:
     """Make ``comm`` exchange fixed slots of ``slot`` rows (None: nothing to do): an attention
     rank's communicator gets its header (one per micro-batch stage) and the transfers of its
     ``program`` (the program of every stage: what a step it cannot finish still owes).
+    ``real_stages``: the micro-batches ``program`` has when fewer than ``stages`` (a static batch
+    of fewer sequences): the others cross in zeros (``comm.ghosts``). Returns the schedule and the
+    ghosts (the worker sets them again each step: programs of one rank share its communicator).
     ``lowering``: the build the rank's programs were lowered by, which must agree (an FFN program
     lowered for a fixed slot reads its headers)."""
     if lowering is not None and lowering.fixed_slot != (slot is not None):
@@ -129,15 +157,17 @@ def prepare(comm: AFDCommunicator, slot: int | None, device: torch.device,
                              "from the same buckets (pipeline.rank_build(..., fixed_slot=))")
     # (a communicator registered earlier under the same id may be reused for this worker: what an
     # earlier deployment's wire left on it goes)
-    comm.fixed_slot, comm.header_out, comm.schedule = slot, None, ()
+    comm.fixed_slot, comm.header_out, comm.schedule, comm.ghosts = slot, None, (), None
     comm.headers_in.clear()
     comm.step_log.clear()
-    if slot is None:
-        return
-    if comm.role == "attention":
-        assert program is not None
-        comm.schedule = wire_schedule(program)
-        comm.header_out = torch.zeros(stages, 2, dtype=torch.int64, device=device)
+    if slot is None or comm.role != "attention":
+        return (), None
+    assert program is not None
+    real = stages if real_stages is None else real_stages
+    comm.schedule = with_ghosts(wire_schedule(program), real, stages) if real < stages else wire_schedule(program)
+    comm.ghosts = ghost_plan(wire_schedule(program), real, stages) if real < stages else None
+    comm.header_out = torch.zeros(stages, 2, dtype=torch.int64, device=device)
+    return comm.schedule, comm.ghosts
 
 
 def set_header(comm: AFDCommunicator, tokens: Sequence[int], flags: int) -> None:
@@ -174,12 +204,16 @@ def owe(comm: AFDCommunicator, tokens: int, flags: int) -> None:
     dev, peer, slot = comm.header_out.device, comm.peers[0], comm.fixed_slot
     where = f"afd: attention rank {comm.rank}, the owed transfers of its step"
     works, held = [], []  # (all posted in the program's order, then waited on: the FFN rank takes them in its own)
-    for s in rest:
-        spec = WireSpec.parse(s.spec)
-        bufs = [(torch.zeros(w.shape(slot), dtype=w.dtype, device=dev), peer, w.kind) for w in spec.tensors]
-        sends, recvs = (bufs, []) if s.direction == "send" else ([], bufs)
-        works += comm.start(sends, recvs, layer_idx=s.layer, stage_idx=s.stage, where=where)
-        held += bufs
+    ghosts, comm.ghosts = comm.ghosts, None  # (the schedule has the ghost stages' transfers already)
+    try:
+        for s in rest:
+            spec = WireSpec.parse(s.spec)
+            bufs = [(torch.zeros(w.shape(slot), dtype=w.dtype, device=dev), peer, w.kind) for w in spec.tensors]
+            sends, recvs = (bufs, []) if s.direction == "send" else ([], bufs)
+            works += comm.start(sends, recvs, layer_idx=s.layer, stage_idx=s.stage, where=where)
+            held += bufs
+    finally:
+        comm.ghosts = ghosts
     comm.wait(works, where, held)
     comm.in_flight.clear()
     comm.step_log.clear()
