@@ -345,10 +345,12 @@ class FloatInputDecoder(nn.Module):
         return self.norm(x)
 
 
-def _lib_moe(hidden: int, inter: int) -> nn.Module:
+def _lib_moe(hidden: int, inter: int, form: str = "lib") -> nn.Module:
+    """tests/moelib.py's experts; ``form``: "lib" (its ops), "aten" (torch._grouped_mm), "in_place"
+    (its combine an in-place op)."""
     from moelib import LibMoE  # (registers moelib::scatter_add_rows)
 
-    return LibMoE(hidden, inter)
+    return LibMoE(hidden, inter, aten_mm=form == "aten", in_place=form == "in_place")
 
 
 class Block(nn.Module):
@@ -732,12 +734,101 @@ def torch_postnorm_fastpath_off() -> TorchPostNorm:
     return TorchPostNorm()
 
 
+class SplitHeadNormAttention(GQAAttention):
+    """Per-head q/k norms written as the heads split into one-head pieces, a separate
+    ``nn.LayerNorm`` module per piece, and a concatenation back (no ``[H, D]`` weight)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int) -> None:
+        super().__init__(hidden, heads, kv_heads)
+        self.q_norms = nn.ModuleList(nn.LayerNorm(self.head_dim) for _ in range(heads))
+        self.k_norms = nn.ModuleList(nn.LayerNorm(self.head_dim) for _ in range(kv_heads))
+        for norm in [*self.q_norms, *self.k_norms]:  # (each head its own affine)
+            nn.init.normal_(norm.weight, 1.0, 0.1)
+            nn.init.normal_(norm.bias, 0.0, 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim)
+        k = self.k(x).view(b, s, self.kv_heads, self.head_dim)
+        q = torch.cat([norm(p) for norm, p in zip(self.q_norms, q.split(1, dim=2), strict=True)], dim=2)
+        k = torch.cat([norm(p) for norm, p in zip(self.k_norms, k.split(1, dim=2), strict=True)], dim=2)
+        v = self.v(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class BroadcastMQA(GQAAttention):
+    """Multi-query attention: one K/V head ``[B, 1, S, D]`` meeting every query head in SDPA by
+    broadcasting (no expand or repeat in the graph)."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__(hidden, heads, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, s, 1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, 1, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class SharedExpertMoE(nn.Module):
+    """Routed experts (``SortMoE``) beside a shared expert (a SwiGLU every token takes, its output
+    scaled by a sigmoid gate of the token, as Qwen2-MoE / DeepSeek's shared experts)."""
+
+    def __init__(self, hidden: int, inter: int, routed: str = "sort") -> None:
+        super().__init__()
+        self.routed = SortMoE(hidden, inter) if routed == "sort" else _lib_moe(hidden, inter, routed)
+        self.shared = SwiGLU(hidden, inter)
+        self.shared_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.routed(x) + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+
+
+def split_head_norm() -> GQADecoder:
+    """Per-head q/k LayerNorms as one module per head over the heads split apart and concatenated."""
+    model = GQADecoder()
+    for block in model.layers:
+        block.attn = SplitHeadNormAttention(64, 4, 2)
+    return model
+
+
+def broadcast_mqa() -> GQADecoder:
+    """Multi-query attention, its single K/V head broadcast by SDPA."""
+    model = GQADecoder()
+    for block in model.layers:
+        block.attn = BroadcastMQA(64, 4)
+    return model
+
+
+def dense_then_moe(routed: str = "sort") -> GQADecoder:
+    """A dense MLP in the first layer, an MoE with a shared expert in the others (DeepSeek's
+    ``first_k_dense_replace``); ``routed="lib"``: the routed experts of tests/moelib.py."""
+    model = GQADecoder(layers=3)
+    for block in model.layers[1:]:
+        block.mlp = SharedExpertMoE(64, 32, routed)
+    return model
+
+
+def dense_then_in_place_moe() -> GQADecoder:
+    """:func:`dense_then_moe` with tests/moelib.py's experts, combined by its in-place op."""
+    return dense_then_moe("in_place")
+
+
 MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "einsum_moe": einsum_moe, "put_moe": put_moe,
           "sort_moe": sort_moe, "top1_moe": top1_moe, "lib_moe": lib_moe,
           "per_head_norm": per_head_norm, "per_head_norm_manual": per_head_norm_manual, "grouped_qkv": grouped_qkv,
           "nanogpt": NanoGPT, "flat": Flat,
           "meta_llama": MetaLlama, "torch_postnorm": TorchPostNorm, "parallel": parallel, "einsum": einsum,
-          "shared": SharedBlock}
+          "shared": SharedBlock, "split_head_norm": split_head_norm, "broadcast_mqa": broadcast_mqa,
+          "dense_then_moe": dense_then_moe, "dense_then_lib_moe": lambda: dense_then_moe("lib"),
+          "dense_then_aten_moe": lambda: dense_then_moe("aten"),
+          "dense_then_in_place_moe": dense_then_in_place_moe}
 #: factories for the backend's runs that differ from MODELS' (same model, set up for torch.compile)
 COMPILE_FACTORIES = {"torch_postnorm": torch_postnorm_fastpath_off}
 

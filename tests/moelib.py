@@ -25,6 +25,13 @@ def _(base: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tenso
     return torch.empty_like(base)
 
 
+@torch.library.custom_op("moelib::index_add_rows_", mutates_args=("out",))
+def index_add_rows_(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """Each row of ``src`` added in place at row ``index[i]`` of ``out`` (export writes it as
+    ``auto_functionalized``)."""
+    out.index_add_(0, index, src)
+
+
 @torch.library.custom_op("moelib::grouped_mm", mutates_args=())
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows ``offs[e-1]:offs[e]`` of ``x`` times ``w[e]`` (``[E, K, N]``), as ``torch._grouped_mm``."""
@@ -45,9 +52,13 @@ class LibMoE(nn.Module):
     """Top-k softmax router (fp32, autocast off), renormalised weights, gated SiLU experts stacked
     as ``[E, H, 2I]`` / ``[E, I, H]`` (grouped_mm's ``[E, K, N]``), combined by the library's op."""
 
-    def __init__(self, hidden: int, inter: int, experts: int = 4, top_k: int = 2) -> None:
+    def __init__(self, hidden: int, inter: int, experts: int = 4, top_k: int = 2, aten_mm: bool = False,
+                 in_place: bool = False) -> None:
         super().__init__()
         self.experts, self.top_k = experts, top_k
+        # aten_mm: the grouped GEMMs by torch._grouped_mm itself (its fake takes bf16 only: export in bf16)
+        self.mm = (lambda x, w, offs: torch._grouped_mm(x, w, offs=offs)) if aten_mm else grouped_mm
+        self.in_place = in_place  # the combine by the library's in-place op
         self.gate = nn.Parameter(torch.randn(experts, hidden) * hidden ** -0.5)
         self.w13 = nn.Parameter(torch.randn(experts, hidden, 2 * inter) * hidden ** -0.5)
         self.w2 = nn.Parameter(torch.randn(experts, inter, hidden) * inter ** -0.5)
@@ -64,7 +75,11 @@ class LibMoE(nn.Module):
         rows = order // self.top_k
         counts = torch.histc(flat.float(), bins=self.experts, min=0, max=self.experts - 1)
         offs = counts.cumsum(0).to(torch.int32)
-        y = grouped_mm(t[rows], self.w13, offs)
+        y = self.mm(t[rows], self.w13, offs)
         gate, up = y.chunk(2, dim=-1)
-        y = grouped_mm(F.silu(gate) * up, self.w2, offs) * w.reshape(-1)[order, None]
+        y = self.mm(F.silu(gate) * up, self.w2, offs) * w.reshape(-1)[order, None]
+        if self.in_place:
+            out = torch.zeros_like(t)
+            index_add_rows_(out, rows, y)
+            return out.view(b, s, h)
         return scatter_add_rows(torch.zeros_like(t), rows, y).view(b, s, h)

@@ -188,6 +188,11 @@ RUNS = [  # (processes, example arguments)
          "--model", os.path.join(os.path.dirname(__file__), "handwritten.py:lib_moe"))),
     # q/k/v packed per KV group, one group (multi-query) over 2 TP ranks: unpacked into blocks first
     (2, ("--tp", "2", "--no-inductor", "--model", os.path.join(os.path.dirname(__file__), "handwritten.py:grouped_qkv"))),
+    # a dense first layer, then that library's MoE combined by its in-place op beside a shared expert
+    # (weights export hoists to the graph's top; the combine recognised through the in-place write),
+    # TP 4 with DP attention
+    (4, ("--tp", "4", "--attn-dp", "2", "--no-inductor",
+         "--model", os.path.join(os.path.dirname(__file__), "handwritten.py:dense_then_in_place_moe"))),
     # a hand-written MoE looping over its experts (data-dependent token counts per expert); under
     # real torchrun (no transformers import: the cheapest launch)
     (2, ("--attention", "1", "--ffn", "1", "--dynamic-output-shapes",
@@ -200,7 +205,7 @@ _FAMILIES = ["llama", "qwen3_moe", "phi3", "gemma2", "gpt2", "olmo2", "granite",
 _HANDWRITTEN = [os.path.join(os.path.dirname(__file__), f"handwritten.py:{f}")
                 for f in ("GQADecoder", "bmm_moe", "loop_moe", "NanoGPT", "Flat", "MetaLlama",
                           "torch_postnorm_fastpath_off", "parallel", "einsum", "SharedBlock", "per_head_norm",
-                          "grouped_qkv")]
+                          "grouped_qkv", "broadcast_mqa", "dense_then_in_place_moe")]
 _LAYOUTS = [(3, ("--attention", "2", "--ffn", "1")), (3, ("--attention", "2", "--ffn", "1", "--seq", "1")),
             (2, ("--tp", "2")), (4, ("--tp", "4", "--attn-dp", "2"))]
 SLOW_RUNS = [(n, (*lay, "--family", fam)) for fam in _FAMILIES for n, lay in _LAYOUTS

@@ -4,6 +4,8 @@ in-place scaled query, an MoE with ``bmm`` experts, a static KV cache of its own
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from handwritten import GQADecoder, export
@@ -130,7 +132,7 @@ def more_paths(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("handwritten")
     paths = {}
     for name in ("nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "parallel", "einsum", "shared",
-                 "per_head_norm", "per_head_norm_manual", "grouped_qkv"):
+                 "per_head_norm", "per_head_norm_manual", "grouped_qkv", "broadcast_mqa"):
         paths[name] = str(folder / f"{name}.pt2")
         torch.export.save(export(MODELS[name]()), paths[name])
     return paths
@@ -162,9 +164,11 @@ MORE_TP = [("nanogpt", 2, 1, None), ("loop_moe", 2, 1, None), ("flat", 2, 1, Non
            # per-head q/k norms ([H, D] affine: sliced with the heads, KV's replicated at tp 4), keys by .mT
            ("per_head_norm", 2, 1, None), ("per_head_norm", 4, 2, (1, 2)), ("per_head_norm_manual", 2, 1, None),
            # q/k/v packed per KV group, one group: the query heads split, K/V replicated (grouped_qkv.py)
-           ("grouped_qkv", 2, 1, None), ("grouped_qkv", 4, 2, (1, 2))]
+           ("grouped_qkv", 2, 1, None), ("grouped_qkv", 4, 2, (1, 2)),
+           # multi-query: one K/V head broadcast by SDPA to the split query heads (no expand): replicated
+           ("broadcast_mqa", 2, 1, None), ("broadcast_mqa", 4, 2, (1, 2))]
 MORE_AFD = ["nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "einsum", "shared",
-            "per_head_norm", "grouped_qkv"]  # (parallel: as GPT-J's)
+            "per_head_norm", "grouped_qkv", "broadcast_mqa"]  # (parallel: as GPT-J's)
 
 
 def test_more_hand_written_decoders_shard_and_split_and_match(more_paths):
@@ -257,3 +261,35 @@ def test_a_gpt_fast_style_cache_decodes_under_tp(tmp_path, capsys):
     torch.export.save(export_cached(GptFastDecoder(batch=2)), path)
     assert main(["verify", path, "--tp", "2", "--decode-steps", "2", "-q"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("verify: OK")
+
+
+LIB_MOE = [("dense_then_in_place_moe", ("-A", "2", "-F", "1")), ("dense_then_in_place_moe", ("--tp", "2")),
+           ("dense_then_in_place_moe", ("-A", "2", "-F", "2", "--ffn-ep", "2")),
+           ("dense_then_in_place_moe", ("--tp", "4", "--attn-dp", "2")),
+           ("dense_then_lib_moe", ("-A", "3", "-F", "2"))]
+
+
+@pytest.mark.parametrize(("name", "layout"), LIB_MOE, ids=[f"{n}-{' '.join(a)}" for n, a in LIB_MOE])
+def test_a_dense_first_layer_then_a_library_moe_with_a_shared_expert_splits_and_shards(tmp_path, capsys, name,
+                                                                                       layout):
+    # a model library's MoE (tests/moelib.py: router under autocast off, a higher-order op whose
+    # weights export hoists to the graph's top; grouped GEMMs of its own) beside a shared expert,
+    # after a dense first layer: the hoisted weights once made layer 1 the first layer (the split's
+    # programs disagreed: "attention program has to_ffn L2/S0 ..., FFN program has to_ffn L0/S0")
+    # and DP attention found no output projection. Its combine written as an in-place op of the
+    # library's (no return value: read after it) was not recognised (TP refused the shared
+    # expert's add, FFN EP had no op)
+    from handwritten import MODELS
+
+    from afd_compile.cli import main
+
+    moelib = os.path.join(os.path.dirname(__file__), "moelib.py")
+    path = str(tmp_path / f"{name}.pt2")
+    torch.export.save(export(MODELS[name]()), path)
+    assert main(["verify", path, *layout, "--import", moelib, "-q"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].startswith("verify: OK"), out[-2000:]
+    if layout == ("-A", "2", "-F", "1"):
+        assert main(["plan", path, *layout, "--import", moelib]) == 0
+        out = capsys.readouterr().out
+        assert "MoE experts: 2 of 2 blocks recognised as afd::moe_experts" in out and "grouped_mm experts" in out, out

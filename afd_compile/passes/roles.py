@@ -131,13 +131,14 @@ def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
     (``mlp``, ``feed_forward``, ``block_sparse_moe``, ...). Raises NoStructureError when the graph
     has no module paths or a layer has no such child."""
     layer_of: dict[fx.Node, str] = {}
-    order: list[str] = []
     for node in gm.graph.nodes:
         lp = layer_path(module_paths(node))
         if lp is not None:
             layer_of[node] = lp
-            if lp not in order:
-                order.append(lp)
+    # layers numbered in the order they compute: a get_attr hoisted to the graph's top (a weight a
+    # higher-order op's submodule reads, e.g. under autocast) says nothing of when its layer runs
+    computing = [lp for n, lp in layer_of.items() if n.op == "call_function"]
+    order = list(dict.fromkeys([*computing, *layer_of.values()]))
     if not order:
         raise NoStructureError("no nn_module_stack paths with a layer index (…layers.N)")
     index = {lp: i for i, lp in enumerate(order)}
@@ -435,6 +436,17 @@ def mutates_first_arg(n: fx.Node) -> bool:
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
+def _attrs_at_first_use(gm: fx.GraphModule) -> None:
+    """Move each get_attr that carries a layer's module path (a weight, or the submodule, of a
+    higher-order op such as autocast's region) to just before its first user: where export hoists
+    it, at the graph's top, it would be its layer's first member and the layer's FFN would seem to
+    start before its attention (each pass cutting or sharding there reads the first FFN node)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in [n for n in gm.graph.nodes if n.op == "get_attr" and n.users]:
+        if layer_path(module_paths(n)) is not None:
+            min(n.users, key=order.__getitem__).prepend(n)
+
+
 def annotate_roles(
     gm: fx.GraphModule,
     policy: RolePolicy = default_policy,
@@ -442,12 +454,14 @@ def annotate_roles(
     compute_gate_on_attention: bool = False,
     graph_name: str = "graph",
 ) -> RoleSummary:
-    """Stamp ``node.meta["afd.role"]`` on every node of ``gm`` (in place; the graph is not changed).
+    """Stamp ``node.meta["afd.role"]`` on every node of ``gm`` (in place; the graph computes the
+    same: a get_attr of a layer's module, hoisted to the graph's top, moves to its first use).
 
     With ``compute_gate_on_attention`` the router linear of each MoE layer (and the views feeding
     it) move to the attention side; its output, the router logits, then crosses the wire.
     """
     refuse_fused_layers(gm, graph_name)
+    _attrs_at_first_use(gm)
     try:
         roles = policy(gm)
     except NoStructureError as e:

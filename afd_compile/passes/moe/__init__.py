@@ -32,6 +32,7 @@ error naming the block and what was tried.
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,7 @@ def recognise_moe(gm: fx.GraphModule, strict: bool = False, graph_name: str = "g
     already (the op in place) are not found again."""
     records = []
     replaced: set[str] = set()
+    views = functional_writes(gm)
     for j, block in enumerate(find_blocks(gm)):
         form = form_of(block)
         match, why = match_block(gm, block)
@@ -106,12 +108,69 @@ def recognise_moe(gm: fx.GraphModule, strict: bool = False, graph_name: str = "g
                             w.gated, match.weight_first, w.how)
             op.meta[META_KEY] = rec
         records.append(rec)
+    restore_writes(gm, views)
     if any(r.op for r in records):
         _drop_unused_attrs(gm, replaced)
+    if views or any(r.op for r in records):
         gm.graph.lint()
         gm.recompile()
     gm.meta[RECORDS_KEY] = gm.meta.get(RECORDS_KEY, ()) + tuple(records)  # (a second run finds none)
     return records
+
+
+def functional_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """Each op that writes its first argument in place and returns nothing (a library's mutating
+    custom op, ``lib::index_add_rows_(out, index, src)``), seen functionally for the recognition:
+    its result as a node the later readers read, so the combine is found by data flow as any
+    other. Before::
+
+        zeros_like = aten.zeros_like(x); lib.index_add_rows_(zeros_like, rows, y); view = view(zeros_like, ...)
+
+    After (the call made again by :func:`restore_writes` where no recognised block took it)::
+
+        af = auto_functionalized(lib.index_add_rows_, out=zeros_like, index=rows, src=y); out = af[1]
+        view = view(out, ...)
+
+    Returns (auto_functionalized, its result) per op; :func:`restore_writes` undoes what no
+    recognised block consumed."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    done = []
+    for n in list(gm.graph.nodes):
+        schema = getattr(n.target, "_schema", None)
+        if n.op != "call_function" or schema is None or schema.returns or not writes_first_arg(n):
+            continue
+        base = n.args[0]
+        writes = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        later = [u for u in base.users if order[u] > order[n]] if isinstance(base, fx.Node) else []
+        if len(writes) != 1 or not later or not isinstance(base.meta.get("val"), torch.Tensor):
+            continue
+        kwargs = dict(zip((a.name for a in schema.arguments), n.args, strict=False)) | dict(n.kwargs)
+        with gm.graph.inserting_before(n):
+            af = gm.graph.call_function(auto_functionalized, (n.target,), kwargs)
+            out = gm.graph.call_function(operator.getitem, (af, 1))
+        af.meta["val"], out.meta["val"] = (None, base.meta["val"]), base.meta["val"]
+        out.meta.update({k: n.meta[k] for k in ("nn_module_stack", meta_keys.ROLE) if k in n.meta})
+        for u in later:
+            u.replace_input_with(base, out)
+        gm.graph.erase_node(n)
+        done.append((af, out))
+    return done
+
+
+def restore_writes(gm: fx.GraphModule, views: list[tuple[fx.Node, fx.Node]]) -> None:
+    """Undo :func:`functional_writes` where no recognised block consumed the result (its readers
+    read the written tensor again), and drop the functional nodes either way."""
+    for af, out in views:
+        if out.users:  # (the write as the model made it, read after it as before)
+            base = af.kwargs[next(iter(af.kwargs))]
+            with gm.graph.inserting_before(af):
+                write = gm.graph.call_function(af.args[0], (), dict(af.kwargs))
+            write.meta.update({k: out.meta[k] for k in ("nn_module_stack", meta_keys.ROLE) if k in out.meta})
+            out.replace_all_uses_with(base)
+        gm.graph.erase_node(out)
+        gm.graph.erase_node(af)
 
 
 def form_of(block: Block) -> str:

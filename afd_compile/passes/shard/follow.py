@@ -419,6 +419,21 @@ def follow_split(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node],
     return t
 
 
+def _one_head_broadcast(n: fx.Node, split_in: list[fx.Node], t: _Track) -> bool:
+    """Attention whose operands on fewer ranks are one head broadcast to the others' (multi-query
+    K / V of ``[B, 1, S, D]`` meeting split query heads in SDPA, no expand in the graph): every
+    rank's query heads read the same single head, so each rank's slice is exact."""
+    if n.target != aten.scaled_dot_product_attention.default:
+        return False
+    most = max(t.factor[a] for a in split_in)
+    return all(_size(a, t.dim[a]) == 1 for a in split_in if t.factor[a] != most)
+
+
+def _size(n: fx.Node, dim: int) -> object:
+    v = n.meta.get("val")
+    return v.shape[dim] if isinstance(v, torch.Tensor) and dim < v.dim() else None
+
+
 def _step(n: fx.Node, w: _Walk) -> Iterable[fx.Node]:
     """Settle ``n``'s split dim (or refuse it); returns the nodes to follow next."""
     t, sdim, where = w.t, w.t.dim, w.where
@@ -433,7 +448,7 @@ def _step(n: fx.Node, w: _Walk) -> Iterable[fx.Node]:
         return set(n.args[0].users) | set(n.users)
     factors = {t.factor[a] for a in split_in}
     gqa = n.target == aten.scaled_dot_product_attention.default and n.kwargs.get("enable_gqa")
-    if len(factors) > 1 and not gqa:
+    if len(factors) > 1 and not gqa and not _one_head_broadcast(n, split_in, t):
         raise ShardError(f"{where}: {n.name} ({n.target}) combines tensors split into different numbers of "
                          f"heads per rank ({sorted(factors)}): heads replicated over ranks (fewer KV heads or "
                          f"groups than the {w.parts} ranks) meet heads split over all of them; the layout must "
