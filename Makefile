@@ -5,8 +5,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRA_SPEC ?=
+# `make test` also runs the golden graphs recorded per transformers release and the MoE
+# recognition under the oldest supported transformers (the GPU host's 5.17): a venv holding only
+# transformers and what it needs beyond the main venv, whose packages (torch, afd_compile) it
+# reads (seconds to make). TF517= leaves it out.
+TF517 ?= 1
+VENV_TF517 ?= .venv-tf517
+TF517_TESTS ?= tests/test_split.py tests/test_moe_recognise.py tests/test_roles.py tests/test_ffn_tp.py
 
-.PHONY: demo test test-torch211 lint bench readme clean
+.PHONY: demo test test-transformers517 test-torch211 lint bench readme clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,15 +29,28 @@ demo: $(VENV)/.installed
 # built once): on 2 cores the suite spends a third of its time in one process's single-threaded
 # work (export, tracing, imports), which the other worker fills; PYTEST_WORKERS=0 runs it serially
 PYTEST_WORKERS ?= 2
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(if $(TF517),$(VENV_TF517)/.installed)
 	$(VENV)/bin/ruff check afd_compile tests benchmarks examples
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25
+	$(if $(TF517),$(MAKE) test-transformers517)
+
+$(VENV_TF517)/.installed: $(VENV)/.installed
+	$(PYTHON) -m venv $(VENV_TF517)
+	main=$$($(PY) -c 'import site; print(site.getsitepackages()[0])'); \
+	own=$$($(VENV_TF517)/bin/python -c 'import site; print(site.getsitepackages()[0])'); \
+	echo "import site; site.addsitedir('$$main')" > $$own/zz_main_venv.pth
+	$(VENV_TF517)/bin/python -m pip install -q transformers==5.17.0
+	touch $@
+
+test-transformers517: $(VENV_TF517)/.installed
+	$(VENV_TF517)/bin/python -c "import transformers as t; assert t.__version__ == '5.17.0', t.__version__"
+	$(VENV_TF517)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(TF517_TESTS)
 
 # the oldest supported torch (the GPU host's: torch 2.11, transformers 5.17) in a second venv,
 # CPU only (the torch 2.11 wheel pulls its CUDA libraries: a few GB)
 test-torch211:
 	CUDA_VISIBLE_DEVICES= AFD_BACKEND=gloo \
-		$(MAKE) test VENV=.venv-211 TORCH_SPEC=torch==2.11.0 EXTRA_SPEC=transformers==5.17.0
+		$(MAKE) test VENV=.venv-211 TORCH_SPEC=torch==2.11.0 EXTRA_SPEC=transformers==5.17.0 TF517=
 
 # the README's generated parts: the support table (from the test matrices) and the plan pictures
 readme: $(VENV)/.installed
@@ -41,4 +61,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/pass_time.py
 
 clean:
-	rm -rf $(VENV) .venv-211 build *.egg-info
+	rm -rf $(VENV) $(VENV_TF517) .venv-211 build *.egg-info
