@@ -14,7 +14,15 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from .buckets import BUCKETS_HELP, buckets_flag
-from .cli_checks import ClosedTolerant, UsageError, check_mode_flags, check_saved_flags
+from .cli_checks import (
+    ClosedTolerant,
+    UsageError,
+    afd_layout,
+    check_arguments,
+    check_mode_flags,
+    check_saved_flags,
+    tp_layout,
+)
 from .errors import AFDCompileError
 from .figures import mermaid_flag
 from .layout import AFDLayout
@@ -44,18 +52,6 @@ from .plan_view import (
 from .saved import MARKER
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
-
-
-def _layout(args: argparse.Namespace, required: bool) -> AFDLayout | None:
-    if args.attention_ranks is None and args.ffn_ranks is None:
-        if required:
-            raise UsageError("give a layout: an AFD one (-A/--attention-ranks A -F/--ffn-ranks F) or a TP one "
-                             "(--tp T)")
-        return None
-    if args.attention_ranks is None or args.ffn_ranks is None:
-        raise UsageError("give both --attention-ranks and --ffn-ranks")
-    return AFDLayout(args.attention_ranks, args.ffn_ranks, getattr(args, "ffn_tp", 1), getattr(args, "ffn_ep", 1),
-                     getattr(args, "attn_tp", 1))
 
 
 _RANKS = count_flag(1, MAX_RANKS)  # a count of ranks (a layout has at most MAX_RANKS)
@@ -220,23 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "default", stages: int = 1):
+def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "default", stages: int = 1, runs: bool = True):
     from .deploy import plan_afd
     from .passes.roles import POLICIES
-    from .programs import load_program
+    from .programs import flat_inputs, load_program
     from .split_api import SplitConfig
 
     ep = load_program(model)
+    if runs:  # (rewrite, verify: inputs that are not tensors said now, not after planning)
+        flat_inputs(ep)
     config = SplitConfig(compute_gate_on_attention=gate, policy=POLICIES[policy], graph_name=model)
     return ep, plan_afd(ep, layout, config, stages)
-
-
-def _tp_layout(args: argparse.Namespace):
-    """The TP layout the flags give (``--tp`` and its options)."""
-    from .scatter import TPLayout
-
-    return TPLayout(args.tp, 1 if args.attn_dp is None else args.attn_dp, moe_a2a=args.moe_a2a,
-                    dense_dp=args.dense_dp, vocab_parallel=args.vocab_parallel)
 
 
 def _tp_graph(args: argparse.Namespace):
@@ -247,7 +237,7 @@ def _tp_graph(args: argparse.Namespace):
     from .programs import load_program, positional_module
     from .split_api import SplitConfig
 
-    layout = _tp_layout(args)
+    layout = tp_layout(args)
     ep = load_program(args.model)
     work = prepare_tp_graph(positional_module(ep), layout, SplitConfig(policy=POLICIES[args.policy],
                                                                        graph_name=args.model))
@@ -322,12 +312,12 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.passes is not None:
-        return print_passes(args, _tp_layout(args) if args.tp is not None else _layout(args, required=False))
+        return print_passes(args, tp_layout(args) if args.tp is not None else afd_layout(args, required=False))
     if args.tp is not None:
         return cmd_plan_tp(args)
-    layout = _layout(args, required=False)
+    layout = afd_layout(args, required=False)
     with _progress(args).phase(f"loaded and planned {args.model}"):
-        ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy, _stages(args))
+        ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy, _stages(args), runs=False)
     if args.mermaid is not None:
         from .figures import afd_mermaid
 
@@ -433,7 +423,7 @@ def cmd_rewrite(args: argparse.Namespace) -> int:
 
     if args.attention_ranks is None and args.ffn_ranks is None:
         raise UsageError("give an AFD layout (--attention-ranks/--ffn-ranks) or a TP layout (--tp)")
-    layout = _layout(args, required=True)
+    layout = afd_layout(args, required=True)
     if layout.ffn_group_size > 1 or layout.attn_tp > 1:
         raise UsageError("rewrite --ffn-tp/--ffn-ep/--attn-tp: not supported yet (a group's programs are split per "
                          "rank: plan and verify take them, and the backend takes ffn_tp / ffn_ep / attn_tp)")
@@ -516,7 +506,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return cmd_verify_saved(args)
     if args.tp is not None:
         return cmd_verify_tp(args)
-    layout = _layout(args, required=True)
+    layout = afd_layout(args, required=True)
     batches = parse_tokens(args.tokens)
     from .buckets import TokenBuckets
     from .verify import verify_afd  # (after the argument checks: they need no torch)
@@ -572,6 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with exit_on_sigterm():  # SIGTERM unwinds: temporary folders and the run's processes are removed
             check_mode_flags(args)
+            check_arguments(args)
             if args.command in ("verify", "demo"):
                 local_process_override()  # (a bad setting is refused before anything is loaded)
             if getattr(args, "imports", None):

@@ -8,6 +8,7 @@ import argparse
 import os
 
 from .errors import AFDCompileError
+from .layout import AFDLayout
 
 
 class UsageError(AFDCompileError):
@@ -45,6 +46,59 @@ def check_mode_flags(args: argparse.Namespace) -> None:
                          "attention TP group is tp / attn-dp ranks: give --attn-dp instead")
     if given:
         raise UsageError(f"give either an AFD layout ({', '.join(given)}) or a TP layout (--tp ...), not both")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """What the arguments alone decide, answered before torch is imported (a second, not the
+    seconds a load takes): ``--tokens``, the layout itself (built: its counts and groups checked),
+    then the model file, the files ``--import`` names, ``--saved``'s folder, ``-o``'s (rewrite)."""
+    from .limits import parse_tokens
+    from .saved import program_file_problem
+
+    if getattr(args, "tokens", None) is not None:
+        parse_tokens(args.tokens)
+    if getattr(args, "tp", None):
+        tp_layout(args)
+    elif hasattr(args, "attention_ranks"):
+        afd_layout(args, False)
+    model = getattr(args, "model", None)
+    problem = program_file_problem(model) if model is not None else None
+    if problem is not None:
+        raise UsageError(problem)
+    for spec in getattr(args, "imports", None) or ():
+        if (spec.endswith(".py") or os.sep in spec) and not os.path.isfile(spec):
+            raise UsageError(f"--import {spec}: no such file")
+    saved = getattr(args, "saved", None)
+    if saved is not None and not os.path.isdir(saved):
+        raise UsageError(f"--saved {saved}: {'is not a folder' if os.path.exists(saved) else 'no such folder'} "
+                         "(the folder `afd-compile rewrite -o` wrote)")
+    if args.command == "rewrite":
+        from .outdir import OutputFolder
+
+        OutputFolder(args.output, args.force, inputs=[args.model])  # (its checks only: nothing is written)
+
+
+def afd_layout(args: argparse.Namespace, required: bool) -> AFDLayout | None:
+    """The AFD layout the flags give (None: none given and not ``required``)."""
+    if args.attention_ranks is None and args.ffn_ranks is None:
+        if required:
+            raise UsageError("give a layout: an AFD one (-A/--attention-ranks A -F/--ffn-ranks F) or a TP one "
+                             "(--tp T)")
+        return None
+    if args.attention_ranks is None or args.ffn_ranks is None:
+        raise UsageError("give both --attention-ranks and --ffn-ranks")
+    return AFDLayout(args.attention_ranks, args.ffn_ranks, getattr(args, "ffn_tp", 1), getattr(args, "ffn_ep", 1),
+                     getattr(args, "attn_tp", 1))
+
+
+
+
+def tp_layout(args: argparse.Namespace):
+    """The TP layout the flags give (``--tp`` and its options)."""
+    from .scatter import TPLayout
+
+    return TPLayout(args.tp, 1 if args.attn_dp is None else args.attn_dp, moe_a2a=args.moe_a2a,
+                    dense_dp=args.dense_dp, vocab_parallel=args.vocab_parallel)
 
 
 def check_saved_flags(args: argparse.Namespace, kind: str) -> None:

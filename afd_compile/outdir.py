@@ -140,6 +140,9 @@ class OutputFolder:
             why = replaceable(self.target, force)
             if why is not None:
                 raise OutputError(f"-o {path}{self.via}: {why}")
+        # the finished folder's mode: the replaced folder's own, else what the umask gives a new one
+        # (it is written as a private temporary folder, 0700)
+        self.mode = os.stat(self.target).st_mode & 0o7777 if self.existed else 0o777 & ~_umask()
         self.tmp: str | None = None
 
     def _clean_stale(self, parent: str, base: str) -> None:
@@ -230,6 +233,13 @@ class OutputFolder:
                 from None
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
+        os.chmod(self.target, self.mode)
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
 
 
 class _FailSafeFile(io.RawIOBase):

@@ -17,6 +17,7 @@ import torch.fx as fx
 from . import moe as _moe  # noqa: F401  (afd::moe_experts)
 from . import ops as _ops  # noqa: F401  (torch.export.load needs afd:: registered, collectives too)
 from .errors import ProgramLoadError
+from .saved import program_file_problem
 
 #: a .pt2's JSON members (the graph, its signature) are read whole, by torch and by the op scan:
 #: at most this many bytes unpacked (a graph of thousands of layers is tens of MiB)
@@ -149,14 +150,9 @@ def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
     chained cause, and the first warning torch logged (it logs the reason, then raises a
     generic error). A ``.pt2`` is code (torch unpickles its constants): load only files you trust."""
     path = os.fspath(path)
-    if os.path.isdir(path):
-        raise ProgramLoadError(f"{path}: is a folder, not a .pt2 file (a rewrite folder: check it with "
-                               f"`afd-compile verify MODEL.pt2 --saved {path}`, run it with "
-                               "afd_compile.deploy.load_rewritten_rank)")
-    if not os.path.exists(path):
-        raise ProgramLoadError(f"{path}: no such file")
-    if not os.path.isfile(path):
-        raise ProgramLoadError(f"{path}: not a regular file (a .pt2 is a zip archive torch.export.save wrote)")
+    problem = program_file_problem(path)
+    if problem is not None:
+        raise ProgramLoadError(problem)
     if not zipfile.is_zipfile(path):
         raise ProgramLoadError(f"{path}: not a .pt2 archive (torch.export.save writes a zip file)")
     _check_members(path)
@@ -229,8 +225,24 @@ def flat_inputs(ep: torch.export.ExportedProgram) -> tuple[Any, ...]:
     if spec is not None and got != spec:
         raise ProgramLoadError(f"the saved example inputs do not match the program's input structure ({spec})")
     if not all(isinstance(x, torch.Tensor) for x in leaves):
-        raise ProgramLoadError("the program's inputs are not all tensors; only tensor inputs are supported")
+        raise ProgramLoadError(_not_tensors((tuple(args), kwargs)))
     return tuple(leaves)
+
+
+def _not_tensors(inputs: object) -> str:
+    """Which saved inputs are not tensors (``kwargs['use_cache']: a bool, True``) and how to export
+    without them."""
+    paths, _ = torch.utils._pytree.tree_flatten_with_path(inputs)
+    names = []
+    for path, x in paths:
+        if not isinstance(x, torch.Tensor):
+            where = torch.utils._pytree.keystr(path[1:]) if path else "?"
+            where = (f"input {where}" if path and getattr(path[0], "idx", None) == 0 else f"keyword input {where}")
+            names.append(f"{where}: a {type(x).__name__}, {x!r}"[:120])
+    return (f"the program's inputs are not all tensors ({'; '.join(names[:4])}{'; ...' if len(names) > 4 else ''}); "
+            "only tensor inputs are supported: export a wrapper whose forward takes the tensors and passes the "
+            "rest itself (a transformers causal LM: afd_compile.models.export_lm, or its LogitsOnly wrapper, which "
+            "passes use_cache=False and returns the logits)")
 
 
 def positional_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:

@@ -24,6 +24,19 @@ from typing import Any
 from .errors import ProgramLoadError
 from .limits import MAX_RANKS, MAX_STAGES
 
+
+def program_file_problem(path: str) -> str | None:
+    """Why ``path`` cannot be a ``.pt2`` program (None: it can be read); decided from the file
+    system alone, before torch is imported."""
+    if os.path.isdir(path):
+        return (f"{path}: is a folder, not a .pt2 file (a rewrite folder: check it with `afd-compile verify "
+                f"MODEL.pt2 --saved {path}`, run it with afd_compile.deploy.load_rewritten_rank)")
+    if not os.path.exists(path):
+        return f"{path}: no such file"
+    if not os.path.isfile(path):
+        return f"{path}: not a regular file (a .pt2 is a zip archive torch.export.save wrote)"
+    return None
+
 #: the largest int an op argument holds (a comm_id is an int64 argument of every afd:: op)
 MAX_INT64 = (1 << 63) - 1
 #: the largest token count factor, static batch or input index a plan.json may record

@@ -258,7 +258,10 @@ def check_verify_inputs(facts: ProgramFacts, *, units: int, unit: str, world_siz
     if not sum(batches):
         raise VerifyInputError(f"--tokens {list(batches)}: every {unit} has zero tokens, so nothing would be compared")
     if facts.batch_range is None:
-        raise VerifyInputError(f"the batch dimension is static, cannot resize inputs to {list(batches)}")
+        raise VerifyInputError(f"--tokens {list(batches)}: the program's batch dimension is static, its inputs "
+                               "cannot be resized; drop --tokens (every rank runs the saved batch), or re-export "
+                               "with the batch dynamic (torch.export.export(..., dynamic_shapes={'input_ids': "
+                               "{0: torch.export.Dim('batch')}}))")
     lo, hi = facts.batch_range
     sizes = {b for b in batches if b} | ({1} if zero_runs_dummy and 0 in batches else set())
     outside = sorted(b for b in sizes if not lo <= b <= hi)

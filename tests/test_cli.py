@@ -23,16 +23,39 @@ def test_the_console_command_exits_with_mains_status(tmp_path):
         f"afd-compile verify: error: {tmp_path / 'missing.pt2'}: no such file"], res.stderr
 
 
-def test_help_and_argument_errors_do_not_import_torch():
+def test_help_and_argument_errors_do_not_import_torch(tmp_path):
     # the CLI and the package import their torch-heavy parts on first use (issue 17: --help paid
-    # the full torch import, 14-20 s on a busy machine)
-    code = ("import sys, afd_compile.cli as c\n"
-            "for argv in (['--help'], ['verify', 'x.pt2', '-A', '1']):\n"
-            "    try:\n        c.main(argv)\n    except SystemExit:\n        pass\n"
-            "print('torch' in sys.modules)")
+    # the full torch import, 14-20 s on a busy machine); what the arguments alone decide (issue 53:
+    # a missing file took 16 s to say so, a layout the flags make impossible loaded the model
+    # first) is answered before torch is imported, each with its exit 2 and one line
+    model = tmp_path / "m.pt2"
+    model.write_bytes(b"not read")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "kept").write_text("")
+    cases = [(["--help"], None),
+             (["verify", "x.pt2", "-A", "1"], "give both --attention-ranks and --ffn-ranks"),
+             (["plan", str(tmp_path / "missing.pt2"), "-A", "2", "-F", "1"], "missing.pt2: no such file"),
+             (["plan", str(tmp_path), "-A", "2", "-F", "1"], "is a folder, not a .pt2 file"),
+             (["rewrite", str(model), "-o", str(tmp_path / "o"), "-A", "2", "-F", "1", "--ffn-tp", "2"],
+              "ffn_tp=2 must be >= 1 and divide the 1 FFN ranks"),
+             (["plan", str(model), "--tp", "3", "--attn-dp", "2"], "attn_dp=2 does not divide tp=3"),
+             (["plan", str(model), "-A", "2", "-F", "1", "--import", str(tmp_path / "lib.py")], "lib.py: no such file"),
+             (["verify", str(model), "--saved", str(tmp_path / "nowhere")], "nowhere: no such folder"),
+             (["rewrite", str(model), "-o", str(tmp_path / "out"), "-A", "2", "-F", "1"], "is not empty")]
+    code = ("import contextlib, io, json, sys, afd_compile.cli as c\n"
+            f"got = []\nfor argv, _ in {[(a, w) for a, w in cases]!r}:\n"
+            "    err = io.StringIO()\n"
+            "    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):\n"
+            "        try:\n            rc = c.main(argv)\n        except SystemExit as e:\n            rc = e.code\n"
+            "    got.append((rc, err.getvalue()))\n"
+            "print(json.dumps(got))\nprint('torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip().splitlines()[-1] == "False", res.stdout
+    *_, got, torch_loaded = res.stdout.strip().splitlines()
+    for (argv, want), (rc, err) in zip(cases, json.loads(got), strict=True):
+        if want is not None:
+            assert rc == 2 and want in err and len(err.strip().splitlines()) == 1, (argv, rc, err)
+    assert torch_loaded == "False", res.stdout
 
 
 def test_help_lists_the_subcommands():
@@ -518,3 +541,20 @@ def test_plan_mermaid_ranks_draws_the_whole_layout(exported):
     assert res.returncode == 0 and "TP group of 4: all_gather, reduce_scatter; 1024 B/token per step" in res.stdout
     res = _run("plan", path, "--mermaid", "all")
     assert res.returncode == 2 and "give a layer index or 'ranks'" in res.stderr, res.stderr
+
+
+def test_inputs_that_are_not_tensors_are_named_with_how_to_export_without_them():
+    # a raw HF export passes use_cache=False as an input: said right after the load, naming it
+    import torch
+
+    from afd_compile.errors import ProgramLoadError
+    from afd_compile.programs import flat_inputs
+
+    class Flagged(torch.nn.Module):
+        def forward(self, x: torch.Tensor, use_cache: bool = True) -> torch.Tensor:
+            return x * 2 if use_cache else x
+
+    ep = torch.export.export(Flagged(), (torch.randn(2, 3),), {"use_cache": False})
+    with pytest.raises(ProgramLoadError, match=r"not all tensors \(keyword input \['use_cache'\]: a bool, False\); "
+                                               r"only tensor inputs are supported: export a wrapper"):
+        flat_inputs(ep)

@@ -328,7 +328,9 @@ def test_a_forkserver_stopped_while_it_preloads_ends_the_run_at_once(tmp_path):
 def test_an_import_module_that_calls_sys_exit_is_refused_not_a_silent_exit_0(tmp_path):
     lib = tmp_path / "exits.py"
     lib.write_text("import sys\nsys.exit(0)\n")
-    ran = run_cli("verify", "x.pt2", "-A", "1", "-F", "1", "--import", str(lib))
+    model = tmp_path / "m.pt2"  # (a file: what the arguments alone decide passes, then the import runs)
+    model.write_bytes(b"")
+    ran = run_cli("verify", str(model), "-A", "1", "-F", "1", "--import", str(lib))
     assert ran.returncode == 2, ran
     assert "the module called sys.exit(0) while it was imported" in ran.stderr and "exits.py" in ran.stderr
 

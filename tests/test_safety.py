@@ -411,3 +411,18 @@ def test_a_write_failing_without_a_message_is_still_one_clean_error(tmp_path):
     with pytest.raises(OutputError, match=r"writing a file failed: RuntimeError; nothing was written"), out:
         raise RuntimeError()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_rewrite_folder_takes_the_users_umask(tmp_path):
+    # written as a private temporary folder (0700), the finished one is what the user's umask gives
+    # a new folder (it was 0700 whatever the umask; a folder --force replaces keeps its own mode)
+    old = os.umask(0o027)
+    try:
+        for mask, mode in ((0o027, 0o750), (0o022, 0o755)):
+            os.umask(mask)
+            target = str(tmp_path / f"out{mask:o}")
+            with OutputFolder(target, False) as tmp:
+                open(os.path.join(tmp, "plan.json"), "w").write("{}")
+            assert os.stat(target).st_mode & 0o777 == mode and os.listdir(target) == ["plan.json"]
+    finally:
+        os.umask(old)

@@ -124,7 +124,7 @@ def test_a_zero_token_dp_group_runs_a_dummy_that_must_be_in_range():
         check_verify_inputs(facts, units=2, unit="attention DP group", world_size=2, batches=(0, 3), steps=1,
                             tol=None, zero_runs_dummy=True)
     static = ProgramFacts(None, 1e-5)
-    with pytest.raises(VerifyInputError, match="the batch dimension is static"):
+    with pytest.raises(VerifyInputError, match="the program's batch dimension is static, its inputs cannot be resized; drop --tokens"):
         check_verify_inputs(static, units=1, unit="attention rank", world_size=2, batches=(3,), steps=1, tol=None)
     assert check_verify_inputs(static, units=1, unit="attention rank", world_size=2, batches=None, steps=1,
                                tol=None).batches is None

@@ -27,6 +27,7 @@ from .rules import (
     expands_single_head,
     folded_view,
     ndim,
+    one_head_broadcast,
     shape_of,
 )
 from .types import ArgFix, ShardError
@@ -49,8 +50,7 @@ class _Track:
     means: list[fx.Node] = field(default_factory=list)  # means over the split dim (settled by an all-reduce)
     attrs: list[fx.Node] = field(default_factory=list)  # weights spanning the split dim (a norm's scale)
     states: list[tuple[fx.Node, int, int]] = field(default_factory=list)  # (cache, dim, slices) written split
-    # (user, operand, dim, slices, origin of the split input, heads when the dim is batch x heads
-    # folded, else 0): unsplit tensors read in slices
+    # unsplit tensors read in slices: (user, operand, dim, slices, split input's origin, heads folded or 0)
     operands: list[tuple[fx.Node, fx.Node, int, int, Block | None, int]] = field(default_factory=list)
     # node -> the outer factor of its split dim, where the heads are folded into it as the inner
     # factor ([B*H, S, D]: B); such a dim is cut per rank as B x (H / parts), not in contiguous slices
@@ -419,21 +419,6 @@ def follow_split(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node],
     return t
 
 
-def _one_head_broadcast(n: fx.Node, split_in: list[fx.Node], t: _Track) -> bool:
-    """Attention whose operands on fewer ranks are one head broadcast to the others' (multi-query
-    K / V of ``[B, 1, S, D]`` meeting split query heads in SDPA, no expand in the graph): every
-    rank's query heads read the same single head, so each rank's slice is exact."""
-    if n.target != aten.scaled_dot_product_attention.default:
-        return False
-    most = max(t.factor[a] for a in split_in)
-    return all(_size(a, t.dim[a]) == 1 for a in split_in if t.factor[a] != most)
-
-
-def _size(n: fx.Node, dim: int) -> object:
-    v = n.meta.get("val")
-    return v.shape[dim] if isinstance(v, torch.Tensor) and dim < v.dim() else None
-
-
 def _step(n: fx.Node, w: _Walk) -> Iterable[fx.Node]:
     """Settle ``n``'s split dim (or refuse it); returns the nodes to follow next."""
     t, sdim, where = w.t, w.t.dim, w.where
@@ -448,7 +433,7 @@ def _step(n: fx.Node, w: _Walk) -> Iterable[fx.Node]:
         return set(n.args[0].users) | set(n.users)
     factors = {t.factor[a] for a in split_in}
     gqa = n.target == aten.scaled_dot_product_attention.default and n.kwargs.get("enable_gqa")
-    if len(factors) > 1 and not gqa and not _one_head_broadcast(n, split_in, t):
+    if len(factors) > 1 and not gqa and not one_head_broadcast(n, split_in, t.factor, t.dim):
         raise ShardError(f"{where}: {n.name} ({n.target}) combines tensors split into different numbers of "
                          f"heads per rank ({sorted(factors)}): heads replicated over ranks (fewer KV heads or "
                          f"groups than the {w.parts} ranks) meet heads split over all of them; the layout must "

@@ -570,3 +570,13 @@ IGNORED = {aten._assert_tensor_metadata.default}
 BLOCK_OPS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor}
 
 
+def one_head_broadcast(n: fx.Node, split_in: list[fx.Node], factor: dict[fx.Node, int],
+                       dim: dict[fx.Node, int]) -> bool:
+    """Attention whose operands on fewer ranks are one head broadcast to the others' (multi-query
+    K / V of ``[B, 1, S, D]`` meeting split query heads in SDPA, no expand in the graph): every
+    rank's query heads read the same single head, so each rank's slice is exact."""
+    if n.target != aten.scaled_dot_product_attention.default:
+        return False
+    most = max(factor[a] for a in split_in)
+    sizes = [(a.meta.get("val"), dim[a]) for a in split_in if factor[a] != most]
+    return all(isinstance(v, torch.Tensor) and d < v.dim() and v.shape[d] == 1 for v, d in sizes)
