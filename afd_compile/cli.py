@@ -42,6 +42,7 @@ from .plan_view import (
     TP_LEGEND,
     cache_json,
     moe_lines,
+    moe_placement,
     moe_records,
     plan_table,
     print_passes,
@@ -344,7 +345,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(plan_table(result, layout))
         print(AFD_LEGEND)
-        for line in moe_lines(result.moe):
+        for line in moe_lines(result.moe) + moe_placement(result.moe, layout, args.gate_on_attention):
             print(line)
     if args.stages != 1 and not args.json:
         print(stage_text(stage_schedule(result, ep)))

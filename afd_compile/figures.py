@@ -81,7 +81,24 @@ def afd_ranks_mermaid(result: Any, layout: AFDLayout) -> str:
     for f in range(layout.ffn_ranks):
         for a in layout.peers_of_ffn(f):
             lines.append(f"  r{a} <-- {_q(f'{to_ffn} + {back} B/token per step ({len(cuts)} layers)')} --> r{f}")
+    label = _ffn_group_traffic(result, layout, cuts[0].wire_in.tensors[0].bytes_per_token if cuts else 0)
+    for g in layout.ffn_groups():
+        lines += [f"  r{a} <-. {_q(label)} .-> r{b}" for a, b in zip(g, g[1:], strict=False)]
     return "\n".join(lines)
+
+
+def _ffn_group_traffic(result: Any, layout: AFDLayout, hidden: int) -> str:
+    """What an FFN group's collectives move, per token: TP's all-gather of the hidden states and
+    reduce-scatter of the partial sums at every layer; EP's all-to-all of each token to the ranks
+    of its experts (up to top-k copies) and back, at every MoE layer."""
+    parts = layout.ffn_group_size
+    if layout.ffn_tp > 1:
+        return (f"FFN TP: all-gather + reduce-scatter, {2 * (parts - 1) * hidden} B/token per layer "
+                f"(its {hidden} B to {parts - 1} other rank(s), the partial sums back)")
+    moe = [r for r in getattr(result, "moe", ()) if r.op]
+    k = max((r.top_k for r in moe), default=1)
+    return (f"FFN EP: all-to-all, up to {2 * min(k, parts) * hidden} B/token per MoE layer ({len(moe)} layers: "
+            f"a token to the ranks of its top-{k} experts and back)")
 
 
 def tp_ranks_mermaid(plan: Any) -> str:

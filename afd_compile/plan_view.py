@@ -101,6 +101,28 @@ def moe_lines(records: tuple) -> list[str]:
         [f"  {r}" for r in records]
 
 
+def moe_placement(records: tuple, layout: object, gate_on_attention: bool) -> list[str]:
+    """Where an AFD layout runs the recognised MoE blocks (``plan``'s lines after :func:`moe_lines`):
+    the router's side, and which experts each FFN rank holds (all; each expert's slice in an FFN
+    TP group; a range of them per rank of an FFN EP group)."""
+    experts = sorted({r.experts for r in records if r.op})
+    if not experts or layout is None:
+        return []
+    router = ("  router: on the attention ranks (--gate-on-attention): its logits cross the wire to the FFN ranks"
+              if gate_on_attention else "  router: on the FFN ranks (the gate and its top-k run after the receive)")
+    parts, f = max(layout.ffn_tp, layout.ffn_ep), layout.ffn_ranks  # type: ignore[attr-defined]
+    if layout.ffn_ep > 1:  # type: ignore[attr-defined]
+        per = [e // parts for e in experts]
+        held = [f"group rank {r} (FFN rank{'s' if f // parts > 1 else ''} "
+                f"{', '.join(str(x) for x in range(r, f, parts))}): experts "
+                f"{' / '.join(f'{r * n}-{(r + 1) * n - 1}' for n in per)}" for r in range(parts)]
+        return [router, f"  experts over FFN EP groups of {parts} (all-to-all per MoE layer): " + "; ".join(held)]
+    if layout.ffn_tp > 1:  # type: ignore[attr-defined]
+        return [router, f"  experts: every expert on every rank of an FFN TP group of {parts}, each rank its "
+                        f"1/{parts} of each expert's intermediate size"]
+    return [router, f"  experts: all {' / '.join(map(str, experts))} on each FFN rank"]
+
+
 def unpacked_lines(gm: object) -> list[str]:
     """What ``plan`` says of the projections ``passes/grouped_qkv.py`` unpacked (none: nothing)."""
     from .passes.grouped_qkv import RECORDS_KEY
@@ -155,18 +177,15 @@ def stage_text(stages: dict) -> str:
 def print_passes(args: object, layout: object) -> int:
     """``plan --passes [DEVICE]``: the pass pipeline of each rank kind of ``layout`` (the flags':
     an ``AFDLayout``, a ``TPLayout`` or None; ``afd_compile.pipeline``), as a table or (``--json``) records. The model is not loaded: the
-    lists follow from the layout and options alone; a missing file is still an error."""
+    lists follow from the layout and options alone; a missing file is still an error (said
+    before, by ``cli_checks.check_arguments``)."""
     import json
-    import os
 
     from .cli_checks import UsageError
     from .pipeline import builds_for, pipeline_json, pipeline_table
 
     if getattr(args, "mermaid", None) is not None:
         raise UsageError("--passes prints the pass lists, --mermaid a picture of the plan: give one of them")
-    if not os.path.isfile(args.model):  # type: ignore[attr-defined]
-        what = "is not a file" if os.path.exists(args.model) else "no such file"  # type: ignore[attr-defined]
-        raise UsageError(f"{args.model}: {what}")  # type: ignore[attr-defined]
     builds = builds_for(layout, args.passes, args.stages)  # type: ignore[attr-defined]
     print(json.dumps(pipeline_json(builds), indent=2) if args.json else pipeline_table(builds))  # type: ignore[attr-defined]
     return 0

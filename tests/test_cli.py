@@ -558,3 +558,18 @@ def test_inputs_that_are_not_tensors_are_named_with_how_to_export_without_them()
     with pytest.raises(ProgramLoadError, match=r"not all tensors \(keyword input \['use_cache'\]: a bool, False\); "
                                                r"only tensor inputs are supported: export a wrapper"):
         flat_inputs(ep)
+
+
+def test_plan_says_where_an_moe_runs(exported, capsys):
+    # issue 53: the router's side and which experts each FFN rank holds, per layout
+    from afd_compile.cli import main
+
+    path = exported("qwen3moe2")[1]
+    assert main(["plan", path, "-A", "4", "-F", "4", "--ffn-ep", "2", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "  router: on the FFN ranks (the gate and its top-k run after the receive)" in out, out
+    assert ("  experts over FFN EP groups of 2 (all-to-all per MoE layer): group rank 0 (FFN ranks 0, 2): experts 0-1; "
+            "group rank 1 (FFN ranks 1, 3): experts 2-3") in out, out
+    assert main(["plan", path, "-A", "2", "-F", "1", "--gate-on-attention", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "router: on the attention ranks (--gate-on-attention)" in out and "experts: all 4 on each FFN rank" in out

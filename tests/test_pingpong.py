@@ -48,10 +48,10 @@ def test_the_canonical_schedule_reads_layer_major_stage_minor():
     sched = pingpong_schedule(AFDLayout(1, 1), 2, [[3, 2]])
     check_schedule(sched)
     attn = [str(s) for s in sched.ranks[1].steps]
-    assert attn[:6] == ["compute L0/S0", "send L0/S0 hidden -> 0", "recv L0/S0 hidden <- 0",
-                        "compute L0/S1", "send L0/S1 hidden -> 0", "recv L0/S1 hidden <- 0"]
+    assert attn[:6] == ["compute L0/S0", "send L0/S0 hidden -> 0", "recv L0/S0 ffn_out <- 0",
+                        "compute L0/S1", "send L0/S1 hidden -> 0", "recv L0/S1 ffn_out <- 0"]
     ffn = [str(s) for s in sched.ranks[0].steps]
-    assert ffn[:3] == ["recv L0/S0 hidden <- 1", "compute L0/S0", "send L0/S0 hidden -> 1"]
+    assert ffn[:3] == ["recv L0/S0 hidden <- 1", "compute L0/S0", "send L0/S0 ffn_out -> 1"]
     assert "ping-pong schedule 1A1F, 2 layers x 2 stages" in str(sched)
 
 
@@ -74,9 +74,10 @@ def test_sends_ahead_of_their_receives_deadlock_on_one_stream():
     # stage 0 waits for a receive the attention rank has queued behind its second send
     sched = pingpong_schedule(AFDLayout(1, 1), 1, [[1, 1]])
     c0, c1 = Step(COMPUTE, 0, 0), Step(COMPUTE, 0, 1)
-    s0, s1, r0, r1 = (Step(k, 0, s, (0,)) for k, s in ((SEND, 0), (SEND, 1), (RECV, 0), (RECV, 1)))
+    s0, s1, r0, r1 = (Step(k, 0, s, (0,), "ffn_out" if k == RECV else "hidden")
+                      for k, s in ((SEND, 0), (SEND, 1), (RECV, 0), (RECV, 1)))
     bad = _with_steps(sched, 1, [c0, s0, c1, s1, r0, r1])
-    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 waits at send L0/S0 hidden -> 1; "
+    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 waits at send L0/S0 ffn_out -> 1; "
                                             r"rank 1 waits at send L0/S1 hidden -> 0"):
         check_schedule(bad)
 
@@ -89,7 +90,7 @@ def test_a_mismatched_pair_and_a_broken_chain_are_named():
                                             r"rank 0 has recv L0/S0 hidden <- 1"):
         check_schedule(_with_steps(sched, 1, steps))
     steps = [s for s in sched.ranks[0].steps if not (s.kind == COMPUTE and s.layer == 1 and s.stage == 0)]
-    with pytest.raises(ScheduleError, match=r"rank 0 \(ffn\), stage 0: send L1/S0 hidden -> 1 where compute L1/S0"):
+    with pytest.raises(ScheduleError, match=r"rank 0 \(ffn\), stage 0: send L1/S0 ffn_out -> 1 where compute L1/S0"):
         check_schedule(_with_steps(sched, 0, steps))
 
 

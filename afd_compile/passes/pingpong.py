@@ -43,6 +43,8 @@ from ..layout import AFDLayout
 from .schedule import ScheduleError
 
 SEND, RECV, COMPUTE = "send", "recv", "compute"
+#: what an FFN rank sends back (a step's label; the hidden states go the other way)
+FFN_OUT = "ffn_out"
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ def pingpong_schedule(layout: AFDLayout, layers: int, tokens: Sequence[Sequence[
             for s in range(n_stages):
                 live = tuple(p for p in peers if tokens[p - layout.ffn_ranks][s])
                 if live:
-                    steps += [Step(RECV, layer, s, live), Step(COMPUTE, layer, s), Step(SEND, layer, s, live)]
+                    steps += [Step(RECV, layer, s, live), Step(COMPUTE, layer, s), Step(SEND, layer, s, live, FFN_OUT)]
         ranks.append(RankSchedule(f, "ffn", tuple(steps)))
     for a in range(layout.attention_ranks):
         ffn = (layout.ffn_of_attention(a),)
@@ -118,7 +120,7 @@ def pingpong_schedule(layout: AFDLayout, layers: int, tokens: Sequence[Sequence[
         for layer in range(layers):
             for s in range(n_stages):
                 if tokens[a][s]:
-                    steps += [Step(COMPUTE, layer, s), Step(SEND, layer, s, ffn), Step(RECV, layer, s, ffn)]
+                    steps += [Step(COMPUTE, layer, s), Step(SEND, layer, s, ffn), Step(RECV, layer, s, ffn, FFN_OUT)]
         ranks.append(RankSchedule(layout.attention_world_rank(a), "attention", tuple(steps)))
     return Schedule(layout, layers, n_stages, tuple(tuple(t) for t in tokens), tuple(ranks))
 
@@ -225,13 +227,13 @@ def schedule_of_programs(layout: AFDLayout, attention: fx.GraphModule, ffn: fx.G
         if n.op == "call_function" and n.target in sends | recvs:
             layer, stage = int(n.args[2]), int(n.args[3])
             a_steps += [Step(COMPUTE, layer, stage), Step(SEND, layer, stage)] if n.target in sends else \
-                [Step(RECV, layer, stage)]
+                [Step(RECV, layer, stage, what=FFN_OUT)]
     f_steps: list[Step] = []
     for n in ffn.graph.nodes:
         if n.op == "call_function" and n.target in (afd.p2p_recv_group.default, afd.p2p_send_group.default):
             layer, stage = int(n.args[2]), int(n.args[3])
             f_steps += [Step(RECV, layer, stage), Step(COMPUTE, layer, stage)] \
-                if n.target == afd.p2p_recv_group.default else [Step(SEND, layer, stage)]
+                if n.target == afd.p2p_recv_group.default else [Step(SEND, layer, stage, what=FFN_OUT)]
     layers = 1 + max((s.layer for s in a_steps), default=-1)
     stages = 1 + max((s.stage for s in a_steps + f_steps), default=-1)
     ranks = []
