@@ -23,6 +23,8 @@ MOE = "afd.moe"
 MOE_RECORDS = "afd.moe_blocks"
 #: gm.meta: the projections packed per KV group that were unpacked (passes/grouped_qkv.py)
 UNPACKED_PROJECTIONS = "afd.unpacked_projections"
+#: gm.meta: the split-into-heads merged before TP (passes/head_pieces.py)
+HEAD_PIECES = "afd.merged_head_pieces"
 #: gm.meta: what every token count of a static-token FFN program is a multiple of (passes/split.py)
 TOKEN_MULTIPLE = "afd.token_multiple"
 #: node.meta: an SDPA over a KV cache replaced (or why not) (passes/decode_attention.py)

@@ -124,12 +124,16 @@ def moe_placement(records: tuple, layout: object, gate_on_attention: bool) -> li
 
 
 def unpacked_lines(gm: object) -> list[str]:
-    """What ``plan`` says of the projections ``passes/grouped_qkv.py`` unpacked (none: nothing)."""
+    """What ``plan`` says of the projections ``passes/grouped_qkv.py`` unpacked and the per-head
+    pieces ``passes/head_pieces.py`` merged (none: nothing)."""
+    from .meta_keys import HEAD_PIECES
     from .passes.grouped_qkv import RECORDS_KEY
 
-    records = gm.meta.get(RECORDS_KEY, ())
-    return [f"q/k/v packed per KV group: {len(records)} projections unpacked into blocks first"] + \
+    records, merged = gm.meta.get(RECORDS_KEY, ()), gm.meta.get(HEAD_PIECES, ())
+    lines = [f"q/k/v packed per KV group: {len(records)} projections unpacked into blocks first"] + \
         [f"  {r}" for r in records] if records else []
+    return lines + ([f"per-head modules over the heads split apart: {len(merged)} merged into one first"] +
+                    [f"  {r}" for r in merged] if merged else [])
 
 
 def moe_records(gm: object) -> tuple:

@@ -133,6 +133,14 @@ def _unpack(w: Work) -> None:
     unpack_grouped_projections(w.gm)
 
 
+def _merge_heads(w: Work) -> None:
+    from .passes.head_pieces import merge_head_pieces
+
+    done = merge_head_pieces(w.gm)
+    if done:
+        w.gm.meta[meta_keys.HEAD_PIECES] = w.gm.meta.get(meta_keys.HEAD_PIECES, ()) + tuple(done)
+
+
 def _roles(w: Work) -> None:
     from .passes.roles import annotate_roles
 
@@ -211,7 +219,7 @@ def _attention_tp(w: Work) -> None:
     attn_tp = layout.attn_tp  # type: ignore[union-attr]
     # (the MoE recognition ran with the split; the TP preparation's other passes run again here)
     sub = run(Work(Build("tp"), w.gm, TPLayout(attn_tp, dense_dp=True), w.index % attn_tp, w.config),
-              start_at="unpack_grouped_projections", until="insert_all_reduces")
+              start_at="merge_head_pieces", until="insert_all_reduces")
     program = sub.tp_program().program
     propagate_meta_fresh(program)  # the MLPs now run on this rank's slice: their shapes change
     annotate_roles(program, w.config.policy, compute_gate_on_attention=w.config.compute_gate_on_attention,
@@ -317,6 +325,7 @@ def _tp_step(step: Callable[[TPWork], None]) -> Callable[[Work], None]:
 _RUNNERS: dict[str, Callable[[Work], None]] = {
     "recognise_moe": _recognise_moe,
     "unpack_grouped_projections": _unpack,
+    "merge_head_pieces": _merge_heads,
     "annotate_roles": _roles,
     "plan_split": _plan_split,
     "build_attention_program": _build_attention,

@@ -205,7 +205,7 @@ _FAMILIES = ["llama", "qwen3_moe", "phi3", "gemma2", "gpt2", "olmo2", "granite",
 _HANDWRITTEN = [os.path.join(os.path.dirname(__file__), f"handwritten.py:{f}")
                 for f in ("GQADecoder", "bmm_moe", "loop_moe", "NanoGPT", "Flat", "MetaLlama",
                           "torch_postnorm_fastpath_off", "parallel", "einsum", "SharedBlock", "per_head_norm",
-                          "grouped_qkv", "broadcast_mqa", "dense_then_in_place_moe")]
+                          "grouped_qkv", "broadcast_mqa", "dense_then_in_place_moe", "split_head_norm")]
 _LAYOUTS = [(3, ("--attention", "2", "--ffn", "1")), (3, ("--attention", "2", "--ffn", "1", "--seq", "1")),
             (2, ("--tp", "2")), (4, ("--tp", "4", "--attn-dp", "2"))]
 SLOW_RUNS = [(n, (*lay, "--family", fam)) for fam in _FAMILIES for n, lay in _LAYOUTS

@@ -132,7 +132,7 @@ def more_paths(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("handwritten")
     paths = {}
     for name in ("nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "parallel", "einsum", "shared",
-                 "per_head_norm", "per_head_norm_manual", "grouped_qkv", "broadcast_mqa"):
+                 "per_head_norm", "per_head_norm_manual", "grouped_qkv", "broadcast_mqa", "split_head_norm"):
         paths[name] = str(folder / f"{name}.pt2")
         torch.export.save(export(MODELS[name]()), paths[name])
     return paths
@@ -166,9 +166,11 @@ MORE_TP = [("nanogpt", 2, 1, None), ("loop_moe", 2, 1, None), ("flat", 2, 1, Non
            # q/k/v packed per KV group, one group: the query heads split, K/V replicated (grouped_qkv.py)
            ("grouped_qkv", 2, 1, None), ("grouped_qkv", 4, 2, (1, 2)),
            # multi-query: one K/V head broadcast by SDPA to the split query heads (no expand): replicated
-           ("broadcast_mqa", 2, 1, None), ("broadcast_mqa", 4, 2, (1, 2))]
+           ("broadcast_mqa", 2, 1, None), ("broadcast_mqa", 4, 2, (1, 2)),
+           # per-head q/k LayerNorm modules over the heads split apart, concatenated back: merged first
+           ("split_head_norm", 2, 1, None), ("split_head_norm", 4, 2, (1, 2))]
 MORE_AFD = ["nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "einsum", "shared",
-            "per_head_norm", "grouped_qkv", "broadcast_mqa"]  # (parallel: as GPT-J's)
+            "per_head_norm", "grouped_qkv", "broadcast_mqa", "split_head_norm"]  # (parallel: as GPT-J's)
 
 
 def test_more_hand_written_decoders_shard_and_split_and_match(more_paths):
@@ -293,3 +295,28 @@ def test_a_dense_first_layer_then_a_library_moe_with_a_shared_expert_splits_and_
         assert main(["plan", path, *layout, "--import", moelib]) == 0
         out = capsys.readouterr().out
         assert "MoE experts: 2 of 2 blocks recognised as afd::moe_experts" in out and "grouped_mm experts" in out, out
+
+
+def test_per_head_modules_over_the_heads_split_apart_merge_into_one(more_paths):
+    # the split into one-head pieces, a LayerNorm module per piece, the cat back: one layer_norm over
+    # all heads and the pieces' weights stacked [H, D] (what TP slices with the heads); the same numbers
+    from afd_compile.passes.head_pieces import merge_head_pieces
+    from afd_compile.programs import flat_inputs, load_program
+
+    ep = load_program(more_paths["split_head_norm"])
+    gm, x = ep.module(), flat_inputs(ep)
+    want = gm(*x)
+    done = merge_head_pieces(gm)
+    assert [r.pieces for r in done] == [4, 2, 4, 2], [str(r) for r in done]  # q and k of each layer
+    ops = [n.target for n in gm.graph.nodes]
+    assert torch.ops.aten.split.Tensor not in ops and ops.count(torch.ops.aten.layer_norm.default) == 4
+    assert tuple(gm.get_parameter(done[0].weights[0]).shape) == (4, 16)
+    torch.testing.assert_close(gm(*x), want)
+    # pieces whose chains differ are left as written (a model's own per-head choice)
+    class Uneven(torch.nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            a, b = q.split(1, dim=2)
+            return torch.cat([a.relu(), b.sigmoid()], dim=2)
+
+    g = torch.export.export(Uneven(), (torch.randn(2, 3, 2, 4),)).module()
+    assert merge_head_pieces(g) == [] and torch.ops.aten.split.Tensor in [n.target for n in g.graph.nodes]
