@@ -5,15 +5,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRA_SPEC ?=
-# `make test` also runs the golden graphs recorded per transformers release and the MoE
-# recognition under the oldest supported transformers (the GPU host's 5.17): a venv holding only
-# transformers and what it needs beyond the main venv, whose packages (torch, afd_compile) it
-# reads (seconds to make). TF517= leaves it out.
-TF517 ?= 1
-VENV_TF517 ?= .venv-tf517
-TF517_TESTS ?= tests/test_split.py tests/test_moe_recognise.py tests/test_roles.py tests/test_ffn_tp.py
+# `make test` also runs the golden graphs and the MoE recognition under each other transformers
+# release a golden is recorded for (tests/golden/*.transformers-X.Y.txt; the main venv has the
+# newest): per release a venv holding only transformers and what it needs beyond the main venv,
+# whose packages (torch, afd_compile) it reads (seconds to make). TF_RELEASES= leaves them out.
+TF_RELEASES ?= 5.17.0 5.24.0
+TF_TESTS ?= tests/test_split.py tests/test_moe_recognise.py tests/test_roles.py tests/test_ffn_tp.py \
+	tests/test_generate.py::test_golden_of_a_cached_model_split
 
-.PHONY: demo test test-transformers517 test-torch211 lint bench readme clean
+.PHONY: demo test test-transformers test-torch211 lint bench readme clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,28 +29,29 @@ demo: $(VENV)/.installed
 # built once): on 2 cores the suite spends a third of its time in one process's single-threaded
 # work (export, tracing, imports), which the other worker fills; PYTEST_WORKERS=0 runs it serially
 PYTEST_WORKERS ?= 2
-test: $(VENV)/.installed $(if $(TF517),$(VENV_TF517)/.installed)
+test: $(VENV)/.installed $(foreach r,$(TF_RELEASES),.venv-tf$(r)/.installed)
 	$(VENV)/bin/ruff check afd_compile tests benchmarks examples
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25
-	$(if $(TF517),$(MAKE) test-transformers517)
+	$(foreach r,$(TF_RELEASES),$(MAKE) test-transformers TF=$(r) &&) true
 
-$(VENV_TF517)/.installed: $(VENV)/.installed
-	$(PYTHON) -m venv $(VENV_TF517)
+.venv-tf%/.installed: $(VENV)/.installed
+	$(PYTHON) -m venv .venv-tf$*
 	main=$$($(PY) -c 'import site; print(site.getsitepackages()[0])'); \
-	own=$$($(VENV_TF517)/bin/python -c 'import site; print(site.getsitepackages()[0])'); \
+	own=$$(.venv-tf$*/bin/python -c 'import site; print(site.getsitepackages()[0])'); \
 	echo "import site; site.addsitedir('$$main')" > $$own/zz_main_venv.pth
-	$(VENV_TF517)/bin/python -m pip install -q transformers==5.17.0
+	.venv-tf$*/bin/python -m pip install -q transformers==$*
 	touch $@
 
-test-transformers517: $(VENV_TF517)/.installed
-	$(VENV_TF517)/bin/python -c "import transformers as t; assert t.__version__ == '5.17.0', t.__version__"
-	$(VENV_TF517)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(TF517_TESTS)
+# the goldens and the MoE recognition under transformers $(TF) (make test-transformers TF=5.17.0)
+test-transformers: .venv-tf$(TF)/.installed
+	.venv-tf$(TF)/bin/python -c "import transformers as t; assert t.__version__ == '$(TF)', t.__version__"
+	.venv-tf$(TF)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(TF_TESTS)
 
 # the oldest supported torch (the GPU host's: torch 2.11, transformers 5.17) in a second venv,
 # CPU only (the torch 2.11 wheel pulls its CUDA libraries: a few GB)
 test-torch211:
 	CUDA_VISIBLE_DEVICES= AFD_BACKEND=gloo \
-		$(MAKE) test VENV=.venv-211 TORCH_SPEC=torch==2.11.0 EXTRA_SPEC=transformers==5.17.0 TF517=
+		$(MAKE) test VENV=.venv-211 TORCH_SPEC=torch==2.11.0 EXTRA_SPEC=transformers==5.17.0 TF_RELEASES=
 
 # the README's generated parts: the support table (from the test matrices) and the plan pictures
 readme: $(VENV)/.installed
@@ -61,4 +62,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/pass_time.py
 
 clean:
-	rm -rf $(VENV) $(VENV_TF517) .venv-211 build *.egg-info
+	rm -rf $(VENV) .venv-tf* .venv-211 build *.egg-info
