@@ -194,6 +194,23 @@ def _sources():
         yield path.relative_to(PKG).as_posix(), path.read_text()
 
 
+def test_no_module_defines_a_top_level_name_twice():
+    # a second def of a name replaces the first for every caller, those before it included (ruff's
+    # F811 misses it when the first is used in between): shard/follow.py once had two
+    # _broadcast_heads, the later one called with the earlier one's arguments
+    import ast
+
+    twice = {}
+    for name, text in _sources():
+        seen: set[str] = set()
+        for node in ast.parse(text).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name != "_":
+                if node.name in seen:  # ("_": the registrations a decorator keeps, register_fake's)
+                    twice.setdefault(name, []).append(node.name)
+                seen.add(node.name)
+    assert not twice, f"names defined twice at a module's top level: {twice}"
+
+
 def test_no_module_over_600_lines_but_the_pending_ones():
     over = {name: len(text.splitlines()) for name, text in _sources() if len(text.splitlines()) > MAX_MODULE_LINES}
     grown = {n: (lines, PENDING_MODULES[n][0]) for n, lines in over.items() if n in PENDING_MODULES
