@@ -61,7 +61,8 @@ _RANKS = count_flag(1, MAX_RANKS)  # a count of ranks (a layout has at most MAX_
 def _add_layout(p: argparse.ArgumentParser, groups: str = "") -> None:
     g = p.add_argument_group("AFD layout (attention-FFN disaggregation); not with --tp")
     g.add_argument("--attention-ranks", "-A", type=_RANKS, metavar="A", help="number of attention ranks")
-    g.add_argument("--ffn-ranks", "-F", type=_RANKS, metavar="F", help="number of FFN ranks (each fans in a block of attention ranks)")
+    g.add_argument("--ffn-ranks", "-F", type=_RANKS, metavar="F", help="number of FFN ranks (each fans in a block of "
+                   "attention ranks)")
     g.add_argument("--attn-tp", type=_RANKS, default=1, metavar="T",
                    help="attention ranks in tensor-parallel groups of T, each group one data-parallel group (its "
                    "own sequences); each rank sends its slice of the group's tokens; T divides A (default 1)" + groups)
@@ -72,7 +73,8 @@ def _add_layout(p: argparse.ArgumentParser, groups: str = "") -> None:
                    help="FFN ranks in expert-parallel groups of P (an MoE's experts split over each group, tokens "
                    "routed by all-to-all); P divides F; not with --ffn-tp (default 1)" + groups)
     g.add_argument("--gate-on-attention", action="store_true",
-                   help="compute the MoE router on the attention side and send router logits (compute_gate_on_attention)")
+                   help="compute the MoE router on the attention side and send router logits "
+                   "(compute_gate_on_attention)")
     p.add_argument("--policy", choices=["default", "module_path", "structural"], default="default",
                    help="how FFN regions are found: module paths (nn_module_stack), data-flow structure, "
                    "or default (module paths, then structure)")
@@ -108,7 +110,8 @@ def _progress(args: argparse.Namespace):
 
 
 def _add_stages(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--stages", type=count_flag(1, MAX_STAGES), default=1, metavar="S", help=f"AFD: {what}; not with --tp")
+    p.add_argument("--stages", type=count_flag(1, MAX_STAGES), default=1, metavar="S",
+                   help=f"AFD: {what}; not with --tp")
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -192,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
                    "planning; TP: rank 0's program)")
     p.add_argument("--tokens", metavar="N1,N2,...", help=TOKENS_HELP)
-    p.add_argument("--steps", type=count_flag(1, MAX_STEPS), default=None, help="steps per rank (default 2, at least 1; not with "
+    p.add_argument("--steps", type=count_flag(1, MAX_STEPS), default=None, help="steps per rank (default 2, at least "
+                   "1; not with "
                    "--decode-steps, which sets the steps)")
     p.add_argument("--decode-steps", type=count_flag(0, MAX_STEPS), default=0, metavar="N",
                    help="a program with a KV cache (buffers it updates in place at the positions of a 1-D "
@@ -202,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stages(p, "run each step as S micro-batches (whole sequences) interleaved layer by layer, the "
                 "ping-pong schedule (default 1: one batch); with a KV cache each micro-batch its own cache rows")
     _add_run_flags(p)
-    p.add_argument("--tol", type=float, help="max relative error (default 1e-5 when every output compared is fp32/fp64, 1e-2 otherwise; printed on the verdict line; finite, >= 0)")
+    p.add_argument("--tol", type=float, help="max relative error (default 1e-5 when every output compared is "
+                   "fp32/fp64, 1e-2 otherwise; printed on the verdict line; finite, >= 0)")
     p.add_argument("--timeout", type=positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long a rank waits for a peer before the run fails (default 300); a rank that dies "
                    "or is stopped fails the run at once")
@@ -217,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "default", stages: int = 1, runs: bool = True):
+def _plan(model: str, layout: AFDLayout | None, gate: bool, policy: str = "default", stages: int = 1,
+          runs: bool = True):
     from .deploy import plan_afd
     from .passes.roles import POLICIES
     from .programs import flat_inputs, load_program
@@ -294,7 +300,8 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
     elif args.json:
         print(json.dumps({**prog.plan.to_json(), "shards": str(prog.shards).splitlines(),
                           "moe_blocks": [str(r) for r in moe_records(gm)],
-                          **({"unpacked_projections": [ln.strip() for ln in unpacked_lines(gm)[1:]]} if unpacked_lines(gm) else {}),
+                          **({"unpacked_projections": [ln.strip() for ln in unpacked_lines(gm)[1:]]}
+                             if unpacked_lines(gm) else {}),
                           **({"cache": cache} if cache else {})}, indent=2))
     else:
         print(prog.plan.table())
@@ -305,7 +312,8 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
         if args.shards:
             print(prog.shards)
         if cache:
-            print(f"KV cache: {len(cache['buffers'])} buffers updated in place, {cache['bytes_per_rank']} bytes per rank "
+            print(f"KV cache: {len(cache['buffers'])} buffers updated in place, {cache['bytes_per_rank']} bytes per "
+                  f"rank "
                   f"of {cache['bytes_unsharded']} ({len(cache['split_by_kv_heads'])} split by KV heads)")
     _print_timings(args, prog.timings)
     return EXIT_OK
@@ -335,7 +343,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         data["layout"] = str(layout) if layout else None
         data["moe_blocks"] = [str(r) for r in result.moe]
         names = [n.name for n in result.attention.graph.nodes if n.op == "placeholder"]
-        data["tokens_per_step"] = token_count_for_graph(result.attention, result.plan.cuts[0].token_dims).describe(names)
+        data["tokens_per_step"] = token_count_for_graph(result.attention,
+                                                        result.plan.cuts[0].token_dims).describe(names)
         cache = cache_json(result)
         if cache:
             data["cache"] = cache
@@ -496,8 +505,8 @@ def cmd_verify_saved(args: argparse.Namespace) -> int:
     from .verify import verify_saved
 
     check_saved_flags(args, read_saved_plan(args.saved).kind)
-    return _verdict(lambda: verify_saved(args.model, args.saved, batches=parse_tokens(args.tokens), steps=args.steps, tol=args.tol,
-                                         timeout_s=args.timeout, decode_steps=args.decode_steps,
+    return _verdict(lambda: verify_saved(args.model, args.saved, batches=parse_tokens(args.tokens), steps=args.steps,
+                                         tol=args.tol, timeout_s=args.timeout, decode_steps=args.decode_steps,
                                          buckets=TokenBuckets.parse(args.buckets), log=print,
                                          on_progress=_progress(args).rank, lowered=args.lowered))
 
@@ -513,7 +522,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .verify import verify_afd  # (after the argument checks: they need no torch)
     progress = _progress(args)
     with progress.phase(f"loaded and split {args.model}"):
-        ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy, _stages(args))  # fail fast, before spawning
+        # fail fast, before spawning
+        ep, result = _plan(args.model, layout, args.gate_on_attention, args.policy, _stages(args))
     print(plan_table(result, layout))
     _print_timings(args, result.timings)
     if args.stages != 1:

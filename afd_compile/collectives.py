@@ -53,7 +53,8 @@ def all_gather_last(x: torch.Tensor, group_id: int, size: int) -> torch.Tensor:
         raise ValueError(f"afd.all_gather_last: {parts} slices of {n} columns cannot hold {size}")
     out = src.new_empty((parts * src.shape[0], *src.shape[1:]))  # the slices one after another on dim 0
     dist.all_gather_into_tensor(out, src, group=group)  # one buffer, no per-slice copies
-    joined = out.view(parts, *src.shape).movedim(0, -2).reshape(*src.shape[:-1], parts * n)  # [P, ..., n] -> [..., P * n]: one copy
+    # [P, ..., n] -> [..., P * n]: one copy
+    joined = out.view(parts, *src.shape).movedim(0, -2).reshape(*src.shape[:-1], parts * n)
     return joined[..., :size].contiguous()
 
 
@@ -298,7 +299,8 @@ def ep_dispatch(payloads: list[torch.Tensor], ids: torch.Tensor, group_id: int, 
                 parts: int) -> list[torch.Tensor]:
     """All-to-all dispatch of this rank's tokens to the ranks owning their experts (rank ``d``
     owns experts ``[d * E/P, (d+1) * E/P)``). ``ids`` ``(n, k)`` are the selected experts,
-    ``payloads`` per-token rows ``(n, ...)``, ``parts`` the group size the program was built for. A token goes once to each rank owning at least one of
+    ``payloads`` per-token rows ``(n, ...)``, ``parts`` the group size the program was built for. A token goes once to
+    each rank owning at least one of
     its experts. Returns ``[*payloads received (m, ...), local ids (m, k), valid (m, k) bool,
     received counts per source rank (P,) int64]``: ``valid`` marks the slots whose expert this
     rank owns (the others' local id is 0 and their routing weight must be zeroed)."""

@@ -273,7 +273,8 @@ class AFDCommunicator:
         if buf is None:
             buf = self.headers_in[recv_at] = torch.zeros(len(self.peers), 2, dtype=torch.int64,
                                                          device=recvs[0][0].device)
-        return [dist.P2POp(dist.irecv, buf[self.peers.index(p)], p, self.group) for p in dict.fromkeys(p for _, p, _ in recvs)]
+        return [dist.P2POp(dist.irecv, buf[self.peers.index(p)], p, self.group)
+                for p in dict.fromkeys(p for _, p, _ in recvs)]
 
     def _count(self, transfers: Sequence[Transfer], stage_idx: int) -> None:
         if transfers:

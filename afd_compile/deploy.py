@@ -427,8 +427,8 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
                           group: dist.ProcessGroup | None = None,
                           lowering: Build | None = None) -> AttentionWorker | FFNWorker:
     """This rank's worker from the files ``afd-compile rewrite`` wrote (plan.json + role .pt2),
-    exchanging on ``group`` (None: the world); ``lowering`` as :func:`make_worker`'s. With the process group joined, every rank of the
-    world calls it in the same order: the gloo group its control messages travel on beside
+    exchanging on ``group`` (None: the world); ``lowering`` as :func:`make_worker`'s. With the process group joined,
+    every rank of the world calls it in the same order: the gloo group its control messages travel on beside
     ``group`` is made collectively (runtime.control_group).
 
     plan.json is checked field by field and each program against the sha256 it records
@@ -458,7 +458,8 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
         slot = check_fixed_slot(buckets, rank=rank, static_tokens=not ffn_bucket_fields(program, TokenBuckets()))
         prepare_slots(comm, slot, device, lowering=lowering)
         fields = ffn_bucket_fields(program, None if slot else buckets)
-        program, by_stages = lowered(program, staged_programs(program, "afd-ffn", stages, batch), device, lowering, rank)
+        program, by_stages = lowered(program, staged_programs(program, "afd-ffn", stages, batch), device,
+                                     lowering, rank)
         return FFNWorker(program, comm, device, stages=stages, static_batch=batch, staged=by_stages, **fields)
     comm = AFDCommunicator("attention", rank, (layout.ffn_of_attention(idx),), group, control_group=control)
     register_communicator(comm, comm_id)
@@ -467,8 +468,8 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     batch = static_batch(program) if stages != 1 else None
     counter, batch_dim = TokenCount.from_json(plan["token_count"]), _stage_batch_dim(program, stages)
     slot = check_fixed_slot(buckets, rank=rank, static_tokens=False)
-    program, by_stages = lowered(program, staged_programs(program, "afd-attention", stages, batch), device, lowering,
-                                 rank)
+    program, by_stages = lowered(program, staged_programs(program, "afd-attention", stages, batch), device,
+                                 lowering, rank)
     wire = _prepare_attention_slots(comm, slot, device, program, by_stages, lowering, stages, batch)
     return AttentionWorker(program, comm, counter, stages=stages, batch_dim=batch_dim, static=batch is not None,
                            staged=by_stages, batch_pad=_stage_pad(program, slot, stages), **wire,

@@ -42,7 +42,11 @@ def afd_mermaid(result: Any, layout: AFDLayout | None, layer: int | str = 0) -> 
     down = f"{'final norm, LM head' if last else f'layer {layer + 1}'}"
     send = "<br/>".join(f"{w}: {w.bytes_per_token} B/token" for w in cut.wire_in.tensors)
     back = "<br/>".join(f"{w}: {w.bytes_per_token} B/token" for w in cut.wire_out.tensors)
-    fan = f"concatenate the tokens of attention ranks {peers}" if len(peers) > 1 else f"tokens of attention rank {peers[0]}"
+    fan = (
+        f"concatenate the tokens of attention ranks {peers}"
+        if len(peers) > 1
+        else f"tokens of attention rank {peers[0]}"
+    )
     lines = [
         "flowchart LR",
         f"  subgraph ATT[{_q(f'attention rank {peers[0]} (each attention rank: its own sequences, its KV cache)')}]",
@@ -93,12 +97,16 @@ def _ffn_group_traffic(result: Any, layout: AFDLayout, hidden: int) -> str:
     of its experts (up to top-k copies) and back, at every MoE layer."""
     parts = layout.ffn_group_size
     if layout.ffn_tp > 1:
-        return (f"FFN TP: all-gather + reduce-scatter, {2 * (parts - 1) * hidden} B/token per layer "
-                f"(its {hidden} B to {parts - 1} other rank(s), the partial sums back)")
+        return (
+            f"FFN TP: all-gather + reduce-scatter, {2 * (parts - 1) * hidden} B/token per layer "
+            f"(its {hidden} B to {parts - 1} other rank(s), the partial sums back)"
+        )
     moe = [r for r in getattr(result, "moe", ()) if r.op]
     k = max((r.top_k for r in moe), default=1)
-    return (f"FFN EP: all-to-all, up to {2 * min(k, parts) * hidden} B/token per MoE layer ({len(moe)} layers: "
-            f"a token to the ranks of its top-{k} experts and back)")
+    return (
+        f"FFN EP: all-to-all, up to {2 * min(k, parts) * hidden} B/token per MoE layer ({len(moe)} layers: "
+        f"a token to the ranks of its top-{k} experts and back)"
+    )
 
 
 def tp_ranks_mermaid(plan: Any) -> str:
@@ -107,8 +115,11 @@ def tp_ranks_mermaid(plan: Any) -> str:
     lay = plan.layout
     per_layer = [sum((plan.collective_bytes(m, j) or {}).values()) for m, j in plan.layers]
     kinds = sorted({t for m, j in plan.layers for v in {**j.names(), "x": plan.inside_mlp(m)}.values() for t in v})
-    lines = ["flowchart LR",
-             f"  subgraph TP[{_q(f'TP group of {lay.tp}: ' + (', '.join(kinds) or 'no collective') + f'; {sum(per_layer)} B/token per step')}]"]
+    title = f"TP group of {lay.tp}: {', '.join(kinds) or 'no collective'}; {sum(per_layer)} B/token per step"
+    lines = [
+        "flowchart LR",
+        f"  subgraph TP[{_q(title)}]",
+    ]
     for g in range(lay.attn_dp):
         ranks = list(range(g * lay.attn_tp, (g + 1) * lay.attn_tp))
         lines.append(f"    subgraph D{g}[{_q(f'attention TP group {ranks}: DP group {g}, its own tokens')}]")

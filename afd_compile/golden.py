@@ -117,18 +117,27 @@ def cut_window_lines(gm: fx.GraphModule) -> list[str]:
     out: list[str] = []
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    for send in (n for n in nodes if n.target in (torch.ops.afd.p2p_send.default, torch.ops.afd.p2p_send_start.default)):
+    for send in (
+        n for n in nodes if n.target in (torch.ops.afd.p2p_send.default, torch.ops.afd.p2p_send_start.default)
+    ):
         stage = send.meta.get(meta_keys.STAGE, 0)  # a staged program: this micro-batch's nodes only
 
         def ours(n: fx.Node, _stage: int = stage) -> bool:
             return n.meta.get(meta_keys.STAGE, 0) == _stage
 
-        restored = next(n for n in nodes[pos[send]:] if n.name.startswith("afd_ffn_out") and ours(n))
+        restored = next(n for n in nodes[pos[send] :] if n.name.startswith("afd_ffn_out") and ours(n))
         first = min((a for a in send.args[0][0].all_input_nodes), key=pos.__getitem__)
-        window = [first] + [n for n in nodes[pos[first] + 1 : pos[restored] + 1] if ours(n) and (
-                            n.name.startswith("afd_") or n.op == "call_function" and n.target in (
-                                torch.ops.aten.sym_size.int, *_AFD_OPS) or
-                            (n.target.__module__ in ("_operator", "operator") if callable(n.target) else False))]
+        window = [first] + [
+            n
+            for n in nodes[pos[first] + 1 : pos[restored] + 1]
+            if ours(n)
+            and (
+                n.name.startswith("afd_")
+                or n.op == "call_function"
+                and n.target in (torch.ops.aten.sym_size.int, *_AFD_OPS)
+                or (n.target.__module__ in ("_operator", "operator") if callable(n.target) else False)
+            )
+        ]
         window += sorted(restored.users, key=pos.__getitem__)
         names = {n: f"a{i}" for i, n in enumerate(window)}
 

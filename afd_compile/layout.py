@@ -45,7 +45,8 @@ class AFDLayout:
             if isinstance(v, bool) or not isinstance(v, int):
                 raise LayoutError(f"AFD layout: {name} must be an integer, got {v!r} ({type(v).__name__})")
         if self.attention_ranks + self.ffn_ranks > MAX_RANKS:
-            raise LayoutError(f"AFD layout {self.attention_ranks}A{self.ffn_ranks}F: {self.attention_ranks + self.ffn_ranks} "
+            raise LayoutError(f"AFD layout {self.attention_ranks}A{self.ffn_ranks}F: "
+                              f"{self.attention_ranks + self.ffn_ranks} "
                               f"ranks, more than the {MAX_RANKS} a layout may have")
         if self.attn_tp < 1 or self.attention_ranks % self.attn_tp:
             raise LayoutError(f"AFD layout {self}: attn_tp={self.attn_tp} must be >= 1 and divide the "
@@ -81,7 +82,9 @@ class AFDLayout:
 
     def attention_groups(self) -> list[tuple[int, ...]]:
         """Every attention TP group's world ranks, in order (none when ``attn_tp`` is 1)."""
-        return [self.attention_group(a) for a in range(0, self.attention_ranks, self.attn_tp)] if self.attn_tp > 1 else []
+        return (
+            [self.attention_group(a) for a in range(0, self.attention_ranks, self.attn_tp)] if self.attn_tp > 1 else []
+        )
 
     def attention_group(self, a: int) -> tuple[int, ...]:
         """World ranks of attention index ``a``'s TP group (one DP group of the attention side)."""

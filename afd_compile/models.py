@@ -109,7 +109,8 @@ def build_hf(family: str, num_layers: int = 2, seed: int = 0, **overrides: Any) 
     cfg = getattr(transformers, cfg_cls)(**{**kwargs, "num_hidden_layers": num_layers, **overrides})
     torch.manual_seed(seed)
     extra = {"experts_implementation": experts_impl} if experts_impl else {}
-    model = getattr(transformers, model_cls)._from_config(cfg, **extra) if extra else getattr(transformers, model_cls)(cfg)
+    cls = getattr(transformers, model_cls)
+    model = cls._from_config(cfg, **extra) if extra else cls(cfg)
     return LogitsOnly(model.eval())
 
 

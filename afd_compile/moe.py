@@ -20,7 +20,8 @@ fake (so export, dynamo, AOT autograd and Inductor keep it as one node).
 
 Per token ``t``: ``out[t] = sum_k expert(topk_ids[t, k], x[t]) * topk_weights[t, k]``, in ``x``'s
 dtype; a pair whose id is outside ``[0, E)`` takes no expert and adds nothing (no weights read,
-no rows computed for it: how an FFN rank's fixed slot leaves out its padded rows). Linear in ``x`` only when the experts are (they are not): what TP and EP rely on is that
+no rows computed for it: how an FFN rank's fixed slot leaves out its padded rows). Linear in ``x`` only when the experts
+are (they are not): what TP and EP rely on is that
 it is a sum over experts (EP) and, for one expert, a row-parallel sum over ``I`` (TP), which the
 sharding rules of the op say once.
 

@@ -4,9 +4,9 @@ The experts are memory-bound in decode (each chosen expert's weights are read fo
 the path is built to read each chosen expert's weights once per block of its rows and nothing
 else twice:
 
-1. **align** (one small kernel, three past :data:`ALIGN_ONE_MAX` pairs; no host synchronisation): the ``T x K`` (token, expert) pairs
-   grouped by expert, each expert's run padded to a multiple of ``BLOCK_M`` in a buffer sized for the worst
-   case (``T K + E (BLOCK_M - 1)`` rows), and the expert of each block of ``BLOCK_M`` rows
+1. **align** (one small kernel, three past :data:`ALIGN_ONE_MAX` pairs; no host synchronisation): the ``T x K``
+   (token, expert) pairs grouped by expert, each expert's run padded to a multiple of ``BLOCK_M`` in a buffer
+   sized for the worst case (``T K + E (BLOCK_M - 1)`` rows), and the expert of each block of ``BLOCK_M`` rows
    (``E`` for the unused blocks at the end, whose programs return at once). Sizes depend on
    ``T`` only, so a CUDA graph captures it.
 2. **up** kernel, per (block, tile of the intermediate size): the block's token rows of ``x``
@@ -245,7 +245,8 @@ def _up_kernel(x_ptr, w_ptr, w_desc, b_ptr, rows_ptr, block_expert_ptr, rw_ptr, 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, w_desc, b_ptr, rows_ptr, block_expert_ptr, rw_ptr, out_ptr,
                  pairs, stride_h, stride_we, stride_wn, stride_be, stride_o,
-                 hidden: tl.constexpr, inter: tl.constexpr, num_experts: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_FIRST: tl.constexpr,
+                 hidden: tl.constexpr, inter: tl.constexpr, num_experts: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 WEIGHT_FIRST: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
                  TMA: tl.constexpr):
     # one flat loop over TILES output tiles x the K steps of each: the loads of the next tile start
@@ -280,7 +281,8 @@ def _down_kernel(h_ptr, w_ptr, w_desc, b_ptr, rows_ptr, block_expert_ptr, rw_ptr
         acc = tl.dot(a, w, acc)
         if kk == k_steps - 1:
             if HAS_BIAS:
-                acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                bias = tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0)
+                acc += bias.to(tl.float32)[None, :]
             if not WEIGHT_FIRST:
                 acc = acc * rw[:, None]
             o_ptrs = out_ptr + safe[:, None] * stride_o + offs_n[None, :]

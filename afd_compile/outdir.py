@@ -208,7 +208,8 @@ class OutputFolder:
                 shutil.rmtree(trash, ignore_errors=True)
                 raise self._refuse(f"cannot move the old folder aside: {e.strerror or e}") from None
             if os.path.lexists(old):
-                why = "is not a folder" if os.path.islink(old) or not os.path.isdir(old) else replaceable(old, self.force)
+                folder = os.path.isdir(old) and not os.path.islink(old)
+                why = replaceable(old, self.force) if folder else "is not a folder"
                 if why is not None:  # changed since the start: back where it was, untouched
                     try:
                         os.rename(old, self.target)
@@ -221,16 +222,18 @@ class OutputFolder:
             os.mkdir(self.target, 0o700)  # the claim: fails if anything appeared since
         except FileExistsError:
             kept = f"; the old folder is kept at {os.path.join(trash, 'old')}" if trash else ""
-            raise self._refuse(f"appeared while rewrite ran (made by another process); it was left as it is{kept}") \
-                from None
+            raise self._refuse(
+                f"appeared while rewrite ran (made by another process); it was left as it is{kept}"
+            ) from None
         except OSError as e:
             raise self._refuse(f"cannot create the folder: {e.strerror or e}") from None
         os.remove(os.path.join(self.tmp, TMP_MARKER))
         try:
             os.rename(self.tmp, self.target)  # onto the empty claim: fails if anything was put in it
         except OSError as e:
-            raise self._refuse(f"was written into while rewrite ran ({e.strerror or e}); it was left as it is") \
-                from None
+            raise self._refuse(
+                f"was written into while rewrite ran ({e.strerror or e}); it was left as it is"
+            ) from None
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         os.chmod(self.target, self.mode)
@@ -307,6 +310,7 @@ def exit_on_sigterm() -> Iterator[None]:
     """SIGTERM raises ``SystemExit(143)`` in the main thread while inside (so ``finally`` blocks
     and :class:`OutputFolder` clean up); the previous handler is restored after. A no-op off the
     main thread."""
+
     def handler(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from .layout import AFDLayout
 
 #: ``plan --passes``'s help
-PASSES_HELP = ("print, instead of the plan, the pass pipeline each rank kind of the layout runs on DEVICE, cpu or cuda (default "
+PASSES_HELP = ("print, instead of the plan, the pass pipeline each rank kind of the layout runs on DEVICE, cpu or cuda "
+               "(default "
                "cuda), in order: its portable stage (what rewrite writes and verify checks) and its lowering (what "
                "the backend runs on top); decided by the layout and options, not the model, which is not loaded")
 
@@ -155,7 +156,8 @@ def stage_schedule(result: object, ep: object) -> dict:
     rank = result.ffn_rank  # type: ignore[attr-defined]
     stages, fixed = rank.build.stages, rank.static_batch
     inputs = flat_inputs(ep)  # type: ignore[arg-type]
-    tokens = token_count_for_graph(result.attention, result.plan.cuts[0].token_dims)(inputs)  # type: ignore[attr-defined]
+    tokens = token_count_for_graph(result.attention,
+                                   result.plan.cuts[0].token_dims)(inputs)  # type: ignore[attr-defined]
     batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
     per_seq = tokens // batch if batch else 0
     return {"stages": stages, "schedule": str(rank.schedule).splitlines(), "schedule_checked": True,
@@ -180,8 +182,8 @@ def stage_text(stages: dict) -> str:
 
 def print_passes(args: object, layout: object) -> int:
     """``plan --passes [DEVICE]``: the pass pipeline of each rank kind of ``layout`` (the flags':
-    an ``AFDLayout``, a ``TPLayout`` or None; ``afd_compile.pipeline``), as a table or (``--json``) records. The model is not loaded: the
-    lists follow from the layout and options alone; a missing file is still an error (said
+    an ``AFDLayout``, a ``TPLayout`` or None; ``afd_compile.pipeline``), as a table or (``--json``) records. The model
+    is not loaded: the lists follow from the layout and options alone; a missing file is still an error (said
     before, by ``cli_checks.check_arguments``)."""
     import json
 
@@ -191,5 +193,6 @@ def print_passes(args: object, layout: object) -> int:
     if getattr(args, "mermaid", None) is not None:
         raise UsageError("--passes prints the pass lists, --mermaid a picture of the plan: give one of them")
     builds = builds_for(layout, args.passes, args.stages)  # type: ignore[attr-defined]
-    print(json.dumps(pipeline_json(builds), indent=2) if args.json else pipeline_table(builds))  # type: ignore[attr-defined]
+    print(json.dumps(pipeline_json(builds), indent=2) if args.json
+          else pipeline_table(builds))  # type: ignore[attr-defined]
     return 0

@@ -118,7 +118,8 @@ def _register_op_libraries(namespaces: set[str]) -> None:
         try:
             import transformers.integrations.moe  # noqa: F401  (registers transformers::)
         except ImportError as e:
-            raise ProgramLoadError(f"the program uses transformers:: ops but transformers cannot be imported: {e}") from None
+            raise ProgramLoadError(f"the program uses transformers:: ops but transformers cannot be imported: "
+                                   f"{e}") from None
 
 
 class _FirstRecords(logging.Handler):
@@ -199,7 +200,8 @@ def _load_cause(e: BaseException, logged: list[str]) -> str:
     pytree = _UNREGISTERED_PYTREE.search(text)
     if pytree:  # a model output type (transformers' CausalLMOutputWithPast) its library registers on import
         module, _, name = pytree.group(1).rpartition(".")
-        return (f"the program's inputs or outputs are {name}, a pytree type {module or 'its library'} registers when it "
+        return (f"the program's inputs or outputs are {name}, a pytree type {module or 'its library'} registers when "
+                f"it "
                 f"is imported: import it before loading (--import {module or 'MODULE'}, or {IMPORTS_ENV}="
                 f"{module or 'MODULE'}), or export the model to return plain tensors (a transformers causal LM: "
                 "afd_compile.models.export_lm)")

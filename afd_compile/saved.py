@@ -216,7 +216,8 @@ def check_saved_program(plan: SavedPlan, role: str, program: Any) -> None:
     own, other = ({"p2p_send", "p2p_recv"}, {"p2p_recv_group", "p2p_send_group"})[:: 1 if role == "attention" else -1]
     if not names & own or names & other:
         raise SavedFolderError(f"{plan.folder}: {plan.programs[role]}, the {role} program of plan.json, exchanges with "
-                               f"{sorted(names) or 'no afd:: op'}; a {role} program calls afd::{' / '.join(sorted(own))}"
+                               f"{sorted(names) or 'no afd:: op'}; a {role} program calls "
+                               f"afd::{' / '.join(sorted(own))}"
                                " (roles swapped or another program): rewrite again")
     for n in calls:
         if len(n.args) < 2 or n.args[1] != plan["comm_id"]:

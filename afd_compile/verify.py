@@ -454,13 +454,23 @@ def verify_saved(path: str, outdir: str, **options: Any) -> VerifyReport:
     if plan.kind == "afd":  # each program what plan.json says it is (before any process starts)
         for role in ("attention", "ffn"):
             check_saved_program(plan, role, load_program(plan.path(role)).module())
-    options.get("log", lambda _s: None)(f"verify: the programs of {outdir} (plan.json and each program's sha256 checked), "
-                              f"layout {layout}, against {path}")
+    options.get("log", lambda _s: None)(
+        f"verify: the programs of {outdir} (plan.json and each program's sha256 checked), "
+        f"layout {layout}, against {path}"
+    )
     if plan.kind == "tp":
         options.pop("buckets", None)
         if options.pop("lowered", False):
-            raise VerifyInputError(f"{outdir}: a TP folder; lowered=True runs an AFD layout's lowering stage (a TP "
-                                   "rank's, its KV cache held as its slice, only the torch.compile backend runs)")
+            raise VerifyInputError(
+                f"{outdir}: a TP folder; lowered=True runs an AFD layout's lowering stage (a TP "
+                "rank's, its KV cache held as its slice, only the torch.compile backend runs)"
+            )
         return verify_tp(path, layout, saved=outdir, **options)
-    return verify_afd(path, layout, gate=bool(plan.get("compute_gate_on_attention")), stages=int(plan.get("stages", 1)),
-                      saved=outdir, **options)
+    return verify_afd(
+        path,
+        layout,
+        gate=bool(plan.get("compute_gate_on_attention")),
+        stages=int(plan.get("stages", 1)),
+        saved=outdir,
+        **options,
+    )

@@ -34,7 +34,8 @@ class ProgramFacts:
 
     @staticmethod
     def of(ep: torch.export.ExportedProgram) -> ProgramFacts:
-        flat_inputs(ep)  # checks the saved inputs (keyword ones in the program's order): ProgramLoadError before any process
+        # checks the saved inputs (keyword ones in the program's order): ProgramLoadError before any process
+        flat_inputs(ep)
         sym, _ = batch_symbol_dims(positional_module(ep))
         rng = None
         if sym is not None:
@@ -58,7 +59,8 @@ def _user_outputs(ep: torch.export.ExportedProgram) -> list[fx.Node]:
     user = set(ep.graph_signature.user_outputs)
     out = next(n for n in reversed(ep.graph.nodes) if n.op == "output")
     leaves = torch.utils._pytree.tree_leaves(out.args[0])
-    return [n for n in leaves if isinstance(n, fx.Node) and n.name in user and isinstance(n.meta.get("val"), torch.Tensor)]
+    return [n for n in leaves
+            if isinstance(n, fx.Node) and n.name in user and isinstance(n.meta.get("val"), torch.Tensor)]
 
 
 #: ops whose output dtype is the precision a model computes in (a GEMM, an attention)
@@ -87,7 +89,8 @@ def computation_dtypes(ep: torch.export.ExportedProgram) -> set[torch.dtype]:
         val = n.meta.get("val")
         if name in _COMPUTE_OPS and isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
             found.add(val.dtype)
-    found |= {n.meta["val"].dtype for n in _user_outputs(ep) if n in dependent and n.meta["val"].dtype.is_floating_point}
+    found |= {n.meta["val"].dtype for n in _user_outputs(ep) if n in dependent
+              and n.meta["val"].dtype.is_floating_point}
     return found
 
 
@@ -163,7 +166,8 @@ class DecodeSpec:
             prefill = step = int(val.shape[0]) if val.dim() == 1 and not isinstance(val.shape[0], torch.SymInt) else 0
             if val.dim() == 1 and isinstance(val.shape[0], torch.SymInt):
                 key = str(val.shape[0].node.expr)
-                seq_dims = tuple((i, d) for i, n in enumerate(placeholders) if isinstance(n.meta.get("val"), torch.Tensor)
+                seq_dims = tuple((i, d) for i, n in enumerate(placeholders)
+                                 if isinstance(n.meta.get("val"), torch.Tensor)
                                  for d, size in enumerate(n.meta["val"].shape)
                                  if isinstance(size, torch.SymInt) and str(size.node.expr) == key)
                 prefill, step = int(flat_inputs(ep)[pos].shape[0]), 1
@@ -266,15 +270,18 @@ def check_verify_inputs(facts: ProgramFacts, *, units: int, unit: str, world_siz
     sizes = {b for b in batches if b} | ({1} if zero_runs_dummy and 0 in batches else set())
     outside = sorted(b for b in sizes if not lo <= b <= hi)
     if outside:
+        dummy = "; a DP group with zero tokens runs a one-sequence dummy" if zero_runs_dummy and 0 in batches else ""
         raise VerifyInputError(
             f"--tokens {list(batches)}: batch size {outside[0]} is outside the range the program was exported "
-            f"for ([{lo}, {hi if math.isfinite(hi) else 'inf'}]{'; a DP group with zero tokens runs a one-sequence dummy' if zero_runs_dummy and 0 in batches else ''}); "
-            "re-export with a wider torch.export.Dim for the batch")
+            f"for ([{lo}, {hi if math.isfinite(hi) else 'inf'}]{dummy}); "
+            "re-export with a wider torch.export.Dim for the batch"
+        )
     return VerifyInputs(batches, steps, float(tol))
 
 
-def resize_inputs(inputs: Sequence[torch.Tensor], dims: list[tuple[int, int]], batch: int,
-                  salt: int) -> tuple[torch.Tensor, ...]:
+def resize_inputs(
+    inputs: Sequence[torch.Tensor], dims: list[tuple[int, int]], batch: int, salt: int
+) -> tuple[torch.Tensor, ...]:
     """Tile the example rows along the batch dim to ``batch`` rows, then vary them by ``salt``
     (:func:`vary_inputs`) so that ranks, steps and the tiled rows all differ."""
     out = list(inputs)
@@ -285,8 +292,9 @@ def resize_inputs(inputs: Sequence[torch.Tensor], dims: list[tuple[int, int]], b
     return vary_inputs(out, inputs, salt)
 
 
-def shift_token_ids(inputs: Sequence[torch.Tensor], example: Sequence[torch.Tensor],
-                    salt: int) -> tuple[torch.Tensor, ...]:
+def shift_token_ids(
+    inputs: Sequence[torch.Tensor], example: Sequence[torch.Tensor], salt: int
+) -> tuple[torch.Tensor, ...]:
     """Integer inputs with values beyond 0/1 (token ids) shifted by ``salt``, modulo the largest
     id of the ``example`` + 1, so ranks and steps see different tokens within the vocabulary."""
     out = list(inputs)
@@ -300,8 +308,7 @@ def shift_token_ids(inputs: Sequence[torch.Tensor], example: Sequence[torch.Tens
 FLOAT_NOISE = 0.1
 
 
-def vary_inputs(inputs: Sequence[torch.Tensor], example: Sequence[torch.Tensor],
-                salt: int) -> tuple[torch.Tensor, ...]:
+def vary_inputs(inputs: Sequence[torch.Tensor], example: Sequence[torch.Tensor], salt: int) -> tuple[torch.Tensor, ...]:
     """Every input made to differ per rank, step and row, reproducibly from ``salt``: token ids
     shifted (:func:`shift_token_ids`), and each float input with more than two distinct values
     given seeded noise of :data:`FLOAT_NOISE` times its mean finite magnitude (a mask, two values
@@ -327,8 +334,9 @@ def unit_batch(batches: Sequence[int], unit: int, step: int) -> int:
     return batches[(unit + step) % len(batches)]
 
 
-def check_exercised(layout: AFDLayout, batches: Sequence[int] | None, example_batch: int | None, steps: int,
-                    stages: int) -> None:
+def check_exercised(
+    layout: AFDLayout, batches: Sequence[int] | None, example_batch: int | None, steps: int, stages: int
+) -> None:
     """Refuse (VerifyInputError) a run whose steps would not exercise what the layout claims, so
     that a ``verify: OK`` never stands for a feature no step ran:
 
@@ -356,11 +364,13 @@ def check_exercised(layout: AFDLayout, batches: Sequence[int] | None, example_ba
             raise VerifyInputError(
                 f"{shown} over {steps} step(s): {who} fans in attention ranks {list(peers)}, but no step gives "
                 "two of them tokens (the sizes rotate one rank a step), so fan-in would never run and a split "
-                "that mixes peers' tokens would pass unseen; give two or more of its peers a nonzero size")
+                "that mixes peers' tokens would pass unseen; give two or more of its peers a nonzero size"
+            )
     if stages > 1:
         most = max(batch(u, s) for u in range(units) for s in range(steps))
         if most < stages:
             raise VerifyInputError(
                 f"--stages {stages} with {shown}: no step has {stages} sequences on any rank, so no step would "
                 f"run {stages} micro-batches (a micro-batch is whole sequences; at most {most} here); give a "
-                f"rank at least {stages} sequences" + ("" if sizes is not None else " (re-export with a larger batch)"))
+                f"rank at least {stages} sequences" + ("" if sizes is not None else " (re-export with a larger batch)")
+            )

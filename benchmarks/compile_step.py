@@ -10,8 +10,8 @@ attention : 1 FFN); ``eager`` sets ``inductor=False`` (the FX programs run as th
 uses Inductor + CUDA graphs (on CUDA each junction's all-reduce one-shot over symmetric memory
 where the message is small, afd_compile/symm_mem.py); under TP also ``compiled`` with
 ``vocab_parallel=True`` (the LM head split by vocabulary, logits all-gathered) beside the default
-whole head, and with ``symm_mem=False`` (every all-reduce over NCCL). Reference: the same model on one GPU, eager and ``torch.compile``
-(Inductor default mode) in the same run. Median wall time per step (CUDA synchronised), us.
+whole head, and with ``symm_mem=False`` (every all-reduce over NCCL). Reference: the same model on one GPU, eager and
+``torch.compile`` (Inductor default mode) in the same run. Median wall time per step (CUDA synchronised), us.
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ def main() -> None:
             cols += [("floor TP", "floor_tp_us"), ("DTensor TP + reduce-overhead", "dtensor_reduce_overhead_us")]
         cols += [("afd eager FX", "eager_us"), ("afd compiled+graphs", "compiled_us")]
         if tp:
-            cols += [("afd, NCCL junctions", "compiled_nccl_us"), ("afd, vocab-parallel head", "compiled_vocab_parallel_us")]
+            cols += [("afd, NCCL junctions", "compiled_nccl_us"), ("afd, vocab-parallel head",
+                                                                   "compiled_vocab_parallel_us")]
         ratios = [("afd / 1 GPU reduce-overhead", "compiled_us", "one_gpu_reduce_overhead_us")]
         if tp:
             ratios += [("afd / floor TP", "compiled_us", "floor_tp_us"),

@@ -106,16 +106,21 @@ def main() -> None:
         print(f"progress: {row}", flush=True)
     print(f"decode attention, one layer (32 q heads, 8 KV heads x 128, bf16), cache {args.fill:.0%} filled; "
           f"copy bandwidth {bw / 1e12:.2f} TB/s; torch {torch.__version__}; median GPU us per call (CUDA graph replay)")
-    print("| B x C | floor (all C) | SDPA masked | floor (filled) | FlexAttention | flex / floor(filled) | max rel err |")
+    print(
+        "| B x C | floor (all C) | SDPA masked | floor (filled) | FlexAttention | flex / floor(filled) | max rel err |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} x {r['context']} | {r['floor_all_us']:.1f} | {r['sdpa_us']:.1f} | "
-              f"{r['floor_filled_us']:.1f} | {r['flex_us']:.1f} | {r['flex_us'] / r['floor_filled_us']:.2f}x | "
-              f"{r['max_rel_err']:.2g} |")
+        print(
+            f"| {r['batch']} x {r['context']} | {r['floor_all_us']:.1f} | {r['sdpa_us']:.1f} | "
+            f"{r['floor_filled_us']:.1f} | {r['flex_us']:.1f} | {r['flex_us'] / r['floor_filled_us']:.2f}x | "
+            f"{r['max_rel_err']:.2g} |"
+        )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"fill": args.fill, "copy_bandwidth_bytes_per_s": bw, "torch": torch.__version__, "rows": rows}, f,
-                  indent=1)
+        json.dump(
+            {"fill": args.fill, "copy_bandwidth_bytes_per_s": bw, "torch": torch.__version__, "rows": rows}, f, indent=1
+        )
 
 
 if __name__ == "__main__":

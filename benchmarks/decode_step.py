@@ -284,7 +284,8 @@ def main() -> None:
                                                          name=f"AFD 1A1F {attn} {batch}x{context}")
                     except Exception as e:  # noqa: BLE001
                         row[f"{key}_error"] = _error(e)
-                        print(f"progress: {batch} x {context}: AFD 1A1F S={stages} {attn} failed: {row[f'{key}_error']}",
+                        print(f"progress: {batch} x {context}: AFD 1A1F S={stages} {attn} failed: "
+                              f"{row[f'{key}_error']}",
                               flush=True)
                     finish()
                     del cache
@@ -307,7 +308,8 @@ def main() -> None:
         print(f"decode step with a static KV cache (HF SDPA over the whole cache), {shape} x {args.layers} layers, "
               f"{dev.type}, torch {torch.__version__}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; median us per step")
         staged = [f"afd_1a1f{tag}_s{k}" for k in stage_list for tag in ("", "_flex")]
-        print("| B x C | KV bytes | floor 1 GPU | 1 GPU reduce-overhead | 1 GPU afd default | 1 GPU flex | floor TP2 | afd TP2 | afd TP2 flex "
+        print("| B x C | KV bytes | floor 1 GPU | 1 GPU reduce-overhead | 1 GPU afd default | 1 GPU flex | floor TP2 | "
+              "afd TP2 | afd TP2 flex "
               "| floor AFD | afd AFD 1A1F | afd AFD 1A1F flex |"
               + "".join(f" AFD S={k}{' flex' if key.endswith('_flex_s' + str(k)) else ''} |"
                         for k in stage_list for key in (f"afd_1a1f_s{k}", f"afd_1a1f_flex_s{k}")))
@@ -319,7 +321,8 @@ def main() -> None:
 
         for r in rows:
             print(f"| {r['batch']} x {r['context']} | {r['kv_bytes'] / 1e9:.2f} GB | {r['floor_one_gpu_us']:.0f} | "
-                  f"{r['one_gpu_us']:.0f} | {us(r, 'one_gpu_default_us')} | {us(r, 'one_gpu_flex_us')} | {r['floor_tp2_us']:.0f} | {us(r, 'afd_tp2_us')} | {us(r, 'afd_tp2_flex_us')} | "
+                  f"{r['one_gpu_us']:.0f} | {us(r, 'one_gpu_default_us')} | {us(r, 'one_gpu_flex_us')} | "
+                  f"{r['floor_tp2_us']:.0f} | {us(r, 'afd_tp2_us')} | {us(r, 'afd_tp2_flex_us')} | "
                   f"{r['floor_afd_us']:.0f} | {us(r, 'afd_1a1f_us')} | {us(r, 'afd_1a1f_flex_us')} |"
                   + "".join(f" {us(r, key + '_us')} |" for key in staged))
         print("one GPU, per step (us): wall (synchronised each step) / host (until the call returns) / back to back "

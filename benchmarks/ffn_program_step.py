@@ -155,17 +155,30 @@ def main() -> int:
           "| compute / all | compute, fused (us/step) | fused / all | graph launches a step (all / compute / fused) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tokens']} | {r['all']} | {r['all, per shape']} | {r['symbolic_over_per_shape']} | {r['compute']} | "
-              f"{r['compute_over_all']} | {r['compute, fused']} | "
-              f"{r['fused_over_all']} | {r['all graphs/step']:g} / {r['compute graphs/step']:g} / "
-              f"{r['compute, fused graphs/step']:g} |")
+        print(
+            f"| {r['tokens']} | {r['all']} | {r['all, per shape']} | {r['symbolic_over_per_shape']} | {r['compute']} | "
+            f"{r['compute_over_all']} | {r['compute, fused']} | "
+            f"{r['fused_over_all']} | {r['all graphs/step']:g} / {r['compute graphs/step']:g} / "
+            f"{r['compute, fused graphs/step']:g} |"
+        )
     print(f"host µs a call of afd::p2p_send_recv_group_into (T = 8, two peers): {host}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
-                       "hidden": args.hidden, "inter": args.inter, "steps": args.steps, "fused_pairs": fused_pairs,
-                       "exchange_op_host_us": host,
-                       "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "layers": args.layers,
+                    "hidden": args.hidden,
+                    "inter": args.inter,
+                    "steps": args.steps,
+                    "fused_pairs": fused_pairs,
+                    "exchange_op_host_us": host,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
     dist.destroy_process_group()
     return 0
 

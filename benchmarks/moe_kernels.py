@@ -155,10 +155,15 @@ def split_case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.
         rows, block_expert = align(ids, EXPERTS, m)
         for (n, k, w, st), by_tma in itertools.product(SPLIT_TILES, tma):
             cfg = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, TMA=by_tma)
-            for kernel, fn in (("up", lambda cfg=cfg, r=rows, b=block_expert: up(x, wgu, None, r, b, rw, TOP_K, "silu", True,
-                                                         False, 1.702, 7.0, cfg)),
-                               ("down", lambda cfg=cfg, r=rows, b=block_expert: down(
-                                   h, wd, None, r, b, rw, False, cfg))):
+            for kernel, fn in (
+                (
+                    "up",
+                    lambda cfg=cfg, r=rows, b=block_expert: up(
+                        x, wgu, None, r, b, rw, TOP_K, "silu", True, False, 1.702, 7.0, cfg
+                    ),
+                ),
+                ("down", lambda cfg=cfg, r=rows, b=block_expert: down(h, wd, None, r, b, rw, False, cfg)),
+            ):
                 name = f"{kernel} M{m} N{n} K{k} w{w} s{st}" + (" tma" if by_tma else "")
                 try:
                     us = time_us(graphed(fn))
@@ -171,7 +176,9 @@ def split_case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.
                 cfg = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, TILES=tiles, TMA=by_tma)
                 name = f"down M{m} N{n} K{k} w{w} s{st} t{tiles}" + (" tma" if by_tma else "")
                 try:
-                    us = time_us(graphed(lambda cfg=cfg, r=rows, b=block_expert: down(h, wd, None, r, b, rw, False, cfg)))
+                    us = time_us(
+                        graphed(lambda cfg=cfg, r=rows, b=block_expert: down(h, wd, None, r, b, rw, False, cfg))
+                    )
                 except Exception as e:  # noqa: BLE001
                     print(f"moe_kernels: T={t} {name}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
                     continue
@@ -181,11 +188,15 @@ def split_case(t: int, wgu: torch.Tensor, wd: torch.Tensor, bw: float, g: torch.
 
 def print_split(rows: list[dict]) -> None:
     for r in rows:
-        print(f"T={r['tokens']} ({r['experts_touched']} experts): floors up {r['floors_us']['up']} us, down "
-              f"{r['floors_us']['down']} us; sum over K {r['sum over K']['us']} us")
+        print(
+            f"T={r['tokens']} ({r['experts_touched']} experts): floors up {r['floors_us']['up']} us, down "
+            f"{r['floors_us']['down']} us; sum over K {r['sum over K']['us']} us"
+        )
         for kernel in ("up", "down"):
             best = sorted((v["us"], k) for k, v in r.items() if k.startswith(kernel + " "))
-            print(f"  {kernel}: " + "; ".join(f"{k[len(kernel) + 1:]} {us} ({r[k]['x_floor']}x)" for us, k in best[:6]))
+            print(
+                f"  {kernel}: " + "; ".join(f"{k[len(kernel) + 1 :]} {us} ({r[k]['x_floor']}x)" for us, k in best[:6])
+            )
 
 
 def main() -> int:
@@ -218,8 +229,10 @@ def main() -> int:
         return 0
     rows = [case(int(t), wgu, wd, bw, g) for t in args.tokens.split(",")]
     names = [k for k in rows[0] if isinstance(rows[0][k], dict) and "us" in rows[0][k]]
-    print(f"one MoE layer, bf16, CUDA graphs; HBM copy bandwidth {bw / 1e12:.2f} TB/s; floor: the chosen experts' "
-          "bytes of that piece (gate_up, down) or of both")
+    print(
+        f"one MoE layer, bf16, CUDA graphs; HBM copy bandwidth {bw / 1e12:.2f} TB/s; floor: the chosen experts' "
+        "bytes of that piece (gate_up, down) or of both"
+    )
     print("| piece | " + " | ".join(f"T={r['tokens']} ({r['experts_touched']} experts)" for r in rows) + " |")
     print("|---|" + "---|" * len(rows))
     for n in names:

@@ -3,8 +3,8 @@ without token buckets and with a fixed slot, on CPU (gloo).
 
 A seeded trace of per-peer batch sizes drawn between 0 and ``--max-batch`` (default 64) sequences
 of one token (a decode step) runs through AFD 2A1F and 3A1F (one and two micro-batch stages),
-8A1F, 4A2F and 4A2F with an FFN TP group of 2 (one stage), each with exact counts on the wire (``buckets=off``), the default
-buckets, and a fixed slot of ``--max-batch`` rows (``fixed:N``: every peer sends N rows every
+8A1F, 4A2F and 4A2F with an FFN TP group of 2 (one stage), each with exact counts on the wire (``buckets=off``), the
+default buckets, and a fixed slot of ``--max-batch`` rows (``fixed:N``: every peer sends N rows every
 step, its count in a header on the device; runtime/slots.py). Each run is a ``verify`` run:
 every step of every attention rank is compared with the unsplit model (fp32), so the table is
 also a numerics check. Per run, for the FFN rank that needs the most (4A2F has two):
@@ -83,27 +83,45 @@ def main() -> int:
     for (lay, s, b), res in zip(runs, results, strict=True):
         ffn = max((res[f] for f in range(lay[1])), key=lambda r: (len(r["layouts"]), len(r["carriers"])))
         att = [v for v in res.values() if v["role"] == "attention"]
-        rows.append({"layout": str(_layout(lay)), "stages": s, "buckets": b, "steps": args.steps,
-                     "graphs_captured": len(ffn["layouts"]), "programs_compiled": len({len(c) for c in ffn["carriers"]}),
-                     "graphs_compute": len(ffn["carriers"]),
-                     "buckets_touched": len({v for c in ffn["carriers"] for v in c}),
-                     "host_reads_per_step": ffn["control_reads"] / max(ffn["steps"], 1),
-                     "device_reads_per_step": ffn["device_reads"] / max(ffn["steps"], 1),
-                     "compared": sum(v["compared"] for v in att),
-                     "max_rel_err": max(v["max_rel_err"] for v in att)})
-    print(f"serve_trace: {args.steps} steps, per-peer batch drawn from 0..{args.max_batch} (seed {args.seed}), "
-          f"one token per sequence; {time.perf_counter() - t0:.0f} s")
-    print("| layout | S | buckets | FFN programs compiled | CUDA graphs, ffn_capture=\"all\" | CUDA graphs, \"compute\" "
-          "| row counts touched | host messages / step | device reads / step | max rel err |")
+        rows.append(
+            {
+                "layout": str(_layout(lay)),
+                "stages": s,
+                "buckets": b,
+                "steps": args.steps,
+                "graphs_captured": len(ffn["layouts"]),
+                "programs_compiled": len({len(c) for c in ffn["carriers"]}),
+                "graphs_compute": len(ffn["carriers"]),
+                "buckets_touched": len({v for c in ffn["carriers"] for v in c}),
+                "host_reads_per_step": ffn["control_reads"] / max(ffn["steps"], 1),
+                "device_reads_per_step": ffn["device_reads"] / max(ffn["steps"], 1),
+                "compared": sum(v["compared"] for v in att),
+                "max_rel_err": max(v["max_rel_err"] for v in att),
+            }
+        )
+    print(
+        f"serve_trace: {args.steps} steps, per-peer batch drawn from 0..{args.max_batch} (seed {args.seed}), "
+        f"one token per sequence; {time.perf_counter() - t0:.0f} s"
+    )
+    print(
+        '| layout | S | buckets | FFN programs compiled | CUDA graphs, ffn_capture="all" | CUDA graphs, "compute" '
+        "| row counts touched | host messages / step | device reads / step | max rel err |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['layout']} | {r['stages']} | {r['buckets']} | {r['programs_compiled']} | "
-              f"{r['graphs_captured']} | {r['graphs_compute']} | {r['buckets_touched']} | {r['host_reads_per_step']:.2f} | "
-              f"{r['device_reads_per_step']:.2f} | {r['max_rel_err']:.2g} |")
+        print(
+            f"| {r['layout']} | {r['stages']} | {r['buckets']} | {r['programs_compiled']} | "
+            f"{r['graphs_captured']} | {r['graphs_compute']} | {r['buckets_touched']} | {r['host_reads_per_step']:.2f} "
+            f"| "
+            f"{r['device_reads_per_step']:.2f} | {r['max_rel_err']:.2g} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"steps": args.steps, "max_batch": args.max_batch, "seed": args.seed, "trace": trace,
-                       "rows": rows}, f, indent=1)
+            json.dump(
+                {"steps": args.steps, "max_batch": args.max_batch, "seed": args.seed, "trace": trace, "rows": rows},
+                f,
+                indent=1,
+            )
     bad = [r for r in rows if not r["max_rel_err"] <= 1e-5 or not r["compared"]]
     if bad:
         print(f"serve_trace: FAIL: {bad}")

@@ -5,8 +5,8 @@
 Every rank builds the same small HF Llama (seeded random weights), exports it, splits it for its
 own role and runs. Attention rank a uses batch size a + 1. Each attention rank compares its output
 with the original model on its own input; rank F (the first attention rank) prints the last line
-`OK max_rel_err=<x>` or `FAIL max_rel_err=<x>`, and progress lines on stderr as it goes. gloo on CPU; NCCL when CUDA is available
-(AFD_BACKEND=gloo forces gloo).
+`OK max_rel_err=<x>` or `FAIL max_rel_err=<x>`, and progress lines on stderr as it goes. gloo on CPU; NCCL when CUDA is
+available (AFD_BACKEND=gloo forces gloo).
 """
 
 from __future__ import annotations
@@ -38,8 +38,14 @@ def main() -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # (the flags the other examples use; the long forms are kept as aliases)
-    parser.add_argument("--attention", "--attention-ranks", dest="attention", type=int, default=2,
-                        help="attention ranks (world ranks F..F+A-1)")
+    parser.add_argument(
+        "--attention",
+        "--attention-ranks",
+        dest="attention",
+        type=int,
+        default=2,
+        help="attention ranks (world ranks F..F+A-1)",
+    )
     parser.add_argument("--ffn", "--ffn-ranks", dest="ffn", type=int, default=1, help="FFN ranks (world ranks 0..F-1)")
     parser.add_argument("--family", default="llama", choices=["llama", "qwen3_moe"])
     parser.add_argument("--steps", type=int, default=3)

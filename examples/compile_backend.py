@@ -8,10 +8,12 @@
 
 Every rank builds the same small HF model (seeded random weights) and calls
 ``torch.compile(model, backend="afd", options=...)`` on it; the backend (found through its entry
-point; this file imports only its option check, run before the model is built) runs the afd-compile passes for the rank's role and compiles
+point; this file imports only its option check, run before the model is built) runs the afd-compile passes for the
+rank's role and compiles
 the rank's program with Inductor. Each step every rank calls the compiled model on its own tokens
 (the ranks of one attention group share them; attention DP groups and AFD attention ranks get
-different batch sizes, 2 or 3, so no dim is specialised to 1); an FFN rank's call serves its attention peers. Attention/TP ranks compare
+different batch sizes, 2 or 3, so no dim is specialised to 1); an FFN rank's call serves its attention peers.
+Attention/TP ranks compare
 with the uncompiled model on their tokens; rank 0 prints the last line ``OK max_rel_err=<x>`` or
 ``FAIL max_rel_err=<x>`` (fp32: 1e-5; bf16 with --dtype bfloat16: 1e-2). gloo on CPU; NCCL when
 CUDA is available (AFD_BACKEND=gloo forces gloo); on CUDA the programs are graph-captured (except a

@@ -115,7 +115,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--idle-dp-group", action="store_true",
-                        help="TP with --attn-dp: the last DP group has no sequences (it steps a one-token dummy prompt)")
+                        help="TP with --attn-dp: the last DP group has no sequences (it steps a one-token "
+                        "dummy prompt)")
     parser.add_argument("--stagger", type=int, default=0,
                         help="AFD: attention rank i generates stagger*i fewer tokens (they finish at different steps)")
     parser.add_argument("--stages", type=int, default=1,

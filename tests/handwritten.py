@@ -250,7 +250,8 @@ class GroupedQKVAttention(nn.Module):
     """q/k/v in one biased linear laid out per KV group (each group's query heads, then its K head,
     then its V head: Falcon's new decoder architecture), taken apart by slicing a ``[B, S, G, Q + 2,
     D]`` view; the K/V heads expanded to the query heads. ``groups=1``: multi-query attention.
-    ``form``: ``"slice"`` (as above), ``"index"`` (K and V picked by ``[..., [-2]]``), ``"split"`` (one group, ``split([Q, 1, 1])`` of a ``[B, S, Q +
+    ``form``: ``"slice"`` (as above), ``"index"`` (K and V picked by ``[..., [-2]]``), ``"split"`` (one group,
+    ``split([Q, 1, 1])`` of a ``[B, S, Q +
     2, D]`` view: Falcon's old multi-query layout) or ``"unbind"`` (``[q_h, k_h, v_h]`` per head,
     ``unflatten(-2, (H, 3)).unbind(-2)``: Falcon's old multi-head layout)."""
 
@@ -707,7 +708,8 @@ class GptFastDecoder(CachedDecoder):
         return super().forward(ids, input_pos)
 
 
-def export_cached(model: CachedDecoder, seq: int = 4, max_seq: int = 8, vocab: int = 128) -> torch.export.ExportedProgram:
+def export_cached(model: CachedDecoder, seq: int = 4, max_seq: int = 8,
+                  vocab: int = 128) -> torch.export.ExportedProgram:
     """The cached decoder exported with its batch static (the cache's) and the sequence dynamic."""
     batch = model.attns[0].k_cache.shape[0]
     ids = torch.randint(1, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))

@@ -33,7 +33,8 @@ def _imports() -> dict[str, list[tuple[str, list[str]]]]:
                 target = ".".join(base + ([node.module] if node.module else []))
                 names = [a.name for a in node.names]
                 # from .pkg import x: x may be a module of pkg
-                modules = [n for n in names if (PKG.parent / (target + "." + n).replace(".", "/")).with_suffix(".py").exists()]
+                base = PKG.parent / target.replace(".", "/")
+                modules = [n for n in names if (base / n).with_suffix(".py").exists()]
                 found += [(f"{target}.{n}", []) for n in modules]
                 if len(modules) < len(names):
                     found.append((target, [n for n in names if n not in modules]))
@@ -165,7 +166,8 @@ def test_every_planned_transition_has_an_emitter_and_a_missing_one_is_named(expo
     annotate_roles(gm)
     seen = set()
     for layout in (TPLayout(4), TPLayout(4, 2), TPLayout(4, 4), TPLayout(2, moe_a2a=True),
-                   TPLayout(4, 2, moe_a2a=True), TPLayout(4, 2, dense_dp=True), TPLayout(4, 2, moe_a2a=True, dense_dp=True)):
+                   TPLayout(4, 2, moe_a2a=True), TPLayout(4, 2, dense_dp=True),
+                   TPLayout(4, 2, moe_a2a=True, dense_dp=True)):
         for _, _, key in emitters.planned(plan_tp(gm, layout)):
             assert key in emitters.EMITTERS, key
             seen.add(key)
@@ -319,8 +321,14 @@ def test_every_meta_key_is_named_in_one_module():
         if path.name == "meta_keys.py":
             continue
         tree = ast.parse(path.read_text())
-        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
-                and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        docs = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+            and n.body
+            and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)
+        }
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
                 for key in re.findall(r"^afd\.([a-z_]+)$", node.value):
@@ -342,11 +350,19 @@ def test_no_module_sets_a_workers_fields_after_constructing_it():
         if path.relative_to(PKG).parts[0] == "runtime":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, (ast.AugAssign, ast.AnnAssign)) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
             for t in targets:
-                for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
-                    if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and \
-                            el.value.id.endswith("worker"):
+                for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if (
+                        isinstance(el, ast.Attribute)
+                        and isinstance(el.value, ast.Name)
+                        and el.value.id.endswith("worker")
+                    ):
                         found.append((path.relative_to(PKG).as_posix(), node.lineno, f"{el.value.id}.{el.attr}"))
     assert not found, f"worker fields set outside the worker: {found}"

@@ -187,7 +187,8 @@ RUNS = [  # (processes, example arguments)
     (3, ("--attention", "2", "--ffn", "1", "--no-inductor",
          "--model", os.path.join(os.path.dirname(__file__), "handwritten.py:lib_moe"))),
     # q/k/v packed per KV group, one group (multi-query) over 2 TP ranks: unpacked into blocks first
-    (2, ("--tp", "2", "--no-inductor", "--model", os.path.join(os.path.dirname(__file__), "handwritten.py:grouped_qkv"))),
+    (2, ("--tp", "2", "--no-inductor", "--model", os.path.join(os.path.dirname(__file__),
+                                                               "handwritten.py:grouped_qkv"))),
     # a dense first layer, then that library's MoE combined by its in-place op beside a shared expert
     # (weights export hoists to the graph's top; the combine recognised through the in-place write),
     # TP 4 with DP attention
@@ -427,12 +428,15 @@ def test_a_graph_the_backend_refuses_is_one_line_from_the_example():
                         os.path.join(os.path.dirname(__file__), "handwritten.py:GQADecoder"), timeout_s=300)
     said = [ln for ln in proc.stderr.splitlines() if ln.startswith("compile_backend.py: error: ")]
     assert proc.returncode != 0 and said, proc.stderr[-3000:]
-    assert said[0] == ("compile_backend.py: error: layer 0: scaled_dot_product_attention "
-                       "(aten.scaled_dot_product_attention.default) combines tensors split into different numbers of "
-                       "heads per rank ([2, 4]): heads replicated over ranks (fewer KV heads or groups than the 4 ranks) "
-                       "meet heads split over all of them; the layout must divide the KV head count, or repeat the KV "
-                       "heads to the query heads before they meet")
-    assert not any(ln.startswith("[rank") for ln in proc.stderr.splitlines()), proc.stderr[-3000:]  # (no rank's traceback)
+    assert said[0] == (
+        "compile_backend.py: error: layer 0: scaled_dot_product_attention "
+        "(aten.scaled_dot_product_attention.default) combines tensors split into different numbers of "
+        "heads per rank ([2, 4]): heads replicated over ranks (fewer KV heads or groups than the 4 ranks) "
+        "meet heads split over all of them; the layout must divide the KV head count, or repeat the KV "
+        "heads to the query heads before they meet"
+    )
+    # (no rank's traceback)
+    assert not any(ln.startswith("[rank") for ln in proc.stderr.splitlines()), proc.stderr[-3000:]
 
 
 def test_refusal_finds_ours_behind_dynamos_wrapper():

@@ -213,14 +213,19 @@ def _layout_groups(rank: int, world: int) -> dict:
     tp = tp_groups(world, [TPLayout(4, attn_dp=2), lay])
     register_tp_groups(tp, lay, rank) if rank < 2 else None
     tp_control = get_group(GROUP_TP_CONTROL) if rank < 2 else None
-    return {"tp_control": tp_control is not None and [dist.get_process_group_ranks(tp_control),
-                                                      dist.get_backend(tp_control)],
-            "tp_world_control": [dist.get_process_group_ranks(tp[("control", 4)]), dist.get_backend(tp[("control", 4)])],
-            "control": dist.get_process_group_ranks(control), "backend": dist.get_backend(control),
-            "distinct": control is not data, "timeout": control._get_backend(torch.device("cpu")).options._timeout,
-            "ffn_controls": [dist.get_process_group_ranks(g) for g in ffn_controls],
-            "ffn": [dist.get_process_group_ranks(g) for g in ffn], "same": again == (ffn, attn, control, ffn_controls),
-            "got": int(got)}
+    return {
+        "tp_control": tp_control is not None
+        and [dist.get_process_group_ranks(tp_control), dist.get_backend(tp_control)],
+        "tp_world_control": [dist.get_process_group_ranks(tp[("control", 4)]), dist.get_backend(tp[("control", 4)])],
+        "control": dist.get_process_group_ranks(control),
+        "backend": dist.get_backend(control),
+        "distinct": control is not data,
+        "timeout": control._get_backend(torch.device("cpu")).options._timeout,
+        "ffn_controls": [dist.get_process_group_ranks(g) for g in ffn_controls],
+        "ffn": [dist.get_process_group_ranks(g) for g in ffn],
+        "same": again == (ffn, attn, control, ffn_controls),
+        "got": int(got),
+    }
 
 
 def test_control_messages_travel_on_a_gloo_group_beside_the_exchanges() -> None:

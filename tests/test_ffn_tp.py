@@ -31,7 +31,8 @@ afd = torch.ops.afd
 def test_boundaries_come_from_the_state_algebra(parts):
     enter, leave = boundary(parts, *ENTER), boundary(parts, *LEAVE)
     assert (enter.collective, enter.src_size, enter.dst_size, enter.reduces) == (Collective.ALL_GATHER, 1, parts, False)
-    assert (leave.collective, leave.src_size, leave.dst_size, leave.reduces) == (Collective.REDUCE_SCATTER, parts, 1, True)
+    assert (leave.collective, leave.src_size, leave.dst_size, leave.reduces) == (
+        Collective.REDUCE_SCATTER, parts, 1, True)
 
 
 def test_layout_groups_and_refusals():
@@ -94,7 +95,8 @@ GROUP_CASES = [("qwen3moe2", AFDLayout(3, 2, 2), (2, 0, 3), False),
                ("qwen3moe2", AFDLayout(2, 2, 2), (2, 3), True),
                ("qwen3moe2", AFDLayout(2, 2, ffn_ep=2), (2, 3), False),
                ("qwen3moe3_mixed", AFDLayout(3, 2, ffn_ep=2), (1, 0, 3), True),
-               ("llama2", AFDLayout(4, 2, 2), (1, 1, 3, 2), False, 2),  # staged (unstaged dense: the attention-TP test below)
+               # staged (unstaged dense: the attention-TP test below)
+               ("llama2", AFDLayout(4, 2, 2), (1, 1, 3, 2), False, 2),
                ("gpt_oss", AFDLayout(2, 2, 2), (2, 3), False)]  # expert biases added once over the group
 
 
@@ -115,7 +117,8 @@ def test_cli_plans_ffn_tp_and_refuses_what_it_cannot(exported):
     assert res.returncode == 0, res.stderr
     assert "ffn tp: groups [[0, 1]]; FFN TP rank 0 of 2: 4 weights split; per layer all_gather SCATTERED[1] -> " \
            "FULL[2] after the receive, reduce_scatter FULL+P[2] -> SCATTERED[1] before the send" in res.stdout
-    for args, msg in [(["plan", path, "-A", "3", "-F", "3", "--ffn-tp", "2"], "must be >= 1 and divide the 3 FFN ranks"),
+    for args, msg in [(["plan", path, "-A", "3", "-F", "3", "--ffn-tp", "2"], 
+                       "must be >= 1 and divide the 3 FFN ranks"),
                       (["plan", path, "--tp", "2", "--ffn-tp", "2"], "not both"),
                       (["rewrite", path, "-o", "/nonexistent/x", "-A", "2", "-F", "2", "--ffn-tp", "2"],
                        "rewrite --ffn-tp/--ffn-ep/--attn-tp: not supported yet"),
@@ -167,11 +170,14 @@ def test_attention_tp_refuses_moe_before_anything_runs(exported):
     path = exported("qwen3moe2")[1]
     res = subprocess.run([sys.executable, "-m", "afd_compile.cli", "verify", path, "-A", "2", "--attn-tp", "2",
                           "-F", "1"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and "attention TP with MoE layers ([0, 1]: expert routing) is not supported" in res.stderr
+    assert res.returncode == 2
+    assert "attention TP with MoE layers ([0, 1]: expert routing) is not supported" in res.stderr
 
 
-@pytest.mark.parametrize("layout,tag", [(AFDLayout(4, 2, ffn_tp=2, attn_tp=2), "4A_attn_tp2_2F_ffn_tp2"),
-                                        (AFDLayout(4, 2, ffn_tp=2), "4A2F_ffn_tp2")])
+@pytest.mark.parametrize(
+    "layout,tag",
+    [(AFDLayout(4, 2, ffn_tp=2, attn_tp=2), "4A_attn_tp2_2F_ffn_tp2"), (AFDLayout(4, 2, ffn_tp=2), "4A2F_ffn_tp2")],
+)
 def test_golden_plans_of_composed_layouts(exported, check_golden, update_goldens, layout, tag):
     import transformers
 

@@ -296,7 +296,8 @@ def test_a_program_returning_the_cache_it_allocates_is_not_graph_captured(llama_
     assert len(returned_state(tp)) == 4
     assert returned_state(split(decode.module()).attention) == []  # decode updates the caller's cache
     assert PerLayout(attention, "k", True, None, "rank 1 attention").cudagraphs is False
-    with pytest.raises(BackendOptionError, match="rank 1 attention: cudagraphs=True, but the program returns index_copy"):
+    with pytest.raises(BackendOptionError, match="rank 1 attention: cudagraphs=True, "
+                       "but the program returns index_copy"):
         PerLayout(attention, "k", True, True, "rank 1 attention")
 
 
@@ -392,9 +393,11 @@ DECODE = [("qwen3_moe", ("--tp", "2")),
           # composed: two attention DP groups of TP 2 (each its own sequences and cache, sharded by
           # heads) and an FFN TP group of 2
           ("llama", ("-A", "4", "--attn-tp", "2", "-F", "2", "--ffn-tp", "2"))]
-SLOW_DECODE = [("llama", ("--tp", "2")), ("qwen3_moe", ("-A", "2", "-F", "2", "--ffn-ep", "2")), ("llama", ("-A", "1", "-F", "1")),
+SLOW_DECODE = [("llama", ("--tp", "2")), ("qwen3_moe", ("-A", "2", "-F", "2", "--ffn-ep", "2")),
+               ("llama", ("-A", "1", "-F", "1")),
                ("llama", ("-A", "3", "-F", "2")), ("qwen3_moe", ("-A", "2", "-F", "1", "--stages", "3")),
-               ("llama", ("-A", "3", "-F", "2", "--stages", "2")), ("qwen3_moe", ("-A", "3", "-F", "2", "--ffn-tp", "2")),
+               ("llama", ("-A", "3", "-F", "2", "--stages", "2")),
+               ("qwen3_moe", ("-A", "3", "-F", "2", "--ffn-tp", "2")),
                # each DP group its own sequences and cache (in the default run: generate() with an idle DP
                # group, and DP groups of attention TP inside AFD above)
                ("llama", ("--tp", "4", "--attn-dp", "2")), ("llama", ("-A", "2", "-F", "1")), ("llama", ("--tp", "4")),
@@ -470,7 +473,8 @@ def test_static_cache_stages_cut_the_batch_only(cached_pt2):
     assert carried.pop("input_ids") == 0 and len(carried) == 4 and set(carried.values()) == {0}, plan.describe()
     assert all(written in spec.state for written in carried), (carried, spec.state)  # the write positions are not
     assert plan.sites and all(site.index == 0 and site.value == 2 for site in plan.sites)
-    expands = [n.args[1] for n in staged.graph.nodes if n.target == torch.ops.aten.expand.default and len(n.args[1]) == 5]
+    expands = [n.args[1] for n in staged.graph.nodes if n.target == torch.ops.aten.expand.default
+               and len(n.args[1]) == 5]
     assert expands and all(list(a) == [1, 2, 2, 32, 16] for a in expands), expands  # [b, kv heads, n_rep, L, d]
     with torch.no_grad():
         for step in range(3):
@@ -515,7 +519,8 @@ def test_golden_of_a_cached_model_split(cached_pt2, update_goldens):
     text = "\n".join([
         "# AFD split of HF Llama exported with TorchExportableModuleForDecoderOnlyLM (batch 2, 32 positions)",
         f"# attention program: buffers written in place {sorted(state)}",
-        *[line for line in graph_lines(result.attention, shapes=False) if "index_copy_" in line or "aten.copy_" in line],
+        *[line for line in graph_lines(result.attention, shapes=False) if "index_copy_" in line
+          or "aten.copy_" in line],
         "## attention program, around each cut",
         *cut_window_lines(result.attention),
         "## ffn program (structure)",
@@ -529,7 +534,8 @@ def test_golden_of_a_cached_model_split(cached_pt2, update_goldens):
     if not os.path.exists(path):
         pytest.skip(f"no golden recorded for this transformers release ({path}); run --update-goldens to add one")
     with open(path) as fh:
-        assert text == fh.read(), f"{path} changed; if intended, rerun with --update-goldens and explain it in the commit"
+        assert text == fh.read(), f"{path} changed; if intended, rerun with --update-goldens and explain it in the " \
+            "commit"
 
 
 def test_plan_shows_the_cache_bytes_per_rank(cached_pt2):

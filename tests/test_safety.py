@@ -249,7 +249,8 @@ def _set(path, value):
         (None, _set(["programs", "ffn"], "/etc/passwd"), "field 'programs.ffn' must be a file name inside the folder"),
         (lambda out, src: (os.remove(out / "ffn.pt2"), os.symlink(src / "b" / "ffn.pt2", out / "ffn.pt2")), None,
          "programs.ffn names ffn.pt2, which is a symbolic link"),
-        (None, _set(["token_count", "factor"], 0), "field 'token_count.factor' must be an integer in [1, 2147483647], got 0"),
+        (None, _set(["token_count", "factor"], 0), 
+         "field 'token_count.factor' must be an integer in [1, 2147483647], got 0"),
         (None, _set(["layout", "attention_ranks"], "2"), "field 'layout.attention_ranks' must be an integer in "
                                                           "[1, 65536], got '2'"),
         (None, _set(["stages"], 0), "field 'stages' must be an integer in [1, 64], got 0"),

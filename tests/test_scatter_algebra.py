@@ -71,17 +71,30 @@ def test_standard_tp_collapses_tp_attn_full_and_full():
 def test_standard_tp_is_the_megatron_pattern():
     tp = TPLayout(tp=4)
     for modes in infer_layer_modes(["dense", "dense", "moe"], tp):
-        assert {tp.group_size(getattr(modes, m)) for m in ("layer_input", "attn", "mlp", "middle_residual", "layer_output")} == {4}
+        assert {
+            tp.group_size(getattr(modes, m)) for m in ("layer_input", "attn", "mlp", "middle_residual", "layer_output")
+        } == {4}
         assert plan_junctions(modes, tp).names() == {
-            "prepare_attn": [], "prepare_mlp": ["all_reduce"], "postprocess_layer": ["all_reduce"]}
+            "prepare_attn": [],
+            "prepare_mlp": ["all_reduce"],
+            "postprocess_layer": ["all_reduce"],
+        }
 
 
 def test_dp_attention_gathers_for_the_mlp_and_reduce_scatters_back():
     modes = infer_layer_modes(["dense", "dense"], DP)
-    assert modes[0].modes() == {"layer_input": "TP_ATTN_FULL", "attn": "TP_ATTN_FULL", "mlp": "FULL",
-                                "middle_residual": "TP_ATTN_FULL", "layer_output": "TP_ATTN_FULL"}
+    assert modes[0].modes() == {
+        "layer_input": "TP_ATTN_FULL",
+        "attn": "TP_ATTN_FULL",
+        "mlp": "FULL",
+        "middle_residual": "TP_ATTN_FULL",
+        "layer_output": "TP_ATTN_FULL",
+    }
     assert plan_junctions(modes[0], DP).names() == {
-        "prepare_attn": [], "prepare_mlp": ["all_gather"], "postprocess_layer": ["reduce_scatter"]}
+        "prepare_attn": [],
+        "prepare_mlp": ["all_gather"],
+        "postprocess_layer": ["reduce_scatter"],
+    }
 
 
 def test_attn_tp_1_gathers_without_a_reduction():
@@ -110,9 +123,19 @@ def test_bad_layouts(tp, attn_dp, msg):
 
 # the last (feature) dim split over the group: a vocab-parallel head's logits
 SPLIT = [
-    (DistState(T, split_last=True), DistState(T), Collective.ALL_GATHER, "all_gather(last) TP_ATTN_FULL+S[2] -> TP_ATTN_FULL[2]"),
+    (
+        DistState(T, split_last=True),
+        DistState(T),
+        Collective.ALL_GATHER,
+        "all_gather(last) TP_ATTN_FULL+S[2] -> TP_ATTN_FULL[2]",
+    ),
     (DistState(F, split_last=True), DistState(F), Collective.ALL_GATHER, "all_gather(last) FULL+S[4] -> FULL[4]"),
-    (DistState(T), DistState(T, split_last=True), Collective.SCATTER, "scatter(last) TP_ATTN_FULL[2] -> TP_ATTN_FULL+S[2]"),
+    (
+        DistState(T),
+        DistState(T, split_last=True),
+        Collective.SCATTER,
+        "scatter(last) TP_ATTN_FULL[2] -> TP_ATTN_FULL+S[2]",
+    ),
     (DistState(S, split_last=True), DistState(S), None, None),  # a group of one: nothing is split
     (DistState(T, split_last=True), DistState(T, split_last=True), None, None),
 ]
@@ -126,9 +149,14 @@ def test_split_last_dim_table(src, dst, collective, text):
         assert t.dim == "last" and not t.reduces
 
 
-@pytest.mark.parametrize(("src", "dst"), [(DistState(T, split_last=True), DistState(F)),
-                                          (DistState(T, True), DistState(T, split_last=True)),
-                                          (DistState(F, split_last=True), DistState(T))])
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        (DistState(T, split_last=True), DistState(F)),
+        (DistState(T, True), DistState(T, split_last=True)),
+        (DistState(F, split_last=True), DistState(T)),
+    ],
+)
 def test_split_last_dim_changes_alone(src, dst):
     with pytest.raises(TransitionError, match="in one collective: a split last dim changes only within one mode"):
         transition(src, dst, DP)

@@ -79,7 +79,8 @@ def test_schedule_check_catches_mismatched_programs(exported):
         args = list(n.args)
         args[2] = 1 - args[2]
         n.args = tuple(args)
-    with pytest.raises(ScheduleError, match=r"transfer #0: attention program has to_ffn L0/S0.*FFN program has to_ffn L1/S0"):
+    with pytest.raises(ScheduleError, match=r"transfer #0: attention program has to_ffn L0/S0.*FFN program has to_ffn "
+                       r"L1/S0"):
         verify_schedule(result.attention, bad)
     # a FFN program missing its last send
     short = copy.deepcopy(result.ffn)

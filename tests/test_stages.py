@@ -113,7 +113,8 @@ def _counter(g, x, counter):
 @pytest.mark.parametrize(("build", "message"), [
     (_counter, r"attention program: node add__scalar \(aten.add_.Scalar\) updates counter, which does not hold "
                r"the batch, from each micro-batch's values"),
-    (lambda g, x, c: g.call_function(aten.sum.dim_IntList, (x, [0])), r"sum_dim_int_list .* reduces over the batch dim 0"),
+    (lambda g, x, c: g.call_function(aten.sum.dim_IntList, (x, [0])), r"sum_dim_int_list .* reduces over the batch dim "
+     r"0"),
     (lambda g, x, c: g.call_function(aten.cumsum.default, (x, 1)),
      r"node cumsum_default \(aten.cumsum.default\): the batch reaches an op micro-batch stages have no rule for"),
     (lambda g, x, c: g.call_function(aten.sym_size.int, (x, 0)), r"output 0 \(sym_size_int\) is not a tensor"),
@@ -202,7 +203,8 @@ def test_an_ffn_rank_refuses_a_peer_with_other_stages():
     from afd_compile.comm import AFDCommunicator
     from afd_compile.runtime import ControlError, FFNWorker
 
-    worker = FFNWorker(fx.GraphModule(torch.nn.Module(), fx.Graph()), AFDCommunicator("ffn", 0, (1, 2), check_wire=False),
+    worker = FFNWorker(fx.GraphModule(torch.nn.Module(), fx.Graph()),
+                       AFDCommunicator("ffn", 0, (1, 2), check_wire=False),
                        torch.device("cpu"), stages=2)
     assert worker._check_control({1: [4, 0 | 1 << 1], 2: [3, 0 | 1 << 1]}) == (4, 3)
     with pytest.raises(ControlError, match="FFN rank 0 runs 2 micro-batch stage\\(s\\), attention rank 2 1"):

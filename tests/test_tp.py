@@ -387,7 +387,7 @@ def tp_results(exported):
 
 
 @pytest.mark.parametrize("index", range(len(NUMERICS)),
-                         ids=[f"{m}-tp{tp}-dp{dp}-{'_'.join(map(str, b))}{''.join('-' + k for k in (f[0] if f else ()))}"
+                         ids=[f"{m}-tp{tp}-dp{dp}-{'_'.join(map(str, b))}{''.join('-' + k for k in (f or [()])[0])}"
                               for m, tp, dp, b, *f in NUMERICS])
 def test_tp_matches_single_process_model(tp_results, index):
     _, tp, dp, batches, *_ = NUMERICS[index]
@@ -500,7 +500,8 @@ def test_mla_shards_the_up_projections_and_keeps_the_low_rank_ones(exported):
     # kv_a(x)[16:] is shared by every head (expand to 4 heads -> 2 per rank). q_b / kv_b are
     # column-parallel, the low-rank q_a / kv_a stay whole
     prog = _program(exported, "deepseek_v3", TPLayout(2), rank=0, fuse_norm=False)
-    kinds = {w.target.rsplit("self_attn.", 1)[-1]: w.kind for w in prog.shards.weights if ".layers.0.self_attn." in w.target}
+    kinds = {w.target.rsplit("self_attn.", 1)[-1]: w.kind for w in prog.shards.weights
+             if ".layers.0.self_attn." in w.target}
     assert kinds == {"q_b_proj.weight": "column", "kv_b_proj.weight": "column", "o_proj.weight": "row"}
     nodes = {n.name: n for n in prog.program.graph.nodes}
     fixed = {f.node: (f.old, f.new) for f in prog.shards.arg_fixes}
@@ -531,8 +532,9 @@ def test_the_allreduce_add_rmsnorm_unit_fuses_in_bf16_and_computes_the_same():
         gm = ep.module()
         annotate_roles(gm)
         # (the head whole: one rank of a group of one cannot gather a vocabulary split in two)
-        progs[fuse] = tp_rank_program(gm, TPLayout(2, vocab_parallel=False), 0, graph_name="bf16",
-                                     fuse_norm=fuse).program
+        progs[fuse] = tp_rank_program(
+            gm, TPLayout(2, vocab_parallel=False), 0, graph_name="bf16", fuse_norm=fuse
+        ).program
     fused = [n for n in progs[True].graph.nodes if n.target == torch.ops.afd.all_reduce_add_rms_norm.default]
     assert len(fused) == 4 and all(n.args[5] == torch.bfloat16 for n in fused)
     # what Inductor gets: each unit lowered back to the all-reduce and the ops Inductor fuses
@@ -575,10 +577,14 @@ def test_lm_head_is_split_by_vocabulary_and_its_logits_gathered(exported):
     full = exported("llama2")[0].state_dict["model.lm_head.weight"]
     assert torch.equal(weights["model.lm_head.weight"], full[64:])  # attention TP rank 1 of 2: rows 64..127
     assert tuple(head.meta["val"].shape)[-1] == 64 and tuple(gather.meta["val"].shape)[-1] == 128
-    assert str(prog.plan.head) == ("lm head linear_14: model.lm_head.weight split by vocabulary over the attention "
-                                   "TP group (2 x 64 rows); all_gather(last) TP_ATTN_FULL+S[2] -> TP_ATTN_FULL[2]")
+    assert str(prog.plan.head) == (
+        "lm head linear_14: model.lm_head.weight split by vocabulary over the attention "
+        "TP group (2 x 64 rows); all_gather(last) TP_ATTN_FULL+S[2] -> TP_ATTN_FULL[2]"
+    )
     assert (head.meta["afd.dist"], gather.meta["afd.dist"]) == (
-        DistState(ScatterMode.TP_ATTN_FULL, split_last=True), DistState(ScatterMode.TP_ATTN_FULL))
+        DistState(ScatterMode.TP_ATTN_FULL, split_last=True),
+        DistState(ScatterMode.TP_ATTN_FULL),
+    )
 
 
 def test_a_tied_head_gets_its_own_slice_and_the_embedding_stays_whole(exported):
@@ -654,8 +660,10 @@ def test_expert_parallelism_of_one_moe_block_shared_by_two_layers_is_refused():
     ep = export_lm(model)
     gm = ep.module()
     assert tp_rank_program(gm, TPLayout(2), 1).shards.weights  # the whole MoE over TP: sliced once
-    message = (r"layer 0: its experts' weights .* are read by layer\(s\) \[1\] too \(one MoE block applied as several "
-               r"layers\): expert parallelism of a shared MoE block is not supported")
+    message = (
+        r"layer 0: its experts' weights .* are read by layer\(s\) \[1\] too \(one MoE block applied as several "
+        r"layers\): expert parallelism of a shared MoE block is not supported"
+    )
     with pytest.raises(ShardError, match=message):
         tp_rank_program(gm, TPLayout(2, moe_a2a=True), 0)
     with pytest.raises(FFNTPError, match=message):

@@ -62,7 +62,8 @@ def test_verify_fails_a_model_whose_outputs_are_nan(tmp_path, capsys):
     torch.export.save(export_lm(model), path)
     assert cli.main(["verify", str(path), "-A", "1", "-F", "1", "--tokens", "2", "--steps", "1"]) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("verify: FAIL max_rel_err=inf tol=1e-05 (rank 1 step 0: the reference output 0 holds 1280 NaN"), last
+    assert last.startswith("verify: FAIL max_rel_err=inf tol=1e-05 (rank 1 step 0: the reference output 0 holds 1280 "
+                           "NaN"), last
 
 
 def test_finite_outputs_compare_by_relative_error():
@@ -124,7 +125,8 @@ def test_a_zero_token_dp_group_runs_a_dummy_that_must_be_in_range():
         check_verify_inputs(facts, units=2, unit="attention DP group", world_size=2, batches=(0, 3), steps=1,
                             tol=None, zero_runs_dummy=True)
     static = ProgramFacts(None, 1e-5)
-    with pytest.raises(VerifyInputError, match="the program's batch dimension is static, its inputs cannot be resized; drop --tokens"):
+    with pytest.raises(VerifyInputError, match="the program's batch dimension is static, its inputs "
+                       "cannot be resized; drop --tokens"):
         check_verify_inputs(static, units=1, unit="attention rank", world_size=2, batches=(3,), steps=1, tol=None)
     assert check_verify_inputs(static, units=1, unit="attention rank", world_size=2, batches=None, steps=1,
                                tol=None).batches is None
@@ -358,7 +360,8 @@ def _peer_reports_first(rank: int, world: int) -> None:
 def test_the_rank_with_its_own_error_is_blamed_over_a_peer_that_saw_it_go():
     with pytest.raises(RankFailure) as e:
         run_local(_peer_reports_first, 2, timeout_s=20)
-    assert e.value.rank == 1 and e.value.short.startswith("ValueError: the real cause (rank 0 then raised: "), str(e.value)
+    assert e.value.rank == 1
+    assert e.value.short.startswith("ValueError: the real cause (rank 0 then raised: "), str(e.value)
 
 
 # --- rewrite writes whole or not at all ---------------------------------------------------------
@@ -426,8 +429,10 @@ def _exchange(rank: int, world: int, case: str) -> str:
     [
         ("transposed", 0, "from peer rank 1: expected layer 0 stage 0 hidden float32 (10, 64), received layer 0 "
                           "stage 0 hidden float32 (64, 10)"),
-        ("int32", 0, "expected layer 0 stage 0 hidden float32 (10, 64), received layer 0 stage 0 hidden int32 (10, 64)"),
-        ("fewer", 0, "expected layer 0 stage 0 hidden float32 (10, 64), received layer 0 stage 0 hidden float32 (9, 64)"),
+        ("int32", 0, "expected layer 0 stage 0 hidden float32 (10, 64), received layer 0 stage 0 hidden "
+                     "int32 (10, 64)"),
+        ("fewer", 0, "expected layer 0 stage 0 hidden float32 (10, 64), received layer 0 stage 0 hidden "
+                     "float32 (9, 64)"),
         ("layer", 0, "expected layer 0 stage 0 hidden float32 (10, 64), received layer 1 stage 0"),
         ("reply_int32", 1, "afd.p2p_recv (attention rank 1, layer 0, stage 0): from peer rank 0: expected layer 0 "
                            "stage 0 ffn_out float32 (10, 64), received layer 0 stage 0 ffn_out int32 (10, 64)"),

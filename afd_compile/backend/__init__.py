@@ -79,8 +79,8 @@ anything runs: a wrong value is a BackendOptionError naming the option.
 With no layout (or one process and ``tp=1``) the backend is Inductor itself, on CUDA with its
 CUDA graphs as ``mode="reduce-overhead"`` (unless ``cudagraphs=False``), with a log line saying no
 distribution was applied; with ``decode_attention="flex"`` it applies that pass alone
-(one GPU, no distribution), and on CUDA (or with ``moe_experts="op"``) the MoE recognition. On an FFN rank each call of the compiled model serves one
-step for its attention peers (the inputs are ignored) and returns empty tensors.
+(one GPU, no distribution), and on CUDA (or with ``moe_experts="op"``) the MoE recognition. On an FFN rank each call of
+the compiled model serves one step for its attention peers (the inputs are ignored) and returns empty tensors.
 """
 
 from __future__ import annotations
@@ -328,7 +328,8 @@ def _tp_runner(ep: torch.export.ExportedProgram, opts: BackendOptions, rank: int
     t0 = time.perf_counter()
     (build,) = builds_for(layout, device.type, decode_attention=opts.decode_attention, inductor=opts.inductor)
     # (lowered by the rank's pipeline: its KV cache held as its slice, the rank's heads only)
-    prog, build, held = tp_rank_lowered(gm, layout, rank, SplitConfig(policy=POLICIES[opts.policy], graph_name="dynamo"),
+    prog, build, held = tp_rank_lowered(gm, layout, rank,
+                                        SplitConfig(policy=POLICIES[opts.policy], graph_name="dynamo"),
                                         device, build, list(examples))
     log.info("afd: rank %d: %s program in %.1fs", rank, layout, time.perf_counter() - t0)
     compiled = PerLayout(prog, key, opts.inductor, cudagraphs, f"rank {rank} tp", static, build=build)
@@ -540,7 +541,8 @@ def _serve(model: torch.nn.Module, opts: BackendOptions, example_inputs: tuple |
            example_kwargs: dict[str, Any] | None) -> int:
     rank, world = opts.resolved()
     if opts.afd is None:
-        raise BackendOptionError(f"afd serve: the options give no AFD layout (mode {opts.mode}); only an FFN rank of an "
+        raise BackendOptionError(f"afd serve: the options give no AFD layout (mode {opts.mode}); only an FFN rank of "
+                                 f"an "
                                  "AFD deployment serves")
     afd = opts.afd
     role, _ = afd.layout().role_of(rank)

@@ -346,10 +346,18 @@ def _dump_program(program: fx.GraphModule, inputs: Sequence[Any], name: str) -> 
     places = [n for n in program.graph.nodes if n.op == "placeholder"]
     lines = [f"# {n.name}: program {getattr(n.meta.get('val'), 'dtype', '?')} "
              f"{tuple(getattr(n.meta.get('val'), 'shape', ()))}; input {getattr(x, 'dtype', type(x).__name__)} "
-             f"{tuple(getattr(x, 'shape', ()))}" for n, x in zip(places, list(inputs) + [None] * len(places), strict=False)]
+             f"{tuple(getattr(x, 'shape', ()))}"
+             for n, x in zip(places, list(inputs) + [None] * len(places), strict=False)]
     with open(path, "w") as f:
-        f.write("\n".join([f"# {name}: {len(places)} placeholders, {len(inputs)} inputs", *lines,
-                            program.print_readable(print_output=False)]))
+        f.write(
+            "\n".join(
+                [
+                    f"# {name}: {len(places)} placeholders, {len(inputs)} inputs",
+                    *lines,
+                    program.print_readable(print_output=False),
+                ]
+            )
+        )
     log.error("afd: %s: Inductor failed; the program and its inputs are in %s", name, path)
 
 
@@ -365,7 +373,10 @@ def _static_inputs(program: fx.GraphModule, positions: Sequence[int]) -> Iterato
         return
     from torch._dynamo.source import ConstantSource
 
-    keys = [*dict(program.named_parameters(remove_duplicate=False)), *dict(program.named_buffers(remove_duplicate=False))]
+    keys = [
+        *dict(program.named_parameters(remove_duplicate=False)),
+        *dict(program.named_buffers(remove_duplicate=False)),
+    ]
     program._param_name_to_source = {k: ConstantSource(f"afd_weight_{j}") for j, k in enumerate(keys)}
     placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
     for pos, node in enumerate(placeholders):
@@ -384,6 +395,12 @@ def _static_inputs(program: fx.GraphModule, positions: Sequence[int]) -> Iterato
 
 
 def layout_key(opts: BackendOptions, rank: int, world: int) -> str:
-    fields = (source_id(), torch.__version__, opts.mode, rank, world,
-              sorted((k, v) for k, v in dataclasses.asdict(opts).items() if k not in ("rank", "world_size", "timeout_s")))
+    fields = (
+        source_id(),
+        torch.__version__,
+        opts.mode,
+        rank,
+        world,
+        sorted((k, v) for k, v in dataclasses.asdict(opts).items() if k not in ("rank", "world_size", "timeout_s")),
+    )
     return hashlib.sha256(repr(fields).encode()).hexdigest()

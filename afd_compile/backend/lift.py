@@ -85,7 +85,8 @@ class Lifted(torch.nn.Module):
         #: compiled for their values (the caller compiles again for other values: ``const_key``)
         self.const_positions: list[int] = []
         #: inputs the graph updates in place or the caller marked as at a fixed address
-        #: (``torch._dynamo.mark_static_address``: HF's static KV cache): exported with static shapes (a cache is allocated once; a head count
+        #: (``torch._dynamo.mark_static_address``: HF's static KV cache): exported with static shapes (a cache is
+        #: allocated once; a head count
         #: must stay a constant for TP) and compiled as static inputs (CUDA graphs neither copy nor
         #: refuse their in-place updates); another shape compiles again (``const_key``)
         self.static_positions: list[int] = []
@@ -127,7 +128,8 @@ class Lifted(torch.nn.Module):
                 continue
             sym = placeholders[k].meta.get("example_value")
             found = next(((u, d) for u, v in enumerate(user_vals) if isinstance(v, torch.Tensor)
-                          for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt) and isinstance(sym, torch.SymInt)
+                          for d, s in enumerate(v.shape)
+                          if isinstance(s, torch.SymInt) and isinstance(sym, torch.SymInt)
                           and s.node.expr == sym.node.expr), None)
             if found is not None:
                 self.slots[k] = ("size", found)
@@ -136,7 +138,8 @@ class Lifted(torch.nn.Module):
                 self.slots[k] = ("const", _hint(example_inputs[k]))
                 self.const_positions.append(k)
             else:
-                raise RuntimeError(f"afd backend: graph input {placeholders[k].name} ({type(example_inputs[k]).__name__})"
+                raise RuntimeError(f"afd backend: graph input {placeholders[k].name} "
+                                   f"({type(example_inputs[k]).__name__})"
                                    " is neither a tensor, a size of one, nor an int")
 
     def const_key(self, args: Sequence[Any]) -> tuple:

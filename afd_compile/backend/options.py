@@ -166,7 +166,8 @@ class BackendOptions:
     def parse(options: dict[str, Any] | None) -> BackendOptions:
         if options is not None and not isinstance(options, Mapping):
             raise BackendOptionError(f"afd backend: options must be a dict of option names to values (or None), got "
-                                     f"{options!r} ({type(options).__name__}): e.g. options={{'attention': 2, 'ffn': 1}}")
+                                     f"{options!r} ({type(options).__name__}): e.g. "
+                                     f"options={{'attention': 2, 'ffn': 1}}")
         if any(not isinstance(k, str) for k in options or {}):
             raise BackendOptionError(f"afd backend: option names are strings, got {sorted(map(repr, options))}")
         options = dict(options or {})
@@ -176,17 +177,22 @@ class BackendOptions:
         for name, value in options.items():
             ok, what = _OPTION_TYPES[name]
             if not ok(value):
-                raise BackendOptionError(f"afd backend: option {name}={value!r} ({type(value).__name__}) must be {what}")
+                raise BackendOptionError(
+                    f"afd backend: option {name}={value!r} ({type(value).__name__}) must be {what}"
+                )
         for name in ("buckets", "batch_buckets"):
             if isinstance(options.get(name), list):
                 options[name] = tuple(options[name])
         given = {"afd": bool(options.get("attention") or options.get("ffn")), "tp": options.get("tp", 1) > 1}
         if given["afd"] and given["tp"]:
-            raise BackendOptionError("afd backend: give either a TP layout (tp, attn_dp) or an AFD layout "
-                                     "(attention, ffn), not both")
+            raise BackendOptionError(
+                "afd backend: give either a TP layout (tp, attn_dp) or an AFD layout (attention, ffn), not both"
+            )
         if given["afd"] and not (options.get("attention") and options.get("ffn")):
-            raise BackendOptionError(f"afd backend: AFD needs both attention and ffn ranks (attention="
-                                     f"{options.get('attention', 0)}, ffn={options.get('ffn', 0)})")
+            raise BackendOptionError(
+                f"afd backend: AFD needs both attention and ffn ranks (attention="
+                f"{options.get('attention', 0)}, ffn={options.get('ffn', 0)})"
+            )
         groups: dict[str, Any] = {}
         for kind, (cls, words) in _LAYOUT_OPTIONS.items():
             mine = {f.name: f for f in dataclasses.fields(cls)}
@@ -223,8 +229,10 @@ class BackendOptions:
             for name, value in live.items():
                 given = getattr(self, name)
                 if given is not None and given != value:
-                    raise BackendOptionError(f"afd backend: option {name}={given}, but this process is {name} "
-                                             f"{value} of the initialised process group")
+                    raise BackendOptionError(
+                        f"afd backend: option {name}={given}, but this process is {name} "
+                        f"{value} of the initialised process group"
+                    )
             return live["rank"], live["world_size"]
         rank = self.rank if self.rank is not None else int(os.environ.get("RANK", "0"))
         world = self.world_size if self.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
@@ -241,8 +249,10 @@ def check_options(options: dict[str, Any] | None) -> BackendOptions:
     opts = BackendOptions.parse(options)
     rank, world = opts.resolved()
     if opts.mode != "none" and not dist.is_initialized():
-        raise BackendOptionError(f"afd backend: layout {opts.mode} needs torch.distributed initialised on every "
-                                 "rank first (torchrun + afd_compile.runtime.init_distributed())")
+        raise BackendOptionError(
+            f"afd backend: layout {opts.mode} needs torch.distributed initialised on every "
+            "rank first (torchrun + afd_compile.runtime.init_distributed())"
+        )
     if opts.tp is not None and opts.tp.tp != world:
         raise BackendOptionError(f"afd backend: tp={opts.tp.tp} must equal the world size ({world})")
     if opts.afd is not None:
@@ -253,6 +263,8 @@ def check_options(options: dict[str, Any] | None) -> BackendOptions:
         except LayoutError as e:
             raise BackendOptionError(f"afd backend: {e}") from None
         if layout.world_size != world:
-            raise BackendOptionError(f"afd backend: attention={opts.afd.attention} + ffn={opts.afd.ffn} ranks must "
-                                     f"equal the world size ({world})")
+            raise BackendOptionError(
+                f"afd backend: attention={opts.afd.attention} + ffn={opts.afd.ffn} ranks must "
+                f"equal the world size ({world})"
+            )
     return opts

@@ -190,7 +190,8 @@ class _Walk:
             if not isinstance(inner, fx.Node) or _aligned(a, inner, d) < 0 or _size(inner, _aligned(a, inner, d)) == 1:
                 return a, d
             return None
-        elementwise = a.target in _ELEMENTWISE_MORE or (a.target in SHARD_RULES and SHARD_RULES[a.target].kind == "elementwise")
+        elementwise = a.target in _ELEMENTWISE_MORE or (a.target in SHARD_RULES
+                                                        and SHARD_RULES[a.target].kind == "elementwise")
         if not elementwise:
             return None
         for x in a.all_input_nodes:
@@ -321,7 +322,8 @@ class _Walk:
         if start in (None, 0) and step == 1 and whole_end:
             return d
         end_text = getattr(end, "name", end)
-        return self._refuse(n, f"a slice [{start}:{end_text}:{step}] of the batch dim {d} (size {size}) that drops rows")
+        return self._refuse(n, f"a slice [{start}:{end_text}:{step}] of the batch dim {d} (size {size}) "
+                            "that drops rows")
 
     def _refuse(self, n: fx.Node, what: str) -> int | None:
         raise BatchError(f"{self.where(n)}: {what}: {self.why or 'micro-batches of whole sequences cannot cut it'}")
@@ -337,8 +339,10 @@ class _Walk:
             raise BatchError(f"{self.where(n)}: cannot follow the batch dim ({type(e).__name__}: {e})") from None
         for f in fixes:
             if f.old % self.batch:
-                raise BatchError(f"{self.where(n)}: its size {f.old} at the batch dim {f.index} is not a multiple of "
-                                 f"the batch {self.batch}")
+                raise BatchError(
+                    f"{self.where(n)}: its size {f.old} at the batch dim {f.index} is not a multiple of "
+                    f"the batch {self.batch}"
+                )
             sites.append(BatchSite(n.name, f.arg, f.index, f.old))
         return d
 
@@ -362,8 +366,11 @@ class _Walk:
                     if arg % self.batch:
                         return self._refuse(n, f"its size {arg} at the batch dim {j} is not a multiple of the batch")
                     sites.append(BatchSite(n.name, 1, j, arg))
-                elif not isinstance(arg, int) and not (size.free_symbols and inner.free_symbols) \
-                        and not self._batch_size_of(arg, bd):
+                elif (
+                    not isinstance(arg, int)
+                    and not (size.free_symbols and inner.free_symbols)
+                    and not self._batch_size_of(arg, bd)
+                ):
                     return self._refuse(n, f"its size at the batch dim {j} is computed ({arg})")
                 return j
             acc *= size
@@ -374,8 +381,12 @@ class _Walk:
         a micro-batch's copy reads its own rows' count."""
         if isinstance(arg, fx.Node) and arg.target == operator.mul and len(arg.args) == 2:
             return any(self._batch_size_of(a, bd) for a in arg.args) and any(isinstance(a, int) for a in arg.args)
-        return isinstance(arg, fx.Node) and arg.target == aten.sym_size.int and arg.args[0] in bd \
+        return (
+            isinstance(arg, fx.Node)
+            and arg.target == aten.sym_size.int
+            and arg.args[0] in bd
             and arg.args[1] == bd[arg.args[0]]
+        )
 
     def _elementwise(self, n: fx.Node, bd: dict[fx.Node, int]) -> int | None:
         dims = {bd[a] + ndim(n) - ndim(a) for a in n.all_input_nodes if a in bd}
@@ -427,8 +438,9 @@ class _Walk:
         return d
 
 
-def plan_batch(gm: fx.GraphModule, batch: int, seeds: dict[str, int], name: str = "program",
-               why: str | None = None) -> BatchPlan:
+def plan_batch(
+    gm: fx.GraphModule, batch: int, seeds: dict[str, int], name: str = "program", why: str | None = None
+) -> BatchPlan:
     """Follow the batch (of size ``batch``) from ``seeds`` (node name -> dim: the inputs that
     carry it) through ``gm``; writes ``node.meta[META_KEY]`` (module docstring). ``why``: what a
     refusal means to the caller (default: micro-batch stages cannot cut the batch)."""

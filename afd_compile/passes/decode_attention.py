@@ -102,7 +102,8 @@ def decode_blocks(q: torch.Tensor, mask: torch.Tensor, block: int = BLOCK) -> tu
 
 
 def flex_over_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor, kv_num: torch.Tensor,
-                     kv_idx: torch.Tensor, full_num: torch.Tensor, full_idx: torch.Tensor, scale: float) -> torch.Tensor:
+                     kv_idx: torch.Tensor, full_num: torch.Tensor, full_idx: torch.Tensor,
+                     scale: float) -> torch.Tensor:
     """FlexAttention of one query token per sequence over the cache ``k``/``v`` [b, kv_heads,
     max_len, d] with the block mask :func:`decode_blocks` made; K/V heads shared by
     ``q_heads // kv_heads`` query heads (no repeat)."""
@@ -135,7 +136,8 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     return flex_over_blocks(q, k, v, *decode_blocks(q, mask), scale)
 
 
-def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor, *blocks_and_scale: object) -> torch.Tensor:
+def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor,
+                 *blocks_and_scale: object) -> torch.Tensor:
     """The attention the pass replaces: masked SDPA over the whole cache (``m`` [b, 1, kv_len]),
     K/V heads repeated."""
     scale = blocks_and_scale[-1]
@@ -192,7 +194,8 @@ def _check_kernel(compiled: Callable[..., torch.Tensor], args: tuple) -> str | N
     own: a cache's rows past the mask may hold anything."""
     q, k, v, m = args[:4]
     g = torch.Generator(device=q.device).manual_seed(0)
-    rq, rk, rv = (torch.randn(x.shape, generator=g, device=x.device, dtype=torch.float32).to(x.dtype) for x in (q, k, v))
+    rq, rk, rv = (torch.randn(x.shape, generator=g, device=x.device, dtype=torch.float32).to(x.dtype)
+                  for x in (q, k, v))
     rest = args[3:]
     got = compiled(rq, rk, rv, *rest).float()
     want = _sdpa_decode(rq, rk, rv, *rest).float()
@@ -216,7 +219,8 @@ def _outside_exclude(raw: int) -> torch._C.DispatchKeySet:
 
 @torch.library.custom_op("afd::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor, kv_num: torch.Tensor,
-                     kv_idx: torch.Tensor, full_num: torch.Tensor, full_idx: torch.Tensor, scale: float) -> torch.Tensor:
+                     kv_idx: torch.Tensor, full_num: torch.Tensor, full_idx: torch.Tensor,
+                     scale: float) -> torch.Tensor:
     """SDPA(q, repeat_kv(k), repeat_kv(v), attn_mask=m[:, None], scale=scale) over a KV cache
     ``k``/``v`` [b, kv_heads, max_len, d] for one query token per sequence, reading only the
     blocks of :func:`decode_blocks`: :func:`flex_over_blocks`, compiled on its own per shape at
@@ -308,8 +312,10 @@ def replace_decode_attention(gm: fx.GraphModule) -> list[DecodeAttention]:
         kc, vc = _cache_read(k, state), _cache_read(v, state)
         q_len = q.meta["val"].shape[2] if isinstance(q.meta.get("val"), torch.Tensor) else None
         why = ("keys/values are not read from a KV cache" if kc is None or vc is None else
-               f"not a decode step (query length {q_len}: a prefill, SDPA reads what it computes)" if not (isinstance(q_len, int) and q_len == 1) else
-               "no boolean attention mask" if not (isinstance(mask, fx.Node) and isinstance(mask.meta.get("val"), torch.Tensor)
+               f"not a decode step (query length {q_len}: a prefill, SDPA reads what it computes)"
+               if not (isinstance(q_len, int) and q_len == 1) else
+               "no boolean attention mask"
+               if not (isinstance(mask, fx.Node) and isinstance(mask.meta.get("val"), torch.Tensor)
                                                    and mask.meta["val"].dtype == torch.bool) else
                "dropout" if dropout else "is_causal" if causal else
                "enable_gqa" if n.kwargs.get("enable_gqa") else "")

@@ -109,7 +109,9 @@ def fuse_allreduce_add_rmsnorm(gm: fx.GraphModule) -> int:
                                     (partial, m.residual_in, m.weight, m.eps, group, m.norm_dtype))
             h = g.call_function(operator.getitem, (fused, 0))
             normed = g.call_function(operator.getitem, (fused, 1))
-            outside = [u for u in m.cast.users if u not in m.interior and u.target != aten._assert_tensor_metadata.default]
+            outside = [
+                u for u in m.cast.users if u not in m.interior and u.target != aten._assert_tensor_metadata.default
+            ]
             h32 = h
             if outside and _dtype(m.add) != torch.float32:  # the float32 sum read beyond the norm
                 h32 = g.call_function(aten.to.dtype, (h, torch.float32))

@@ -222,7 +222,8 @@ def reads_weight(n: fx.Node) -> bool:
         while isinstance(a, fx.Node) and a.target in (aten.t.default, aten.numpy_T.default, aten.transpose.int,
                                                       aten.permute.default):
             a = a.args[0]
-        if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dim() in (0, 2):
+        if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(a.meta.get("val"),
+                                                                        torch.Tensor) and a.meta["val"].dim() in (0, 2):
             return True
     return False
 
@@ -355,8 +356,13 @@ def batch_symbol_dims(gm: fx.GraphModule) -> tuple[object | None, list[tuple[int
     if not isinstance(sym, torch.SymInt) or sym.node.expr.is_number:  # static (or a symbol specialised)
         return None, []
     key = str(sym.node.expr)
-    dims = [(i, d) for i, v in enumerate(vals) if isinstance(v, torch.Tensor)
-            for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt) and str(s.node.expr) == key]
+    dims = [
+        (i, d)
+        for i, v in enumerate(vals)
+        if isinstance(v, torch.Tensor)
+        for d, s in enumerate(v.shape)
+        if isinstance(s, torch.SymInt) and str(s.node.expr) == key
+    ]
     return key, dims
 
 
@@ -407,8 +413,9 @@ def propagate_meta_fresh(gm: fx.GraphModule, hint: int = 16) -> None:
         expr = d.node.expr
         for sym in sorted(expr.free_symbols, key=str):
             if sym not in fresh:
-                fresh[sym] = shape_env.create_symbol(hint, source=ConstantSource(f"afd_{sym}"),
-                                                     dynamic_dim=DimDynamic.DYNAMIC)
+                fresh[sym] = shape_env.create_symbol(
+                    hint, source=ConstantSource(f"afd_{sym}"), dynamic_dim=DimDynamic.DYNAMIC
+                )
         new = expr.xreplace(fresh)
         return shape_env.create_symintnode(new, hint=int(new.xreplace({v: hint for v in fresh.values()})))
 

@@ -165,16 +165,19 @@ def _check_causality(r: RankSchedule, schedule: Schedule) -> None:
         seen.setdefault(step.stage, []).append(step)
     for stage, steps in seen.items():
         if not 0 <= stage < schedule.stages:
-            raise ScheduleError(f"rank {r.rank} ({r.role}): {steps[0]} has stage {stage}, outside 0..{schedule.stages - 1}")
+            raise ScheduleError(f"rank {r.rank} ({r.role}): {steps[0]} has stage {stage}, outside "
+                                f"0..{schedule.stages - 1}")
         for i, step in enumerate(steps):
             layer, kind = divmod(i, 3)
             if (step.layer, step.kind) != (layer, cycle[kind]):
                 raise ScheduleError(
                     f"rank {r.rank} ({r.role}), stage {stage}: {step} where {cycle[kind]} L{layer}/S{stage} belongs "
-                    f"(a micro-batch goes {' -> '.join(cycle)} through each layer in order)")
+                    f"(a micro-batch goes {' -> '.join(cycle)} through each layer in order)"
+                )
         if len(steps) not in (0, 3 * schedule.layers):
-            raise ScheduleError(f"rank {r.rank} ({r.role}), stage {stage}: {len(steps) // 3} of "
-                                f"{schedule.layers} layers scheduled")
+            raise ScheduleError(
+                f"rank {r.rank} ({r.role}), stage {stage}: {len(steps) // 3} of {schedule.layers} layers scheduled"
+            )
 
 
 def _check_progress(by_rank: dict[int, RankSchedule]) -> None:
@@ -226,14 +229,20 @@ def schedule_of_programs(layout: AFDLayout, attention: fx.GraphModule, ffn: fx.G
     for n in attention.graph.nodes:
         if n.op == "call_function" and n.target in sends | recvs:
             layer, stage = int(n.args[2]), int(n.args[3])
-            a_steps += [Step(COMPUTE, layer, stage), Step(SEND, layer, stage)] if n.target in sends else \
-                [Step(RECV, layer, stage, what=FFN_OUT)]
+            a_steps += (
+                [Step(COMPUTE, layer, stage), Step(SEND, layer, stage)]
+                if n.target in sends
+                else [Step(RECV, layer, stage, what=FFN_OUT)]
+            )
     f_steps: list[Step] = []
     for n in ffn.graph.nodes:
         if n.op == "call_function" and n.target in (afd.p2p_recv_group.default, afd.p2p_send_group.default):
             layer, stage = int(n.args[2]), int(n.args[3])
-            f_steps += [Step(RECV, layer, stage), Step(COMPUTE, layer, stage)] \
-                if n.target == afd.p2p_recv_group.default else [Step(SEND, layer, stage, what=FFN_OUT)]
+            f_steps += (
+                [Step(RECV, layer, stage), Step(COMPUTE, layer, stage)]
+                if n.target == afd.p2p_recv_group.default
+                else [Step(SEND, layer, stage, what=FFN_OUT)]
+            )
     layers = 1 + max((s.layer for s in a_steps), default=-1)
     stages = 1 + max((s.stage for s in a_steps + f_steps), default=-1)
     ranks = []

@@ -107,7 +107,8 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
         ffn = [n for n in members if n.meta[ROLE_KEY].role is Role.FFN]
         b = Builder(graph, fake_mode, layer)
         h1, row, x_res = residual_add_after_attention(members, ffn[0], where)
-        x = x_res if x_res is not None else next(a for a in h1.all_input_nodes if a not in descendants(row, set(members)))
+        below = descendants(row, set(members))
+        x = x_res if x_res is not None else next(a for a in h1.all_input_nodes if a not in below)
         hidden = int(row.meta["val"].shape[-1])
         if token_nodes is None:
             with graph.inserting_before(x.next):

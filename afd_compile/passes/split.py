@@ -201,7 +201,8 @@ def _one_hidden(hidden: list[fx.Node]) -> fx.Node | None:
     def made_from(v: fx.Node, base: fx.Node) -> bool:
         n = v
         while n is not base:
-            if n.op != "call_function" or n.target not in _SAME_ROWS or not n.args or not isinstance(n.args[0], fx.Node):
+            if (n.op != "call_function" or n.target not in _SAME_ROWS or not n.args
+                    or not isinstance(n.args[0], fx.Node)):
                 return False
             if n.target == aten._to_copy.default and set(n.kwargs) - {"dtype"}:
                 return False  # (a device or layout change is not a cast)

@@ -279,7 +279,8 @@ def _stage_static_attention(gm: fx.GraphModule, stages: int, name: str) -> fx.Gr
         raise StageError(f"{name}: its first input has no batch dim to split into micro-batches")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     seeds = {n.name: 0 for n in placeholders
-             if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0 and n.meta["val"].shape[0] == batch}
+             if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0
+             and n.meta["val"].shape[0] == batch}
     try:
         plan = plan_batch(gm, batch, seeds, name)
     except BatchError as e:
@@ -299,11 +300,13 @@ def _stage_static_attention(gm: fx.GraphModule, stages: int, name: str) -> fx.Gr
         whole[n] = new
         for s, env in enumerate(envs):
             d = carried.get(n.name)
-            env[n] = new if d is None else g.call_function(aten.slice.Tensor, (new, d, offsets[s], offsets[s] + rows[s]))
+            env[n] = new if d is None else g.call_function(aten.slice.Tensor,
+                                                           (new, d, offsets[s], offsets[s] + rows[s]))
 
     def on_attr(old: fx.Node, shared: fx.Node, s: int) -> object:
         d = carried.get(old.name)  # a state (the KV cache): the stage's rows, written in place
-        return shared if d is None else g.call_function(aten.slice.Tensor, (shared, d, offsets[s], offsets[s] + rows[s]))
+        return shared if d is None else g.call_function(aten.slice.Tensor,
+                                                        (shared, d, offsets[s], offsets[s] + rows[s]))
 
     def on_copy(old: fx.Node, new: fx.Node, s: int) -> None:
         if old.op == "call_module" and "guards" in str(old.target):  # export's input checks: once, on the batch

@@ -133,11 +133,13 @@ def _slice(t: torch.Tensor, dim: int, rows: int, rank: int) -> torch.Tensor:
 
 def _link(head: fx.Node, attr: fx.Node) -> fx.Node:
     """The head's operand that reads ``attr``: the attribute itself or a transpose of it."""
-    return next(a for a in head.all_input_nodes if a is attr or (a.all_input_nodes == [attr] and a.op == "call_function"))
+    return next(a for a in head.all_input_nodes if a is attr or (a.all_input_nodes == [attr]
+                                                                 and a.op == "call_function"))
 
 
-def _set_slice(gm: fx.GraphModule, attr: fx.Node, head: fx.Node, dim: int, rows: int, rank: int, own: str | None,
-               fake_mode: object) -> list[fx.Node]:
+def _set_slice(
+    gm: fx.GraphModule, attr: fx.Node, head: fx.Node, dim: int, rows: int, rank: int, own: str | None, fake_mode: object
+) -> list[fx.Node]:
     """Make the head read this rank's slice of ``attr`` (its weight or bias): sliced in place, or
     as the new attribute ``own`` when something else reads ``attr`` whole (a tied embedding).
     Returns the nodes whose values changed shape."""
@@ -184,8 +186,9 @@ def split_head(gm: fx.GraphModule, plan: HeadPlan, rank: int, fake_mode: object)
     changed = _set_slice(gm, p.weight, head, p.out_dim, plan.rows, rank, own, fake_mode)
     if p.bias is not None:
         tied_bias = list(p.bias.users) != [head]
-        changed += _set_slice(gm, p.bias, head, 0, plan.rows, rank, f"{HEAD_ATTR}_bias" if tied_bias else None,
-                              fake_mode)
+        changed += _set_slice(
+            gm, p.bias, head, 0, plan.rows, rank, f"{HEAD_ATTR}_bias" if tied_bias else None, fake_mode
+        )
     for n in changed:  # a transpose of the sliced weight (static shapes)
         _refake(n, fake_mode)
     if isinstance(full, torch.Tensor):  # (by shape: re-running the op on symbolic sizes fails on torch 2.11)

@@ -59,7 +59,8 @@ __all__ = [
     "LaunchError", "PeerRefused", "agree", "TPRank", "check_launch", "report_launch_error",
     "LOCAL_PROCESS_BYTES", "LOCAL_PROCESS_LIMIT_RULE", "PEER_GONE", "STOP", "FAILED", "WORKER_PRELOAD",
     "WORKER_PRELOAD_IF_IMPORTED", "AttentionWorker", "ControlError", "FFNWorker", "GroupSlice", "LauncherFailure",
-    "RankFailure", "RunFault", "TokenCount", "dp_step_counts", "serve_at_shutdown", "finish", "free_port", "init_distributed",
-    "max_local_processes", "process_group", "control_group", "progress", "run_local", "send_control", "shutdown", "step_failed", "before_destroy", "tell_failed",
-    "tp_groups", "register_tp_groups", "group_key",
+    "RankFailure", "RunFault", "TokenCount", "dp_step_counts", "serve_at_shutdown", "finish", "free_port",
+    "init_distributed", "max_local_processes", "process_group", "control_group", "progress", "run_local",
+    "send_control", "shutdown", "step_failed", "before_destroy", "tell_failed", "tp_groups", "register_tp_groups",
+    "group_key",
 ]

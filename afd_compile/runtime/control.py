@@ -79,7 +79,9 @@ def tell_failed(comm: AFDCommunicator) -> None:
         _NOTICES.append(dist.isend(torch.tensor([FAILED, 0], dtype=torch.int64), comm.peers[0],
                                    group=comm.control_peer_group))
     except Exception as e:  # the peer already gone: nothing to tell
-        log.warning("afd: attention rank %d could not tell FFN rank %d its step failed: %s", comm.rank, comm.peers[0], e)
+        log.warning(
+            "afd: attention rank %d could not tell FFN rank %d its step failed: %s", comm.rank, comm.peers[0], e
+        )
 
 
 def finish(comm_id: int | None = None, *, at_shutdown: bool = False) -> list[int]:

@@ -42,10 +42,13 @@ def check_launch(needed: int | None, what: str, command: str) -> tuple[int, int]
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     except ValueError:
-        raise LaunchError(f"RANK={os.environ['RANK']!r} / WORLD_SIZE={os.environ['WORLD_SIZE']!r}: not integers") from None
+        raise LaunchError(
+            f"RANK={os.environ['RANK']!r} / WORLD_SIZE={os.environ['WORLD_SIZE']!r}: not integers"
+        ) from None
     if needed is not None and world != needed:
-        raise LaunchError(f"{what} needs {needed} processes, torchrun started {world}: "
-                          f"torchrun --nproc-per-node {needed} {command}")
+        raise LaunchError(
+            f"{what} needs {needed} processes, torchrun started {world}: torchrun --nproc-per-node {needed} {command}"
+        )
     return rank, world
 
 
@@ -65,8 +68,9 @@ def report_launch_error(script: str, error: Exception) -> int:
     return 2
 
 
-def init_distributed(rank: int | None = None, world_size: int | None = None, backend: str | None = None,
-                     timeout_s: float = 120.0) -> tuple[int, int]:
+def init_distributed(
+    rank: int | None = None, world_size: int | None = None, backend: str | None = None, timeout_s: float = 120.0
+) -> tuple[int, int]:
     """Join the process group (env:// as torchrun sets it). gloo on CPU, NCCL when CUDA is used.
     Outside torchrun (no ``RANK`` / ``WORLD_SIZE`` given or set): :class:`LaunchError`."""
     if (rank is None or world_size is None) and not dist.is_initialized():
@@ -81,8 +85,9 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, bac
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
     return rank, world_size
 
 
@@ -90,7 +95,9 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, bac
 _GROUPS: dict[tuple[tuple[int, ...], float | None, str | None], dist.ProcessGroup] = {}
 
 
-def process_group(ranks: Sequence[int], timeout_s: float | None = None, backend: str | None = None) -> dist.ProcessGroup:
+def process_group(
+    ranks: Sequence[int], timeout_s: float | None = None, backend: str | None = None
+) -> dist.ProcessGroup:
     """A process group over ``ranks`` (with ``timeout_s``, else the default timeout; ``backend``,
     else the world's), created once per process and reused: the backend compiles per graph, and a
     new group per compile would open new communicators each time. Every rank of the world must
@@ -206,10 +213,12 @@ def agree(tag: str, refusal: str | None, timeout_s: float) -> None:
                 continue
             value = store.get(key).decode()
             if value.startswith("refused:"):
-                raise PeerRefused(f"rank {r} refused it ({value[len('refused:'):]}); rank {rank} stops too")
+                raise PeerRefused(f"rank {r} refused it ({value[len('refused:') :]}); rank {rank} stops too")
             pending.remove(r)
         if pending:
             if time.monotonic() > end:
-                raise PeerRefused(f"ranks {pending} did not report within {timeout_s:.0f}s whether they built their "
-                                  f"programs ({tag}); rank {rank} stops")
+                raise PeerRefused(
+                    f"ranks {pending} did not report within {timeout_s:.0f}s whether they built their "
+                    f"programs ({tag}); rank {rank} stops"
+                )
             time.sleep(_AGREE_POLL_S)

@@ -543,7 +543,8 @@ class FFNWorker:
             if bool(check) != self.comm.check_wire:
                 raise ControlError(f"afd: FFN rank {self.comm.rank} runs with wire checks "
                                    f"{'on' if self.comm.check_wire else 'off'}, attention rank {p} with them "
-                                   f"{'on' if check else 'off'}; set AFD_CHECK_WIRE (or check_wire) alike on every rank")
+                                   f"{'on' if check else 'off'}; set AFD_CHECK_WIRE (or check_wire) alike "
+                                   "on every rank")
         if len(self.left) == len(self.comm.peers):
             return None
         return tuple(0 if p in self.left else messages[p][0] for p in self.comm.peers)

@@ -64,7 +64,9 @@ def wire_schedule(program: fx.GraphModule) -> tuple[WireStep, ...]:
     return tuple(out)
 
 
-def ghost_plan(schedule: Sequence[WireStep], real: int, stages: int) -> dict[tuple[str, int, int], tuple[WireStep, ...]]:
+def ghost_plan(
+    schedule: Sequence[WireStep], real: int, stages: int
+) -> dict[tuple[str, int, int], tuple[WireStep, ...]]:
     """An attention program of ``real`` micro-batches whose FFN rank runs ``stages``: after the
     last transfer of its last stage at each layer, the missing stages' transfers at that layer, in
     the order its last stage made its own (the order a program of every stage makes them: each
@@ -75,7 +77,8 @@ def ghost_plan(schedule: Sequence[WireStep], real: int, stages: int) -> dict[tup
         own = [step for step in schedule if step.layer == layer and max(step.stage, 0) == last]
         if own and real < stages:
             plan[(own[-1].direction, layer, last)] = tuple(
-                WireStep(step.direction, layer, s, step.spec) for s in range(real, stages) for step in own)
+                WireStep(step.direction, layer, s, step.spec) for s in range(real, stages) for step in own
+            )
     return plan
 
 
@@ -95,9 +98,11 @@ def check_fixed_slot(buckets: TokenBuckets | None, *, rank: int, static_tokens: 
     if slot is None:
         return None
     if static_tokens:
-        raise FixedSlotError(f"afd: {buckets} (token buckets) does not apply to rank {rank}: its FFN program has "
-                             "static rows (an export whose every shape is fixed: its rows cannot become a slot per "
-                             "peer); export the token count dynamic, or use a bucket list (buckets='default' or sizes)")
+        raise FixedSlotError(
+            f"afd: {buckets} (token buckets) does not apply to rank {rank}: its FFN program has "
+            "static rows (an export whose every shape is fixed: its rows cannot become a slot per "
+            "peer); export the token count dynamic, or use a bucket list (buckets='default' or sizes)"
+        )
     return slot
 
 
@@ -140,9 +145,15 @@ class GroupAgreement:
         return [(int(s), int(p)) for s, p in got]
 
 
-def prepare(comm: AFDCommunicator, slot: int | None, device: torch.device,
-            program: fx.GraphModule | None = None, lowering: Build | None = None, stages: int = 1,
-            real_stages: int | None = None) -> tuple[tuple[WireStep, ...], dict | None]:
+def prepare(
+    comm: AFDCommunicator,
+    slot: int | None,
+    device: torch.device,
+    program: fx.GraphModule | None = None,
+    lowering: Build | None = None,
+    stages: int = 1,
+    real_stages: int | None = None,
+) -> tuple[tuple[WireStep, ...], dict | None]:
     """Make ``comm`` exchange fixed slots of ``slot`` rows (None: nothing to do): an attention
     rank's communicator gets its header (one per micro-batch stage) and the transfers of its
     ``program`` (the program of every stage: what a step it cannot finish still owes).
@@ -152,9 +163,11 @@ def prepare(comm: AFDCommunicator, slot: int | None, device: torch.device,
     ``lowering``: the build the rank's programs were lowered by, which must agree (an FFN program
     lowered for a fixed slot reads its headers)."""
     if lowering is not None and lowering.fixed_slot != (slot is not None):
-        raise FixedSlotError(f"rank {comm.rank}: its programs were lowered {'for' if lowering.fixed_slot else 'without'}"
-                             f" a fixed slot, its wire {'is one' if slot is not None else 'is not one'}: build both "
-                             "from the same buckets (pipeline.rank_build(..., fixed_slot=))")
+        raise FixedSlotError(
+            f"rank {comm.rank}: its programs were lowered {'for' if lowering.fixed_slot else 'without'}"
+            f" a fixed slot, its wire {'is one' if slot is not None else 'is not one'}: build both "
+            "from the same buckets (pipeline.rank_build(..., fixed_slot=))"
+        )
     # (a communicator registered earlier under the same id may be reused for this worker: what an
     # earlier deployment's wire left on it goes)
     comm.fixed_slot, comm.header_out, comm.schedule, comm.ghosts = slot, None, (), None
@@ -195,11 +208,13 @@ def owe(comm: AFDCommunicator, tokens: int, flags: int) -> None:
     from ..wire import WireSpec
 
     assert comm.fixed_slot is not None and comm.header_out is not None
-    done = [(s.direction, s.layer, s.stage) for s in comm.schedule[:len(comm.step_log)]]
+    done = [(s.direction, s.layer, s.stage) for s in comm.schedule[: len(comm.step_log)]]
     if done != comm.step_log:
-        raise FixedSlotError(f"afd: attention rank {comm.rank}: its step's transfers {comm.step_log} are not the "
-                             f"start of its schedule; the step cannot be completed for FFN rank {comm.peers[0]}")
-    rest = comm.schedule[len(comm.step_log):]
+        raise FixedSlotError(
+            f"afd: attention rank {comm.rank}: its step's transfers {comm.step_log} are not the "
+            f"start of its schedule; the step cannot be completed for FFN rank {comm.peers[0]}"
+        )
+    rest = comm.schedule[len(comm.step_log) :]
     _fill_header(comm.header_out, [tokens] * comm.header_out.shape[0], flags)
     dev, peer, slot = comm.header_out.device, comm.peers[0], comm.fixed_slot
     where = f"afd: attention rank {comm.rank}, the owed transfers of its step"

@@ -36,7 +36,8 @@ def shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int
                              f"weight {target}")
     target, dim, size = projection_weight(gm, row, False)
     if size % parts:
-        raise ShardError(f"{where}: {parts} ranks do not divide dim {dim} (size {size}) of row-parallel weight {target}")
+        raise ShardError(f"{where}: {parts} ranks do not divide dim {dim} (size {size}) of "
+                         f"row-parallel weight {target}")
     whole: frozenset = frozenset()
     mark = len(fixes)
     try:

@@ -149,9 +149,8 @@ _TAKE_APART = {aten.select.int, aten.unbind.int, aten.chunk.default, aten.split.
 
 
 def _taken_apart(n: fx.Node, dim: int) -> bool:
-    """Some later op selects / unbinds / chunks dim ``dim`` of ``n`` (followed through permutes,
-    transposes, (un)squeezes and copies, by their own shard rules): that dim enumerates the blocks
-    of a fused projection."""
+    """Some later op selects / unbinds / chunks dim ``dim`` of ``n`` (followed through permutes, transposes,
+    (un)squeezes and copies, by their own shard rules): that dim enumerates the blocks of a fused projection."""
     stack = [(n, dim)]
     while stack:
         x, d = stack.pop()
@@ -581,7 +580,8 @@ def _apply_rule(n: fx.Node, src0: fx.Node, rule: ShardRule, f: int, sliced: dict
                 _broadcast_heads(x, heads, t.factor[q], w.fixes, where)
                 sdim[x], t.factor[x], t.origin[x] = ndim(x) - 3, t.factor[q], None
     m = w.merged.get(src0)  # (a flatten of the repeated KV heads' two dims merges them)
-    if m is not None and not (n.target == aten.flatten.using_ints and [a % ndim(src0) for a in n.args[1:3]] == [m, m + 1]):
+    flat = [i % ndim(src0) for i in n.args[1:3]] if n.target == aten.flatten.using_ints else None
+    if m is not None and flat != [m, m + 1]:
         raise ShardError(f"{where}: {n.name} ({n.target}) reads repeated KV heads before they are merged")
     sdim[n] = rule.fn(n, {**sdim, **sliced} if sliced else sdim, f, w.fixes)
 

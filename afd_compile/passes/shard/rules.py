@@ -34,7 +34,8 @@ _ELEMENTWISE = {
     aten._to_copy.default, aten.contiguous.default, aten.clone.default, aten.alias.default,
     aten.dropout.default, aten.type_as.default, aten.where.self, aten.masked_fill.Scalar,
     aten.add.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.sub.Scalar, aten.sqrt.default,
-    aten.copy_.default, aten.square.default, aten.abs.default, aten.erf.default, aten.log.default, aten.pow.Tensor_Tensor,
+    aten.copy_.default, aten.square.default, aten.abs.default, aten.erf.default, aten.log.default,
+    aten.pow.Tensor_Tensor,
     aten.clamp.default, aten.minimum.default, aten.maximum.default, aten.sin.default, aten.cos.default,
     aten.gelu_tanh.default if hasattr(aten, "gelu_tanh") else aten.gelu.default,
     # in place (a query scaled with ``q.mul_(scale)`` in hand-written attention): the split dim
@@ -157,7 +158,8 @@ def _common_split(node: fx.Node, srcs: Sequence[fx.Node], sdim: dict) -> int:
         if grown is not None and split == {1} and ndim(node) == 4 and dim == 2:  # [batch, heads, seq, head_dim]
             raise ShardError(
                 f"{node.name} ({node.target}) appends split heads to {_graph_input(grown).name}, a graph input or a "
-                "tensor created empty, not split: a KV cache that grows by concatenation (transformers' DynamicCache). Tensor "
+                "tensor created empty, not split: a KV cache that grows by concatenation (transformers' DynamicCache). "
+                "Tensor "
                 "parallelism writes each rank's heads into a cache in place: use a static cache "
                 "(model.generation_config.cache_implementation = 'static', or pass a StaticCache)")
         raise ShardError(f"{node.name} ({node.target}) mixes split and unsplit inputs")
@@ -326,7 +328,8 @@ def _index(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = N
     indices after it (Falcon picks K and V out of each KV group): the split dim stays."""
     src, idx = node.args[0], node.args[1]
     d = sdim[src]
-    if any(i in sdim for i in idx if isinstance(i, fx.Node)) or len(idx) <= d or any(i is not None for i in idx[: d + 1]):
+    if (any(i in sdim for i in idx if isinstance(i, fx.Node)) or len(idx) <= d
+            or any(i is not None for i in idx[: d + 1])):
         raise ShardError(f"{node.name}: indexing touches the split dim {d}")
     if sum(1 for i in idx if i is not None) > 1 or any(
             isinstance(i, fx.Node) and ndim(i) != 1 for i in idx):
@@ -397,7 +400,8 @@ def _baddbmm(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None =
     if isinstance(bias, fx.Node) and ndim(bias) > 0:
         bd = d - (ndim(node) - ndim(bias))
         if bias in sdim and sdim[bias] != bd:
-            raise ShardError(f"{node.name}: the bias {bias.name} is split along dim {sdim[bias]}, the product along {d}")
+            raise ShardError(f"{node.name}: the bias {bias.name} is split along dim {sdim[bias]}, the "
+                             f"product along {d}")
         if bias not in sdim and bd >= 0 and shape_of(bias)[bd] != 1:
             raise ShardError(f"{node.name}: operand {bias.name} is not split but spans the split dim {d}")
     return d
