@@ -1,0 +1,338 @@
+"""A deployment's step time from a one-GPU profile: the cost model of ``plan --estimate`` / ``--search``.
+
+Pure arithmetic over measured parts (``afd-compile profile`` writes them; :mod:`afd_compile.profile`
+reads them into :class:`Costs`), no torch. A decode step (one new token per sequence) of a layout:
+
+- **AFD A:F, S stages** (MegaScale-Infer's ping-pong): per layer and micro-batch of ``b/S`` sequences
+  an attention rank takes ``ta`` (its layer at ``b/S`` tokens plus the KV read at the context), the
+  exchange ``tc`` each way at the FFN rank's link (it fans in ``A/F`` peers), the FFN rank ``tf`` (its
+  layer at ``A/F * b/S`` rows; in a group of ``P`` the group's rows over ``P`` ranks, plus the group's
+  collectives). ``S`` micro-batches circulate through attention -> wire -> FFN -> wire: a layer costs
+  ``max(S * max(ta, tc_in, tf, tc_out), ta + tc_in + tf + tc_out)`` (each resource serialises its
+  ``S`` jobs; one micro-batch cannot go round faster than its own chain). ``S = 1``: the chain.
+- **TP t** (DP over ``N / t`` replicas): heads and weights split ``t`` ways, two all-reduces a layer
+  (ring: ``2 (t - 1) / t`` of the message); for an MoE also **EP over all N GPUs** (attention TP
+  ``t``, experts spread over every GPU, two all-to-alls a layer of up to ``min(k, N)`` copies).
+
+Every assumption is a line of :data:`ASSUMPTIONS`, printed with the estimate. Times in µs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .errors import AFDCompileError
+
+
+class EstimateError(AFDCompileError):
+    """An estimate that cannot be made: a size outside what was profiled, a link that is not one."""
+
+
+#: batch sizes (sequences per attention rank / replica) the search tries
+BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+#: the share of device memory a rank may fill (the rest: activations, CUDA graphs, the allocator)
+MEMORY_USE = 0.9
+
+ASSUMPTIONS = (
+    "decode steps: one new token per sequence a step, so the time per output token is the step time",
+    "per-layer times come from the profiled programs: linear between profiled sizes, the first size's "
+    "time below it (weight-bound), the line through the last two past it",
+    "an attention layer's KV read grows linearly with the context between / past profiled contexts",
+    "a group of P ranks splitting a layer's weights (TP, EP) runs the group's rows in 1/P of the time "
+    "one GPU takes for them (the same bytes and FLOPs over P)",
+    "AFD S stages: a layer costs max(S x the slowest of attention, FFN, each wire direction; one "
+    "micro-batch's attention + wire + FFN + wire); the LM head runs after the last layer, not overlapped",
+    "a transfer or collective costs the link's latency plus its bytes at the link's bandwidth; ring "
+    "all-reduce moves 2(P-1)/P of its message, all-gather / reduce-scatter (P-1)/P, all-to-all up to "
+    "min(top-k, P) copies of each token, (P-1)/P of them off the rank",
+    f"a rank holds its weights and KV cache in at most {MEMORY_USE:.0%} of the device's memory",
+)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Measured µs at sizes (tokens or rows): linear between the points; below the first, its value
+    (a step at fewer rows costs no less: weight-bound); past the last, the line through the last two
+    (one point: its value everywhere)."""
+
+    points: tuple[tuple[int, float], ...]
+
+    def __post_init__(self) -> None:
+        xs = [x for x, _ in self.points]
+        if not self.points or xs != sorted(set(xs)) or any(x < 1 or not math.isfinite(y) or y < 0
+                                                            for x, y in self.points):
+            raise EstimateError(f"a profile curve needs ascending sizes >= 1 with finite times >= 0, got {self.points}")
+
+    def at(self, x: float) -> float:
+        pts = self.points
+        if x <= pts[0][0] or len(pts) == 1:
+            return pts[0][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+            if x <= x1:
+                return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        (x0, y0), (x1, y1) = pts[-2], pts[-1]
+        return max(y1, y1 + (y1 - y0) * (x - x1) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class KVCurves:
+    """One layer's attention over a KV cache: a :class:`Curve` over the batch per profiled context;
+    linear in the context between and past them (the KV read), proportional below the first."""
+
+    contexts: tuple[int, ...]
+    curves: tuple[Curve, ...]
+
+    def at(self, batch: float, context: float) -> float:
+        cs = self.contexts
+        if context <= cs[0]:
+            return self.curves[0].at(batch) * context / cs[0]
+        i = next((k for k in range(1, len(cs)) if context <= cs[k]), len(cs) - 1)
+        if len(cs) == 1:  # (one context: proportional past it too)
+            return self.curves[0].at(batch) * context / cs[0]
+        c0, c1 = cs[i - 1], cs[i]
+        y0, y1 = self.curves[i - 1].at(batch), self.curves[i].at(batch)
+        return max(y0, y0 + (y1 - y0) * (context - c0) / (c1 - c0))
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the estimate needs of the model, per layer unless named otherwise (bytes)."""
+
+    layers: int
+    hidden: int
+    attention_bytes: int  # weights of one layer's attention side
+    ffn_bytes: int  # weights of one layer's FFN side (all experts of an MoE)
+    other_bytes: int  # embedding, LM head, final norm: on every attention / TP rank
+    kv_bytes: int  # the KV cache of one token in one layer
+    kv_heads: int
+    to_ffn_bytes: int  # what one token sends to the FFN at a layer (hidden, router logits)
+    to_attention_bytes: int  # what comes back
+    experts: int = 0
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The profile's measured parts, per layer: ``attention`` (µs at T tokens, one a sequence, the KV
+    read excluded), ``kv`` (the KV read), ``ffn`` (µs at R rows), ``head`` (the LM head at T tokens)."""
+
+    device: str
+    memory_bytes: int
+    attention: Curve
+    ffn: Curve
+    head: Curve
+    kv: KVCurves
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between GPUs: ``gbps`` GB/s each way, ``latency_us`` per transfer or collective."""
+
+    name: str
+    gbps: float
+    latency_us: float
+
+    def us(self, nbytes: float) -> float:
+        return self.latency_us + nbytes / (self.gbps * 1e3) if nbytes > 0 else 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Link:
+        """``nvlink``, ``ib`` or ``GBPS,LATENCY_US`` (e.g. ``50,20``)."""
+        if text in LINKS:
+            return LINKS[text]
+        parts = text.split(",")
+        try:
+            gbps, lat = (float(p) for p in parts)
+        except ValueError:
+            raise EstimateError(f"--link {text!r}: give nvlink, ib or GBPS,LATENCY_US (e.g. 50,20)") from None
+        if not (gbps > 0 and lat >= 0 and math.isfinite(gbps) and math.isfinite(lat)):
+            raise EstimateError(f"--link {text!r}: bandwidth must be > 0 GB/s and latency >= 0 µs")
+        return cls(text, gbps, lat)
+
+
+#: NVLink 4 measured on 2 H200s (LIMITS.md: ~300 GB/s at 64 MB eager, ~15 µs a transfer in a CUDA
+#: graph); InfiniBand NDR 400 Gb/s per GPU (50 GB/s; latency assumed, not measured here)
+LINKS = {"nvlink": Link("nvlink", 300.0, 15.0), "ib": Link("ib", 50.0, 20.0)}
+
+
+@dataclass(frozen=True)
+class AFDCandidate:
+    attention: int
+    ffn: int
+    stages: int = 1
+    ffn_tp: int = 1
+    ffn_ep: int = 1
+
+    def __str__(self) -> str:
+        group = f" ffn_tp={self.ffn_tp}" if self.ffn_tp > 1 else f" ffn_ep={self.ffn_ep}" if self.ffn_ep > 1 else ""
+        return f"AFD {self.attention}A{self.ffn}F S={self.stages}{group}"
+
+
+@dataclass(frozen=True)
+class TPCandidate:
+    gpus: int
+    tp: int
+    ep: bool = False  # an MoE's experts over every GPU (all-to-all), attention TP tp
+
+    def __str__(self) -> str:
+        dp = self.gpus // self.tp
+        return f"TP {self.tp}" + (f" x DP {dp}" if dp > 1 else "") + (f", EP {self.gpus}" if self.ep else "")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One layout at one batch: the parts of a layer, the step, the throughput, the memory."""
+
+    layout: str
+    gpus: int
+    batch: int  # sequences per attention rank (AFD) or per TP replica
+    sequences: int  # sequences a step over every GPU
+    context: int
+    attention_us: float  # a layer's attention part (per micro-batch under AFD)
+    ffn_us: float  # a layer's FFN part (per micro-batch), its group's collectives included
+    wire_us: float  # one direction of a layer's exchange (AFD) or its collectives (TP)
+    layer_us: float
+    step_us: float
+    memory: dict[str, int] = field(default_factory=dict)
+    fits: bool = True
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.sequences / self.step_us * 1e6 / self.gpus
+
+    def json(self) -> dict:
+        return {"layout": self.layout, "gpus": self.gpus, "batch": self.batch, "sequences": self.sequences,
+                "context": self.context, "attention_us": round(self.attention_us, 2), "ffn_us": round(self.ffn_us, 2),
+                "wire_us": round(self.wire_us, 2), "layer_us": round(self.layer_us, 2),
+                "step_us": round(self.step_us, 1), "tpot_ms": round(self.step_us / 1e3, 3),
+                "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1), "memory_bytes": dict(self.memory),
+                "fits": self.fits}
+
+
+def _group_rows(costs: Costs, rows: float, parts: int) -> float:
+    """A layer's FFN over ``rows`` split ``parts`` ways (TP or EP): the same work over ``parts`` GPUs."""
+    return costs.ffn.at(rows) / parts
+
+
+def afd(costs: Costs, facts: ModelFacts, cand: AFDCandidate, batch: int, context: int, link: Link,
+        group_link: Link | None = None) -> Estimate:
+    """AFD ``cand`` with ``batch`` sequences per attention rank (see the module docstring)."""
+    s = min(cand.stages, batch)
+    micro = batch / s
+    ta = costs.attention.at(micro) + costs.kv.at(micro, context)
+    fan_in = cand.attention / cand.ffn
+    rows = fan_in * micro  # per FFN rank and micro-batch
+    parts = max(cand.ffn_tp, cand.ffn_ep)
+    tf = _group_rows(costs, rows * parts, parts)
+    glink = group_link or link
+    if cand.ffn_tp > 1:  # all-gather the group's rows, reduce-scatter the output
+        tf += 2 * glink.us(rows * cand.ffn_tp * facts.hidden * 2 * (cand.ffn_tp - 1) / cand.ffn_tp)
+    elif cand.ffn_ep > 1:  # dispatch and combine by all-to-all
+        copies = min(facts.top_k or 1, cand.ffn_ep) * (cand.ffn_ep - 1) / cand.ffn_ep
+        tf += 2 * glink.us(rows * facts.hidden * 2 * copies)
+    tc_in = link.us(rows * facts.to_ffn_bytes)
+    tc_out = link.us(rows * facts.to_attention_bytes)
+    layer = max(s * max(ta, tf, tc_in, tc_out), ta + tc_in + tf + tc_out)
+    step = facts.layers * layer + costs.head.at(batch)
+    att_mem = facts.layers * (facts.attention_bytes + batch * context * facts.kv_bytes) + facts.other_bytes
+    ffn_mem = facts.layers * facts.ffn_bytes // parts
+    cap = costs.memory_bytes * MEMORY_USE
+    return Estimate(str(cand), cand.attention + cand.ffn, batch, batch * cand.attention, context, ta, tf,
+                    max(tc_in, tc_out), layer, step, {"attention rank": int(att_mem), "FFN rank": int(ffn_mem)},
+                    att_mem <= cap and ffn_mem <= cap)
+
+
+def tp(costs: Costs, facts: ModelFacts, cand: TPCandidate, batch: int, context: int, link: Link,
+       fabric: Link | None = None) -> Estimate:
+    """TP ``cand.tp`` with ``batch`` sequences per replica (``gpus / tp`` replicas); with ``cand.ep``
+    an MoE's experts over every GPU, dispatched by all-to-all over ``fabric`` (``link`` inside a node)."""
+    t, n = cand.tp, cand.gpus
+    kv_split = min(t, max(facts.kv_heads, 1))
+    ta = costs.attention.at(batch) / t + costs.kv.at(batch, context) / kv_split
+    msg = batch * facts.hidden * 2  # one all-reduce's message (bf16 hidden)
+    ring = link.us(msg * 2 * (t - 1) / t) if t > 1 else 0.0
+    if cand.ep:
+        share = batch / t  # each rank's tokens (SCATTERED), to the ranks of their experts and back
+        copies = min(facts.top_k or 1, n) * (n - 1) / n
+        wire = 2 * (fabric or link).us(share * facts.hidden * 2 * copies)
+        tf = costs.ffn.at(batch * n / t) / n + wire
+        ffn_mem = facts.layers * facts.ffn_bytes // n
+        collectives = ring + wire
+    else:
+        tf = _group_rows(costs, batch, t) + ring
+        ffn_mem = facts.layers * facts.ffn_bytes // t
+        collectives = 2 * ring
+    layer = ta + ring + tf
+    step = facts.layers * layer + costs.head.at(batch)
+    mem = (facts.layers * (facts.attention_bytes // t + batch * context * facts.kv_bytes // kv_split)
+           + facts.other_bytes + ffn_mem)
+    return Estimate(str(cand), n, batch, batch * (n // t), context, ta, tf, collectives, layer, step,
+                    {"GPU": int(mem)}, mem <= costs.memory_bytes * MEMORY_USE)
+
+
+def candidates(gpus: int, facts: ModelFacts, max_stages: int = 3, max_group: int = 8) -> list:
+    """The layouts ``--search`` weighs on ``gpus`` GPUs: every AFD A:F (F <= A), S = 1..max_stages, FFN
+    TP / EP groups of up to ``max_group`` (EP for an MoE); TP of up to ``max_group`` (one node), with
+    an MoE also EP over all GPUs."""
+    out: list = []
+    for f in range(1, gpus // 2 + 1):
+        for s in range(1, max_stages + 1):
+            groups = [(1, 1)] + [(p, 1) for p in _divisors(f, max_group) if p > 1]
+            groups += [(1, p) for p in _divisors(f, max_group) if p > 1 and facts.experts % p == 0 and facts.experts]
+            out += [AFDCandidate(gpus - f, f, s, gt, ge) for gt, ge in groups]
+    for t in _divisors(gpus, max_group):
+        out.append(TPCandidate(gpus, t))
+        if facts.experts and facts.experts % gpus == 0 and gpus > 1:
+            out.append(TPCandidate(gpus, t, ep=True))
+    return out
+
+
+def _divisors(n: int, most: int) -> list[int]:
+    return [d for d in range(1, min(n, most) + 1) if n % d == 0]
+
+
+def best(estimate: Callable[[int], Estimate], tpot_ms: float | None,
+         batches: Iterable[int] = BATCHES) -> Estimate | None:
+    """The estimate of the largest batch that fits in memory (and meets ``tpot_ms``): the most tokens
+    a GPU serves under the target; None when even a batch of 1 does not."""
+    found = None
+    for b in batches:
+        e = estimate(b)
+        if not e.fits or (tpot_ms is not None and e.step_us > tpot_ms * 1e3):
+            break
+        if found is None or e.tokens_per_s_per_gpu >= found.tokens_per_s_per_gpu:
+            found = e
+    return found
+
+
+def search(costs: Costs, facts: ModelFacts, gpus: int, context: int, tpot_ms: float | None, fabric: Link,
+           node: Link | None = None, gpus_per_node: int = 8, max_stages: int = 3) -> list[Estimate]:
+    """Every candidate layout at its best batch under ``tpot_ms``, most tokens/s per GPU first. Inside a
+    node (``gpus <= gpus_per_node``) every transfer takes ``node`` (NVLink); past one node the AFD
+    exchange and EP's all-to-all take ``fabric``, while FFN groups and TP groups stay in a node."""
+    node = node or LINKS["nvlink"]
+    wide = fabric if gpus > gpus_per_node else node
+    found = []
+    for cand in candidates(gpus, facts, max_stages):
+        if isinstance(cand, AFDCandidate):
+            e = best(lambda b, c=cand: afd(costs, facts, c, b, context, wide, node), tpot_ms)
+        else:
+            e = best(lambda b, c=cand: tp(costs, facts, c, b, context, node, wide), tpot_ms)
+        if e is not None:
+            found.append(e)
+    return sorted(found, key=lambda e: -e.tokens_per_s_per_gpu)
+
+
+COLUMNS = ("layout", "batch", "attention µs", "FFN µs", "wire µs", "layer µs", "TPOT ms", "tokens/s/GPU", "memory GB")
+
+
+def table(estimates: Sequence[Estimate]) -> str:
+    """The estimates as a Markdown table (one row each)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for e in estimates:
+        mem = " / ".join(f"{k} {v / 1e9:.1f}" for k, v in e.memory.items()) + ("" if e.fits else " (does not fit)")
+        lines.append(f"| {e.layout} | {e.batch} | {e.attention_us:.1f} | {e.ffn_us:.1f} | {e.wire_us:.1f} | "
+                     f"{e.layer_us:.1f} | {e.step_us / 1e3:.2f} | {e.tokens_per_s_per_gpu:.0f} | {mem} |")
+    return "\n".join(lines)

@@ -1,0 +1,131 @@
+"""The cost model of plan --estimate, as a table of hand-computed cases (afd_compile/estimate.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from afd_compile.estimate import (
+    AFDCandidate,
+    Costs,
+    Curve,
+    EstimateError,
+    KVCurves,
+    Link,
+    ModelFacts,
+    TPCandidate,
+    afd,
+    best,
+    candidates,
+    search,
+    tp,
+)
+
+FLAT, FFN, HEAD = Curve(((1, 100.0),)), Curve(((1, 50.0),)), Curve(((1, 10.0),))  # one point: flat
+
+
+def _costs(attention=FLAT, ffn=FFN, head=HEAD, kv=0.0, memory=10**12) -> Costs:
+    return Costs("test", memory, attention, ffn, head, KVCurves((8,), (Curve(((1, kv),)),)))  # (at context 8)
+
+
+FACTS = ModelFacts(layers=1, hidden=4, attention_bytes=1000, ffn_bytes=4000, other_bytes=100, kv_bytes=10,
+                   kv_heads=2, to_ffn_bytes=1000, to_attention_bytes=1000)
+LINK = Link("test", 1.0, 5.0)  # 1 GB/s = 1000 bytes a µs, 5 µs a transfer
+
+
+@pytest.mark.parametrize("points,x,want", [
+    (((1, 10.0), (3, 30.0)), 2, 20.0),  # linear between
+    (((2, 10.0), (4, 30.0)), 1, 10.0),  # below the first: its value (weight-bound)
+    (((1, 10.0), (3, 30.0)), 5, 50.0),  # past the last: the line through the last two
+    (((1, 10.0), (3, 10.0)), 9, 10.0),  # ... never below the last
+    (((4, 40.0),), 8, 40.0),  # one point: its value everywhere
+])
+def test_curve(points, x, want):
+    assert Curve(points).at(x) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("points", [(), ((2, 1.0), (1, 1.0)), ((0, 1.0),), ((1, float("nan")),), ((1, -1.0),)])
+def test_a_bad_curve_is_refused(points):
+    with pytest.raises(EstimateError, match="ascending sizes"):
+        Curve(points)
+
+
+def test_kv_read_is_linear_in_the_context():
+    kv = KVCurves((1000, 2000), (Curve(((1, 10.0),)), Curve(((1, 20.0),))))
+    assert [kv.at(1, c) for c in (500, 1000, 1500, 2000, 4000)] == pytest.approx([5.0, 10.0, 15.0, 20.0, 40.0])
+
+
+# (candidate, batch, attention µs, ffn µs, wire µs one way, layer µs): FACTS, LINK, attention 100, FFN 50
+AFD_CASES = [
+    # one stage: the chain (attention, 2 rows to the FFN rank = 2000 bytes: 5 + 2 µs, FFN, back)
+    (AFDCandidate(1, 1), 2, 100.0, 50.0, 7.0, 164.0),
+    # two stages of 2: each resource serialises 2 jobs (2 x 100) > one micro-batch's chain (164)
+    (AFDCandidate(1, 1, stages=2), 4, 100.0, 50.0, 7.0, 200.0),
+    # a batch of 1 over 2 stages: one micro-batch (stages never exceed the sequences)
+    (AFDCandidate(1, 1, stages=2), 1, 100.0, 50.0, 6.0, 162.0),
+    # fan-in 3: the FFN rank's link carries 3 peers' rows (3 x 2 x 1000 bytes)
+    (AFDCandidate(3, 1), 2, 100.0, 50.0, 11.0, 172.0),
+    # FFN TP 2: half the FFN (flat: 50 / 2) + all-gather and reduce-scatter of 2 x 2 rows x 4 x 2 bytes / 2
+    (AFDCandidate(2, 2, ffn_tp=2), 2, 100.0, 25.0 + 2 * (5.0 + 0.016), 7.0, 100 + 7 + 35.032 + 7),
+]
+
+
+@pytest.mark.parametrize("cand,batch,att,ffn,wire,layer", AFD_CASES, ids=[str(c[0]) + f" b={c[1]}" for c in AFD_CASES])
+def test_afd_layer(cand, batch, att, ffn, wire, layer):
+    e = afd(_costs(), FACTS, cand, batch, context=8, link=LINK)
+    assert (e.attention_us, e.ffn_us, e.wire_us, e.layer_us) == pytest.approx((att, ffn, wire, layer))
+    assert e.step_us == pytest.approx(layer + 10.0)  # + the head
+    assert e.tokens_per_s_per_gpu == pytest.approx(batch * cand.attention / (layer + 10.0) * 1e6 / e.gpus)
+
+
+def test_afd_memory_and_a_layout_that_does_not_fit():
+    e = afd(_costs(memory=2000), FACTS, AFDCandidate(1, 1), 4, context=8, link=LINK)
+    # attention rank: weights 1000 + KV 4 sequences x 8 positions x 10 bytes + head/embedding 100
+    assert e.memory == {"attention rank": 1000 + 320 + 100, "FFN rank": 4000}
+    assert not e.fits  # the FFN rank's 4000 bytes exceed 90% of 2000
+
+
+def test_tp_layer():
+    e = tp(_costs(kv=8.0), FACTS, TPCandidate(4, 2), 2, context=8, link=LINK)
+    ring = 5.0 + 2 * 4 * 2 * 2 * 1 / 2 / 1000  # one all-reduce of 2 tokens x hidden 4 x 2 bytes, 2(t-1)/t
+    assert e.attention_us == pytest.approx(100 / 2 + 8.0 / 2)
+    assert e.ffn_us == pytest.approx(50 / 2 + ring)
+    assert e.layer_us == pytest.approx(54 + ring + 25 + ring)
+    assert e.sequences == 4 and e.gpus == 4  # 2 replicas of 2 sequences
+    assert e.memory == {"GPU": 1000 // 2 + 2 * 8 * 10 // 2 + 100 + 4000 // 2}
+
+
+def test_best_batch_is_the_largest_under_the_target():
+    # attention grows with the batch: 10 µs a sequence; the target allows a layer up to ~1 ms
+    costs = _costs(attention=Curve(((1, 10.0), (1024, 10240.0))))
+    e = best(lambda b: afd(costs, FACTS, AFDCandidate(1, 1), b, 8, LINK), tpot_ms=1.0)
+    assert e is not None and e.step_us <= 1000 and e.batch == 64
+    assert best(lambda b: afd(costs, FACTS, AFDCandidate(1, 1), b, 8, LINK), tpot_ms=0.01) is None
+
+
+def test_search_ranks_by_tokens_per_gpu_and_keeps_the_target():
+    costs = _costs(attention=Curve(((1, 10.0), (1024, 10240.0))), ffn=Curve(((1, 20.0), (1024, 2048.0))))
+    found = search(costs, FACTS, gpus=4, context=8, tpot_ms=2.0, fabric=LINK)
+    assert found and all(e.step_us <= 2000 for e in found)
+    rates = [e.tokens_per_s_per_gpu for e in found]
+    assert rates == sorted(rates, reverse=True)
+    assert {e.layout.split()[0] for e in found} == {"AFD", "TP"}
+
+
+def test_candidates():
+    moe = ModelFacts(**{**FACTS.__dict__, "experts": 8, "top_k": 2})
+    names = {str(c) for c in candidates(4, moe, max_stages=2)}
+    assert {"AFD 3A1F S=1", "AFD 2A2F S=2 ffn_tp=2", "AFD 2A2F S=1 ffn_ep=2", "TP 4", "TP 2 x DP 2",
+            "TP 1 x DP 4, EP 4"} <= names
+    assert not any(c.startswith("AFD 1A3F") for c in names)  # more FFN than attention ranks
+
+
+@pytest.mark.parametrize("text,want", [("nvlink", (300.0, 15.0)), ("ib", (50.0, 20.0)), ("25,3.5", (25.0, 3.5))])
+def test_link(text, want):
+    link = Link.parse(text)
+    assert (link.gbps, link.latency_us) == want
+
+
+@pytest.mark.parametrize("text", ["fast", "0,1", "10", "10,-1", "nan,1"])
+def test_a_bad_link_is_refused(text):
+    with pytest.raises(EstimateError, match="--link"):
+        Link.parse(text)
