@@ -23,18 +23,11 @@ from .cli_checks import (
     check_saved_flags,
     tp_layout,
 )
+from .cli_estimate import add_estimate_flags, add_profile_parser, check_estimate_flags, cmd_profile, print_estimate
 from .errors import AFDCompileError
 from .figures import mermaid_flag
 from .layout import AFDLayout
-from .limits import (
-    MAX_RANKS,
-    MAX_STAGES,
-    MAX_STEPS,
-    count_flag,
-    local_process_override,
-    parse_tokens,
-    positive_seconds,
-)
+from .limits import MAX_RANKS, MAX_STAGES, MAX_STEPS, count_flag, local_process_override, parse_tokens, positive_seconds
 from .outdir import OutputFolder, exit_on_sigterm, save_program
 from .plan_view import (
     AFD_LEGEND,
@@ -186,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet(p)
     _add_stages(p, "also print the ping-pong schedule of S micro-batches per step (for the saved example's "
                 "batch on every attention rank) and check it (pairing, order, no deadlock)")
+    add_estimate_flags(p)
 
     p = sub.add_parser("verify", help="run original and split (-A/-F) or sharded (--tp) programs on local "
                        "gloo processes and compare")
@@ -196,8 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "planning; TP: rank 0's program)")
     p.add_argument("--tokens", metavar="N1,N2,...", help=TOKENS_HELP)
     p.add_argument("--steps", type=count_flag(1, MAX_STEPS), default=None, help="steps per rank (default 2, at least "
-                   "1; not with "
-                   "--decode-steps, which sets the steps)")
+                   "1; not with --decode-steps, which sets the steps)")
     p.add_argument("--decode-steps", type=count_flag(0, MAX_STEPS), default=0, metavar="N",
                    help="a program with a KV cache (buffers it updates in place at the positions of a 1-D "
                    "integer input: cache_position as transformers' TorchExportableModuleForDecoderOnlyLM "
@@ -214,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_import(p)
     _add_quiet(p)
 
+    add_profile_parser(sub, _add_quiet, _add_import)
     p = sub.add_parser("demo", help="build a small HF Llama, split it 2 attention : 1 FFN, run and verify it",
                        description="Build a 2-layer HF Llama (random weights, offline), export it, split it "
                        "2 attention : 1 FFN, run the split on 3 local gloo processes and compare with the "
@@ -320,6 +314,8 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.estimate is not None:
+        return print_estimate(args, tp_layout(args) if args.tp is not None else afd_layout(args, required=False))
     if args.passes is not None:
         return print_passes(args, tp_layout(args) if args.tp is not None else afd_layout(args, required=False))
     if args.tp is not None:
@@ -566,7 +562,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse: --help / --version (0) or a bad flag (2, its one line printed)
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
-    handlers = {"plan": cmd_plan, "rewrite": cmd_rewrite, "verify": cmd_verify, "demo": cmd_demo}
+    handlers = {"plan": cmd_plan, "rewrite": cmd_rewrite, "verify": cmd_verify, "demo": cmd_demo,
+                "profile": cmd_profile}
     stdout = sys.stdout
     if stdout is not None:
         sys.stdout = ClosedTolerant(stdout)  # type: ignore[assignment]
@@ -574,6 +571,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with exit_on_sigterm():  # SIGTERM unwinds: temporary folders and the run's processes are removed
             check_mode_flags(args)
             check_arguments(args)
+            if args.command in ("plan", "profile"):
+                check_estimate_flags(args)
             if args.command in ("verify", "demo"):
                 local_process_override()  # (a bad setting is refused before anything is loaded)
             if getattr(args, "imports", None):

@@ -30,6 +30,11 @@ class EstimateError(AFDCompileError):
     """An estimate that cannot be made: a size outside what was profiled, a link that is not one."""
 
 
+#: the sizes ``afd-compile profile`` measures by default: sequences of one token (and FFN rows), KV
+#: cache lengths, and the batches of one layer's KV read
+PROFILE_TOKENS = (1, 8, 32, 64, 128, 256)
+PROFILE_CONTEXTS = (1024, 4096)
+PROFILE_KV_BATCHES = (1, 8, 32, 64, 128)
 #: batch sizes (sequences per attention rank / replica) the search tries
 BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 #: the share of device memory a rank may fill (the rest: activations, CUDA graphs, the allocator)

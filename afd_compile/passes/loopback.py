@@ -1,0 +1,78 @@
+"""A role program with its exchange taken out, for timing it alone on one device (``profile``).
+
+An AFD program exchanges with its peers at every layer; on one GPU there are none. This pass
+replaces each receive's tensors by the tensors of the last send before it in the program (the
+attention side gets back what it sent; the FFN side feeds a layer's output to the next layer), or,
+where no send precedes it (the FFN program's first layer), by a new program input of the receive's
+shape; the sends and receives go. The FFN program returns its last layer's output. What is left is
+each role's compute, in order, with the same data dependencies a layer has::
+
+    attention:  h = norm(x + attn(x)); afd_send_L0([h]); y = afd_recv_L0()[0]; x2 = h_res + y ...
+            ->  h = norm(x + attn(x)); x2 = h_res + h ...
+    FFN:        r0 = afd_recv_L0()[0]; o0 = mlp(r0); afd_send_L0([o0]); r1 = afd_recv_L1()[0]; ...
+            ->  r0 = placeholder(afd_loopback_0); o0 = mlp(r0); o1 = mlp(o0); ...; return (o_last,)
+
+The new inputs' sizes follow the program's token count (``profile`` gives each a random tensor of
+the rows it runs). Returns the names of the inputs added; records nothing in node.meta.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .. import ops  # noqa: F401  (registers the afd:: ops)
+
+_afd = torch.ops.afd
+SENDS = {_afd.p2p_send.default, _afd.p2p_send_group.default}
+RECEIVES = {_afd.p2p_recv.default, _afd.p2p_recv_group.default}
+
+
+class LoopbackError(RuntimeError):
+    """A program whose exchange this pass cannot take out (staged or fused exchange ops)."""
+
+
+def _matches(sent: fx.Node, got: fx.Node) -> bool:
+    a, b = sent.meta.get("val"), got.meta.get("val")
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+            and a.dim() == b.dim() and a.shape[1:] == b.shape[1:])
+
+
+def loopback_exchange(gm: fx.GraphModule) -> list[str]:
+    """Take the exchange out of ``gm`` in place (see the module docstring)."""
+    graph = gm.graph
+    others = [n for n in graph.nodes if n.op == "call_function" and str(n.target).startswith("afd.p2p")
+              and n.target not in SENDS | RECEIVES]
+    if others:
+        raise LoopbackError(f"{others[0].name} ({others[0].target}): profile times unstaged, unfused programs")
+    last_sent: list[fx.Node] = []
+    added: list[str] = []
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    for n in list(graph.nodes):
+        if n.target in SENDS:
+            last_sent = list(n.args[0])
+        elif n.target in RECEIVES:
+            for user in list(n.users):
+                if user.target is not operator.getitem:
+                    raise LoopbackError(f"{user.name} reads {n.name} whole; profile takes its tensors one by one")
+                i = user.args[1]
+                src = last_sent[i] if i < len(last_sent) and _matches(last_sent[i], user) else None
+                if src is None:
+                    with graph.inserting_before(first):
+                        src = graph.placeholder(f"afd_loopback_{len(added)}")
+                    src.meta["val"] = user.meta["val"]
+                    added.append(src.name)
+                user.replace_all_uses_with(src)
+                graph.erase_node(user)
+    out = next(n for n in graph.nodes if n.op == "output")
+    returned = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    if any(isinstance(a, fx.Node) and a.target in SENDS for a in returned):  # (the FFN program: its last send)
+        out.args = (tuple(last_sent),)
+    for n in reversed(list(graph.nodes)):  # (a receive reads the send before it: erased first)
+        if n.target in RECEIVES | SENDS:
+            graph.erase_node(n)
+    graph.lint()
+    gm.recompile()
+    return added

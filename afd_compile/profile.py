@@ -1,0 +1,331 @@
+"""``afd-compile profile``: the programs a layout's ranks run, timed on this machine's device.
+
+From ``MODEL.pt2`` (an export with a dynamic batch, as the quick start's), on one device:
+
+- the AFD split (1A1F: the programs of any A:F are the same per token, fan-in and groups change
+  the rows), each role's program with its exchange taken out (``passes/loopback.py``) and put
+  through its pipeline's lowering for the device, then compiled as the backend compiles
+  (Inductor, on CUDA with CUDA graphs: ``mode="reduce-overhead"``);
+- timed over a grid: the attention program at T sequences of one token (decode steps), the FFN
+  program at R rows, the model with no layout at T, the LM head alone at T, and one layer's
+  attention over a KV cache (``afd::decode_attention`` on CUDA, masked SDPA on CPU) at (batch,
+  context);
+- written as JSON with the device, torch's version, the model's sha256 and the facts the cost model
+  needs (layers, weight bytes per layer of each role, KV bytes per token, wire bytes per token).
+
+:func:`read_profile` checks one and turns it into the cost model's :class:`~afd_compile.estimate.Costs`
+per layer (the attention program less the head, over its layers; the FFN program over its layers).
+A deep model is profiled as an export of a few of its layers (its config with fewer layers: layers
+are identical in structure); ``plan --estimate --layers N`` scales to the real depth.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .errors import AFDCompileError
+from .estimate import PROFILE_CONTEXTS as CONTEXTS
+from .estimate import PROFILE_KV_BATCHES as KV_BATCHES
+from .estimate import PROFILE_TOKENS as TOKENS
+from .estimate import Costs, Curve, KVCurves, ModelFacts
+
+PROFILE_FORMAT = "afd-compile-profile/1"
+
+
+class ProfileError(AFDCompileError):
+    """A profile that cannot be made or read (the model, its sizes, the file)."""
+
+
+def _bytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _attr_bytes(gm: fx.GraphModule) -> dict[str, int]:
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            obj = gm
+            for part in n.target.split("."):
+                obj = getattr(obj, part)
+            out[n.target] = _bytes(obj)
+    return out
+
+
+def attention_shape(gm: fx.GraphModule) -> tuple[int, int, int, torch.dtype]:
+    """(query heads, KV heads, head_dim, dtype) of the first SDPA of ``gm``: the KV heads are the
+    fewest heads its key has on the way from its projection (before a repeat / expand)."""
+    sdpa = next((n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)), None)
+    if sdpa is None:
+        raise ProfileError("the attention program has no scaled_dot_product_attention: profile times SDPA attention")
+    q = sdpa.args[0].meta["val"]
+    heads, head_dim = int(q.shape[1]), int(q.shape[-1])
+    kv, node = heads, sdpa.args[1]
+    for _ in range(12):  # back through expand / reshape / transpose to the projection's view
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.dim() >= 4 and isinstance(val.shape[1], int):
+            kv = min(kv, int(val.shape[1]))
+        if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+            break
+        node = node.args[0]
+    return heads, kv, head_dim, q.dtype
+
+
+def model_facts(result: Any, ep: torch.export.ExportedProgram) -> dict[str, Any]:
+    """The cost model's :class:`ModelFacts` of the split ``result`` (``deploy.plan_afd``), as a dict,
+    and the attention shape and dtype."""
+    cuts = result.plan.cuts
+    layers = len(cuts)
+    att, ffn = _attr_bytes(result.attention), _attr_bytes(result.ffn)
+    head = _head(result.attention)
+    other = {head.args[1].target} if head is not None else set()
+    other |= {n.args[0].target for n in result.attention.graph.nodes
+              if n.target is torch.ops.aten.embedding.default and n.args[0].op == "get_attr"}
+    other_bytes = sum(att.get(t, 0) for t in other)
+    heads, kv_heads, head_dim, dtype = attention_shape(result.attention)
+    moe = [r for r in result.moe if getattr(r, "op", None)]
+    size = torch.empty(0, dtype=dtype).element_size()
+    return {"layers": layers, "hidden": int(cuts[0].wire_in.tensors[0].width),
+            "attention_bytes": (sum(att.values()) - other_bytes) // layers, "ffn_bytes": sum(ffn.values()) // layers,
+            "other_bytes": other_bytes, "kv_bytes": 2 * kv_heads * head_dim * size,
+            "kv_heads": kv_heads, "to_ffn_bytes": cuts[0].wire_in.bytes_per_token,
+            "to_attention_bytes": cuts[0].wire_out.bytes_per_token,
+            "experts": moe[0].experts if moe else 0, "top_k": moe[0].top_k if moe else 0,
+            "heads": heads, "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch.")}
+
+
+def inputs_at(gm: fx.GraphModule, example: Sequence[Any], tokens: int, device: torch.device) -> list[Any]:
+    """``example`` (the program's inputs) at ``tokens`` sequences of one token: the batch symbol (the
+    first input's dim 0) set to ``tokens`` by repeating rows, every other symbolic dim cut to 1."""
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    first = places[0].meta.get("val")
+    if not (isinstance(first, torch.Tensor) and first.dim() and isinstance(first.shape[0], torch.SymInt)):
+        raise ProfileError(f"input {places[0].name} has no dynamic batch (dim 0): profile resizes the batch; "
+                           "export with torch.export.Dim for it (afd_compile.models.export_lm does)")
+    batch = str(first.shape[0].node.expr)
+    out = []
+    for n, x in zip(places, example, strict=False):
+        val = n.meta.get("val")
+        if isinstance(x, torch.Tensor) and isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt):
+                    want = tokens if str(size.node.expr) == batch else 1
+                    reps = [1] * x.dim()
+                    reps[d] = math.ceil(want / x.shape[d])
+                    x = x.repeat(*reps).narrow(d, 0, want)
+            x = x.to(device)
+        out.append(x)
+    return out
+
+
+def time_us(fn: Callable[..., Any], args: Sequence[Any], iters: int, device: torch.device) -> dict[str, float]:
+    """Median and 10th / 90th percentile µs of ``fn(*args)`` after 3 warm-up calls: CUDA events around
+    each call on CUDA, the wall clock on CPU."""
+    for _ in range(3):
+        fn(*args)
+    times = []
+    cuda = device.type == "cuda"
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        else:
+            t = time.perf_counter()
+            fn(*args)
+            times.append((time.perf_counter() - t) * 1e6)
+    times.sort()
+    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
+    return {"median_us": round(statistics.median(times), 2), "p10_us": round(pick(0.1), 2),
+            "p90_us": round(pick(0.9), 2)}
+
+
+def role_programs(ep: torch.export.ExportedProgram, device: torch.device) -> tuple[dict[str, fx.GraphModule], Any]:
+    """The attention and FFN programs of the 1A1F split (exchange taken out, lowered for ``device``)
+    and the model with no layout, on ``device``; and the split (for :func:`model_facts`)."""
+    from .deploy import no_layout_program, plan_afd
+    from .passes.loopback import loopback_exchange
+    from .pipeline import Build, lower
+    from .programs import fresh_module
+    from .split_api import SplitConfig
+
+    result = plan_afd(ep, None, SplitConfig())
+    programs = {"attention": result.attention, "ffn": result.ffn, "model": fresh_module(ep)}
+    for kind, gm in programs.items():
+        if kind == "model":
+            no_layout_program(gm, Build("none", device=device.type))
+        else:
+            loopback_exchange(gm)
+        lower(gm, Build("none" if kind == "model" else f"afd-{kind}", device=device.type))
+        programs[kind] = gm.to(device)
+    return programs, result
+
+
+def _compiled(gm: fx.GraphModule, device: torch.device, compile: bool) -> Callable[..., Any]:
+    if not compile:
+        return gm
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    return torch.compile(gm, dynamic=True, mode=mode)
+
+
+def _decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int, context: int,
+                      device: torch.device) -> tuple[Callable[..., Any], tuple]:
+    """One layer's attention of ``batch`` sequences over a cache of ``context`` positions, all filled:
+    ``afd::decode_attention`` (FlexAttention over the filled blocks) on CUDA, as the backend runs a
+    cached decode step there; masked SDPA over the cache on CPU."""
+    from .passes.decode_attention import decode_blocks
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(batch, heads, 1, head_dim, generator=g, device=device).to(dtype)
+    k, v = (torch.randn(batch, kv_heads, context, head_dim, generator=g, device=device).to(dtype) for _ in range(2))
+    mask = torch.ones(batch, 1, 1, context, dtype=torch.bool, device=device)
+    scale = head_dim ** -0.5
+    if device.type == "cuda":
+        return (lambda q, k, v, m: torch.ops.afd.decode_attention(q, k, v, m[:, 0], *decode_blocks(q, m), scale)), \
+            (q, k, v, mask)
+    rep = heads // kv_heads
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        k, v = (x.repeat_interleave(rep, dim=1) for x in (k, v))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)
+
+    return sdpa, (q, k, v, mask)
+
+
+def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS, contexts: Sequence[int] = CONTEXTS,
+                kv_batches: Sequence[int] = KV_BATCHES, iters: int = 20, compile: bool = True,
+                say: Callable[[str], None] = lambda _s: None) -> dict[str, Any]:
+    """Profile the model at ``path`` on ``device`` (see the module docstring); returns the JSON record."""
+    from .programs import flat_inputs, load_program
+    from .saved import sha256_of
+
+    ep = load_program(path)
+    example = flat_inputs(ep)
+    programs, result = role_programs(ep, device)
+    facts = model_facts(result, ep)
+    dtype = getattr(torch, facts["dtype"])
+    timed: dict[str, list[dict[str, Any]]] = {"attention": [], "ffn": [], "no_layout": [], "head": [], "kv": []}
+    calls = {k: _compiled(gm, device, compile) for k, gm in programs.items()}
+    head_w = _head_weight(result.attention, device)
+    head = _compiled(_Linear(head_w), device, compile) if head_w is not None else None
+    with torch.no_grad():
+        for t in tokens:
+            for kind, key in (("attention", "attention"), ("model", "no_layout")):
+                timed[key].append({"tokens": t, **time_us(calls[kind], inputs_at(programs[kind], example, t, device),
+                                                          iters, device)})
+            ffn_in = [torch.empty(t, device=device), torch.randn(t, facts["hidden"], device=device).to(dtype)]
+            timed["ffn"].append({"rows": t, **time_us(calls["ffn"], ffn_in, iters, device)})
+            if head is not None:
+                x = torch.randn(t, facts["hidden"], device=device).to(head_w.dtype)
+                timed["head"].append({"tokens": t, **time_us(head, [x], iters, device)})
+            say(f"tokens {t}: attention {timed['attention'][-1]['median_us']:.0f} µs, FFN "
+                f"{timed['ffn'][-1]['median_us']:.0f} µs, no layout {timed['no_layout'][-1]['median_us']:.0f} µs")
+        for c in contexts:
+            for b in kv_batches:
+                fn, args = _decode_attention(facts["heads"], facts["kv_heads"], facts["head_dim"], dtype, b, c, device)
+                timed["kv"].append({"batch": b, "context": c, **time_us(fn, args, iters, device)})
+            say(f"context {c}: one layer's KV read at batch {kv_batches[-1]}: {timed['kv'][-1]['median_us']:.0f} µs")
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"format": PROFILE_FORMAT, "created": now,
+            "device": _device_record(device), "torch": torch.__version__, "compiled": compile, "iters": iters,
+            "model": {"file": os.path.basename(path), "sha256": sha256_of(path), **facts}, **timed}
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
+def _head(gm: fx.GraphModule) -> fx.Node | None:
+    """The LM head: the last linear of the program, reading a weight attribute (None: no such)."""
+    from .passes.op_kinds import LINEAR_OPS
+
+    head = next((n for n in reversed(gm.graph.nodes) if n.op == "call_function" and n.target in LINEAR_OPS), None)
+    ok = head is not None and isinstance(head.args[1], fx.Node) and head.args[1].op == "get_attr"
+    return head if ok else None
+
+
+def _head_weight(gm: fx.GraphModule, device: torch.device) -> torch.Tensor | None:
+    head = _head(gm)
+    if head is None:
+        return None
+    w = gm
+    for part in head.args[1].target.split("."):
+        w = getattr(w, part)
+    return w.detach().to(device)
+
+
+def _device_record(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return {"type": "cuda", "name": p.name, "memory_bytes": int(p.total_memory)}
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return {"type": "cpu", "name": "cpu", "memory_bytes": int(total)}
+
+
+def _curve(rec: dict, key: str, size: str, per: Callable[[int, float], float], path: str) -> Curve:
+    rows = rec.get(key)
+    if not isinstance(rows, list) or len(rows) < 2:
+        raise ProfileError(f"{path}: '{key}' needs at least 2 measured sizes, has {len(rows or [])}: profile again")
+    try:
+        return Curve(tuple((int(r[size]), max(0.0, per(int(r[size]), float(r["median_us"])))) for r in rows))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"{path}: '{key}': {e}: not a profile afd-compile wrote") from None
+
+
+def read_profile(path: str, model: str | None = None, device: str | None = None,
+                 layers: int | None = None) -> tuple[Costs, ModelFacts, dict[str, Any]]:
+    """The cost model's parts of the profile at ``path``: refused (ProfileError, one line) when it is
+    not one, was made of another model than ``model`` (sha256) or on another device than ``device``
+    (a substring of the device's name, e.g. "H200"), or lacks a size. ``layers``: the real model's
+    depth (default: the profiled program's)."""
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ProfileError(f"{path}: cannot read a profile: {e}") from None
+    if not isinstance(rec, dict) or rec.get("format") != PROFILE_FORMAT:
+        raise ProfileError(f"{path}: not an afd-compile profile (format {PROFILE_FORMAT!r}); make one with "
+                           "afd-compile profile MODEL.pt2 -o PROFILE.json")
+    m, dev = rec.get("model") or {}, rec.get("device") or {}
+    if model is not None:
+        from .saved import sha256_of
+
+        if m.get("sha256") != sha256_of(model):
+            raise ProfileError(f"{path} was measured on {m.get('file')!r} (sha256 {str(m.get('sha256'))[:12]}...), "
+                               f"not on {model}: profile this model")
+    if device is not None and device.lower() not in str(dev.get("name", "")).lower():
+        raise ProfileError(f"{path} was measured on {dev.get('name')!r}, not on a {device}: profile on the "
+                           "device you estimate for")
+    try:
+        k = int(m["layers"])
+        facts = ModelFacts(**{f: int(m[f]) for f in ModelFacts.__dataclass_fields__})
+        facts = ModelFacts(**{**facts.__dict__, "layers": layers or k})
+        head = _curve(rec, "head", "tokens", lambda t, us: us, path)
+        attention = _curve(rec, "attention", "tokens", lambda t, us: (us - head.at(t)) / k, path)
+        ffn = _curve(rec, "ffn", "rows", lambda r, us: us / k, path)
+        contexts = sorted({int(r["context"]) for r in rec.get("kv") or []})
+        if not contexts:
+            raise ProfileError(f"{path}: 'kv' has no measured context: profile again")
+        kv = KVCurves(tuple(contexts), tuple(_curve({"kv": [r for r in rec["kv"] if int(r["context"]) == c]},
+                                                    "kv", "batch", lambda b, us: us, path) for c in contexts))
+        costs = Costs(str(dev["name"]), int(dev["memory_bytes"]), attention, ffn, head, kv)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"{path}: missing or malformed field {e}: not a profile afd-compile wrote") from None
+    return costs, facts, rec

@@ -1,0 +1,129 @@
+"""afd-compile profile and plan --estimate / --search on CPU: a valid profile (timings not asserted),
+the estimate's output from a fixed profile as a golden, bad profiles refused in one line."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from afd_compile.cli import main
+from afd_compile.estimate import ModelFacts
+from afd_compile.passes.loopback import loopback_exchange
+from afd_compile.profile import PROFILE_FORMAT, read_profile
+from afd_compile.saved import sha256_of
+
+GOLDEN_PROFILE = os.path.join(os.path.dirname(__file__), "golden", "profile_llama2.json")
+
+
+@pytest.fixture(scope="module")
+def profiled(exported, tmp_path_factory):
+    """(model path, profile path) of a quick profile of the 2-layer Llama on the CPU."""
+    _, path = exported("llama2")
+    out = str(tmp_path_factory.mktemp("profile") / "p.json")
+    assert main(["profile", path, "-o", out, "--device", "cpu", "--tokens", "1,4", "--contexts", "32,64",
+                 "--kv-batches", "1,2", "--iters", "2", "--no-compile", "-q"]) == 0
+    return path, out
+
+
+def test_profile_writes_what_the_estimate_reads(profiled):
+    path, out = profiled
+    with open(out) as f:
+        rec = json.load(f)
+    assert rec["format"] == PROFILE_FORMAT and rec["device"]["type"] == "cpu" and rec["compiled"] is False
+    assert rec["model"]["sha256"] == sha256_of(path)
+    assert [r["tokens"] for r in rec["attention"]] == [1, 4] and [r["rows"] for r in rec["ffn"]] == [1, 4]
+    assert {(r["batch"], r["context"]) for r in rec["kv"]} == {(1, 32), (2, 32), (1, 64), (2, 64)}
+    assert all(r["median_us"] > 0 and r["p10_us"] <= r["median_us"] <= r["p90_us"]
+               for key in ("attention", "ffn", "no_layout", "head", "kv") for r in rec[key])
+    costs, facts, _ = read_profile(out, path)
+    # the 2-layer Llama (hidden 64, 4 heads of 16, 2 KV heads, intermediate 128, vocab 128, fp32); the final
+    # norm and the rotary frequencies (8) counted with the layers' attention side
+    layer = 64 * 64 * 2 + 64 * 32 * 2 + 64 * 2
+    assert facts == ModelFacts(layers=2, hidden=64, attention_bytes=4 * (layer + (64 + 8) // 2),
+                               ffn_bytes=4 * 3 * 64 * 128, other_bytes=4 * 2 * 128 * 64, kv_bytes=2 * 2 * 16 * 4,
+                               kv_heads=2, to_ffn_bytes=64 * 4, to_attention_bytes=64 * 4)
+    assert read_profile(out, path, layers=80)[1].layers == 80
+
+
+def test_the_exchange_taken_out_keeps_each_roles_compute(exported):
+    from afd_compile.deploy import plan_afd
+    from afd_compile.programs import flat_inputs
+    from afd_compile.split_api import SplitConfig
+
+    ep, _ = exported("llama2")
+    result = plan_afd(ep, None, SplitConfig())
+    attention, ffn = copy.deepcopy(result.attention), copy.deepcopy(result.ffn)
+    assert loopback_exchange(attention) == [] and loopback_exchange(ffn) == ["afd_loopback_0"]
+    for gm in (attention, ffn):
+        assert not any(str(n.target).startswith("afd.") for n in gm.graph.nodes)
+    # the FFN program without its exchange is the two layers' MLPs one after the other
+    x = torch.randn(3, 64)
+    want = x
+    for i in range(2):
+        w = {k: ep.state_dict[f"model.model.layers.{i}.mlp.{k}_proj.weight"] for k in ("gate", "up", "down")}
+        want = (torch.nn.functional.silu(want @ w["gate"].T) * (want @ w["up"].T)) @ w["down"].T
+    got = ffn(torch.empty(3), x)
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-6)
+    assert attention(*flat_inputs(ep)) is not None
+
+
+def _fixed_profile(model: str, tmp_path) -> str:
+    with open(GOLDEN_PROFILE) as f:
+        rec = json.load(f)
+    rec["model"]["sha256"] = sha256_of(model)  # (the fixed numbers, of this run's export of the same model)
+    out = tmp_path / "fixed.json"
+    out.write_text(json.dumps(rec))
+    return str(out)
+
+
+def test_estimate_from_a_fixed_profile(exported, tmp_path, capsys, check_golden):
+    _, path = exported("llama2")
+    prof = _fixed_profile(path, tmp_path)
+    assert main(["plan", path, "--estimate", prof, "-A", "3", "-F", "1", "--stages", "2", "--context", "2048",
+                 "--layers", "32", "--tpot-ms", "50"]) == 0
+    text = capsys.readouterr().out.replace(prof, "PROFILE.json")
+    assert main(["plan", path, "--estimate", prof, "--search", "--gpus", "8", "--tpot-ms", "50", "--context", "2048",
+                 "--layers", "32", "--link", "ib"]) == 0
+    text += capsys.readouterr().out.replace(prof, "PROFILE.json")
+    check_golden("estimate_llama2.txt", text)
+    assert main(["plan", path, "--estimate", prof, "--tp", "2", "--batch", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [e["layout"] for e in data["estimates"]] == ["TP 1 x DP 2", "TP 2"] and data["assumptions"]
+
+
+@pytest.mark.parametrize("edit,flags,message", [
+    (lambda r: r.update(format="x"), [], "not an afd-compile profile"),
+    (lambda r: r["model"].update(sha256="0" * 64), [], "was measured on 'llama2.pt2' (sha256 000000000000...), not on"),
+    (lambda r: r.update(ffn=r["ffn"][:1]), [], "'ffn' needs at least 2 measured sizes, has 1"),
+    (lambda r: r.update(kv=[]), [], "'kv' has no measured context"),
+    (lambda r: r["model"].pop("kv_bytes"), [], "missing or malformed field 'kv_bytes'"),
+    (lambda r: None, ["--device-name", "H200"], "was measured on 'NVIDIA H100 80GB HBM3', not on a H200"),
+])
+def test_a_bad_profile_is_refused_in_one_line(exported, tmp_path, capsys, edit, flags, message):
+    _, path = exported("llama2")
+    prof = _fixed_profile(path, tmp_path)
+    rec = json.loads(open(prof).read())
+    edit(rec)
+    open(prof, "w").write(json.dumps(rec))
+    assert main(["plan", path, "--estimate", prof, "-A", "1", "-F", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--estimate", "missing.json", "-A", "1", "-F", "1"], "--estimate missing.json: no such file"),
+    (["--search", "--gpus", "4"], "apply to plan --estimate PROFILE.json"),
+    (["--estimate", "PROF", "--search", "--gpus", "4"], "give both"),
+    (["--estimate", "PROF", "--link", "fast", "-A", "1", "-F", "1"], "--link 'fast'"),
+    (["--estimate", "PROF", "--mermaid"], "give one of them"),
+    (["--estimate", "PROF"], "--estimate needs a layout"),
+])
+def test_estimate_flags_are_checked(exported, tmp_path, capsys, argv, message):
+    _, path = exported("llama2")
+    prof = _fixed_profile(path, tmp_path)
+    assert main(["plan", path, *[prof if a == "PROF" else a for a in argv]]) == 2
+    assert message in capsys.readouterr().err
