@@ -181,10 +181,10 @@ def _compiled(gm: fx.GraphModule, device: torch.device, compile: bool) -> Callab
 
 
 def _decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int, context: int,
-                      device: torch.device) -> tuple[Callable[..., Any], tuple]:
+                      device: torch.device, sdpa: bool = False) -> tuple[Callable[..., Any], tuple]:
     """One layer's attention of ``batch`` sequences over a cache of ``context`` positions, all filled:
     ``afd::decode_attention`` (FlexAttention over the filled blocks) on CUDA, as the backend runs a
-    cached decode step there; masked SDPA over the cache on CPU."""
+    cached decode step there; masked SDPA over the cache on CPU or with ``sdpa`` (HF's own)."""
     from .passes.decode_attention import decode_blocks
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -192,7 +192,7 @@ def _decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
     k, v = (torch.randn(batch, kv_heads, context, head_dim, generator=g, device=device).to(dtype) for _ in range(2))
     mask = torch.ones(batch, 1, 1, context, dtype=torch.bool, device=device)
     scale = head_dim ** -0.5
-    if device.type == "cuda":
+    if device.type == "cuda" and not sdpa:
         return (lambda q, k, v, m: torch.ops.afd.decode_attention(q, k, v, m[:, 0], *decode_blocks(q, m), scale)), \
             (q, k, v, mask)
     rep = heads // kv_heads
@@ -232,15 +232,26 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
                 timed["head"].append({"tokens": t, **time_us(head, [x], iters, device)})
             say(f"tokens {t}: attention {timed['attention'][-1]['median_us']:.0f} µs, FFN "
                 f"{timed['ffn'][-1]['median_us']:.0f} µs, no layout {timed['no_layout'][-1]['median_us']:.0f} µs")
-        for c in contexts:
-            for b in kv_batches:
-                fn, args = _decode_attention(facts["heads"], facts["kv_heads"], facts["head_dim"], dtype, b, c, device)
-                timed["kv"].append({"batch": b, "context": c, **time_us(fn, args, iters, device)})
-            say(f"context {c}: one layer's KV read at batch {kv_batches[-1]}: {timed['kv'][-1]['median_us']:.0f} µs")
+        timed["kv"] = kv_times(facts, contexts, kv_batches, iters, device, say=say)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"format": PROFILE_FORMAT, "created": now,
             "device": _device_record(device), "torch": torch.__version__, "compiled": compile, "iters": iters,
             "model": {"file": os.path.basename(path), "sha256": sha256_of(path), **facts}, **timed}
+
+
+def kv_times(facts: dict[str, Any], contexts: Sequence[int], batches: Sequence[int], iters: int, device: torch.device,
+             sdpa: bool = False, say: Callable[[str], None] = lambda _s: None) -> list[dict[str, Any]]:
+    """One layer's KV read (:func:`_decode_attention`) timed at every (batch, context)."""
+    out = []
+    dtype = getattr(torch, facts["dtype"])
+    with torch.no_grad():
+        for c in contexts:
+            for b in batches:
+                fn, args = _decode_attention(facts["heads"], facts["kv_heads"], facts["head_dim"], dtype, b, c, device,
+                                             sdpa)
+                out.append({"batch": b, "context": c, **time_us(fn, args, iters, device)})
+            say(f"context {c}: one layer's KV read at batch {batches[-1]}: {out[-1]['median_us']:.0f} µs")
+    return out
 
 
 class _Linear(torch.nn.Module):

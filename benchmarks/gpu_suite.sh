@@ -166,6 +166,10 @@ if [[ $SECTIONS == *" one "* || $SECTIONS == *" moe "* ]]; then  # issue 34: the
   TAIL=8 run one_slot_program_step python3 benchmarks/slot_program_step.py --json "$OUT/one_slot_program_step.json"
   # an attention rank's CUDA graphs over a changing batch, its batch as it came or padded to buckets
   TAIL=6 run one_attention_graphs python3 benchmarks/attention_graphs.py --json "$OUT/one_attention_graphs.json"
+  # plan --estimate against measurements: a profile's interpolation, the no-layout step from its parts, the
+  # multi-GPU step times BENCHMARKS.md records (Llama-8B-shaped x 4) recomputed from this one-GPU profile
+  TAIL=45 run one_estimate_check_llama python3 benchmarks/estimate_check.py --family llama --json "$OUT/one_estimate_check_llama.json"
+  TAIL=30 run one_estimate_check_qwen3moe python3 benchmarks/estimate_check.py --family qwen3_moe --json "$OUT/one_estimate_check_qwen3moe.json"
   TAIL=8 run one_moe_ffn python3 benchmarks/moe_ffn.py --json "$OUT/one_moe_ffn.json"
   TAIL=9 run one_moe_kernels python3 benchmarks/moe_kernels.py --json "$OUT/one_moe_kernels.json"
   TAIL=12 run one_moe_kernels_split python3 benchmarks/moe_kernels.py --split --tokens 64,256,1024 --json "$OUT/one_moe_kernels_split.json"

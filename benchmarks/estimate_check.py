@@ -1,0 +1,143 @@
+"""How honest plan --estimate is, on one GPU: a profile's interpolation against sizes it measured
+but was not given, the no-layout step predicted from the parts against the measured whole, and the
+multi-GPU step times BENCHMARKS.md records recomputed from a one-GPU profile of the same model.
+
+A Llama-3-8B-shaped (``--family llama``: hidden 4096, 32 heads, 8 KV heads, intermediate 14336) or
+Qwen3-30B-A3B-shaped (``--family qwen3_moe``: hidden 2048, 32 heads, 4 KV heads, 128 experts of 768,
+top 8) decoder of ``--layers`` layers, vocab 32000, bf16, random weights, exported on the GPU and
+profiled by ``afd_compile.profile.run_profile`` as ``afd-compile profile`` does (Inductor + CUDA
+graphs). One profile over a fine grid; the estimate is then made from a coarse subset of it and
+compared with the held-out sizes (measured in the same run). Prints the tables, writes JSON.
+
+    python benchmarks/estimate_check.py --family llama --json $OUT/estimate_check_llama.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FINE = (1, 4, 8, 16, 32, 64, 128, 256)
+COARSE = (1, 8, 64, 256)
+CONTEXTS, KV_BATCHES = (1024, 2048, 4096), (1, 8, 32, 64, 128)
+COARSE_KV = ((1024, 4096), (1, 32, 128))
+SHAPES = {"llama": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336),
+          "qwen3_moe": dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                            moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, intermediate_size=6144)}
+#: multi-GPU step times BENCHMARKS.md records for the Llama-8B-shaped x 4 layers, vocab 32000, bf16
+#: (2 x H200): (section, layout, sequences per rank, context, measured µs)
+RECORDED = [
+    ("Compiled programs on two GPUs (no KV cache)", "TP 2", 8, 1, 1299.0),
+    ("Compiled programs on two GPUs (no KV cache)", "TP 2", 128, 1, 1600.0),
+    ("Compiled programs on two GPUs (no KV cache)", "AFD 1A1F S=1", 8, 1, 1572.0),
+    ("Compiled programs on two GPUs (no KV cache)", "AFD 1A1F S=1", 128, 1, 2212.0),
+    ("The decode step, two GPUs (HF's SDPA)", "TP 2", 8, 1024, 1121.0),
+    ("The decode step, two GPUs (HF's SDPA)", "TP 2", 64, 1024, 2436.0),
+    ("The decode step, two GPUs (HF's SDPA)", "TP 2", 64, 4096, 5641.0),
+    ("The decode step, two GPUs (HF's SDPA)", "AFD 1A1F S=1", 8, 1024, 1545.0),
+    ("The decode step, two GPUs (HF's SDPA)", "AFD 1A1F S=1", 64, 1024, 3798.0),
+    ("The decode step, two GPUs (HF's SDPA)", "AFD 1A1F S=1", 64, 4096, 10874.0),
+]
+
+
+def _subset(rec: dict, tokens: tuple[int, ...], kv: tuple[tuple[int, ...], tuple[int, ...]]) -> dict:
+    out = dict(rec)
+    out["attention"] = [r for r in rec["attention"] if r["tokens"] in tokens]
+    out["head"] = [r for r in rec["head"] if r["tokens"] in tokens]
+    out["ffn"] = [r for r in rec["ffn"] if r["rows"] in tokens]
+    out["kv"] = [r for r in rec["kv"] if r["context"] in kv[0] and r["batch"] in kv[1]]
+    return out
+
+
+def _costs(rec: dict, path: str, model: str):
+    from afd_compile.profile import read_profile
+
+    with open(path, "w") as f:
+        json.dump(rec, f)
+    return read_profile(path, model)
+
+
+def _row(what: str, size: str, predicted: float, measured: float) -> dict:
+    return {"what": what, "size": size, "predicted_us": round(predicted, 1), "measured_us": round(measured, 1),
+            "error": round(predicted / measured - 1, 4)}
+
+
+def interpolation(rec: dict, coarse: object, k: int) -> list[dict]:
+    """Per-layer attention / FFN / KV from the coarse profile at the fine grid's held-out sizes."""
+    rows = []
+    head = {r["tokens"]: r["median_us"] for r in rec["head"]}
+    for r in rec["attention"]:
+        if r["tokens"] not in COARSE:
+            got = (r["median_us"] - head[r["tokens"]]) / k
+            rows.append(_row("attention layer", f"T={r['tokens']}", coarse.attention.at(r["tokens"]), got))
+    for r in rec["ffn"]:
+        if r["rows"] not in COARSE:
+            rows.append(_row("FFN layer", f"R={r['rows']}", coarse.ffn.at(r["rows"]), r["median_us"] / k))
+    for r in rec["kv"]:
+        if not (r["context"] in COARSE_KV[0] and r["batch"] in COARSE_KV[1]):
+            rows.append(_row("KV read (one layer)", f"B={r['batch']} C={r['context']}",
+                             coarse.kv.at(r["batch"], r["context"]), r["median_us"]))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=sorted(SHAPES), default="llama")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--small", action="store_true", help="a tiny model on the CPU, uncompiled: checks the script")
+    args = parser.parse_args()
+    from afd_compile import estimate as est
+    from afd_compile.models import build_hf, export_lm
+    from afd_compile.profile import kv_times, run_profile
+
+    dev = torch.device("cpu" if args.small else "cuda")
+    shape = {} if args.small else {"vocab_size": 32000, **SHAPES[args.family]}
+    model = build_hf(args.family, num_layers=args.layers, **shape)
+    ep = export_lm(model.to(dev, torch.float32 if args.small else torch.bfloat16), device=dev,
+                   vocab_size=shape.get("vocab_size", 128))
+    tmp = tempfile.mkdtemp()
+    path = os.path.join(tmp, f"{args.family}.pt2")
+    torch.export.save(ep, path)
+    del model, ep
+    say = lambda s: print("profile:", s, flush=True)  # noqa: E731
+    rec = run_profile(path, dev, FINE, CONTEXTS, KV_BATCHES, args.iters, not args.small, say)
+    sdpa = kv_times(rec["model"], CONTEXTS, (8, 64), args.iters, dev, sdpa=True)  # (HF's own, for RECORDED)
+    coarse, facts, _ = _costs(_subset(rec, COARSE, COARSE_KV), os.path.join(tmp, "coarse.json"), path)
+    rows = interpolation(rec, coarse, facts.layers)
+    for r in rec["no_layout"]:  # the whole model from its parts: every layer's attention and FFN + the head
+        t = r["tokens"]
+        rows.append(_row("no-layout step from the parts", f"T={t}", facts.layers * (coarse.attention.at(t)
+                         + coarse.ffn.at(t)) + coarse.head.at(t), r["median_us"]))
+    recorded = []
+    if args.family == "llama" and args.layers == 4 and not args.small:
+        with_sdpa, _, _ = _costs({**rec, "kv": sdpa}, os.path.join(tmp, "sdpa.json"), path)
+        link = est.LINKS["nvlink"]
+        for section, layout, batch, context, measured in RECORDED:
+            if layout.startswith("TP"):
+                e = est.tp(with_sdpa, facts, est.TPCandidate(2, 2), batch, context, link)
+            else:
+                e = est.afd(with_sdpa, facts, est.AFDCandidate(1, 1), batch, context, link)
+            recorded.append({**_row(layout, f"B={batch} C={context}", e.step_us, measured), "section": section})
+    device = rec["device"]["name"]
+    print(f"\n{args.family}, {args.layers} layers, {rec['model']['dtype']}, on {device} (profile: {len(FINE)} sizes; estimate from "
+          f"{len(COARSE)})\n")
+    print("| what | size | predicted (µs) | measured (µs) | predicted / measured - 1 |\n|---|---|---|---|---|")
+    for r in rows + recorded:
+        print(f"| {r['what']} | {r['size']} | {r['predicted_us']} | {r['measured_us']} | {r['error']:+.1%} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"family": args.family, "layers": args.layers, "device": device, "profile": rec,
+                       "sdpa_kv": sdpa, "checks": rows, "recorded": recorded}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
