@@ -128,8 +128,8 @@ def main() -> None:
                 e = est.afd(with_sdpa, facts, est.AFDCandidate(1, 1), batch, context, link)
             recorded.append({**_row(layout, f"B={batch} C={context}", e.step_us, measured), "section": section})
     device = rec["device"]["name"]
-    print(f"\n{args.family}, {args.layers} layers, {rec['model']['dtype']}, on {device} (profile: {len(FINE)} sizes; estimate from "
-          f"{len(COARSE)})\n")
+    print(f"\n{args.family}, {args.layers} layers, {rec['model']['dtype']}, on {device} (profile: {len(FINE)} sizes; "
+          f"estimate from {len(COARSE)})\n")
     print("| what | size | predicted (µs) | measured (µs) | predicted / measured - 1 |\n|---|---|---|---|---|")
     for r in rows + recorded:
         print(f"| {r['what']} | {r['size']} | {r['predicted_us']} | {r['measured_us']} | {r['error']:+.1%} |")
