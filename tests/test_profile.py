@@ -127,3 +127,14 @@ def test_estimate_flags_are_checked(exported, tmp_path, capsys, argv, message):
     prof = _fixed_profile(path, tmp_path)
     assert main(["plan", path, *[prof if a == "PROF" else a for a in argv]]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_profile_compiles_as_the_backend_does(exported, tmp_path):
+    # the default path: each program compiled by Inductor (dynamic sizes) before it is timed
+    _, path = exported("llama2")
+    out = str(tmp_path / "p.json")
+    assert main(["profile", path, "-o", out, "--device", "cpu", "--tokens", "1,4", "--contexts", "32,64",
+                 "--kv-batches", "1,2", "--iters", "2", "-q"]) == 0
+    costs, facts, rec = read_profile(out, path)
+    assert rec["compiled"] is True and facts.layers == 2 and costs.ffn.at(2) > 0
