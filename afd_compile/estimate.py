@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import AFDCompileError
 
@@ -202,6 +202,12 @@ class Estimate:
     step_us: float
     memory: dict[str, int] = field(default_factory=dict)
     fits: bool = True
+    unstaged_layer_us: float | None = None  # AFD with stages: the same batch's layer in one stage
+
+    @property
+    def stages_gain(self) -> float | None:
+        """What micro-batch stages buy: the unstaged layer's time over this one's (AFD, S > 1)."""
+        return self.unstaged_layer_us / self.layer_us if self.unstaged_layer_us else None
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -213,7 +219,7 @@ class Estimate:
                 "wire_us": round(self.wire_us, 2), "layer_us": round(self.layer_us, 2),
                 "step_us": round(self.step_us, 1), "tpot_ms": round(self.step_us / 1e3, 3),
                 "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1), "memory_bytes": dict(self.memory),
-                "fits": self.fits}
+                "fits": self.fits, "stages_gain": round(self.stages_gain, 3) if self.stages_gain else None}
 
 
 def _group_rows(costs: Costs, rows: float, parts: int) -> float:
@@ -244,9 +250,10 @@ def afd(costs: Costs, facts: ModelFacts, cand: AFDCandidate, batch: int, context
     att_mem = facts.layers * (facts.attention_bytes + batch * context * facts.kv_bytes) + facts.other_bytes
     ffn_mem = facts.layers * facts.ffn_bytes // parts
     cap = costs.memory_bytes * MEMORY_USE
+    unstaged = afd(costs, facts, replace(cand, stages=1), batch, context, link, group_link).layer_us if s > 1 else None
     return Estimate(str(cand), cand.attention + cand.ffn, batch, batch * cand.attention, context, ta, tf,
                     max(tc_in, tc_out), layer, step, {"attention rank": int(att_mem), "FFN rank": int(ffn_mem)},
-                    att_mem <= cap and ffn_mem <= cap)
+                    att_mem <= cap and ffn_mem <= cap, unstaged)
 
 
 def tp(costs: Costs, facts: ModelFacts, cand: TPCandidate, batch: int, context: int, link: Link,
@@ -330,7 +337,8 @@ def search(costs: Costs, facts: ModelFacts, gpus: int, context: int, tpot_ms: fl
     return sorted(found, key=lambda e: -e.tokens_per_s_per_gpu)
 
 
-COLUMNS = ("layout", "batch", "attention µs", "FFN µs", "wire µs", "layer µs", "TPOT ms", "tokens/s/GPU", "memory GB")
+COLUMNS = ("layout", "batch", "attention µs", "FFN µs", "wire µs", "layer µs", "stages buy", "TPOT ms", "tokens/s/GPU",
+           "memory GB")
 
 
 def table(estimates: Sequence[Estimate]) -> str:
@@ -338,6 +346,7 @@ def table(estimates: Sequence[Estimate]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for e in estimates:
         mem = " / ".join(f"{k} {v / 1e9:.1f}" for k, v in e.memory.items()) + ("" if e.fits else " (does not fit)")
+        gain = f"{e.stages_gain:.2f}x" if e.stages_gain else "-"
         lines.append(f"| {e.layout} | {e.batch} | {e.attention_us:.1f} | {e.ffn_us:.1f} | {e.wire_us:.1f} | "
-                     f"{e.layer_us:.1f} | {e.step_us / 1e3:.2f} | {e.tokens_per_s_per_gpu:.0f} | {mem} |")
+                     f"{e.layer_us:.1f} | {gain} | {e.step_us / 1e3:.2f} | {e.tokens_per_s_per_gpu:.0f} | {mem} |")
     return "\n".join(lines)

@@ -75,6 +75,11 @@ def test_afd_layer(cand, batch, att, ffn, wire, layer):
     assert (e.attention_us, e.ffn_us, e.wire_us, e.layer_us) == pytest.approx((att, ffn, wire, layer))
     assert e.step_us == pytest.approx(layer + 10.0)  # + the head
     assert e.tokens_per_s_per_gpu == pytest.approx(batch * cand.attention / (layer + 10.0) * 1e6 / e.gpus)
+    if min(cand.stages, batch) > 1:  # what the stages buy: the same batch in one stage, the chain (here a loss:
+        # flat curves, so each of 2 micro-batches costs what the whole batch did)
+        assert e.stages_gain == pytest.approx((100 + 50 + 2 * (5.0 + batch * cand.attention / cand.ffn)) / layer)
+    else:
+        assert e.stages_gain is None
 
 
 def test_afd_memory_and_a_layout_that_does_not_fit():
