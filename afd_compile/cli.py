@@ -32,6 +32,7 @@ from .outdir import OutputFolder, exit_on_sigterm, save_program
 from .plan_view import (
     AFD_LEGEND,
     PASSES_HELP,
+    PLAN_USAGE,
     TP_LEGEND,
     cache_json,
     moe_lines,
@@ -129,6 +130,7 @@ TOKENS_HELP = ("batch size (sequences, not tokens) per attention rank (default: 
                "dynamic, S,S+1,... with --stages S); each >= 0, not all 0, two peers of a fan-in with tokens in some "
                "step; with --tp: one batch size per attention DP group (default 1,2,...; "
                "as saved when attn_dp=1)")
+TIMINGS_HELP = "print the seconds each pass took (this process's planning; TP: rank 0's program)"
 MERMAID_HELP = ("print one layer (default 0) as a Mermaid flowchart instead of the table: the AFD split (both "
                 "programs, what crosses the wire) or the TP junctions (states, collectives); 'ranks': the whole "
                 "layout (ranks, groups, peers, bytes per token on each link)")
@@ -153,20 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace a non-empty OUTDIR whole (no stale files are kept)")
     _add_layout(p, "; rewrite: not supported yet (exit 2): plan and verify take it, and the backend")
     _add_tp(p)
-    p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
-                   "planning; TP: rank 0's program)")
+    p.add_argument("--timings", action="store_true", help=TIMINGS_HELP)
     _add_import(p)
     _add_quiet(p)
     _add_stages(p, "record S micro-batches per step in plan.json (load_rewritten_worker runs the programs as S "
                 "stages); the staged programs and their ping-pong schedule are built and checked now, and printed")
 
     p = sub.add_parser("plan", help="AFD: per layer, which nodes go to which role and what crosses the wire; "
-                       "with --tp: per layer, the five scatter modes and the junction collectives")
+                       "with --tp: per layer, the five scatter modes and the junction collectives",
+                       usage=PLAN_USAGE)
     p.add_argument("model", metavar="MODEL.pt2")
     _add_layout(p)
     _add_tp(p)
-    p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
-                   "planning; TP: rank 0's program)")
+    p.add_argument("--timings", action="store_true", help=TIMINGS_HELP)
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
     out.add_argument("--mermaid", type=mermaid_flag, nargs="?", const=0, metavar="LAYER|ranks", help=MERMAID_HELP)
@@ -181,37 +182,36 @@ def build_parser() -> argparse.ArgumentParser:
                 "batch on every attention rank) and check it (pairing, order, no deadlock)")
     add_estimate_flags(p)
 
-    p = sub.add_parser("verify", help="run original and split (-A/-F) or sharded (--tp) programs on local "
-                       "gloo processes and compare")
+    p = sub.add_parser("verify", help="run original and split (-A/-F) or sharded (--tp) programs on local gloo "
+                       "processes and compare")
     p.add_argument("model", metavar="MODEL.pt2")
     _add_layout(p)
     _add_tp(p)
-    p.add_argument("--timings", action="store_true", help="print the seconds each pass took (this process's "
-                   "planning; TP: rank 0's program)")
+    p.add_argument("--timings", action="store_true", help=TIMINGS_HELP)
     p.add_argument("--tokens", metavar="N1,N2,...", help=TOKENS_HELP)
     p.add_argument("--steps", type=count_flag(1, MAX_STEPS), default=None, help="steps per rank (default 2, at least "
                    "1; not with --decode-steps, which sets the steps)")
     p.add_argument("--decode-steps", type=count_flag(0, MAX_STEPS), default=0, metavar="N",
-                   help="a program with a KV cache (buffers it updates in place at the positions of a 1-D "
-                   "integer input: cache_position as transformers' TorchExportableModuleForDecoderOnlyLM "
-                   "exports, gpt-fast's input_pos): run its saved example as a "
-                   "prefill, then N decode steps, comparing the logits at every step (replaces --steps)")
+                   help="a program with a KV cache (buffers it updates in place at the positions of a 1-D integer "
+                   "input: cache_position as transformers' TorchExportableModuleForDecoderOnlyLM exports, gpt-fast's "
+                   "input_pos): run its saved example as a prefill, then N decode steps, comparing the logits at every "
+                   "step (replaces --steps)")
     _add_stages(p, "run each step as S micro-batches (whole sequences) interleaved layer by layer, the "
                 "ping-pong schedule (default 1: one batch); with a KV cache each micro-batch its own cache rows")
     _add_run_flags(p)
     p.add_argument("--tol", type=float, help="max relative error (default 1e-5 when every output compared is "
                    "fp32/fp64, 1e-2 otherwise; printed on the verdict line; finite, >= 0)")
     p.add_argument("--timeout", type=positive_seconds, default=300.0, metavar="SECONDS",
-                   help="how long a rank waits for a peer before the run fails (default 300); a rank that dies "
-                   "or is stopped fails the run at once")
+                   help="how long a rank waits for a peer before the run fails (default 300); a rank that dies or is "
+                   "stopped fails the run at once")
     _add_import(p)
     _add_quiet(p)
 
     add_profile_parser(sub, _add_quiet, _add_import)
     p = sub.add_parser("demo", help="build a small HF Llama, split it 2 attention : 1 FFN, run and verify it",
-                       description="Build a 2-layer HF Llama (random weights, offline), export it, split it "
-                       "2 attention : 1 FFN, run the split on 3 local gloo processes and compare with the "
-                       "original. Last line: verify: OK max_rel_err=<x> tol=<t> (exit 0) or FAIL (exit 1).")
+                       description="Build a 2-layer HF Llama (random weights, offline), export it, split it 2 "
+                       "attention : 1 FFN, run the split on 3 local gloo processes and compare with the original. Last "
+                       "line: verify: OK max_rel_err=<x> tol=<t> (exit 0) or FAIL (exit 1).")
     _add_quiet(p)
     return parser
 

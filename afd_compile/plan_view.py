@@ -6,6 +6,10 @@ from __future__ import annotations
 from .layout import AFDLayout
 
 #: ``plan --passes``'s help
+#: plan's usage line (argparse's own lists every flag: longer than a one-line error wants)
+PLAN_USAGE = ("afd-compile plan MODEL.pt2 [-A A -F F [group flags] | --tp T [TP flags]] [--stages S]\n"
+              "       [--json | --mermaid [LAYER|ranks] | --passes [DEVICE] | --estimate PROFILE.json "
+              "[estimate flags]] [options] (see -h)")
 PASSES_HELP = ("print, instead of the plan, the pass pipeline each rank kind of the layout runs on DEVICE, cpu or cuda "
                "(default "
                "cuda), in order: its portable stage (what rewrite writes and verify checks) and its lowering (what "
