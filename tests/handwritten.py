@@ -3,6 +3,8 @@ HF's do not (issue 14). Tiny, random weights, exported as the README says."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -230,20 +232,23 @@ class PerHeadNormAttention(GQAAttention):
         return self.o(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
-def per_head_norm() -> GQADecoder:
-    """Chameleon-style per-head q/k LayerNorm (``F.layer_norm`` over head_dim, ``[H, D]`` affine)."""
+def _with_attention(make: Callable[[], nn.Module]) -> GQADecoder:
+    """A :class:`GQADecoder` whose every block's attention is ``make()`` (made after the decoder, in
+    block order: the seeded weights of each factory stay as they were)."""
     model = GQADecoder()
     for block in model.layers:
-        block.attn = PerHeadNormAttention(64, 4, 2)
+        block.attn = make()
     return model
+
+
+def per_head_norm() -> GQADecoder:
+    """Chameleon-style per-head q/k LayerNorm (``F.layer_norm`` over head_dim, ``[H, D]`` affine)."""
+    return _with_attention(lambda: PerHeadNormAttention(64, 4, 2))
 
 
 def per_head_norm_manual() -> GQADecoder:
     """Cohere-style per-head q/k LayerNorm (mean and variance written out, ``[H, D]`` weights)."""
-    model = GQADecoder()
-    for block in model.layers:
-        block.attn = PerHeadNormAttention(64, 4, 2, manual=True)
-    return model
+    return _with_attention(lambda: PerHeadNormAttention(64, 4, 2, manual=True))
 
 
 class GroupedQKVAttention(nn.Module):
@@ -290,10 +295,7 @@ class GroupedQKVAttention(nn.Module):
 def grouped_qkv(groups: int = 1, form: str = "slice") -> GQADecoder:
     """A fused q/k/v packed per KV group, by default with one group (multi-query attention: fewer
     KV heads than any TP layout's ranks)."""
-    model = GQADecoder()
-    for block in model.layers:
-        block.attn = GroupedQKVAttention(groups=groups, form=form)
-    return model
+    return _with_attention(lambda: GroupedQKVAttention(groups=groups, form=form))
 
 
 class BatchMixingMLP(nn.Module):
@@ -794,18 +796,12 @@ class SharedExpertMoE(nn.Module):
 
 def split_head_norm() -> GQADecoder:
     """Per-head q/k LayerNorms as one module per head over the heads split apart and concatenated."""
-    model = GQADecoder()
-    for block in model.layers:
-        block.attn = SplitHeadNormAttention(64, 4, 2)
-    return model
+    return _with_attention(lambda: SplitHeadNormAttention(64, 4, 2))
 
 
 def broadcast_mqa() -> GQADecoder:
     """Multi-query attention, its single K/V head broadcast by SDPA."""
-    model = GQADecoder()
-    for block in model.layers:
-        block.attn = BroadcastMQA(64, 4)
-    return model
+    return _with_attention(lambda: BroadcastMQA(64, 4))
 
 
 def dense_then_moe(routed: str = "sort") -> GQADecoder:

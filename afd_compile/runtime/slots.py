@@ -130,14 +130,18 @@ class GroupAgreement:
     device: torch.device
     state: tuple[int, int] = (SERVING, -1)
     _posted: list[torch.Tensor] = field(default_factory=list)
+    _mine: torch.Tensor | None = None
 
     def post(self) -> None:
-        """All-gather this rank's state (before this step) beside the step's own work."""
-        mine = torch.empty(2, dtype=torch.int64, device=self.device)
-        mine[0].fill_(self.state[0])
-        mine[1].fill_(self.state[1])
-        self._posted = [torch.empty_like(mine) for _ in self.rows]
-        dist.all_gather(self._posted, mine, group=self.group)
+        """All-gather this rank's state (before this step) beside the step's own work (into buffers made
+        once: each step's writes queue behind the last step's gather on the same stream, and
+        :meth:`read` has read the gathered states before the next post)."""
+        if self._mine is None:
+            self._mine = torch.empty(2, dtype=torch.int64, device=self.device)
+            self._posted = [torch.empty_like(self._mine) for _ in self.rows]
+        self._mine[0].fill_(self.state[0])
+        self._mine[1].fill_(self.state[1])
+        dist.all_gather(self._posted, self._mine, group=self.group)
 
     def read(self) -> list[tuple[int, int]]:
         """Every group rank's state as posted this step: ``(state, attention rank)``."""
