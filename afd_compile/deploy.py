@@ -246,7 +246,7 @@ def make_worker(gm: fx.GraphModule, layout: AFDLayout, rank: int, config: SplitC
         assert work.attention is not None and work.plan is not None
         counter = token_count_for_graph(work.gm, work.plan.cuts[0].token_dims)
         static = False  # (a static count sends its slot as any other)
-    slot = check_fixed_slot(buckets, rank=rank, static_tokens=static)
+    slot = check_fixed_slot(buckets, rank=rank, ffn_static_rows=static)
     if before_groups is not None:
         group = before_groups() or group
     groups, attn_groups, control, ffn_controls = layout_groups(layout, *group_key(group))
@@ -455,7 +455,7 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
         program = load_program(plan.path("ffn")).module()
         check_saved_program(plan, "ffn", program)
         batch = plan.get("static_batch")
-        slot = check_fixed_slot(buckets, rank=rank, static_tokens=not ffn_bucket_fields(program, TokenBuckets()))
+        slot = check_fixed_slot(buckets, rank=rank, ffn_static_rows=not ffn_bucket_fields(program, TokenBuckets()))
         prepare_slots(comm, slot, device, lowering=lowering)
         fields = ffn_bucket_fields(program, None if slot else buckets)
         program, by_stages = lowered(program, staged_programs(program, "afd-ffn", stages, batch), device,
@@ -467,7 +467,7 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
     check_saved_program(plan, "attention", program)
     batch = static_batch(program) if stages != 1 else None
     counter, batch_dim = TokenCount.from_json(plan["token_count"]), _stage_batch_dim(program, stages)
-    slot = check_fixed_slot(buckets, rank=rank, static_tokens=False)
+    slot = check_fixed_slot(buckets, rank=rank)
     program, by_stages = lowered(program, staged_programs(program, "afd-attention", stages, batch), device,
                                  lowering, rank)
     wire = _prepare_attention_slots(comm, slot, device, program, by_stages, lowering, stages, batch)

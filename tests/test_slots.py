@@ -37,9 +37,9 @@ def test_a_fixed_slot_is_refused_where_it_does_not_apply_naming_why() -> None:
     why = "its FFN program has static rows"
     with pytest.raises(FixedSlotError, match=f"a fixed slot of 40 rows .token buckets. does not apply to rank 3: "
                                              f"{re.escape(why)}"):
-        check_fixed_slot(SLOT, rank=3, static_tokens=True)
-    assert check_fixed_slot(TokenBuckets(), rank=3, static_tokens=True) is None  # (a bucket list: control messages)
-    assert check_fixed_slot(SLOT, rank=0, static_tokens=False) == 40
+        check_fixed_slot(SLOT, rank=3, ffn_static_rows=True)
+    assert check_fixed_slot(TokenBuckets(), rank=3, ffn_static_rows=True) is None  # (a bucket list: control messages)
+    assert check_fixed_slot(SLOT, rank=0) == 40
 
 
 def test_a_program_of_fewer_micro_batches_owes_the_others_in_zeros_in_the_ffn_ranks_order() -> None:

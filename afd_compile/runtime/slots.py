@@ -91,13 +91,14 @@ def with_ghosts(schedule: Sequence[WireStep], real: int, stages: int) -> tuple[W
     return tuple(out)
 
 
-def check_fixed_slot(buckets: TokenBuckets | None, *, rank: int, static_tokens: bool) -> int | None:
-    """The slot of a fixed-slot deployment (None: buckets are not a fixed slot), refused where
-    the fixed slot does not apply yet, naming what to change. Every rank decides alike."""
+def check_fixed_slot(buckets: TokenBuckets | None, *, rank: int, ffn_static_rows: bool = False) -> int | None:
+    """The slot of a fixed-slot deployment (None: buckets are not a fixed slot), refused where the fixed
+    slot does not apply, naming what to change: an FFN program of static rows (``ffn_static_rows``; an
+    attention rank's program takes any slot). Every rank decides alike."""
     slot = buckets.fixed_slot if buckets is not None else None
     if slot is None:
         return None
-    if static_tokens:
+    if ffn_static_rows:
         raise FixedSlotError(
             f"afd: {buckets} (token buckets) does not apply to rank {rank}: its FFN program has "
             "static rows (an export whose every shape is fixed: its rows cannot become a slot per "
