@@ -193,7 +193,7 @@ def _decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
     mask = torch.ones(batch, 1, 1, context, dtype=torch.bool, device=device)
     scale = head_dim ** -0.5
     if device.type == "cuda" and not sdpa:
-        return (lambda q, k, v, m: torch.ops.afd.decode_attention(q, k, v, m[:, 0], *decode_blocks(q, m), scale)), \
+        return (lambda q, k, v, m: torch.ops.afd.decode_attention(q, k, v, *decode_blocks(q, m), scale)), \
             (q, k, v, mask)
     rep = heads // kv_heads
 
