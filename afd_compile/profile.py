@@ -127,13 +127,27 @@ def inputs_at(gm: fx.GraphModule, example: Sequence[Any], tokens: int, device: t
     return out
 
 
-def time_us(fn: Callable[..., Any], args: Sequence[Any], iters: int, device: torch.device) -> dict[str, float]:
+def time_us(fn: Callable[..., Any], args: Sequence[Any], iters: int, device: torch.device,
+            graph: bool = False) -> dict[str, float]:
     """Median and 10th / 90th percentile µs of ``fn(*args)`` after 3 warm-up calls: CUDA events around
-    each call on CUDA, the wall clock on CPU."""
+    each call on CUDA, the wall clock on CPU. ``graph`` (CUDA): ``fn`` captured in one CUDA graph first
+    and the replays timed (the kernels' GPU time, no launch overhead: how a compiled step runs a
+    kernel that is not compiled with it)."""
     for _ in range(3):
         fn(*args)
-    times = []
     cuda = device.type == "cuda"
+    if cuda and graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # (warm up on a side stream, as capture wants)
+            for _ in range(2):
+                fn(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            fn(*args)
+        fn, args = (lambda: captured.replay()), ()
+    times = []
     for _ in range(iters):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -241,7 +255,8 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
 
 def kv_times(facts: dict[str, Any], contexts: Sequence[int], batches: Sequence[int], iters: int, device: torch.device,
              sdpa: bool = False, say: Callable[[str], None] = lambda _s: None) -> list[dict[str, Any]]:
-    """One layer's KV read (:func:`_decode_attention`) timed at every (batch, context)."""
+    """One layer's KV read (:func:`_decode_attention`) timed at every (batch, context); on CUDA its
+    kernels' time in a CUDA graph (a decode step replays it inside the step's graph)."""
     out = []
     dtype = getattr(torch, facts["dtype"])
     with torch.no_grad():
@@ -249,7 +264,7 @@ def kv_times(facts: dict[str, Any], contexts: Sequence[int], batches: Sequence[i
             for b in batches:
                 fn, args = _decode_attention(facts["heads"], facts["kv_heads"], facts["head_dim"], dtype, b, c, device,
                                              sdpa)
-                out.append({"batch": b, "context": c, **time_us(fn, args, iters, device)})
+                out.append({"batch": b, "context": c, **time_us(fn, args, iters, device, graph=True)})
             say(f"context {c}: one layer's KV read at batch {batches[-1]}: {out[-1]['median_us']:.0f} µs")
     return out
 
