@@ -181,7 +181,7 @@ def role_programs(ep: torch.export.ExportedProgram, device: torch.device) -> tup
         if kind == "model":
             no_layout_program(gm, Build("none", device=device.type))
         else:
-            loopback_exchange(gm)
+            loopback_exchange(gm, return_first_sent=kind == "attention")
         lower(gm, Build("none" if kind == "model" else f"afd-{kind}", device=device.type))
         programs[kind] = gm.to(device)
     return programs, result
@@ -239,7 +239,9 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
             for kind, key in (("attention", "attention"), ("model", "no_layout")):
                 timed[key].append({"tokens": t, **time_us(calls[kind], inputs_at(programs[kind], example, t, device),
                                                           iters, device)})
-            ffn_in = [torch.empty(t, device=device), torch.randn(t, facts["hidden"], device=device).to(dtype)]
+            # the FFN program's rows: what the attention program sends at layer 0 for these sequences
+            rows = programs["attention"](*inputs_at(programs["attention"], example, t, device))[-1]
+            ffn_in = [torch.empty(t, device=device), rows.reshape(t, -1).to(dtype)]
             timed["ffn"].append({"rows": t, **time_us(calls["ffn"], ffn_in, iters, device)})
             if head is not None:
                 x = torch.randn(t, facts["hidden"], device=device).to(head_w.dtype)

@@ -69,6 +69,14 @@ def test_the_exchange_taken_out_keeps_each_roles_compute(exported):
     got = ffn(torch.empty(3), x)
     torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-6)
     assert attention(*flat_inputs(ep)) is not None
+    # for the profile, the attention program also returns what it sent at layer 0: the FFN program's rows
+    fed = copy.deepcopy(result.attention)
+    loopback_exchange(fed, return_first_sent=True)
+    out = fed(*flat_inputs(ep))
+    x = flat_inputs(ep)[0]
+    assert out[-1].shape == (x.numel(), 64)
+    ref = attention(*flat_inputs(ep))
+    torch.testing.assert_close(out[0], ref[0] if isinstance(ref, (tuple, list)) else ref)
 
 
 def _fixed_profile(model: str, tmp_path) -> str:

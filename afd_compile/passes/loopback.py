@@ -40,19 +40,24 @@ def _matches(sent: fx.Node, got: fx.Node) -> bool:
             and a.dim() == b.dim() and a.shape[1:] == b.shape[1:])
 
 
-def loopback_exchange(gm: fx.GraphModule) -> list[str]:
-    """Take the exchange out of ``gm`` in place (see the module docstring)."""
+def loopback_exchange(gm: fx.GraphModule, return_first_sent: bool = False) -> list[str]:
+    """Take the exchange out of ``gm`` in place (see the module docstring). ``return_first_sent``: the
+    program also returns, last, the first tensor its first send carried (an attention program: the
+    rows the FFN would have received at layer 0, which ``profile`` feeds the FFN program: an MoE's
+    routing then sees the model's own hidden states, not random rows)."""
     graph = gm.graph
     others = [n for n in graph.nodes if n.op == "call_function" and str(n.target).startswith("afd.p2p")
               and n.target not in SENDS | RECEIVES]
     if others:
         raise LoopbackError(f"{others[0].name} ({others[0].target}): profile times unstaged, unfused programs")
     last_sent: list[fx.Node] = []
+    first_sent: fx.Node | None = None
     added: list[str] = []
     first = next(n for n in graph.nodes if n.op != "placeholder")
     for n in list(graph.nodes):
         if n.target in SENDS:
             last_sent = list(n.args[0])
+            first_sent = first_sent or last_sent[0]
         elif n.target in RECEIVES:
             for user in list(n.users):
                 if user.target is not operator.getitem:
@@ -70,6 +75,9 @@ def loopback_exchange(gm: fx.GraphModule) -> list[str]:
     returned = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
     if any(isinstance(a, fx.Node) and a.target in SENDS for a in returned):  # (the FFN program: its last send)
         out.args = (tuple(last_sent),)
+    elif return_first_sent and first_sent is not None:
+        out.args = ((*returned, first_sent),)
+        graph._codegen = fx.graph.CodeGen()  # (flat inputs, a tuple out: the export's output structure had one less)
     for n in reversed(list(graph.nodes)):  # (a receive reads the send before it: erased first)
         if n.target in RECEIVES | SENDS:
             graph.erase_node(n)
