@@ -93,16 +93,22 @@ def test_every_step_one_program_no_control_message_and_exact(exported) -> None:
             assert ffn["control_reads"] == ffn["device_reads"] == 0 and ffn["steps"] == steps, ffn
 
 
-def _stops_early(rank: int, world: int, path: str) -> dict:
-    """Attention rank 2 stops after 2 steps, rank 1 after 4: the FFN rank serves 4 steps and runs
-    a program for both peers, then one for rank 1 alone."""
+def _peers_stop_apart(rank: int, world: int, path: str, layout: AFDLayout, short: int, fail: bool = False) -> dict:
+    """Under a fixed slot, attention rank ``short`` stops after 2 steps (``fail``: its second step raises
+    before any transfer, and the rank stays up, as a server that logs the error would), the other
+    attention ranks after 4; an FFN rank returns what it served."""
     from afd_compile.deploy import make_worker
     from afd_compile.programs import load_program
     from afd_compile.runtime import AttentionWorker, shutdown
 
-    worker = make_worker(load_program(path).module(), AFDLayout(2, 1), rank, buckets=SLOT)
+    worker = make_worker(load_program(path).module(), layout, rank, buckets=SLOT)
     if isinstance(worker, AttentionWorker):
-        for step in range(2 if rank == 2 else 4):
+        for step in range(2 if rank == short else 4):
+            if fail and rank == short and step == 1:
+                with pytest.raises(Exception):  # noqa: B017 (no inputs to count)
+                    worker.step()
+                time.sleep(30)  # (the run ends before)
+                return {}
             worker.step(torch.randint(0, 128, (1 + step, 5)))
         worker.stop()
         shutdown()
@@ -114,7 +120,9 @@ def _stops_early(rank: int, world: int, path: str) -> dict:
 
 
 def test_a_stop_travels_in_band_and_the_others_go_on(exported) -> None:
-    res = run_local(_stops_early, 3, exported("llama2")[1], timeout_s=60)[0]
+    # attention rank 2 stops after 2 steps, rank 1 after 4: the FFN rank serves 4 steps and runs a program
+    # for both peers, then one for rank 1 alone
+    res = run_local(_peers_stop_apart, 3, exported("llama2")[1], AFDLayout(2, 1), 2, timeout_s=60)[0]
     assert res["steps"] == 4 and res["left"] == [1, 2], res
     assert res["layouts"] == [((40, 0), ()), ((40, 40), ())], res
     # 5 steps read: rank 2's stop rides with rank 1's third step, rank 1's stop is a step of its own
@@ -217,32 +225,9 @@ def test_an_ffn_group_runs_a_fixed_slot_exact_with_one_program(exported) -> None
                 assert ffn["lowered"]["mark_slot_rows"] == 2 * (1 + case.layout.ffn_ep // 2), ffn
 
 
-def _group_ends(rank: int, world: int, path: str, fail: bool) -> dict:
-    """AFD 2A2F, ffn_tp=2: attention rank 2 stops after 2 steps (``fail``: its second step
-    raises before any transfer), rank 3 runs 4 steps then stops."""
-    from afd_compile.deploy import make_worker
-    from afd_compile.programs import load_program
-    from afd_compile.runtime import AttentionWorker, shutdown
-
-    worker = make_worker(load_program(path).module(), AFDLayout(2, 2, ffn_tp=2), rank, buckets=SLOT)
-    if isinstance(worker, AttentionWorker):
-        for step in range(2 if rank == 2 else 4):
-            if fail and rank == 2 and step == 1:
-                with pytest.raises(Exception):  # noqa: B017 (no inputs to count)
-                    worker.step()
-                time.sleep(30)  # (up, as a server that logs the error would; the run ends before)
-                return {}
-            worker.step(torch.randint(0, 128, (1 + step, 5)))
-        worker.stop()
-        shutdown()
-        return {}
-    steps = worker.serve()
-    shutdown()
-    return {"steps": steps, "layouts": sorted(worker.layouts), "left": sorted(worker.left)}
-
-
 def test_an_ffn_group_ends_together_when_its_ranks_peers_stop_apart(exported) -> None:
-    res = run_local(_group_ends, 4, exported("llama2")[1], False, timeout_s=60)
+    # AFD 2A2F, ffn_tp=2: attention rank 2 stops after 2 steps, rank 3 after 4
+    res = run_local(_peers_stop_apart, 4, exported("llama2")[1], AFDLayout(2, 2, ffn_tp=2), 2, timeout_s=60)
     # FFN rank 0's peer stops after 2 steps, rank 1's after 4: both serve 4 steps, then rank 1's
     # peer's stop step, then one step of padding in which rank 1 says it is done too
     for f in (0, 1):
@@ -253,6 +238,6 @@ def test_an_ffn_group_ends_together_when_its_ranks_peers_stop_apart(exported) ->
 def test_an_ffn_groups_failed_peer_ends_every_rank_of_the_group_naming_it(exported) -> None:
     t = time.monotonic()
     with pytest.raises(RankFailure) as e:
-        run_local(_group_ends, 4, exported("llama2")[1], True, timeout_s=25)
+        run_local(_peers_stop_apart, 4, exported("llama2")[1], AFDLayout(2, 2, ffn_tp=2), 2, True, timeout_s=25)
     assert e.value.rank in (0, 1) and "attention rank 2 (a peer of FFN group rank 0) failed its step" in str(e.value)
     assert time.monotonic() - t < 25, "an FFN rank waited for the timeout"
