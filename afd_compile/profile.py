@@ -51,14 +51,9 @@ def _bytes(t: Any) -> int:
 
 
 def _attr_bytes(gm: fx.GraphModule) -> dict[str, int]:
-    out = {}
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            obj = gm
-            for part in n.target.split("."):
-                obj = getattr(obj, part)
-            out[n.target] = _bytes(obj)
-    return out
+    from .passes.graph_utils import get_attr_path
+
+    return {n.target: _bytes(get_attr_path(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
 
 
 def attention_shape(gm: fx.GraphModule) -> tuple[int, int, int, torch.dtype]:
@@ -293,10 +288,9 @@ def _head_weight(gm: fx.GraphModule, device: torch.device) -> torch.Tensor | Non
     head = _head(gm)
     if head is None:
         return None
-    w = gm
-    for part in head.args[1].target.split("."):
-        w = getattr(w, part)
-    return w.detach().to(device)
+    from .passes.graph_utils import get_attr_path
+
+    return get_attr_path(gm, head.args[1].target).detach().to(device)
 
 
 def _device_record(device: torch.device) -> dict[str, Any]:
