@@ -117,6 +117,12 @@ class ModelFacts:
     experts: int = 0
     top_k: int = 0
 
+    @property
+    def hidden_bytes(self) -> int:
+        """One token's hidden state in the model's dtype (what the FFN sends back; what a TP / EP
+        collective moves per token)."""
+        return self.to_attention_bytes
+
 
 @dataclass(frozen=True)
 class Costs:
@@ -239,10 +245,10 @@ def afd(costs: Costs, facts: ModelFacts, cand: AFDCandidate, batch: int, context
     tf = _group_rows(costs, rows * parts, parts)
     glink = group_link or link
     if cand.ffn_tp > 1:  # all-gather the group's rows, reduce-scatter the output
-        tf += 2 * glink.us(rows * cand.ffn_tp * facts.hidden * 2 * (cand.ffn_tp - 1) / cand.ffn_tp)
+        tf += 2 * glink.us(rows * cand.ffn_tp * facts.hidden_bytes * (cand.ffn_tp - 1) / cand.ffn_tp)
     elif cand.ffn_ep > 1:  # dispatch and combine by all-to-all
         copies = min(facts.top_k or 1, cand.ffn_ep) * (cand.ffn_ep - 1) / cand.ffn_ep
-        tf += 2 * glink.us(rows * facts.hidden * 2 * copies)
+        tf += 2 * glink.us(rows * facts.hidden_bytes * copies)
     tc_in = link.us(rows * facts.to_ffn_bytes)
     tc_out = link.us(rows * facts.to_attention_bytes)
     layer = max(s * max(ta, tf, tc_in, tc_out), ta + tc_in + tf + tc_out)
@@ -263,12 +269,12 @@ def tp(costs: Costs, facts: ModelFacts, cand: TPCandidate, batch: int, context: 
     t, n = cand.tp, cand.gpus
     kv_split = min(t, max(facts.kv_heads, 1))
     ta = costs.attention.at(batch) / t + costs.kv.at(batch, context) / kv_split
-    msg = batch * facts.hidden * 2  # one all-reduce's message (bf16 hidden)
+    msg = batch * facts.hidden_bytes  # one all-reduce's message
     ring = link.us(msg * 2 * (t - 1) / t) if t > 1 else 0.0
     if cand.ep:
         share = batch / t  # each rank's tokens (SCATTERED), to the ranks of their experts and back
         copies = min(facts.top_k or 1, n) * (n - 1) / n
-        wire = 2 * (fabric or link).us(share * facts.hidden * 2 * copies)
+        wire = 2 * (fabric or link).us(share * facts.hidden_bytes * copies)
         tf = costs.ffn.at(batch * n / t) / n + wire
         ffn_mem = facts.layers * facts.ffn_bytes // n
         collectives = ring + wire

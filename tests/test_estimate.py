@@ -64,8 +64,8 @@ AFD_CASES = [
     (AFDCandidate(1, 1, stages=2), 1, 100.0, 50.0, 6.0, 162.0),
     # fan-in 3: the FFN rank's link carries 3 peers' rows (3 x 2 x 1000 bytes)
     (AFDCandidate(3, 1), 2, 100.0, 50.0, 11.0, 172.0),
-    # FFN TP 2: half the FFN (flat: 50 / 2) + all-gather and reduce-scatter of 2 x 2 rows x 4 x 2 bytes / 2
-    (AFDCandidate(2, 2, ffn_tp=2), 2, 100.0, 25.0 + 2 * (5.0 + 0.016), 7.0, 100 + 7 + 35.032 + 7),
+    # FFN TP 2: half the FFN (flat: 50 / 2) + all-gather and reduce-scatter of 2 x 2 rows of 1000 bytes, (P-1)/P
+    (AFDCandidate(2, 2, ffn_tp=2), 2, 100.0, 25.0 + 2 * (5.0 + 2.0), 7.0, 100 + 7 + 39.0 + 7),
 ]
 
 
@@ -91,7 +91,7 @@ def test_afd_memory_and_a_layout_that_does_not_fit():
 
 def test_tp_layer():
     e = tp(_costs(kv=8.0), FACTS, TPCandidate(4, 2), 2, context=8, link=LINK)
-    ring = 5.0 + 2 * 4 * 2 * 2 * 1 / 2 / 1000  # one all-reduce of 2 tokens x hidden 4 x 2 bytes, 2(t-1)/t
+    ring = 5.0 + 2 * 1000 * 2 * 1 / 2 / 1000  # one all-reduce of 2 tokens' hidden states (1000 bytes), 2(t-1)/t
     assert e.attention_us == pytest.approx(100 / 2 + 8.0 / 2)
     assert e.ffn_us == pytest.approx(50 / 2 + ring)
     assert e.layer_us == pytest.approx(54 + ring + 25 + ring)
