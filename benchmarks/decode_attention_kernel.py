@@ -26,6 +26,7 @@ import statistics
 import torch
 
 from afd_compile.passes.decode_attention import flex_decode
+from afd_compile.profile import time_us
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -37,28 +38,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 
 def _time(fn, *args, iters: int = 50) -> float:
     """Median GPU time (us) of one replay of a CUDA graph of ``fn(*args)``, by CUDA events: the
-    kernels alone, no host overhead (a decode step replays its layers inside one graph)."""
-    for _ in range(3):  # compile and warm up on a side stream, as graph capture wants
-        fn(*args)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(*args)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    kernels alone, no host overhead (a decode step replays its layers inside one graph);
+    ``afd-compile profile``'s own timer."""
+    return time_us(fn, args, iters, torch.device("cuda"), graph=True)["median_us"]
 
 
 def _bandwidth() -> float:
