@@ -24,13 +24,14 @@ import torch
 import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers the afd:: ops)
+from ..errors import AFDCompileError
 
 _afd = torch.ops.afd
 SENDS = {_afd.p2p_send.default, _afd.p2p_send_group.default}
 RECEIVES = {_afd.p2p_recv.default, _afd.p2p_recv_group.default}
 
 
-class LoopbackError(RuntimeError):
+class LoopbackError(AFDCompileError):
     """A program whose exchange this pass cannot take out (staged or fused exchange ops)."""
 
 
