@@ -44,6 +44,8 @@ ASSUMPTIONS = (
     "decode steps: one new token per sequence a step, so the time per output token is the step time",
     "per-layer times come from the profiled programs: linear between profiled sizes, the first size's "
     "time below it (weight-bound), the line through the last two past it",
+    "an MoE FFN between profiled rows follows the experts its rows reach (top-k of E, routed uniformly: "
+    "E (1 - (1 - k/E)^R)) and its rows, fitted through the profiled points",
     "an attention layer's KV read grows linearly with the context between / past profiled contexts",
     "a group of P ranks splitting a layer's weights (TP, EP) runs the group's rows in 1/P of the time "
     "one GPU takes for them (the same bytes and FLOPs over P)",
@@ -60,9 +62,16 @@ ASSUMPTIONS = (
 class Curve:
     """Measured µs at sizes (tokens or rows): linear between the points; below the first, its value
     (a step at fewer rows costs no less: weight-bound); past the last, the line through the last two
-    (one point: its value everywhere)."""
+    (one point: its value everywhere).
+
+    ``routing = (E, k)`` (an MoE FFN's rows, each to its top ``k`` of ``E`` experts): between the
+    points the time follows :func:`experts_reached` (the expert weights the rows read) and the rows,
+    ``a + b * experts_reached(R) + c * R`` fitted by least squares to the points, plus the fit's
+    residual interpolated linearly (so the curve still passes through every measured point). A
+    straight line between 8 and 64 rows misses the knee where nearly every expert is reached."""
 
     points: tuple[tuple[int, float], ...]
+    routing: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         xs = [x for x, _ in self.points]
@@ -74,11 +83,56 @@ class Curve:
         pts = self.points
         if x <= pts[0][0] or len(pts) == 1:
             return pts[0][1]
+        fit = self._routed_fit()
+        if fit is not None:
+            return self._routed_at(x, fit)
         for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
             if x <= x1:
                 return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
         (x0, y0), (x1, y1) = pts[-2], pts[-1]
         return max(y1, y1 + (y1 - y0) * (x - x1) / (x1 - x0))
+
+    def _routed_fit(self) -> tuple[float, float, float] | None:
+        experts, top_k = self.routing
+        if experts <= 0 or top_k <= 0 or len(self.points) < 3:
+            return None
+        rows = [(1.0, experts_reached(x, experts, top_k), float(x)) for x, _ in self.points]
+        return _least_squares(rows, [y for _, y in self.points])
+
+    def _routed_at(self, x: float, fit: tuple[float, float, float]) -> float:
+        experts, top_k = self.routing
+        model = lambda r: fit[0] + fit[1] * experts_reached(r, experts, top_k) + fit[2] * r  # noqa: E731
+        pts = self.points
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+            if x <= x1:
+                r0, r1 = y0 - model(x0), y1 - model(x1)
+                return model(x) + r0 + (r1 - r0) * (x - x0) / (x1 - x0)
+        x1, y1 = pts[-1]
+        return max(y1, model(x) + y1 - model(x1))
+
+
+def experts_reached(rows: float, experts: int, top_k: int) -> float:
+    """The distinct experts ``rows`` tokens reach, each routed to ``top_k`` of ``experts`` uniformly:
+    ``E (1 - (1 - k/E)^R)`` (every expert once the rows are many)."""
+    return experts * (1.0 - (1.0 - min(top_k, experts) / experts) ** rows)
+
+
+def _least_squares(rows: list[tuple[float, float, float]], ys: list[float]) -> tuple[float, float, float] | None:
+    """The least-squares solution of ``rows @ c = ys`` (three unknowns) by the normal equations;
+    None when they are singular (the points do not tell the terms apart)."""
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(3)] + [sum(r[i] * y for r, y in zip(rows, ys, strict=True))]
+         for i in range(3)]
+    scale = max(abs(v) for row in a for v in row[:3]) or 1.0
+    for col in range(3):  # Gaussian elimination with partial pivoting
+        piv = max(range(col, 3), key=lambda i: abs(a[i][col]))
+        if abs(a[piv][col]) < 1e-12 * scale:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for i in range(3):
+            if i != col:
+                f = a[i][col] / a[col][col]
+                a[i] = [v - f * w for v, w in zip(a[i], a[col], strict=True)]
+    return (a[0][3] / a[0][0], a[1][3] / a[1][1], a[2][3] / a[2][2])
 
 
 @dataclass(frozen=True)

@@ -301,12 +301,13 @@ def _device_record(device: torch.device) -> dict[str, Any]:
     return {"type": "cpu", "name": "cpu", "memory_bytes": int(total)}
 
 
-def _curve(rec: dict, key: str, size: str, per: Callable[[int, float], float], path: str) -> Curve:
+def _curve(rec: dict, key: str, size: str, per: Callable[[int, float], float], path: str,
+           routing: tuple[int, int] = (0, 0)) -> Curve:
     rows = rec.get(key)
     if not isinstance(rows, list) or len(rows) < 2:
         raise ProfileError(f"{path}: '{key}' needs at least 2 measured sizes, has {len(rows or [])}: profile again")
     try:
-        return Curve(tuple((int(r[size]), max(0.0, per(int(r[size]), float(r["median_us"])))) for r in rows))
+        return Curve(tuple((int(r[size]), max(0.0, per(int(r[size]), float(r["median_us"])))) for r in rows), routing)
     except (KeyError, TypeError, ValueError) as e:
         raise ProfileError(f"{path}: '{key}': {e}: not a profile afd-compile wrote") from None
 
@@ -341,7 +342,7 @@ def read_profile(path: str, model: str | None = None, device: str | None = None,
         facts = ModelFacts(**{**facts.__dict__, "layers": layers or k})
         head = _curve(rec, "head", "tokens", lambda t, us: us, path)
         attention = _curve(rec, "attention", "tokens", lambda t, us: (us - head.at(t)) / k, path)
-        ffn = _curve(rec, "ffn", "rows", lambda r, us: us / k, path)
+        ffn = _curve(rec, "ffn", "rows", lambda r, us: us / k, path, (facts.experts, facts.top_k))
         contexts = sorted({int(r["context"]) for r in rec.get("kv") or []})
         if not contexts:
             raise ProfileError(f"{path}: 'kv' has no measured context: profile again")

@@ -16,6 +16,7 @@ from afd_compile.estimate import (
     afd,
     best,
     candidates,
+    experts_reached,
     search,
     tp,
 )
@@ -47,6 +48,29 @@ def test_curve(points, x, want):
 def test_a_bad_curve_is_refused(points):
     with pytest.raises(EstimateError, match="ascending sizes"):
         Curve(points)
+
+
+@pytest.mark.parametrize("rows,want", [(1, 8.0), (2, 8.0 + 7.5), (10**4, 128.0)])
+def test_experts_reached(rows, want):  # top 8 of 128: the first row 8 experts, the second 8 x 120/128 new ones
+    assert experts_reached(rows, 128, 8) == pytest.approx(want)
+
+
+def _moe(r: float) -> float:  # an MoE FFN's time: 20 µs + 2 µs per expert reached + 0.5 µs per row
+    return 20.0 + 2.0 * experts_reached(r, 128, 8) + 0.5 * r
+
+
+def test_an_moe_curve_follows_the_experts_its_rows_reach():
+    points = tuple((r, _moe(r)) for r in (1, 8, 64, 256))
+    routed, straight = Curve(points, (128, 8)), Curve(points)
+    assert [routed.at(r) for r in (1, 8, 64, 256)] == pytest.approx([y for _, y in points])  # through the points
+    assert [routed.at(r) for r in (4, 16, 32, 512)] == pytest.approx([_moe(r) for r in (4, 16, 32, 512)])
+    assert straight.at(16) < _moe(16) - 40  # a straight line misses the knee by ~45 µs
+    off = Curve(tuple((r, y + (5.0 if r == 8 else 0.0)) for r, y in points), (128, 8))  # noise at one point
+    assert off.at(8) == pytest.approx(_moe(8) + 5.0) and abs(off.at(16) - _moe(16)) < 5.0
+
+
+def test_an_moe_curve_of_two_points_is_a_line():  # three terms need three points
+    assert Curve(((1, 10.0), (3, 30.0)), (128, 8)).at(2) == pytest.approx(20.0)
 
 
 def test_kv_read_is_linear_in_the_context():
