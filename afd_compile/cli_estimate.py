@@ -31,8 +31,7 @@ def add_profile_parser(sub: argparse._SubParsersAction, quiet: object, imports: 
     p = sub.add_parser("profile", help="time each rank kind's program of MODEL.pt2 on this machine's device (one "
                        "GPU): the attention and FFN programs, the LM head, one layer's KV read, the model whole; "
                        "writes the profile plan --estimate reads")
-    p.add_argument("model", metavar="MODEL.pt2", help="an export with a dynamic batch (a deep model: an export of a "
-                   "few of its layers; plan --estimate --layers N scales)")
+    p.add_argument("model", metavar="MODEL.pt2", help="an export with a dynamic batch")
     p.add_argument("-o", "--output", required=True, metavar="PROFILE.json", help="the profile to write")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     p.add_argument("--tokens", dest="profile_tokens", type=_sizes, default=TOKENS, metavar="T1,T2,...",
@@ -42,6 +41,9 @@ def add_profile_parser(sub: argparse._SubParsersAction, quiet: object, imports: 
                    help=f"KV cache lengths one layer's attention reads (default {','.join(map(str, CONTEXTS))})")
     p.add_argument("--kv-batches", type=_sizes, default=KV_BATCHES, metavar="B1,B2,...",
                    help=f"batches of that KV read (default {','.join(map(str, KV_BATCHES))})")
+    p.add_argument("--layers", dest="profile_layers", type=count_flag(1, 100000), metavar="K", help="time the "
+                   "first K layers only (a model too big for the device: layers are identical in structure, the "
+                   "profile keeps the model's depth and plan --estimate scales to it; default: every layer)")
     p.add_argument("--iters", type=count_flag(1, 10000), default=20, help="timed calls per size (default 20)")
     p.add_argument("--no-compile", action="store_true", help="time the FX programs as they are (no Inductor, "
                    "no CUDA graphs): quick, not what the backend runs")
@@ -64,7 +66,7 @@ def add_estimate_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=count_flag(1, 1 << 20), metavar="B",
                    help="sequences per attention rank (AFD) / TP replica instead of the best batch")
     g.add_argument("--layers", type=count_flag(1, 100000), metavar="N", help="the real model's layers (default: "
-                   "the profiled export's)")
+                   "the profiled model's: an export of a few layers of a deep model needs it)")
     g.add_argument("--link", default="nvlink", metavar="nvlink|ib|GBPS,LATENCY_US", help="the link between the "
                    "AFD roles and of EP's all-to-all past one node (default nvlink; groups stay inside a node)")
     g.add_argument("--device-name", metavar="NAME", help="refuse a profile measured on another device (a part "
@@ -169,8 +171,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     say = (lambda s: None) if args.quiet else (lambda s: print(f"profile: {s}", flush=True))
     say(f"{args.model} on {device}{'' if args.no_compile else ' (compiling each program first)'}")
     rec = run_profile(args.model, device, args.profile_tokens, args.contexts, args.kv_batches, args.iters,
-                      not args.no_compile, say)
+                      not args.no_compile, say, args.profile_layers)
     write_json(args.output, rec)
+    m = rec["model"]
     print(f"profile: wrote {args.output} ({rec['device']['name']}, {len(rec['attention'])} sizes, "
-          f"{len(rec['kv'])} KV reads)")
+          f"{len(rec['kv'])} KV reads, {m['profiled_layers']} of {m['layers']} layers timed)")
     return EXIT_OK

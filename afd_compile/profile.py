@@ -15,8 +15,10 @@ From ``MODEL.pt2`` (an export with a dynamic batch, as the quick start's), on on
 
 :func:`read_profile` checks one and turns it into the cost model's :class:`~afd_compile.estimate.Costs`
 per layer (the attention program less the head, over its layers; the FFN program over its layers).
-A deep model is profiled as an export of a few of its layers (its config with fewer layers: layers
-are identical in structure); ``plan --estimate --layers N`` scales to the real depth.
+A deep model is timed on a few of its layers (``layers=K``: ``passes/keep_layers.py`` keeps each
+program's first K, layers being identical in structure; their weights alone go to the device) and
+the record keeps its depth; or an export of a few layers (its config with fewer) is profiled and
+``plan --estimate --layers N`` scales it to the real depth.
 """
 
 from __future__ import annotations
@@ -161,25 +163,35 @@ def time_us(fn: Callable[..., Any], args: Sequence[Any], iters: int, device: tor
             "p90_us": round(pick(0.9), 2)}
 
 
-def role_programs(ep: torch.export.ExportedProgram, device: torch.device) -> tuple[dict[str, fx.GraphModule], Any]:
+def role_programs(ep: torch.export.ExportedProgram, device: torch.device,
+                  layers: int | None = None) -> tuple[dict[str, fx.GraphModule], Any, dict[str, Any]]:
     """The attention and FFN programs of the 1A1F split (exchange taken out, lowered for ``device``)
-    and the model with no layout, on ``device``; and the split (for :func:`model_facts`)."""
+    and the model with no layout, on ``device``; the split; and :func:`model_facts` of the whole
+    model. ``layers``: keep only the first ``layers`` layers of each program (``passes/keep_layers.py``:
+    a deep model timed on a few of its layers, its dropped layers' weights never on the device)."""
     from .deploy import no_layout_program, plan_afd
+    from .passes.keep_layers import keep_layers
     from .passes.loopback import loopback_exchange
+    from .passes.roles import annotate_roles
     from .pipeline import Build, lower
     from .programs import fresh_module
     from .split_api import SplitConfig
 
     result = plan_afd(ep, None, SplitConfig())
+    facts = model_facts(result, ep)
     programs = {"attention": result.attention, "ffn": result.ffn, "model": fresh_module(ep)}
     for kind, gm in programs.items():
         if kind == "model":
             no_layout_program(gm, Build("none", device=device.type))
         else:
             loopback_exchange(gm, return_first_sent=kind == "attention")
+        if layers is not None:
+            if kind == "model":
+                annotate_roles(gm, graph_name="the model")
+            keep_layers(gm, layers, f"the {kind} program")
         lower(gm, Build("none" if kind == "model" else f"afd-{kind}", device=device.type))
         programs[kind] = gm.to(device)
-    return programs, result
+    return programs, result, facts
 
 
 def _compiled(gm: fx.GraphModule, device: torch.device, compile: bool) -> Callable[..., Any]:
@@ -215,15 +227,18 @@ def _decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
 
 def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS, contexts: Sequence[int] = CONTEXTS,
                 kv_batches: Sequence[int] = KV_BATCHES, iters: int = 20, compile: bool = True,
-                say: Callable[[str], None] = lambda _s: None) -> dict[str, Any]:
-    """Profile the model at ``path`` on ``device`` (see the module docstring); returns the JSON record."""
+                say: Callable[[str], None] = lambda _s: None, layers: int | None = None) -> dict[str, Any]:
+    """Profile the model at ``path`` on ``device`` (see the module docstring); returns the JSON record.
+    ``layers``: time the first ``layers`` layers only (the record keeps the model's depth)."""
     from .programs import flat_inputs, load_program
     from .saved import sha256_of
 
     ep = load_program(path)
     example = flat_inputs(ep)
-    programs, result = role_programs(ep, device)
-    facts = model_facts(result, ep)
+    programs, result, facts = role_programs(ep, device, layers)
+    kept = min(layers or facts["layers"], facts["layers"])
+    say(f"programs of {kept} of {facts['layers']} layers ready" if kept < facts["layers"] else
+        f"programs of all {kept} layers ready")
     dtype = getattr(torch, facts["dtype"])
     timed: dict[str, list[dict[str, Any]]] = {"attention": [], "ffn": [], "no_layout": [], "head": [], "kv": []}
     calls = {k: _compiled(gm, device, compile) for k, gm in programs.items()}
@@ -247,7 +262,8 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"format": PROFILE_FORMAT, "created": now,
             "device": _device_record(device), "torch": torch.__version__, "compiled": compile, "iters": iters,
-            "model": {"file": os.path.basename(path), "sha256": sha256_of(path), **facts}, **timed}
+            "model": {"file": os.path.basename(path), "sha256": sha256_of(path), **facts,
+                      "profiled_layers": kept}, **timed}
 
 
 def kv_times(facts: dict[str, Any], contexts: Sequence[int], batches: Sequence[int], iters: int, device: torch.device,
@@ -337,9 +353,9 @@ def read_profile(path: str, model: str | None = None, device: str | None = None,
         raise ProfileError(f"{path} was measured on {dev.get('name')!r}, not on a {device}: profile on the "
                            "device you estimate for")
     try:
-        k = int(m["layers"])
+        k = int(m.get("profiled_layers", m["layers"]))  # (the layers timed; the model's depth: "layers")
         facts = ModelFacts(**{f: int(m[f]) for f in ModelFacts.__dataclass_fields__})
-        facts = ModelFacts(**{**facts.__dict__, "layers": layers or k})
+        facts = ModelFacts(**{**facts.__dict__, "layers": layers or facts.layers})
         head = _curve(rec, "head", "tokens", lambda t, us: us, path)
         attention = _curve(rec, "attention", "tokens", lambda t, us: (us - head.at(t)) / k, path)
         ffn = _curve(rec, "ffn", "rows", lambda r, us: us / k, path, (facts.experts, facts.top_k))

@@ -21,11 +21,11 @@ GOLDEN_PROFILE = os.path.join(os.path.dirname(__file__), "golden", "profile_llam
 
 @pytest.fixture(scope="module")
 def profiled(exported, tmp_path_factory):
-    """(model path, profile path) of a quick profile of the 2-layer Llama on the CPU."""
+    """(model path, profile path) of a quick profile of the 2-layer Llama on the CPU, one layer timed."""
     _, path = exported("llama2")
     out = str(tmp_path_factory.mktemp("profile") / "p.json")
-    assert main(["profile", path, "-o", out, "--device", "cpu", "--tokens", "1,4", "--contexts", "32,64",
-                 "--kv-batches", "1,2", "--iters", "2", "--no-compile", "-q"]) == 0
+    assert main(["profile", path, "-o", out, "--device", "cpu", "--layers", "1", "--tokens", "1,4",
+                 "--contexts", "32,64", "--kv-batches", "1,2", "--iters", "2", "--no-compile", "-q"]) == 0
     return path, out
 
 
@@ -35,6 +35,7 @@ def test_profile_writes_what_the_estimate_reads(profiled):
         rec = json.load(f)
     assert rec["format"] == PROFILE_FORMAT and rec["device"]["type"] == "cpu" and rec["compiled"] is False
     assert rec["model"]["sha256"] == sha256_of(path)
+    assert (rec["model"]["layers"], rec["model"]["profiled_layers"]) == (2, 1)  # (the model's depth, the layers timed)
     assert [r["tokens"] for r in rec["attention"]] == [1, 4] and [r["rows"] for r in rec["ffn"]] == [1, 4]
     assert {(r["batch"], r["context"]) for r in rec["kv"]} == {(1, 32), (2, 32), (1, 64), (2, 64)}
     assert all(r["median_us"] > 0 and r["p10_us"] <= r["median_us"] <= r["p90_us"]
@@ -77,6 +78,45 @@ def test_the_exchange_taken_out_keeps_each_roles_compute(exported):
     assert out[-1].shape == (x.numel(), 64)
     ref = attention(*flat_inputs(ep))
     torch.testing.assert_close(out[0], ref[0] if isinstance(ref, (tuple, list)) else ref)
+
+
+@pytest.mark.parametrize("family,layers,keep", [("llama", 3, 2), ("qwen3_moe", 2, 1)])
+def test_keep_layers_is_the_models_first_layers(family, layers, keep):
+    """profile --layers K: each program keeps its first K layers (and only their weights); the model's
+    program then computes what the model cut to K layers computes."""
+    from afd_compile.models import build_hf, export_lm
+    from afd_compile.profile import inputs_at, role_programs
+    from afd_compile.programs import flat_inputs
+
+    model = build_hf(family, num_layers=layers)
+    ep = export_lm(model, vocab_size=128)
+    whole, _, facts = role_programs(copy.deepcopy(ep), torch.device("cpu"))
+    cut, _, cut_facts = role_programs(ep, torch.device("cpu"), layers=keep)
+    assert cut_facts == facts and facts["layers"] == layers  # (the facts: of the whole model)
+    for kind in whole:
+        weights = lambda gm: sum(t.numel() for t in [*gm.parameters(), *gm.buffers()])  # noqa: E731
+        assert weights(cut[kind]) < weights(whole[kind])
+    ids = inputs_at(cut["model"], flat_inputs(ep), 3, torch.device("cpu"))
+    decoder = model.model.model  # (LogitsOnly -> ForCausalLM -> the decoder)
+    decoder.layers = decoder.layers[:keep]
+    with torch.no_grad():
+        want = model(ids[0])
+    got = cut["model"](*ids)
+    torch.testing.assert_close(got[0] if isinstance(got, (tuple, list)) else got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_keep_layers_refuses_layers_not_alike(exported):
+    from afd_compile.passes.keep_layers import KeepLayersError, keep_layers
+    from afd_compile.passes.roles import annotate_roles
+    from afd_compile.programs import fresh_module
+
+    gm = fresh_module(exported("qwen3moe3_mixed")[0])  # (layer 1 a dense MLP, layers 0 and 2 MoE)
+    annotate_roles(gm)
+    with pytest.raises(KeepLayersError, match="graph: layer 1 is not like layer 0 .* profile the whole model"):
+        keep_layers(gm, 1)
+    with pytest.raises(KeepLayersError, match="keep 0 layers"):
+        keep_layers(gm, 0)
+    assert keep_layers(gm, 3) == 3  # (all of them: nothing to drop)
 
 
 def _fixed_profile(model: str, tmp_path) -> str:

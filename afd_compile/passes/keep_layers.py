@@ -1,0 +1,102 @@
+"""Keep a program's first K layers: the few layers ``profile --layers K`` times of a deep model.
+
+A decoder's layers are identical in structure, so K of them time like any K: the program keeps
+layers ``0 .. K-1`` and whatever is outside the layers (embedding, masks, final norm, LM head).
+Every layer must hold the same ops in the same order (size arithmetic aside: export computes a
+shared size once, in the first layer that needs it). Every node outside the dropped layers that
+read a node of a dropped layer reads instead its twin, the node at the same place in layer ``K-1``
+(a size: a kept node of the same value); the dropped layers' nodes and the weights only they read
+go. Before / after at K = 1 of 2 layers::
+
+    x1 = add(x0, mlp0(...))  L0     x2 = add(x1, mlp1(...))  L1     y = norm(x2)  -
+ -> x1 = add(x0, mlp0(...))  L0                                      y = norm(x1)  -
+
+Reads the layers from ``node.meta["afd.role"]`` (``passes/roles.py``); records nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..errors import AFDCompileError
+from .roles import META_KEY
+
+
+class KeepLayersError(AFDCompileError):
+    """The layers cannot be cut down to K: too few of them, or not identical in structure."""
+
+
+def _signature(n: fx.Node) -> tuple[str, str]:
+    """What must match between a node and its twin: its kind, and the op it calls (a weight's name
+    differs from layer to layer)."""
+    return n.op, str(n.target) if n.op in ("call_function", "call_method") else ""
+
+
+def _is_size(n: fx.Node) -> bool:
+    """Size arithmetic (export computes a shared ``s0 * s1`` once, in the first layer that needs it)."""
+    return isinstance(n.meta.get("val"), (int, torch.SymInt))
+
+
+def _layers(gm: fx.GraphModule, graph_name: str) -> list[list[fx.Node]]:
+    by_layer: dict[int, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        role = n.meta.get(META_KEY)  # (none: outside the layers, as a split program's inputs and output)
+        if role is not None and role.layer is not None:
+            by_layer.setdefault(role.layer, []).append(n)
+    if not by_layer:
+        raise KeepLayersError(f"{graph_name}: no node has a layer role: annotate the roles first")
+    return [by_layer.get(i, []) for i in range(max(by_layer) + 1)]
+
+
+def keep_layers(gm: fx.GraphModule, k: int, graph_name: str = "graph") -> int:
+    """Keep the first ``k`` layers of ``gm`` in place (see the module docstring); returns how many
+    layers it had. Refused (KeepLayersError): ``k < 1``, no layer roles, layers that are not alike
+    (their ops, size arithmetic aside, in another order: the few kept would not stand for the rest)."""
+    if k < 1:
+        raise KeepLayersError(f"{graph_name}: keep {k} layers: give at least 1")
+    layers = _layers(gm, graph_name)
+    total = len(layers)
+    if k >= total:
+        return total
+    ops = [[n for n in layer if not _is_size(n)] for layer in layers]
+    last = ops[k - 1]
+    for j, layer in enumerate(ops):
+        if [_signature(n) for n in layer] != [_signature(n) for n in last]:
+            raise KeepLayersError(
+                f"{graph_name}: layer {j} is not like layer {k - 1} ({len(layer)} ops against {len(last)}, size "
+                f"arithmetic aside): its layers differ in structure, so the first {k} do not stand for all "
+                f"{total}; profile the whole model")
+    dropped = {n for layer in layers[k:] for n in layer}
+    twins = {n: last[i] for layer in ops[k:] for i, n in enumerate(layer)}
+    sizes = {str(n.meta["val"]): n for n in gm.graph.nodes if _is_size(n) and n not in dropped}
+    for n in list(gm.graph.nodes):
+        for src in [s for s in n.all_input_nodes if s in dropped] if n not in dropped else []:
+            twin = twins.get(src) or sizes.get(str(src.meta.get("val")))
+            if twin is None:
+                raise KeepLayersError(f"{graph_name}: {n.name} reads {src.name} of a dropped layer, a size no "
+                                      "kept node computes: profile the whole model")
+            n.replace_input_with(src, twin)
+    for n in reversed(list(gm.graph.nodes)):
+        if n in dropped:
+            gm.graph.erase_node(n)  # (its users: dropped, erased first, or rerouted above)
+    for n in [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]:
+        gm.graph.erase_node(n)
+    _drop_unused_attrs(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return total
+
+
+def _drop_unused_attrs(gm: fx.GraphModule) -> None:
+    """Delete the parameters and buffers no get_attr reads (a dropped layer's weights), so that
+    moving the program to a device moves only the layers kept."""
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    gm.delete_all_unused_submodules()
+    for name, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+        if name in used or any(name.startswith(u + ".") for u in used):
+            continue
+        owner_path, _, attr = name.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        if hasattr(owner, attr):
+            delattr(owner, attr)
