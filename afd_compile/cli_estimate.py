@@ -11,6 +11,7 @@ from .cli_checks import UsageError
 from .limits import MAX_RANKS, count_flag
 
 EXIT_OK = 0
+TOP = 20  # the layouts --search shows
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -59,6 +60,8 @@ def add_estimate_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--search", action="store_true", help="rank every AFD and TP/EP layout of --gpus GPUs that meets "
                    "--tpot-ms, most tokens/s per GPU first")
     g.add_argument("--gpus", type=count_flag(2, MAX_RANKS), metavar="N", help="GPUs of the deployment (--search)")
+    g.add_argument("--top", type=count_flag(1, 100000), metavar="K", help=f"--search: the K best layouts in the "
+                   f"table (default {TOP}; --json holds every one)")
     g.add_argument("--tpot-ms", type=float, metavar="MS", help="time per output token target: each layout at the "
                    "largest batch that meets it (default: the largest that fits in memory)")
     g.add_argument("--context", type=count_flag(1, 1 << 24), default=4096, metavar="C",
@@ -85,7 +88,7 @@ def check_estimate_flags(args: argparse.Namespace) -> None:
         return
     if args.estimate is None:
         given = [f for f, v in (("--search", args.search), ("--gpus", args.gpus), ("--tpot-ms", args.tpot_ms),
-                                ("--batch", args.batch), ("--layers", args.layers)) if v]
+                                ("--batch", args.batch), ("--layers", args.layers), ("--top", args.top)) if v]
         if given:
             raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to plan --estimate "
                              "PROFILE.json: add it")
@@ -99,6 +102,8 @@ def check_estimate_flags(args: argparse.Namespace) -> None:
         raise UsageError("--search ranks the layouts of --gpus N GPUs that meet --tpot-ms MS: give both")
     if args.tpot_ms is not None and not 0 < args.tpot_ms < 1e6:
         raise UsageError(f"--tpot-ms {args.tpot_ms}: give milliseconds > 0")
+    if args.top is not None and not args.search:
+        raise UsageError("--top K shows the K best layouts of --search: add --search --gpus N --tpot-ms MS")
     if args.search and args.batch is not None:
         raise UsageError("--search picks each layout's batch under --tpot-ms: drop --batch")
     try:
@@ -128,7 +133,10 @@ def print_estimate(args: argparse.Namespace, layout: object) -> int:
                           "assumptions": list(est.ASSUMPTIONS)}, indent=2))
         return EXIT_OK
     print(head)
-    print(est.table(rows) if rows else "no layout meets the target (or fits in memory)")
+    shown = rows[:args.top or TOP] if args.search else rows
+    print(est.table(shown) if rows else "no layout meets the target (or fits in memory)")
+    if len(shown) < len(rows):
+        print(f"... and {len(rows) - len(shown)} more layouts meeting the target (--top K shows K; --json holds all)")
     print("assumptions:")
     for a in est.ASSUMPTIONS:
         print(f"  - {a}")
@@ -143,9 +151,8 @@ def _layout_rows(costs: object, facts: object, layout: object, args: argparse.Na
         return fn(args.batch) if args.batch else est.best(fn, args.tpot_ms)
 
     if isinstance(layout, AFDLayout):
-        if layout.attn_tp > 1:
-            raise UsageError("--estimate: attention TP groups (--attn-tp) are not in the cost model yet")
-        cand = est.AFDCandidate(layout.attention_ranks, layout.ffn_ranks, args.stages, layout.ffn_tp, layout.ffn_ep)
+        cand = est.AFDCandidate(layout.attention_ranks, layout.ffn_ranks, args.stages, layout.ffn_tp, layout.ffn_ep,
+                                layout.attn_tp)
         gpus = layout.attention_ranks + layout.ffn_ranks
         rows = [at_best(lambda b: est.afd(costs, facts, cand, b, args.context, link))]
     elif layout is not None:  # TPLayout

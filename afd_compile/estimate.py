@@ -4,7 +4,9 @@ Pure arithmetic over measured parts (``afd-compile profile`` writes them; :mod:`
 reads them into :class:`Costs`), no torch. A decode step (one new token per sequence) of a layout:
 
 - **AFD A:F, S stages** (MegaScale-Infer's ping-pong): per layer and micro-batch of ``b/S`` sequences
-  an attention rank takes ``ta`` (its layer at ``b/S`` tokens plus the KV read at the context), the
+  an attention rank takes ``ta`` (its layer at ``b/S`` tokens plus the KV read at the context; in an
+  attention TP group of ``t``, the group's ``b/S`` sequences with heads split ``t`` ways, plus a
+  reduce-scatter and an all-gather of them, each rank sending ``1/t`` of the rows), the
   exchange ``tc`` each way at the FFN rank's link (it fans in ``A/F`` peers), the FFN rank ``tf`` (its
   layer at ``A/F * b/S`` rows; in a group of ``P`` the group's rows over ``P`` ranks, plus the group's
   collectives). ``S`` micro-batches circulate through attention -> wire -> FFN -> wire: a layer costs
@@ -48,7 +50,8 @@ ASSUMPTIONS = (
     "E (1 - (1 - k/E)^R)) and its rows, fitted through the profiled points",
     "an attention layer's KV read grows linearly with the context between / past profiled contexts",
     "a group of P ranks splitting a layer's weights (TP, EP) runs the group's rows in 1/P of the time "
-    "one GPU takes for them (the same bytes and FLOPs over P)",
+    "one GPU takes for them (the same bytes and FLOPs over P); a TP group of t reads its KV cache split "
+    "min(t, KV heads) ways (past the KV heads, each rank reads a whole head)",
     "AFD S stages: a layer costs max(S x the slowest of attention, FFN, each wire direction; one "
     "micro-batch's attention + wire + FFN + wire); the LM head runs after the last layer, not overlapped",
     "a transfer or collective costs the link's latency plus its bytes at the link's bandwidth; ring "
@@ -229,10 +232,12 @@ class AFDCandidate:
     stages: int = 1
     ffn_tp: int = 1
     ffn_ep: int = 1
+    attn_tp: int = 1  # attention TP groups of this many ranks, each a DP group of its own sequences
 
     def __str__(self) -> str:
         group = f" ffn_tp={self.ffn_tp}" if self.ffn_tp > 1 else f" ffn_ep={self.ffn_ep}" if self.ffn_ep > 1 else ""
-        return f"AFD {self.attention}A{self.ffn}F S={self.stages}{group}"
+        att = f" attn_tp={self.attn_tp}" if self.attn_tp > 1 else ""
+        return f"AFD {self.attention}A{self.ffn}F S={self.stages}{att}{group}"
 
 
 @dataclass(frozen=True)
@@ -289,15 +294,20 @@ def _group_rows(costs: Costs, rows: float, parts: int) -> float:
 
 def afd(costs: Costs, facts: ModelFacts, cand: AFDCandidate, batch: int, context: int, link: Link,
         group_link: Link | None = None) -> Estimate:
-    """AFD ``cand`` with ``batch`` sequences per attention rank (see the module docstring)."""
+    """AFD ``cand`` with ``batch`` sequences per attention rank, or per attention TP group (see the
+    module docstring)."""
     s = min(cand.stages, batch)
     micro = batch / s
-    ta = costs.attention.at(micro) + costs.kv.at(micro, context)
+    t = cand.attn_tp
+    kv_split = min(t, max(facts.kv_heads, 1))
+    glink = group_link or link
+    ta = costs.attention.at(micro) / t + costs.kv.at(micro, context) / kv_split
+    if t > 1:  # the group's partial sums reduce-scattered at the cut, the tokens all-gathered after it
+        ta += 2 * glink.us(micro * facts.hidden_bytes * (t - 1) / t)
     fan_in = cand.attention / cand.ffn
-    rows = fan_in * micro  # per FFN rank and micro-batch
+    rows = fan_in * micro / t  # per FFN rank and micro-batch (each attention rank sends its 1/t of its group's)
     parts = max(cand.ffn_tp, cand.ffn_ep)
     tf = _group_rows(costs, rows * parts, parts)
-    glink = group_link or link
     if cand.ffn_tp > 1:  # all-gather the group's rows, reduce-scatter the output
         tf += 2 * glink.us(rows * cand.ffn_tp * facts.hidden_bytes * (cand.ffn_tp - 1) / cand.ffn_tp)
     elif cand.ffn_ep > 1:  # dispatch and combine by all-to-all
@@ -307,11 +317,12 @@ def afd(costs: Costs, facts: ModelFacts, cand: AFDCandidate, batch: int, context
     tc_out = link.us(rows * facts.to_attention_bytes)
     layer = max(s * max(ta, tf, tc_in, tc_out), ta + tc_in + tf + tc_out)
     step = facts.layers * layer + costs.head.at(batch)
-    att_mem = facts.layers * (facts.attention_bytes + batch * context * facts.kv_bytes) + facts.other_bytes
+    att_mem = facts.layers * (facts.attention_bytes // t + batch * context * facts.kv_bytes // kv_split) \
+        + facts.other_bytes
     ffn_mem = facts.layers * facts.ffn_bytes // parts
     cap = costs.memory_bytes * MEMORY_USE
     unstaged = afd(costs, facts, replace(cand, stages=1), batch, context, link, group_link).layer_us if s > 1 else None
-    return Estimate(str(cand), cand.attention + cand.ffn, batch, batch * cand.attention, context, ta, tf,
+    return Estimate(str(cand), cand.attention + cand.ffn, batch, batch * cand.attention // t, context, ta, tf,
                     max(tc_in, tc_out), layer, step, {"attention rank": int(att_mem), "FFN rank": int(ffn_mem)},
                     att_mem <= cap and ffn_mem <= cap, unstaged)
 
@@ -345,16 +356,18 @@ def tp(costs: Costs, facts: ModelFacts, cand: TPCandidate, batch: int, context: 
 
 
 def candidates(gpus: int, facts: ModelFacts, max_stages: int = 3, max_group: int = 8) -> list:
-    """The layouts ``--search`` weighs on ``gpus`` GPUs: every AFD A:F (F <= A), S = 1..max_stages, FFN
-    TP / EP groups of up to ``max_group`` (EP for an MoE); TP of up to ``max_group`` (one node), with
-    an MoE also EP over all GPUs."""
+    """The layouts ``--search`` weighs on ``gpus`` GPUs: every AFD A:F (F <= A), S = 1..max_stages,
+    attention TP groups and FFN TP / EP groups of up to ``max_group`` (EP for an MoE); TP of up to
+    ``max_group`` (one node), with an MoE also EP over all GPUs. A TP group (attention or TP) splits
+    the KV heads evenly or holds whole copies of them."""
     out: list = []
     for f in range(1, gpus // 2 + 1):
+        groups = [(1, 1)] + [(p, 1) for p in _divisors(f, max_group) if p > 1]
+        groups += [(1, p) for p in _divisors(f, max_group) if p > 1 and facts.experts % p == 0 and facts.experts]
         for s in range(1, max_stages + 1):
-            groups = [(1, 1)] + [(p, 1) for p in _divisors(f, max_group) if p > 1]
-            groups += [(1, p) for p in _divisors(f, max_group) if p > 1 and facts.experts % p == 0 and facts.experts]
-            out += [AFDCandidate(gpus - f, f, s, gt, ge) for gt, ge in groups]
-    for t in _divisors(gpus, max_group):
+            out += [AFDCandidate(gpus - f, f, s, gt, ge, at) for at in _head_groups(gpus - f, facts, max_group)
+                    for gt, ge in groups]
+    for t in _head_groups(gpus, facts, max_group):
         out.append(TPCandidate(gpus, t))
         if facts.experts and facts.experts % gpus == 0 and gpus > 1:
             out.append(TPCandidate(gpus, t, ep=True))
@@ -363,6 +376,12 @@ def candidates(gpus: int, facts: ModelFacts, max_stages: int = 3, max_group: int
 
 def _divisors(n: int, most: int) -> list[int]:
     return [d for d in range(1, min(n, most) + 1) if n % d == 0]
+
+
+def _head_groups(n: int, facts: ModelFacts, most: int) -> list[int]:
+    """The TP group sizes of ``n`` ranks that split the attention's KV heads (or hold whole copies)."""
+    kv = max(facts.kv_heads, 1)
+    return [t for t in _divisors(n, most) if kv % t == 0 or t % kv == 0]
 
 
 def best(estimate: Callable[[int], Estimate], tpot_ms: float | None,

@@ -90,6 +90,9 @@ AFD_CASES = [
     (AFDCandidate(3, 1), 2, 100.0, 50.0, 11.0, 172.0),
     # FFN TP 2: half the FFN (flat: 50 / 2) + all-gather and reduce-scatter of 2 x 2 rows of 1000 bytes, (P-1)/P
     (AFDCandidate(2, 2, ffn_tp=2), 2, 100.0, 25.0 + 2 * (5.0 + 2.0), 7.0, 100 + 7 + 39.0 + 7),
+    # attention TP 2 (one group of 2 ranks, 2 sequences): heads halved (100 / 2, KV over both KV heads) +
+    # reduce-scatter and all-gather of 2 rows of 1000 bytes, (t-1)/t; each rank sends 1 row, the FFN rank gets 2
+    (AFDCandidate(2, 1, attn_tp=2), 2, 50.0 + 2 * (5.0 + 1.0), 50.0, 7.0, 62 + 7 + 50 + 7),
 ]
 
 
@@ -98,7 +101,8 @@ def test_afd_layer(cand, batch, att, ffn, wire, layer):
     e = afd(_costs(), FACTS, cand, batch, context=8, link=LINK)
     assert (e.attention_us, e.ffn_us, e.wire_us, e.layer_us) == pytest.approx((att, ffn, wire, layer))
     assert e.step_us == pytest.approx(layer + 10.0)  # + the head
-    assert e.tokens_per_s_per_gpu == pytest.approx(batch * cand.attention / (layer + 10.0) * 1e6 / e.gpus)
+    sequences = batch * cand.attention // cand.attn_tp  # (batch: per attention rank, or per attention TP group)
+    assert e.tokens_per_s_per_gpu == pytest.approx(sequences / (layer + 10.0) * 1e6 / e.gpus)
     if min(cand.stages, batch) > 1:  # what the stages buy: the same batch in one stage, the chain (here a loss:
         # flat curves, so each of 2 micro-batches costs what the whole batch did)
         assert e.stages_gain == pytest.approx((100 + 50 + 2 * (5.0 + batch * cand.attention / cand.ffn)) / layer)
@@ -111,6 +115,12 @@ def test_afd_memory_and_a_layout_that_does_not_fit():
     # attention rank: weights 1000 + KV 4 sequences x 8 positions x 10 bytes + head/embedding 100
     assert e.memory == {"attention rank": 1000 + 320 + 100, "FFN rank": 4000}
     assert not e.fits  # the FFN rank's 4000 bytes exceed 90% of 2000
+
+
+def test_attention_tp_splits_the_attention_ranks_memory():
+    e = afd(_costs(), FACTS, AFDCandidate(2, 1, attn_tp=2), 4, context=8, link=LINK)
+    # weights 1000 / 2 + KV 4 sequences x 8 positions x 10 bytes over 2 KV heads + head/embedding 100
+    assert e.memory["attention rank"] == 500 + 160 + 100 and e.sequences == 4
 
 
 def test_tp_layer():

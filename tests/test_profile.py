@@ -134,6 +134,10 @@ def test_estimate_from_a_fixed_profile(exported, tmp_path, capsys, check_golden)
     assert main(["plan", path, "--estimate", prof, "-A", "3", "-F", "1", "--stages", "2", "--context", "2048",
                  "--layers", "32", "--tpot-ms", "50"]) == 0
     text = capsys.readouterr().out.replace(prof, "PROFILE.json")
+    assert main(["plan", path, "--estimate", prof, "-A", "4", "--attn-tp", "2", "-F", "2", "--context", "2048",
+                 "--layers", "32", "--tpot-ms", "50", "--json"]) == 0
+    attn_tp = json.loads(capsys.readouterr().out)["estimates"][0]
+    assert attn_tp["layout"] == "AFD 4A2F S=1 attn_tp=2" and attn_tp["sequences"] == 2 * attn_tp["batch"]
     assert main(["plan", path, "--estimate", prof, "--search", "--gpus", "8", "--tpot-ms", "50", "--context", "2048",
                  "--layers", "32", "--link", "ib"]) == 0
     text += capsys.readouterr().out.replace(prof, "PROFILE.json")
@@ -169,6 +173,7 @@ def test_a_bad_profile_is_refused_in_one_line(exported, tmp_path, capsys, edit, 
     (["--estimate", "PROF", "--link", "fast", "-A", "1", "-F", "1"], "--link 'fast'"),
     (["--estimate", "PROF", "--mermaid"], "give one of them"),
     (["--estimate", "PROF"], "--estimate needs a layout"),
+    (["--estimate", "PROF", "-A", "1", "-F", "1", "--top", "3"], "--top K shows the K best layouts of --search"),
 ])
 def test_estimate_flags_are_checked(exported, tmp_path, capsys, argv, message):
     _, path = exported("llama2")
