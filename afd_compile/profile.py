@@ -365,6 +365,8 @@ def read_profile(path: str, model: str | None = None, device: str | None = None,
         kv = KVCurves(tuple(contexts), tuple(_curve({"kv": [r for r in rec["kv"] if int(r["context"]) == c]},
                                                     "kv", "batch", lambda b, us: us, path) for c in contexts))
         costs = Costs(str(dev["name"]), int(dev["memory_bytes"]), attention, ffn, head, kv)
+    except ProfileError:
+        raise
     except (KeyError, TypeError, ValueError) as e:
         raise ProfileError(f"{path}: missing or malformed field {e}: not a profile afd-compile wrote") from None
     return costs, facts, rec

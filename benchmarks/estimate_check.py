@@ -7,7 +7,8 @@ Qwen3-30B-A3B-shaped (``--family qwen3_moe``: hidden 2048, 32 heads, 4 KV heads,
 top 8) decoder of ``--layers`` layers, vocab 32000, bf16, random weights, exported on the GPU and
 profiled by ``afd_compile.profile.run_profile`` as ``afd-compile profile`` does (Inductor + CUDA
 graphs). One profile over a fine grid; the estimate is then made from a coarse subset of it and
-compared with the held-out sizes (measured in the same run). Prints the tables, writes JSON.
+compared with the held-out sizes (measured in the same run); a second profile timing ``--sliced``
+of the layers (``profile --layers K``) is compared with the whole one. Prints the tables, writes JSON.
 
     python benchmarks/estimate_check.py --family llama --json $OUT/estimate_check_llama.json
 """
@@ -92,6 +93,8 @@ def main() -> None:
     parser.add_argument("--family", choices=sorted(SHAPES), default="llama")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--sliced", type=int, default=2, help="also profile with --layers K (0: not) and compare "
+                        "its per-layer parts with the whole profile's (measured: the whole's)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--small", action="store_true", help="a tiny model on the CPU, uncompiled: checks the script")
     args = parser.parse_args()
@@ -117,6 +120,19 @@ def main() -> None:
         t = r["tokens"]
         rows.append(_row("no-layout step from the parts", f"T={t}", facts.layers * (coarse.attention.at(t)
                          + coarse.ffn.at(t)) + coarse.head.at(t), r["median_us"]))
+    if args.sliced:  # profile --layers K: K of the layers timed, scaled to all of them, against the whole
+        part = run_profile(path, dev, COARSE, CONTEXTS[:1], KV_BATCHES[:2], args.iters, not args.small, say,
+                           layers=args.sliced)
+        sliced, _, _ = _costs(part, os.path.join(tmp, "sliced.json"), path)
+        for t in COARSE:
+            rows.append(_row(f"attention layer, {args.sliced} of {facts.layers} layers timed", f"T={t}",
+                             sliced.attention.at(t), coarse.attention.at(t)))
+            rows.append(_row(f"FFN layer, {args.sliced} of {facts.layers} layers timed", f"R={t}",
+                             sliced.ffn.at(t), coarse.ffn.at(t)))
+        for r in rec["no_layout"]:
+            t = r["tokens"]
+            rows.append(_row(f"no-layout step from {args.sliced} layers timed", f"T={t}", facts.layers * (
+                sliced.attention.at(t) + sliced.ffn.at(t)) + sliced.head.at(t), r["median_us"]))
     recorded = []
     if args.family == "llama" and args.layers == 4 and not args.small:
         with_sdpa, _, _ = _costs({**rec, "kv": sdpa}, os.path.join(tmp, "sdpa.json"), path)

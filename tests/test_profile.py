@@ -150,8 +150,8 @@ def test_estimate_from_a_fixed_profile(exported, tmp_path, capsys, check_golden)
 @pytest.mark.parametrize("edit,flags,message", [
     (lambda r: r.update(format="x"), [], "not an afd-compile profile"),
     (lambda r: r["model"].update(sha256="0" * 64), [], "was measured on 'llama2.pt2' (sha256 000000000000...), not on"),
-    (lambda r: r.update(ffn=r["ffn"][:1]), [], "'ffn' needs at least 2 measured sizes, has 1"),
-    (lambda r: r.update(kv=[]), [], "'kv' has no measured context"),
+    (lambda r: r.update(ffn=r["ffn"][:1]), [], "fixed.json: 'ffn' needs at least 2 measured sizes, has 1: profile"),
+    (lambda r: r.update(kv=[]), [], "fixed.json: 'kv' has no measured context: profile again\n"),
     (lambda r: r["model"].pop("kv_bytes"), [], "missing or malformed field 'kv_bytes'"),
     (lambda r: None, ["--device-name", "H200"], "was measured on 'NVIDIA H100 80GB HBM3', not on a H200"),
 ])
@@ -163,7 +163,7 @@ def test_a_bad_profile_is_refused_in_one_line(exported, tmp_path, capsys, edit, 
     open(prof, "w").write(json.dumps(rec))
     assert main(["plan", path, "--estimate", prof, "-A", "1", "-F", "1", *flags]) == 2
     err = capsys.readouterr().err
-    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert message in err and len(err.strip().splitlines()) == 1 and err.count("fixed.json") == 1, err
 
 
 @pytest.mark.parametrize("argv,message", [
