@@ -58,23 +58,28 @@ def _attr_bytes(gm: fx.GraphModule) -> dict[str, int]:
     return {n.target: _bytes(get_attr_path(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
 
 
-def attention_shape(gm: fx.GraphModule) -> tuple[int, int, int, torch.dtype]:
-    """(query heads, KV heads, head_dim, dtype) of the first SDPA of ``gm``: the KV heads are the
-    fewest heads its key has on the way from its projection (before a repeat / expand)."""
+def attention_shape(gm: fx.GraphModule) -> tuple[int, int, int, int, torch.dtype]:
+    """(query heads, KV heads, key head size, value head size, dtype) of the first SDPA of ``gm``: the
+    KV heads are the fewest heads its key has on the way back from the SDPA through ops of one
+    tensor input (a repeat / expand / view) up to the transpose into heads: a key concatenated from
+    parts (MLA's per-head part and its shared rotary part, as HF traces DeepSeek) has the heads of
+    the concatenation."""
     sdpa = next((n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)), None)
     if sdpa is None:
         raise ProfileError("the attention program has no scaled_dot_product_attention: profile times SDPA attention")
-    q = sdpa.args[0].meta["val"]
+    q, v = sdpa.args[0].meta["val"], sdpa.args[2].meta["val"]
     heads, head_dim = int(q.shape[1]), int(q.shape[-1])
     kv, node = heads, sdpa.args[1]
     for _ in range(12):  # back through expand / reshape / transpose to the projection's view
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
         if isinstance(val, torch.Tensor) and val.dim() >= 4 and isinstance(val.shape[1], int):
             kv = min(kv, int(val.shape[1]))
-        if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
-            break
-        node = node.args[0]
-    return heads, kv, head_dim, q.dtype
+        tensors = [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)] \
+            if isinstance(node, fx.Node) else []
+        if len(tensors) != 1 or "transpose" in str(node.target) or "permute" in str(node.target):
+            break  # (sizes aside: a dynamic view reads the batch's size node too; past a transpose, no heads dim)
+        node = tensors[0]
+    return heads, kv, head_dim, int(v.shape[-1]), q.dtype
 
 
 def model_facts(result: Any, ep: torch.export.ExportedProgram) -> dict[str, Any]:
@@ -88,16 +93,16 @@ def model_facts(result: Any, ep: torch.export.ExportedProgram) -> dict[str, Any]
     other |= {n.args[0].target for n in result.attention.graph.nodes
               if n.target is torch.ops.aten.embedding.default and n.args[0].op == "get_attr"}
     other_bytes = sum(att.get(t, 0) for t in other)
-    heads, kv_heads, head_dim, dtype = attention_shape(result.attention)
+    heads, kv_heads, head_dim, v_head_dim, dtype = attention_shape(result.attention)
     moe = [r for r in result.moe if getattr(r, "op", None)]
     size = torch.empty(0, dtype=dtype).element_size()
     return {"layers": layers, "hidden": int(cuts[0].wire_in.tensors[0].width),
             "attention_bytes": (sum(att.values()) - other_bytes) // layers, "ffn_bytes": sum(ffn.values()) // layers,
-            "other_bytes": other_bytes, "kv_bytes": 2 * kv_heads * head_dim * size,
+            "other_bytes": other_bytes, "kv_bytes": kv_heads * (head_dim + v_head_dim) * size,
             "kv_heads": kv_heads, "to_ffn_bytes": cuts[0].wire_in.bytes_per_token,
             "to_attention_bytes": cuts[0].wire_out.bytes_per_token,
             "experts": moe[0].experts if moe else 0, "top_k": moe[0].top_k if moe else 0,
-            "heads": heads, "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch.")}
+            "heads": heads, "head_dim": head_dim, "v_head_dim": v_head_dim, "dtype": str(dtype).removeprefix("torch.")}
 
 
 def inputs_at(gm: fx.GraphModule, example: Sequence[Any], tokens: int, device: torch.device) -> list[Any]:
@@ -202,15 +207,18 @@ def _compiled(gm: fx.GraphModule, device: torch.device, compile: bool) -> Callab
 
 
 def _decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int, context: int,
-                      device: torch.device, sdpa: bool = False) -> tuple[Callable[..., Any], tuple]:
+                      device: torch.device, sdpa: bool = False,
+                      v_head_dim: int | None = None) -> tuple[Callable[..., Any], tuple]:
     """One layer's attention of ``batch`` sequences over a cache of ``context`` positions, all filled:
     ``afd::decode_attention`` (FlexAttention over the filled blocks) on CUDA, as the backend runs a
-    cached decode step there; masked SDPA over the cache on CPU or with ``sdpa`` (HF's own)."""
+    cached decode step there; masked SDPA over the cache on CPU or with ``sdpa`` (HF's own). Values
+    of ``v_head_dim`` (default: the keys')."""
     from .passes.decode_attention import decode_blocks
 
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(batch, heads, 1, head_dim, generator=g, device=device).to(dtype)
-    k, v = (torch.randn(batch, kv_heads, context, head_dim, generator=g, device=device).to(dtype) for _ in range(2))
+    k, v = (torch.randn(batch, kv_heads, context, d, generator=g, device=device).to(dtype)
+            for d in (head_dim, v_head_dim or head_dim))
     mask = torch.ones(batch, 1, 1, context, dtype=torch.bool, device=device)
     scale = head_dim ** -0.5
     if device.type == "cuda" and not sdpa:
@@ -272,11 +280,11 @@ def kv_times(facts: dict[str, Any], contexts: Sequence[int], batches: Sequence[i
     kernels' time in a CUDA graph (a decode step replays it inside the step's graph)."""
     out = []
     dtype = getattr(torch, facts["dtype"])
+    shape = (facts["heads"], facts["kv_heads"], facts["head_dim"], dtype)
     with torch.no_grad():
         for c in contexts:
             for b in batches:
-                fn, args = _decode_attention(facts["heads"], facts["kv_heads"], facts["head_dim"], dtype, b, c, device,
-                                             sdpa)
+                fn, args = _decode_attention(*shape, b, c, device, sdpa, facts.get("v_head_dim"))
                 out.append({"batch": b, "context": c, **time_us(fn, args, iters, device, graph=True)})
             say(f"context {c}: one layer's KV read at batch {batches[-1]}: {out[-1]['median_us']:.0f} µs")
     return out

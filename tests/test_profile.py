@@ -50,6 +50,17 @@ def test_profile_writes_what_the_estimate_reads(profiled):
     assert read_profile(out, path, layers=80)[1].layers == 80
 
 
+@pytest.mark.parametrize("name,shape", [
+    ("llama2", (4, 2, 16, 16)),  # GQA: the key repeated from 2 heads
+    ("deepseek_v3", (4, 4, 16, 16)),  # MLA as HF traces it: a per-head key concatenated with a shared rotary part
+])
+def test_attention_shape_reads_the_kv_heads_the_cache_holds(exported, name, shape):
+    from afd_compile.profile import attention_shape
+    from afd_compile.programs import fresh_module
+
+    assert attention_shape(fresh_module(exported(name)[0]))[:4] == shape
+
+
 def test_the_exchange_taken_out_keeps_each_roles_compute(exported):
     from afd_compile.deploy import plan_afd
     from afd_compile.programs import flat_inputs
