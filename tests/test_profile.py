@@ -202,3 +202,19 @@ def test_profile_compiles_as_the_backend_does(exported, tmp_path):
                  "--kv-batches", "1,2", "--iters", "2", "-q"]) == 0
     costs, facts, rec = read_profile(out, path)
     assert rec["compiled"] is True and facts.layers == 2 and costs.ffn.at(2) > 0
+
+
+def test_a_disturbed_size_is_timed_again():
+    from afd_compile.profile import _retime_outliers
+
+    def row(t, median, p10=None, p90=None):
+        return {"tokens": t, "median_us": median, "p10_us": p10 or median, "p90_us": p90 or median}
+
+    # 8 slower than 16 by more than 20% (a whole-size spike), 32 spread 4x, 16 and 64 steady
+    rows = [row(8, 300.0), row(16, 200.0), row(32, 210.0, 100.0, 400.0), row(64, 250.0)]
+    again = {8: 150.0, 32: 220.0}
+    said: list[str] = []
+    _retime_outliers(rows, lambda t: row(t, again[t]), said.append, "attention")
+    assert [r["median_us"] for r in rows] == [150.0, 200.0, 210.0, 250.0]  # the lower median kept
+    assert [r.get("retimed", False) for r in rows] == [True, False, True, False]
+    assert said[0] == "attention at 8: 300 µs (p10 300, p90 300) looked disturbed; timed again: 150 µs"
