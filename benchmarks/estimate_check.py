@@ -11,6 +11,7 @@ compared with the held-out sizes (measured in the same run); a second profile ti
 of the layers (``profile --layers K``) is compared with the whole one. Prints the tables, writes JSON.
 
     python benchmarks/estimate_check.py --family llama --json $OUT/estimate_check_llama.json
+    python benchmarks/estimate_check.py --from-json benchmarks/results/estimate_check_llama_h100.json
 """
 
 from __future__ import annotations
@@ -57,12 +58,12 @@ def _subset(rec: dict, tokens: tuple[int, ...], kv: tuple[tuple[int, ...], tuple
     return out
 
 
-def _costs(rec: dict, path: str, model: str):
+def _costs(rec: dict, path: str):
     from afd_compile.profile import read_profile
 
     with open(path, "w") as f:
         json.dump(rec, f)
-    return read_profile(path, model)
+    return read_profile(path)
 
 
 def _row(what: str, size: str, predicted: float, measured: float) -> dict:
@@ -88,6 +89,63 @@ def interpolation(rec: dict, coarse: object, k: int) -> list[dict]:
     return rows
 
 
+def checks(rec: dict, sdpa: list, part: dict | None, family: str, layers: int, tmp: str) -> tuple[list, list]:
+    """The check rows from a whole profile (``rec``), HF's SDPA KV reads and a sliced profile."""
+    from afd_compile import estimate as est
+
+    coarse, facts, _ = _costs(_subset(rec, COARSE, COARSE_KV), os.path.join(tmp, "coarse.json"))
+    rows = interpolation(rec, coarse, facts.layers)
+    for r in rec["no_layout"]:  # the whole model from its parts: every layer's attention and FFN + the head
+        t = r["tokens"]
+        rows.append(_row("no-layout step from the parts", f"T={t}", facts.layers * (coarse.attention.at(t)
+                         + coarse.ffn.at(t)) + coarse.head.at(t), r["median_us"]))
+    if part is not None:  # profile --layers K: K of the layers timed, scaled to all of them, against the whole
+        sliced, _, _ = _costs(part, os.path.join(tmp, "sliced.json"))
+        k = part["model"]["profiled_layers"]
+        for t in COARSE:
+            rows.append(_row(f"attention layer, {k} of {facts.layers} layers timed", f"T={t}",
+                             sliced.attention.at(t), coarse.attention.at(t)))
+            rows.append(_row(f"FFN layer, {k} of {facts.layers} layers timed", f"R={t}", sliced.ffn.at(t),
+                             coarse.ffn.at(t)))
+        for r in rec["no_layout"]:
+            t = r["tokens"]
+            rows.append(_row(f"no-layout step from {k} layers timed", f"T={t}", facts.layers * (
+                sliced.attention.at(t) + sliced.ffn.at(t)) + sliced.head.at(t), r["median_us"]))
+    recorded = []
+    if family == "llama" and layers == 4 and rec["device"]["type"] == "cuda":
+        with_sdpa, _, _ = _costs({**rec, "kv": sdpa}, os.path.join(tmp, "sdpa.json"))
+        link = est.LINKS["nvlink"]
+        for section, layout, batch, context, measured in RECORDED:
+            if layout.startswith("TP"):
+                e = est.tp(with_sdpa, facts, est.TPCandidate(2, 2), batch, context, link)
+            else:
+                e = est.afd(with_sdpa, facts, est.AFDCandidate(1, 1), batch, context, link)
+            recorded.append({**_row(layout, f"B={batch} C={context}", e.step_us, measured), "section": section})
+    return rows, recorded
+
+
+def measure(args: argparse.Namespace) -> tuple[dict, list, dict | None]:
+    """Profile the model on the GPU (``--small``: a tiny one on the CPU): the whole profile, HF's SDPA KV
+    reads, and a profile timing ``--sliced`` of the layers."""
+    from afd_compile.models import build_hf, export_lm
+    from afd_compile.profile import kv_times, run_profile
+
+    dev = torch.device("cpu" if args.small else "cuda")
+    shape = {} if args.small else {"vocab_size": 32000, **SHAPES[args.family]}
+    model = build_hf(args.family, num_layers=args.layers, **shape)
+    ep = export_lm(model.to(dev, torch.float32 if args.small else torch.bfloat16), device=dev,
+                   vocab_size=shape.get("vocab_size", 128))
+    path = os.path.join(tempfile.mkdtemp(), f"{args.family}.pt2")
+    torch.export.save(ep, path)
+    del model, ep
+    say = lambda s: print("profile:", s, flush=True)  # noqa: E731
+    rec = run_profile(path, dev, FINE, CONTEXTS, KV_BATCHES, args.iters, not args.small, say)
+    sdpa = kv_times(rec["model"], CONTEXTS, (8, 64), args.iters, dev, sdpa=True)  # (HF's own, for RECORDED)
+    part = run_profile(path, dev, COARSE, CONTEXTS[:1], KV_BATCHES[:2], args.iters, not args.small, say,
+                       layers=args.sliced) if args.sliced else None
+    return rec, sdpa, part
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=sorted(SHAPES), default="llama")
@@ -97,52 +155,17 @@ def main() -> None:
                         "its per-layer parts with the whole profile's (measured: the whole's)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--small", action="store_true", help="a tiny model on the CPU, uncompiled: checks the script")
+    parser.add_argument("--from-json", metavar="FILE", help="recompute the checks from the profiles a run of this "
+                        "script wrote (no GPU): the cost model changed, the measurements did not")
     args = parser.parse_args()
-    from afd_compile import estimate as est
-    from afd_compile.models import build_hf, export_lm
-    from afd_compile.profile import kv_times, run_profile
-
-    dev = torch.device("cpu" if args.small else "cuda")
-    shape = {} if args.small else {"vocab_size": 32000, **SHAPES[args.family]}
-    model = build_hf(args.family, num_layers=args.layers, **shape)
-    ep = export_lm(model.to(dev, torch.float32 if args.small else torch.bfloat16), device=dev,
-                   vocab_size=shape.get("vocab_size", 128))
-    tmp = tempfile.mkdtemp()
-    path = os.path.join(tmp, f"{args.family}.pt2")
-    torch.export.save(ep, path)
-    del model, ep
-    say = lambda s: print("profile:", s, flush=True)  # noqa: E731
-    rec = run_profile(path, dev, FINE, CONTEXTS, KV_BATCHES, args.iters, not args.small, say)
-    sdpa = kv_times(rec["model"], CONTEXTS, (8, 64), args.iters, dev, sdpa=True)  # (HF's own, for RECORDED)
-    coarse, facts, _ = _costs(_subset(rec, COARSE, COARSE_KV), os.path.join(tmp, "coarse.json"), path)
-    rows = interpolation(rec, coarse, facts.layers)
-    for r in rec["no_layout"]:  # the whole model from its parts: every layer's attention and FFN + the head
-        t = r["tokens"]
-        rows.append(_row("no-layout step from the parts", f"T={t}", facts.layers * (coarse.attention.at(t)
-                         + coarse.ffn.at(t)) + coarse.head.at(t), r["median_us"]))
-    if args.sliced:  # profile --layers K: K of the layers timed, scaled to all of them, against the whole
-        part = run_profile(path, dev, COARSE, CONTEXTS[:1], KV_BATCHES[:2], args.iters, not args.small, say,
-                           layers=args.sliced)
-        sliced, _, _ = _costs(part, os.path.join(tmp, "sliced.json"), path)
-        for t in COARSE:
-            rows.append(_row(f"attention layer, {args.sliced} of {facts.layers} layers timed", f"T={t}",
-                             sliced.attention.at(t), coarse.attention.at(t)))
-            rows.append(_row(f"FFN layer, {args.sliced} of {facts.layers} layers timed", f"R={t}",
-                             sliced.ffn.at(t), coarse.ffn.at(t)))
-        for r in rec["no_layout"]:
-            t = r["tokens"]
-            rows.append(_row(f"no-layout step from {args.sliced} layers timed", f"T={t}", facts.layers * (
-                sliced.attention.at(t) + sliced.ffn.at(t)) + sliced.head.at(t), r["median_us"]))
-    recorded = []
-    if args.family == "llama" and args.layers == 4 and not args.small:
-        with_sdpa, _, _ = _costs({**rec, "kv": sdpa}, os.path.join(tmp, "sdpa.json"), path)
-        link = est.LINKS["nvlink"]
-        for section, layout, batch, context, measured in RECORDED:
-            if layout.startswith("TP"):
-                e = est.tp(with_sdpa, facts, est.TPCandidate(2, 2), batch, context, link)
-            else:
-                e = est.afd(with_sdpa, facts, est.AFDCandidate(1, 1), batch, context, link)
-            recorded.append({**_row(layout, f"B={batch} C={context}", e.step_us, measured), "section": section})
+    if args.from_json:
+        with open(args.from_json) as f:
+            old = json.load(f)
+        rec, sdpa, part = old["profile"], old["sdpa_kv"], old.get("sliced_profile")
+        args.family, args.layers = old["family"], old["layers"]
+    else:
+        rec, sdpa, part = measure(args)
+    rows, recorded = checks(rec, sdpa, part, args.family, args.layers, tempfile.mkdtemp())
     device = rec["device"]["name"]
     print(f"\n{args.family}, {args.layers} layers, {rec['model']['dtype']}, on {device} (profile: {len(FINE)} sizes; "
           f"estimate from {len(COARSE)})\n")
@@ -152,7 +175,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"family": args.family, "layers": args.layers, "device": device, "profile": rec,
-                       "sdpa_kv": sdpa, "checks": rows, "recorded": recorded}, f, indent=1)
+                       "sdpa_kv": sdpa, "sliced_profile": part, "checks": rows, "recorded": recorded}, f, indent=1)
 
 
 if __name__ == "__main__":
