@@ -173,6 +173,7 @@ class ModelFacts:
     to_attention_bytes: int  # what comes back
     experts: int = 0
     top_k: int = 0
+    heads: int = 0  # query heads (0: unknown)
 
     @property
     def hidden_bytes(self) -> int:
@@ -359,7 +360,7 @@ def candidates(gpus: int, facts: ModelFacts, max_stages: int = 3, max_group: int
     """The layouts ``--search`` weighs on ``gpus`` GPUs: every AFD A:F (F <= A), S = 1..max_stages,
     attention TP groups and FFN TP / EP groups of up to ``max_group`` (EP for an MoE); TP of up to
     ``max_group`` (one node), with an MoE also EP over all GPUs. A TP group (attention or TP) splits
-    the KV heads evenly or holds whole copies of them."""
+    the query heads evenly, and the KV heads or holds whole copies of them."""
     out: list = []
     for f in range(1, gpus // 2 + 1):
         groups = [(1, 1)] + [(p, 1) for p in _divisors(f, max_group) if p > 1]
@@ -379,9 +380,10 @@ def _divisors(n: int, most: int) -> list[int]:
 
 
 def _head_groups(n: int, facts: ModelFacts, most: int) -> list[int]:
-    """The TP group sizes of ``n`` ranks that split the attention's KV heads (or hold whole copies)."""
+    """The TP group sizes of ``n`` ranks that split the query heads and the KV heads (or hold whole
+    copies of these)."""
     kv = max(facts.kv_heads, 1)
-    return [t for t in _divisors(n, most) if kv % t == 0 or t % kv == 0]
+    return [t for t in _divisors(n, most) if (kv % t == 0 or t % kv == 0) and (facts.heads or t) % t == 0]
 
 
 def best(estimate: Callable[[int], Estimate], tpot_ms: float | None,

@@ -384,7 +384,8 @@ def read_profile(path: str, model: str | None = None, device: str | None = None,
                            "device you estimate for")
     try:
         k = int(m.get("profiled_layers", m["layers"]))  # (the layers timed; the model's depth: "layers")
-        facts = ModelFacts(**{f: int(m[f]) for f in ModelFacts.__dataclass_fields__})
+        facts = ModelFacts(**{f: int(m[f]) for f in ModelFacts.__dataclass_fields__ if f != "heads"},
+                           heads=int(m.get("heads", 0)))
         facts = ModelFacts(**{**facts.__dict__, "layers": layers or facts.layers})
         head = _curve(rec, "head", "tokens", lambda t, us: us, path)
         attention = _curve(rec, "attention", "tokens", lambda t, us: (us - head.at(t)) / k, path)

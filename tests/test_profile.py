@@ -46,7 +46,7 @@ def test_profile_writes_what_the_estimate_reads(profiled):
     layer = 64 * 64 * 2 + 64 * 32 * 2 + 64 * 2
     assert facts == ModelFacts(layers=2, hidden=64, attention_bytes=4 * (layer + (64 + 8) // 2),
                                ffn_bytes=4 * 3 * 64 * 128, other_bytes=4 * 2 * 128 * 64, kv_bytes=2 * 2 * 16 * 4,
-                               kv_heads=2, to_ffn_bytes=64 * 4, to_attention_bytes=64 * 4)
+                               kv_heads=2, to_ffn_bytes=64 * 4, to_attention_bytes=64 * 4, heads=4)
     assert read_profile(out, path, layers=80)[1].layers == 80
 
 
