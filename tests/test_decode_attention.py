@@ -205,3 +205,23 @@ def test_one_process_generate_with_flex_decode_attention_matches_eager():
     assert torch.equal(out, ref)
     # (each shape's kernel compiled and checked; on a host whose Inductor kernel is wrong, SDPA runs)
     assert da.STATS["compiled"] + da.STATS["kernel_mismatches"] > compiled and STATS["no_layout"] == no_layout
+
+
+def test_the_kernel_check_compares_a_few_sequences(monkeypatch):
+    # the reference repeats K/V per query head: over a whole serving batch at a long context that is tens
+    # of GB; the check compares the first CHECK_SEQUENCES sequences (sequences do not mix in attention)
+    seen: list[int] = []
+    sdpa = da._sdpa_decode
+    monkeypatch.setattr(da, "_sdpa_decode", lambda q, *rest: seen.append(q.shape[0]) or sdpa(q, *rest))
+    monkeypatch.setattr(da, "_KERNELS", {})
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(6, 4, 1, 32, generator=g), torch.randn(6, 2, 24, 32, generator=g), torch.randn(
+        6, 2, 24, 32, generator=g)
+    mask = torch.arange(24)[None, None, None, :] < torch.tensor([9, 20, 3, 24, 1, 12])[:, None, None, None]
+    before = dict(da.STATS)
+    out = OP(q, k, v, *da.decode_blocks(q, mask), 0.25)
+    assert seen[0] == da.CHECK_SEQUENCES == 2
+    if da.STATS["compiled"] > before["compiled"]:  # (the check passed: the compiled kernel ran the batch)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.25)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)

@@ -146,6 +146,8 @@ def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Ten
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], scale=scale)
 
 
+#: the sequences a freshly compiled kernel is checked on (see _check_kernel)
+CHECK_SEQUENCES = 2
 #: the kernel per (device type, shapes, dtypes, scale): flex_over_blocks compiled, or masked SDPA
 #: where that compile failed
 _KERNELS: dict[tuple, Callable[..., torch.Tensor]] = {}
@@ -191,14 +193,19 @@ def _check_kernel(compiled: Callable[..., torch.Tensor], args: tuple) -> str | N
     compare with masked SDPA: None when it agrees, else the error. Measured: Inductor's CPU
     FlexAttention template (torch 2.13, an AVX2 host) returns wrong values or NaN for head_dim 16
     with a 24-long cache; a wrong kernel must never run silently. Random inputs, not the call's
-    own: a cache's rows past the mask may hold anything."""
+    own: a cache's rows past the mask may hold anything. The first ``CHECK_SEQUENCES`` sequences are
+    random and compared (the rest zeros: sequences do not mix), so the reference's repeated K/V stay
+    small: over a whole batch of 64 x 32K x 64 heads it would be 32 GB."""
     q, k, v, m = args[:4]
+    n = min(q.shape[0], CHECK_SEQUENCES)
     g = torch.Generator(device=q.device).manual_seed(0)
-    rq, rk, rv = (torch.randn(x.shape, generator=g, device=x.device, dtype=torch.float32).to(x.dtype)
-                  for x in (q, k, v))
+    rq, rk, rv = (torch.zeros(x.shape, device=x.device, dtype=x.dtype) for x in (q, k, v))
+    for r, x in ((rq, q), (rk, k), (rv, v)):
+        r[:n] = torch.randn((n, *x.shape[1:]), generator=g, device=x.device, dtype=torch.float32).to(x.dtype)
     rest = args[3:]
-    got = compiled(rq, rk, rv, *rest).float()
-    want = _sdpa_decode(rq, rk, rv, *rest).float()
+    got = compiled(rq, rk, rv, *rest)[:n].float()
+    want = _sdpa_decode(rq[:n], rk[:n], rv[:n], m[:n], *rest[1:]).float()
+    m = m[:n]
     rows = m.any(-1).reshape(m.shape[0], *([1] * (want.dim() - 1)))  # a sequence with no cache position: any value
     got, want = got * rows, want.nan_to_num() * rows
     if not torch.isfinite(got).all():
