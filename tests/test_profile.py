@@ -130,6 +130,16 @@ def test_keep_layers_refuses_layers_not_alike(exported):
     assert keep_layers(gm, 3) == 3  # (all of them: nothing to drop)
 
 
+def test_profile_layers_refused_in_one_line(exported, tmp_path, capsys):
+    _, path = exported("qwen3moe3_mixed")
+    out = tmp_path / "p.json"
+    assert main(["profile", path, "-o", str(out), "--device", "cpu", "--layers", "2", "--no-compile", "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("afd-compile profile: error: the ffn program: layer 0 is not like layer 1") and \
+        len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
 def _fixed_profile(model: str, tmp_path) -> str:
     with open(GOLDEN_PROFILE) as f:
         rec = json.load(f)
