@@ -36,8 +36,11 @@
 #           benchmarks/ffn_program_step.py (an FFN rank's real program: its exchange in one graph
 #           captured per tuple of peer sizes, between pieces, between pieces with each send and
 #           the next receive fused),
-#           decode_step.py's one-GPU columns (reduce-overhead vs the afd backend with the pass), and
-#           decode_attention_kernel.py
+#           decode_step.py's one-GPU columns (reduce-overhead vs the afd backend with the pass),
+#           decode_attention_kernel.py; the deployment estimate against measurements
+#           (estimate_check.py, Llama and Qwen3-MoE: interpolation, parts vs whole, --layers K vs all,
+#           two-GPU steps recomputed) and AFD vs TP/EP for real shapes (estimate_table.py); the MoE
+#           FFN side (moe_ffn.py, moe_kernels.py, tests/test_gpu_moe_kernel.py)
 # families: the backend (TP=2 and AFD 1A1F, bf16, Inductor + CUDA graphs, --control) on HF families
 #           other than Llama (FAMILIES="gemma2 gpt2 ..." picks them)
 # four:     (only when named; a 4-GPU host) compiled AFD 2A1F / 3A1F and TP=4 (with DP attention)
