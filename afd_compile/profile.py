@@ -211,8 +211,8 @@ def _decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
                       v_head_dim: int | None = None) -> tuple[Callable[..., Any], tuple]:
     """One layer's attention of ``batch`` sequences over a cache of ``context`` positions, all filled:
     ``afd::decode_attention`` (FlexAttention over the filled blocks) on CUDA, as the backend runs a
-    cached decode step there; masked SDPA over the cache on CPU or with ``sdpa`` (HF's own). Values
-    of ``v_head_dim`` (default: the keys')."""
+    cached decode step there; masked SDPA over the cache on CPU or with ``sdpa`` (HF's own, on CUDA
+    compiled by Inductor as a program holding it is). Values of ``v_head_dim`` (default: the keys')."""
     from .passes.decode_attention import decode_blocks
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -230,7 +230,8 @@ def _decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
         k, v = (x.repeat_interleave(rep, dim=1) for x in (k, v))
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)
 
-    return sdpa, (q, k, v, mask)
+    # on CUDA as Inductor compiles HF's attention in a program (what a decode step with SDPA runs)
+    return (torch.compile(sdpa, dynamic=False) if device.type == "cuda" else sdpa), (q, k, v, mask)
 
 
 def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS, contexts: Sequence[int] = CONTEXTS,
