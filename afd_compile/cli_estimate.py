@@ -129,7 +129,8 @@ def print_estimate(args: argparse.Namespace, layout: object) -> int:
             f"{link.latency_us:g} µs); {what}")
     if args.json:
         print(json.dumps({"profile": args.estimate, "device": costs.device, "layers": facts.layers,
-                          "context": args.context, "link": link.__dict__, "estimates": [e.json() for e in rows],
+                          "context": args.context, "link": link.__dict__,
+                          "estimates": [{**e.json(), "past_profile": est.past_profile(costs, e)} for e in rows],
                           "assumptions": list(est.ASSUMPTIONS)}, indent=2))
         return EXIT_OK
     print(head)
@@ -137,6 +138,12 @@ def print_estimate(args: argparse.Namespace, layout: object) -> int:
     print(est.table(shown) if rows else "no layout meets the target (or fits in memory)")
     if len(shown) < len(rows):
         print(f"... and {len(rows) - len(shown)} more layouts meeting the target (--top K shows K; --json holds all)")
+    past = [(e.layout, est.past_profile(costs, e)) for e in shown]
+    if any(p for _, p in past):
+        print("read past the profile (extrapolated; profile these sizes to measure them):")
+        for layout, p in past:
+            if p:
+                print(f"  - {layout}: {', '.join(p)}")
     print("assumptions:")
     for a in est.ASSUMPTIONS:
         print(f"  - {a}")

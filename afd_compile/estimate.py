@@ -269,6 +269,8 @@ class Estimate:
     memory: dict[str, int] = field(default_factory=dict)
     fits: bool = True
     unstaged_layer_us: float | None = None  # AFD with stages: the same batch's layer in one stage
+    #: the sizes the profile's curves were read at: attention / head tokens, FFN rows, KV batch and context
+    reads: dict[str, float] = field(default_factory=dict)
 
     @property
     def stages_gain(self) -> float | None:
@@ -285,7 +287,23 @@ class Estimate:
                 "wire_us": round(self.wire_us, 2), "layer_us": round(self.layer_us, 2),
                 "step_us": round(self.step_us, 1), "tpot_ms": round(self.step_us / 1e3, 3),
                 "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1), "memory_bytes": dict(self.memory),
-                "fits": self.fits, "stages_gain": round(self.stages_gain, 3) if self.stages_gain else None}
+                "fits": self.fits, "stages_gain": round(self.stages_gain, 3) if self.stages_gain else None,
+                "reads": {k: round(v, 2) for k, v in self.reads.items()}}
+
+
+def past_profile(costs: Costs, e: Estimate) -> list[str]:
+    """What ``e`` read of the profile past its largest measured size (extrapolated, see
+    :data:`ASSUMPTIONS`): one phrase per curve, e.g. ``"FFN at 512 rows (profiled to 256)"``."""
+    kv_batch = max(c.points[-1][0] for c in costs.kv.curves)
+    limits = {"attention": (costs.attention.points[-1][0], "tokens"), "FFN": (costs.ffn.points[-1][0], "rows"),
+              "head": (costs.head.points[-1][0], "tokens"), "KV read": (kv_batch, "sequences"),
+              "context": (costs.kv.contexts[-1], "positions")}
+    out = []
+    for what, size in e.reads.items():
+        top, unit = limits[what]
+        if size > top * (1 + 1e-9):
+            out.append(f"{what} at {size:g} {unit} (profiled to {top})")
+    return out
 
 
 def _group_rows(costs: Costs, rows: float, parts: int) -> float:
@@ -323,9 +341,10 @@ def afd(costs: Costs, facts: ModelFacts, cand: AFDCandidate, batch: int, context
     ffn_mem = facts.layers * facts.ffn_bytes // parts
     cap = costs.memory_bytes * MEMORY_USE
     unstaged = afd(costs, facts, replace(cand, stages=1), batch, context, link, group_link).layer_us if s > 1 else None
+    reads = {"attention": micro, "KV read": micro, "context": context, "FFN": rows * parts, "head": batch}
     return Estimate(str(cand), cand.attention + cand.ffn, batch, batch * cand.attention // t, context, ta, tf,
                     max(tc_in, tc_out), layer, step, {"attention rank": int(att_mem), "FFN rank": int(ffn_mem)},
-                    att_mem <= cap and ffn_mem <= cap, unstaged)
+                    att_mem <= cap and ffn_mem <= cap, unstaged, reads)
 
 
 def tp(costs: Costs, facts: ModelFacts, cand: TPCandidate, batch: int, context: int, link: Link,
@@ -352,8 +371,10 @@ def tp(costs: Costs, facts: ModelFacts, cand: TPCandidate, batch: int, context: 
     step = facts.layers * layer + costs.head.at(batch)
     mem = (facts.layers * (facts.attention_bytes // t + batch * context * facts.kv_bytes // kv_split)
            + facts.other_bytes + ffn_mem)
+    reads = {"attention": batch, "KV read": batch, "context": context, "FFN": batch * n / t if cand.ep else batch,
+             "head": batch}
     return Estimate(str(cand), n, batch, batch * (n // t), context, ta, tf, collectives, layer, step,
-                    {"GPU": int(mem)}, mem <= costs.memory_bytes * MEMORY_USE)
+                    {"GPU": int(mem)}, mem <= costs.memory_bytes * MEMORY_USE, reads=reads)
 
 
 def candidates(gpus: int, facts: ModelFacts, max_stages: int = 3, max_group: int = 8) -> list:

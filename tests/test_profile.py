@@ -162,6 +162,13 @@ def test_estimate_from_a_fixed_profile(exported, tmp_path, capsys, check_golden)
     assert main(["plan", path, "--estimate", prof, "--search", "--gpus", "8", "--tpot-ms", "50", "--context", "2048",
                  "--layers", "32", "--link", "ib"]) == 0
     text += capsys.readouterr().out.replace(prof, "PROFILE.json")
+    # past the profile (KV reads of 32 sequences at 4096 positions, FFN at 128 rows): said after the table
+    assert main(["plan", path, "--estimate", prof, "-A", "3", "-F", "1", "--batch", "64", "--context", "8192",
+                 "--layers", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "  - AFD 3A1F S=1: KV read at 64 sequences (profiled to 32), context at 8192 positions (profiled to " \
+        "4096), FFN at 192 rows (profiled to 128)" in out
+    text += out.replace(prof, "PROFILE.json")
     check_golden("estimate_llama2.txt", text)
     assert main(["plan", path, "--estimate", prof, "--tp", "2", "--batch", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
