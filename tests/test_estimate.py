@@ -17,6 +17,7 @@ from afd_compile.estimate import (
     best,
     candidates,
     experts_reached,
+    past_profile,
     search,
     tp,
 )
@@ -168,3 +169,15 @@ def test_link(text, want):
 def test_a_bad_link_is_refused(text):
     with pytest.raises(EstimateError, match="--link"):
         Link.parse(text)
+
+
+def test_what_an_estimate_reads_past_the_profile():
+    costs = _costs(attention=Curve(((1, 10.0), (64, 100.0))), ffn=Curve(((1, 20.0), (32, 40.0))))
+    inside = afd(costs, FACTS, AFDCandidate(1, 1), 8, context=8, link=LINK)
+    assert inside.reads == {"attention": 8, "KV read": 8, "context": 8, "FFN": 8, "head": 8}
+    # (the KV and head curves of _costs: one point, at 1)
+    assert past_profile(costs, inside) == ["KV read at 8 sequences (profiled to 1)", "head at 8 tokens (profiled to 1)"]
+    wide = afd(costs, FACTS, AFDCandidate(4, 1), 16, context=16, link=LINK)  # 4 peers x 16 rows, context 16
+    assert past_profile(costs, wide) == ["KV read at 16 sequences (profiled to 1)", "context at 16 positions "
+                                         "(profiled to 8)", "FFN at 64 rows (profiled to 32)", "head at 16 tokens "
+                                         "(profiled to 1)"]
