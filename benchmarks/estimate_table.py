@@ -79,8 +79,10 @@ def table(profiles: dict[str, str], tpot_ms: float) -> list[dict]:
                 found = est.search(costs, facts, gpus, context, tpot_ms, est.LINKS["ib"])
                 afd = next((e for e in found if e.layout.startswith("AFD")), None)
                 base = next((e for e in found if not e.layout.startswith("AFD")), None)
+                past = {k: est.past_profile(costs, e) if e else [] for k, e in (("afd", afd), ("tp_ep", base))}
                 rows.append({"model": name, "context": context, "gpus": gpus, "device": costs.device,
-                             "afd": afd.json() if afd else None, "tp_ep": base.json() if base else None})
+                             "afd": afd.json() if afd else None, "tp_ep": base.json() if base else None,
+                             "past_profile": past})
     return rows
 
 
@@ -105,13 +107,18 @@ def main() -> None:
           "nodes: ib)\n")
     print("| model | context | GPUs | best AFD | its tokens/s/GPU | best TP/EP | its tokens/s/GPU | AFD / TP-EP |")
     print("|---|---|---|---|---|---|---|---|")
+    marks = {"attention": "T", "FFN": "R", "KV read": "B", "context": "C", "head": "H"}
     for r in rows:
         a, b = r["afd"], r["tp_ep"]
         ratio = f"{a['tokens_per_s_per_gpu'] / b['tokens_per_s_per_gpu']:.2f}" if a and b else "-"
+        past = {k: "".join(marks[p.split(" at ")[0]] for p in r["past_profile"][k]) for k in ("afd", "tp_ep")}
         name = [f"{x['layout']} b={x['batch']}" if x else "-" for x in (a, b)]
-        rate = [x["tokens_per_s_per_gpu"] if x else "-" for x in (a, b)]
+        rate = [f"{x['tokens_per_s_per_gpu']}{' (' + past[k] + ')' if past[k] else ''}" if x else "-"
+                for x, k in ((a, "afd"), (b, "tp_ep"))]
         print(f"| {r['model']} | {r['context']} | {r['gpus']} | {name[0]} | {rate[0]} | {name[1]} | {rate[1]} "
               f"| {ratio} |")
+    print("\n(letters: read past the profile, extrapolated: T attention tokens, R FFN rows, B KV batch, C context, "
+          "H head tokens)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tpot_ms": args.tpot_ms, "rows": rows}, f, indent=1)
