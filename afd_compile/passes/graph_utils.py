@@ -150,6 +150,19 @@ def set_attr_path(root: torch.nn.Module, dotted: str, value: torch.Tensor | torc
         mod.register_buffer(leaf, value)
 
 
+def drop_unused_attrs(gm: fx.GraphModule) -> None:
+    """Erase the get_attr nodes nobody reads and delete the parameters and buffers no get_attr reads
+    (nor a get_attr of a module holding them), so that a program holds, and moves to a device, only
+    the weights it uses."""
+    for n in list(gm.graph.nodes):
+        if n.op == "get_attr" and not n.users:
+            gm.graph.erase_node(n)
+    used = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    for name, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+        if name not in used and not any(name.startswith(u + ".") for u in used):
+            del_attr_path(gm, name)
+
+
 def get_attr_path(root: torch.nn.Module, dotted: str) -> torch.Tensor:
     obj: object = root
     for p in dotted.split("."):

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import AFDCompileError
-from .roles import META_KEY
+from .graph_utils import drop_unused_attrs, layers_of
 
 
 class KeepLayersError(AFDCompileError):
@@ -38,24 +38,16 @@ def _is_size(n: fx.Node) -> bool:
     return isinstance(n.meta.get("val"), (int, torch.SymInt))
 
 
-def _layers(gm: fx.GraphModule, graph_name: str) -> list[list[fx.Node]]:
-    by_layer: dict[int, list[fx.Node]] = {}
-    for n in gm.graph.nodes:
-        role = n.meta.get(META_KEY)  # (none: outside the layers, as a split program's inputs and output)
-        if role is not None and role.layer is not None:
-            by_layer.setdefault(role.layer, []).append(n)
-    if not by_layer:
-        raise KeepLayersError(f"{graph_name}: no node has a layer role: annotate the roles first")
-    return [by_layer.get(i, []) for i in range(max(by_layer) + 1)]
-
-
 def keep_layers(gm: fx.GraphModule, k: int, graph_name: str = "graph") -> int:
     """Keep the first ``k`` layers of ``gm`` in place (see the module docstring); returns how many
     layers it had. Refused (KeepLayersError): ``k < 1``, no layer roles, layers that are not alike
     (their ops, size arithmetic aside, in another order: the few kept would not stand for the rest)."""
     if k < 1:
         raise KeepLayersError(f"{graph_name}: keep {k} layers: give at least 1")
-    layers = _layers(gm, graph_name)
+    found = layers_of(gm)  # (a node with no role, as a split program's inputs and output, is outside them)
+    if not found:
+        raise KeepLayersError(f"{graph_name}: no node has a layer role: annotate the roles first")
+    layers = [list(found[i].members) if i in found else [] for i in range(max(found) + 1)]
     total = len(layers)
     if k >= total:
         return total
@@ -80,23 +72,8 @@ def keep_layers(gm: fx.GraphModule, k: int, graph_name: str = "graph") -> int:
     for n in reversed(list(gm.graph.nodes)):
         if n in dropped:
             gm.graph.erase_node(n)  # (its users: dropped, erased first, or rerouted above)
-    for n in [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]:
-        gm.graph.erase_node(n)
-    _drop_unused_attrs(gm)
+    drop_unused_attrs(gm)
     gm.graph.lint()
     gm.recompile()
     return total
 
-
-def _drop_unused_attrs(gm: fx.GraphModule) -> None:
-    """Delete the parameters and buffers no get_attr reads (a dropped layer's weights), so that
-    moving the program to a device moves only the layers kept."""
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    gm.delete_all_unused_submodules()
-    for name, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
-        if name in used or any(name.startswith(u + ".") for u in used):
-            continue
-        owner_path, _, attr = name.rpartition(".")
-        owner = gm.get_submodule(owner_path) if owner_path else gm
-        if hasattr(owner, attr):
-            delattr(owner, attr)

@@ -43,7 +43,7 @@ from ..wire import WireSpec, WireTensor
 from .graph_utils import (
     Builder,
     copy_graph_module,
-    del_attr_path,
+    drop_unused_attrs,
     fake_propagate,
     get_attr_path,
     layers_of,
@@ -344,20 +344,11 @@ def build_attention_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModu
                     "after the cut"
                 )
             new.graph.erase_node(n)
-    _drop_unused_attrs(new)
+    drop_unused_attrs(new)
     new.graph.lint()
     new.recompile()
     return new
 
-
-def _drop_unused_attrs(gm: fx.GraphModule) -> None:
-    for n in list(gm.graph.nodes):
-        if n.op == "get_attr" and not n.users:
-            gm.graph.erase_node(n)
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    for name, _ in list(gm.named_parameters()) + list(gm.named_buffers()):
-        if name not in used:
-            del_attr_path(gm, name)
 
 
 def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
