@@ -253,6 +253,7 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
     calls = {k: _compiled(gm, device, compile) for k, gm in programs.items()}
     head_w = _head_weight(result.attention, device)
     head = _compiled(_Linear(head_w), device, compile) if head_w is not None else None
+
     def measure(key: str, t: int) -> dict[str, Any]:  # one program at one size
         if key in ("attention", "no_layout"):
             kind = "model" if key == "no_layout" else key
