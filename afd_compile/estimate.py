@@ -21,6 +21,7 @@ Every assumption is a line of :data:`ASSUMPTIONS`, printed with the estimate. Ti
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -86,7 +87,7 @@ class Curve:
         pts = self.points
         if x <= pts[0][0] or len(pts) == 1:
             return pts[0][1]
-        fit = self._routed_fit()
+        fit = self._routed_fit
         if fit is not None:
             return self._routed_at(x, fit)
         for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
@@ -95,7 +96,8 @@ class Curve:
         (x0, y0), (x1, y1) = pts[-2], pts[-1]
         return max(y1, y1 + (y1 - y0) * (x - x1) / (x1 - x0))
 
-    def _routed_fit(self) -> tuple[float, float, float] | None:
+    @functools.cached_property
+    def _routed_fit(self) -> tuple[float, float, float] | None:  # (once per curve: search reads it ~10^5 times)
         experts, top_k = self.routing
         if experts <= 0 or top_k <= 0 or len(self.points) < 3:
             return None
