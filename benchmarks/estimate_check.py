@@ -7,8 +7,10 @@ Qwen3-30B-A3B-shaped (``--family qwen3_moe``: hidden 2048, 32 heads, 4 KV heads,
 top 8) decoder of ``--layers`` layers, vocab 32000, bf16, random weights, exported on the GPU and
 profiled by ``afd_compile.profile.run_profile`` as ``afd-compile profile`` does (Inductor + CUDA
 graphs). One profile over a fine grid; the estimate is then made from a coarse subset of it and
-compared with the held-out sizes (measured in the same run); a second profile timing ``--sliced``
-of the layers (``profile --layers K``) is compared with the whole one. Prints the tables, writes JSON.
+compared with the held-out sizes (measured in the same run); profiles timing ``--sliced`` K of the
+layers (``profile --layers K``; default 1 and 2) are compared with the whole one, and the two
+shallowest give each program as a fixed part plus one a layer, checked at the whole depth. Prints
+the tables, writes JSON.
 
     python benchmarks/estimate_check.py --family llama --json $OUT/estimate_check_llama.json
     python benchmarks/estimate_check.py --from-json benchmarks/results/estimate_check_llama_h100.json
@@ -89,8 +91,28 @@ def interpolation(rec: dict, coarse: object, k: int) -> list[dict]:
     return rows
 
 
-def checks(rec: dict, sdpa: list, part: dict | None, family: str, layers: int, tmp: str) -> tuple[list, list]:
-    """The check rows from a whole profile (``rec``), HF's SDPA KV reads and a sliced profile."""
+def two_depths(rec: dict, parts: list[dict], layers: int) -> list[dict]:
+    """A program's time as a fixed part (its call: graph replay, input copies, the head) plus one per
+    layer, both read off the two shallowest sliced profiles (K1 < K2 layers timed), predicting the
+    whole program (all ``layers``) against its measured time."""
+    if len(parts) < 2:
+        return []
+    (k1, p1), (k2, p2) = sorted((p["model"]["profiled_layers"], p) for p in parts)[:2]
+    rows = []
+    for key, size in (("attention", "tokens"), ("ffn", "rows"), ("no_layout", "tokens")):
+        whole = {r[size]: r["median_us"] for r in rec[key]}
+        at1, at2 = ({r[size]: r["median_us"] for r in p[key]} for p in (p1, p2))
+        for t in sorted(set(at1) & set(at2) & set(whole)):
+            per = (at2[t] - at1[t]) / (k2 - k1)
+            fixed = at1[t] - k1 * per
+            rows.append(_row(f"{key.replace('_', '-')} program, {layers} layers from {k1} and {k2} timed "
+                             f"(fixed {fixed:.0f} µs + {per:.0f} µs a layer)", f"{size[0].upper()}={t}",
+                             fixed + layers * per, whole[t]))
+    return rows
+
+
+def checks(rec: dict, sdpa: list, parts: list[dict], family: str, layers: int, tmp: str) -> tuple[list, list]:
+    """The check rows from a whole profile (``rec``), HF's SDPA KV reads and the sliced profiles."""
     from afd_compile import estimate as est
 
     coarse, facts, _ = _costs(_subset(rec, COARSE, COARSE_KV), os.path.join(tmp, "coarse.json"))
@@ -99,7 +121,7 @@ def checks(rec: dict, sdpa: list, part: dict | None, family: str, layers: int, t
         t = r["tokens"]
         rows.append(_row("no-layout step from the parts", f"T={t}", facts.layers * (coarse.attention.at(t)
                          + coarse.ffn.at(t)) + coarse.head.at(t), r["median_us"]))
-    if part is not None:  # profile --layers K: K of the layers timed, scaled to all of them, against the whole
+    for part in parts:  # profile --layers K: K of the layers timed, scaled to all of them, against the whole
         sliced, _, _ = _costs(part, os.path.join(tmp, "sliced.json"))
         k = part["model"]["profiled_layers"]
         for t in COARSE:
@@ -111,6 +133,7 @@ def checks(rec: dict, sdpa: list, part: dict | None, family: str, layers: int, t
             t = r["tokens"]
             rows.append(_row(f"no-layout step from {k} layers timed", f"T={t}", facts.layers * (
                 sliced.attention.at(t) + sliced.ffn.at(t)) + sliced.head.at(t), r["median_us"]))
+    rows += two_depths(rec, parts, facts.layers)
     recorded = []
     if family == "llama" and layers == 4 and rec["device"]["type"] == "cuda":
         with_sdpa, _, _ = _costs({**rec, "kv": sdpa}, os.path.join(tmp, "sdpa.json"))
@@ -124,9 +147,9 @@ def checks(rec: dict, sdpa: list, part: dict | None, family: str, layers: int, t
     return rows, recorded
 
 
-def measure(args: argparse.Namespace) -> tuple[dict, list, dict | None]:
+def measure(args: argparse.Namespace) -> tuple[dict, list, list[dict]]:
     """Profile the model on the GPU (``--small``: a tiny one on the CPU): the whole profile, HF's SDPA KV
-    reads, and a profile timing ``--sliced`` of the layers."""
+    reads, and a profile timing each ``--sliced`` K of the layers."""
     from afd_compile.models import build_hf, export_lm
     from afd_compile.profile import kv_times, run_profile
 
@@ -141,9 +164,9 @@ def measure(args: argparse.Namespace) -> tuple[dict, list, dict | None]:
     say = lambda s: print("profile:", s, flush=True)  # noqa: E731
     rec = run_profile(path, dev, FINE, CONTEXTS, KV_BATCHES, args.iters, not args.small, say)
     sdpa = kv_times(rec["model"], CONTEXTS, (8, 64), args.iters, dev, sdpa=True)  # (HF's own, for RECORDED)
-    part = run_profile(path, dev, COARSE, CONTEXTS[:1], KV_BATCHES[:2], args.iters, not args.small, say,
-                       layers=args.sliced) if args.sliced else None
-    return rec, sdpa, part
+    parts = [run_profile(path, dev, COARSE, CONTEXTS[:1], KV_BATCHES[:2], args.iters, not args.small, say,
+                         layers=k) for k in args.sliced]
+    return rec, sdpa, parts
 
 
 def main() -> None:
@@ -151,8 +174,10 @@ def main() -> None:
     parser.add_argument("--family", choices=sorted(SHAPES), default="llama")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--sliced", type=int, default=2, help="also profile with --layers K (0: not) and compare "
-                        "its per-layer parts with the whole profile's (measured: the whole's)")
+    parser.add_argument("--sliced", type=lambda v: [int(k) for k in v.split(",") if k], default=[1, 2],
+                        help="K,K2,...: also profile with --layers K each ('': none) and compare its per-layer parts "
+                        "with the whole profile's; with two, a fixed part + one a layer from the two shallowest "
+                        "against each whole program (default 1,2)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--small", action="store_true", help="a tiny model on the CPU, uncompiled: checks the script")
     parser.add_argument("--from-json", metavar="FILE", help="recompute the checks from the profiles a run of this "
@@ -161,11 +186,12 @@ def main() -> None:
     if args.from_json:
         with open(args.from_json) as f:
             old = json.load(f)
-        rec, sdpa, part = old["profile"], old["sdpa_kv"], old.get("sliced_profile")
+        rec, sdpa = old["profile"], old["sdpa_kv"]
+        parts = old.get("sliced_profiles") or ([old["sliced_profile"]] if old.get("sliced_profile") else [])
         args.family, args.layers = old["family"], old["layers"]
     else:
-        rec, sdpa, part = measure(args)
-    rows, recorded = checks(rec, sdpa, part, args.family, args.layers, tempfile.mkdtemp())
+        rec, sdpa, parts = measure(args)
+    rows, recorded = checks(rec, sdpa, parts, args.family, args.layers, tempfile.mkdtemp())
     device = rec["device"]["name"]
     print(f"\n{args.family}, {args.layers} layers, {rec['model']['dtype']}, on {device} (profile: {len(FINE)} sizes; "
           f"estimate from {len(COARSE)})\n")
@@ -175,7 +201,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"family": args.family, "layers": args.layers, "device": device, "profile": rec,
-                       "sdpa_kv": sdpa, "sliced_profile": part, "checks": rows, "recorded": recorded}, f, indent=1)
+                       "sdpa_kv": sdpa, "sliced_profiles": parts, "checks": rows, "recorded": recorded}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -174,7 +174,9 @@ if [[ $SECTIONS == *" one "* || $SECTIONS == *" moe "* ]]; then  # issue 34: the
   TAIL=45 run one_estimate_check_llama python3 benchmarks/estimate_check.py --family llama --json "$OUT/one_estimate_check_llama.json"
   TAIL=30 run one_estimate_check_qwen3moe python3 benchmarks/estimate_check.py --family qwen3_moe --json "$OUT/one_estimate_check_qwen3moe.json"
   # AFD against TP/EP for real model shapes (a few layers of each profiled here, scaled), 8 to 64 GPUs
-  TAIL=30 run one_estimate_table python3 benchmarks/estimate_table.py --json "$OUT/one_estimate_table.json"
+  TAIL=30 run one_estimate_table python3 benchmarks/estimate_table.py --models llama3_70b,qwen3_30b_a3b,qwen3_235b_a22b --json "$OUT/one_estimate_table.json"
+  # (DeepSeek-V3 alone, one layer: 27 GB of weights, minutes to save and load)
+  TAIL=30 run one_estimate_table_deepseek python3 benchmarks/estimate_table.py --models deepseek_v3 --json "$OUT/one_estimate_table_deepseek.json"
   TAIL=8 run one_moe_ffn python3 benchmarks/moe_ffn.py --json "$OUT/one_moe_ffn.json"
   TAIL=9 run one_moe_kernels python3 benchmarks/moe_kernels.py --json "$OUT/one_moe_kernels.json"
   TAIL=12 run one_moe_kernels_split python3 benchmarks/moe_kernels.py --split --tokens 64,256,1024 --json "$OUT/one_moe_kernels_split.json"
