@@ -243,6 +243,7 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
     from .saved import sha256_of
 
     ep = load_program(path)
+    _refuse_cache(ep, path)
     example = flat_inputs(ep)
     programs, result, facts = role_programs(ep, device, layers)
     kept = min(layers or facts["layers"], facts["layers"])
@@ -279,6 +280,22 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
             "device": _device_record(device), "torch": torch.__version__, "compiled": compile, "iters": iters,
             "model": {"file": os.path.basename(path), "sha256": sha256_of(path), **facts,
                       "profiled_layers": kept}, **timed}
+
+
+def _refuse_cache(ep: torch.export.ExportedProgram, path: str) -> None:
+    """A program that updates buffers in place (a KV cache) is refused: its cache fixes the batch the
+    profile resizes, and the KV read is timed apart, per (batch, context), with the kernel a cached
+    decode step runs."""
+    from .passes.graph_utils import get_attr_path, written_attrs
+    from .programs import positional_module
+
+    gm = positional_module(ep)
+    written = sorted(written_attrs(gm), key=lambda name: -get_attr_path(gm, name).numel())
+    if written:
+        raise ProfileError(f"{path} updates {len(written)} buffers in place (a KV cache: {written[0]}, ...): "
+                           "profile times the model at many batches, which a cache fixes; profile the export "
+                           "without the cache (use_cache=False, a dynamic batch: afd_compile.models.export_lm): "
+                           "the KV read is timed apart, per batch and context")
 
 
 def _retime_outliers(rows: list[dict[str, Any]], measure: Callable[[int], dict[str, Any]],

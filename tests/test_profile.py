@@ -140,6 +140,18 @@ def test_profile_layers_refused_in_one_line(exported, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_profile_refuses_an_export_with_its_kv_cache(tmp_path, capsys):
+    from afd_compile.models import build_hf, export_cached_lm
+
+    path, out = tmp_path / "cached.pt2", tmp_path / "p.json"
+    torch.export.save(export_cached_lm(build_hf("llama", num_layers=1), batch=2, max_cache_len=16), path)
+    assert main(["profile", str(path), "-o", str(out), "--device", "cpu", "--no-compile", "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "updates 3 buffers in place (a KV cache: key_cache_0, ...)" in err and \
+        "profile the export without the cache" in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
 def _fixed_profile(model: str, tmp_path) -> str:
     with open(GOLDEN_PROFILE) as f:
         rec = json.load(f)
