@@ -107,13 +107,16 @@ def model_facts(result: Any, ep: torch.export.ExportedProgram) -> dict[str, Any]
 
 def inputs_at(gm: fx.GraphModule, example: Sequence[Any], tokens: int, device: torch.device) -> list[Any]:
     """``example`` (the program's inputs) at ``tokens`` sequences of one token: the batch symbol (the
-    first input's dim 0) set to ``tokens`` by repeating rows, every other symbolic dim cut to 1."""
+    first input's dim 0) set to ``tokens`` by repeating rows, every other symbolic dim cut to 1. Token
+    ids (an integer input an embedding reads) are drawn anew, each sequence its own (seeded): a decode
+    batch holds distinct tokens, and an MoE routes distinct tokens to more experts than a repeated few."""
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
     first = places[0].meta.get("val")
     if not (isinstance(first, torch.Tensor) and first.dim() and isinstance(first.shape[0], torch.SymInt)):
         raise ProfileError(f"input {places[0].name} has no dynamic batch (dim 0): profile resizes the batch; "
                            "export with torch.export.Dim for it (afd_compile.models.export_lm does)")
     batch = str(first.shape[0].node.expr)
+    generator = torch.Generator().manual_seed(tokens)
     out = []
     for n, x in zip(places, example, strict=False):
         val = n.meta.get("val")
@@ -124,9 +127,22 @@ def inputs_at(gm: fx.GraphModule, example: Sequence[Any], tokens: int, device: t
                     reps = [1] * x.dim()
                     reps[d] = math.ceil(want / x.shape[d])
                     x = x.repeat(*reps).narrow(d, 0, want)
+            vocab = _vocabulary(n)
+            if vocab:
+                x = torch.randint(0, vocab, x.shape, generator=generator, dtype=x.dtype)
             x = x.to(device)
         out.append(x)
     return out
+
+
+def _vocabulary(place: fx.Node) -> int | None:
+    """The rows of the embedding table ``place`` indexes (None: no embedding reads it as indices)."""
+    for user in place.users:
+        if user.target is torch.ops.aten.embedding.default and user.args[1] is place:
+            weight = user.args[0].meta.get("val") if isinstance(user.args[0], fx.Node) else None
+            if isinstance(weight, torch.Tensor) and isinstance(weight.shape[0], int):
+                return int(weight.shape[0])
+    return None
 
 
 def time_us(fn: Callable[..., Any], args: Sequence[Any], iters: int, device: torch.device,
