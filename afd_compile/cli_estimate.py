@@ -127,6 +127,9 @@ def print_estimate(args: argparse.Namespace, layout: object) -> int:
     head = (f"estimate from {args.estimate} ({costs.device}, torch {rec.get('torch')}, compiled {rec.get('compiled')}):"
             f" {facts.layers} layers, context {args.context}, link {link.name} ({link.gbps:g} GB/s, "
             f"{link.latency_us:g} µs); {what}")
+    if costs.call_attention is not None:
+        head += (f"; a call once a step (at 1 sequence: attention rank {costs.once_attention(1):.0f} µs, "
+                 f"TP rank {costs.once_model(1):.0f} µs)")
     if args.json:
         print(json.dumps({"profile": args.estimate, "device": costs.device, "layers": facts.layers,
                           "context": args.context, "link": link.__dict__,

@@ -55,6 +55,10 @@ ASSUMPTIONS = (
     "min(t, KV heads) ways (past the KV heads, each rank reads a whole head)",
     "AFD S stages: a layer costs max(S x the slowest of attention, FFN, each wire direction; one "
     "micro-batch's attention + wire + FFN + wire); the LM head runs after the last layer, not overlapped",
+    "a step adds, once, what each program costs beyond its layers (the call: graph launch, input copies, "
+    "embedding, LM head), the attention rank's and the FFN rank's both (one GPU's model measured whole "
+    "costs about the sum of its roles'); from a profile timed at two depths, else the LM head alone and "
+    "the rest in the per-layer times",
     "a transfer or collective costs the link's latency plus its bytes at the link's bandwidth; ring "
     "all-reduce moves 2(P-1)/P of its message, all-gather / reduce-scatter (P-1)/P, all-to-all up to "
     "min(top-k, P) copies of each token, (P-1)/P of them off the rank",
@@ -187,7 +191,12 @@ class ModelFacts:
 @dataclass(frozen=True)
 class Costs:
     """The profile's measured parts, per layer: ``attention`` (µs at T tokens, one a sequence, the KV
-    read excluded), ``kv`` (the KV read), ``ffn`` (µs at R rows), ``head`` (the LM head at T tokens)."""
+    read excluded), ``kv`` (the KV read), ``ffn`` (µs at R rows), ``head`` (the LM head at T tokens).
+    Once a step, where the profile timed its programs at two depths: ``call_attention``,
+    ``call_ffn`` (at R rows) and ``call_model`` (µs at T tokens), what the attention program, the FFN
+    program and the model with no layout cost beyond their layers (the call: graph launch, input
+    copies, embedding, the LM head); None: not known (then folded into the per-layer times, and the
+    head added once a step)."""
 
     device: str
     memory_bytes: int
@@ -195,6 +204,21 @@ class Costs:
     ffn: Curve
     head: Curve
     kv: KVCurves
+    call_attention: Curve | None = None
+    call_ffn: Curve | None = None
+    call_model: Curve | None = None
+
+    def once_attention(self, tokens: float) -> float:
+        """An attention rank's time once a step, besides its layers, at ``tokens`` sequences."""
+        return self.call_attention.at(tokens) if self.call_attention else self.head.at(tokens)
+
+    def once_ffn(self, rows: float) -> float:
+        """An FFN rank's time once a step, besides its layers, at ``rows`` rows (0: not known)."""
+        return self.call_ffn.at(rows) if self.call_ffn else 0.0
+
+    def once_model(self, tokens: float) -> float:
+        """A TP rank's (the model's) time once a step, besides its layers, at ``tokens`` sequences."""
+        return self.call_model.at(tokens) if self.call_model else self.head.at(tokens)
 
 
 @dataclass(frozen=True)
@@ -337,7 +361,7 @@ def afd(costs: Costs, facts: ModelFacts, cand: AFDCandidate, batch: int, context
     tc_in = link.us(rows * facts.to_ffn_bytes)
     tc_out = link.us(rows * facts.to_attention_bytes)
     layer = max(s * max(ta, tf, tc_in, tc_out), ta + tc_in + tf + tc_out)
-    step = facts.layers * layer + costs.head.at(batch)
+    step = facts.layers * layer + costs.once_attention(batch) + costs.once_ffn(rows * s * parts)
     att_mem = facts.layers * (facts.attention_bytes // t + batch * context * facts.kv_bytes // kv_split) \
         + facts.other_bytes
     ffn_mem = facts.layers * facts.ffn_bytes // parts
@@ -370,7 +394,7 @@ def tp(costs: Costs, facts: ModelFacts, cand: TPCandidate, batch: int, context: 
         ffn_mem = facts.layers * facts.ffn_bytes // t
         collectives = 2 * ring
     layer = ta + ring + tf
-    step = facts.layers * layer + costs.head.at(batch)
+    step = facts.layers * layer + costs.once_model(batch)
     mem = (facts.layers * (facts.attention_bytes // t + batch * context * facts.kv_bytes // kv_split)
            + facts.other_bytes + ffn_mem)
     reads = {"attention": batch, "KV read": batch, "context": context, "FFN": batch * n / t if cand.ep else batch,

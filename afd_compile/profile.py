@@ -10,11 +10,15 @@ From ``MODEL.pt2`` (an export with a dynamic batch, as the quick start's), on on
   program at R rows, the model with no layout at T, the LM head alone at T, and one layer's
   attention over a KV cache (``afd::decode_attention`` on CUDA, masked SDPA on CPU) at (batch,
   context);
+- each program also at a second depth (:func:`second_depth`), at the first and last T, so its time
+  splits into its layers and its call (what it costs once a step: graph launch, input copies,
+  embedding, the head), which scale apart;
 - written as JSON with the device, torch's version, the model's sha256 and the facts the cost model
   needs (layers, weight bytes per layer of each role, KV bytes per token, wire bytes per token).
 
 :func:`read_profile` checks one and turns it into the cost model's :class:`~afd_compile.estimate.Costs`
-per layer (the attention program less the head, over its layers; the FFN program over its layers).
+per layer (each program less its call, over its layers; without a second depth, the attention
+program less the head) and once a step (each program's call, :func:`call_curves`).
 A deep model is timed on a few of its layers (``layers=K``: ``passes/keep_layers.py`` keeps each
 program's first K, layers being identical in structure; their weights alone go to the device) and
 the record keeps its depth; or an export of a few layers (its config with fewer) is profiled and
@@ -184,12 +188,13 @@ def time_us(fn: Callable[..., Any], args: Sequence[Any], iters: int, device: tor
             "p90_us": round(pick(0.9), 2)}
 
 
-def role_programs(ep: torch.export.ExportedProgram, device: torch.device,
-                  layers: int | None = None) -> tuple[dict[str, fx.GraphModule], Any, dict[str, Any]]:
+def role_programs(ep: torch.export.ExportedProgram, device: torch.device, layers: int | None = None,
+                  share_weights: bool = False) -> tuple[dict[str, fx.GraphModule], Any, dict[str, Any]]:
     """The attention and FFN programs of the 1A1F split (exchange taken out, lowered for ``device``)
     and the model with no layout, on ``device``; the split; and :func:`model_facts` of the whole
     model. ``layers``: keep only the first ``layers`` layers of each program (``passes/keep_layers.py``:
-    a deep model timed on a few of its layers, its dropped layers' weights never on the device)."""
+    a deep model timed on a few of its layers, its dropped layers' weights never on the device);
+    ``share_weights``: the kept layers after the first read the first's weights."""
     from .deploy import no_layout_program, plan_afd
     from .passes.keep_layers import keep_layers
     from .passes.loopback import loopback_exchange
@@ -209,7 +214,7 @@ def role_programs(ep: torch.export.ExportedProgram, device: torch.device,
         if layers is not None:
             if kind == "model":
                 annotate_roles(gm, graph_name="the model")
-            keep_layers(gm, layers, f"the {kind} program")
+            keep_layers(gm, layers, f"the {kind} program", share_weights)
         lower(gm, Build("none" if kind == "model" else f"afd-{kind}", device=device.type))
         programs[kind] = gm.to(device)
     return programs, result, facts
@@ -265,22 +270,10 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
     kept = min(layers or facts["layers"], facts["layers"])
     say(f"programs of {kept} of {facts['layers']} layers ready" if kept < facts["layers"] else
         f"programs of all {kept} layers ready")
-    dtype = getattr(torch, facts["dtype"])
-    timed: dict[str, list[dict[str, Any]]] = {"attention": [], "ffn": [], "no_layout": [], "head": [], "kv": []}
-    calls = {k: _compiled(gm, device, compile) for k, gm in programs.items()}
+    timed: dict[str, Any] = {"attention": [], "ffn": [], "no_layout": [], "head": [], "kv": []}
     head_w = _head_weight(result.attention, device)
     head = _compiled(_Linear(head_w), device, compile) if head_w is not None else None
-
-    def measure(key: str, t: int) -> dict[str, Any]:  # one program at one size
-        if key in ("attention", "no_layout"):
-            kind = "model" if key == "no_layout" else key
-            return time_us(calls[kind], inputs_at(programs[kind], example, t, device), iters, device)
-        if key == "ffn":  # the FFN program's rows: what the attention program sends at layer 0 for t sequences
-            rows = programs["attention"](*inputs_at(programs["attention"], example, t, device))[-1]
-            return time_us(calls["ffn"], [torch.empty(t, device=device), rows.reshape(t, -1).to(dtype)], iters, device)
-        x = torch.randn(t, facts["hidden"], device=device).to(head_w.dtype)
-        return time_us(head, [x], iters, device)
-
+    measure = _measurer(programs, programs, example, facts, device, iters, compile, head)
     keys = ("attention", "no_layout", "ffn") + (("head",) if head is not None else ())
     with torch.no_grad():
         for t in tokens:
@@ -290,12 +283,64 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
                 f"{timed['ffn'][-1]['median_us']:.0f} µs, no layout {timed['no_layout'][-1]['median_us']:.0f} µs")
         for key in keys:
             _retime_outliers(timed[key], lambda t, k=key: measure(k, t), say, key)
+        depth = second_depth(kept, facts["layers"])
+        if depth is not None:
+            timed["second_depth"] = _time_second_depth(ep, depth, programs, example, facts, device, iters, compile,
+                                                       sorted({tokens[0], tokens[-1]}), say)
         timed["kv"] = kv_times(facts, contexts, kv_batches, iters, device, say=say)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"format": PROFILE_FORMAT, "created": now,
             "device": _device_record(device), "torch": torch.__version__, "compiled": compile, "iters": iters,
             "model": {"file": os.path.basename(path), "sha256": sha256_of(path), **facts,
                       "profiled_layers": kept}, **timed}
+
+
+def second_depth(kept: int, layers: int) -> tuple[int, bool] | None:
+    """The other depth each program is timed at, so its time splits into a part once a call and one
+    a layer: one layer fewer than ``kept``, or, with one layer kept of several, two layers whose
+    second reads the first's weights (the memory of one; ``keep_layers(share_weights=True)``).
+    None for a model of one layer."""
+    if kept >= 2:
+        return kept - 1, False
+    return (2, True) if layers >= 2 else None
+
+
+def _measurer(programs: dict[str, fx.GraphModule], senders: dict[str, fx.GraphModule], example: Sequence[Any],
+              facts: dict[str, Any], device: torch.device, iters: int, compile: bool,
+              head: Callable[..., Any] | None) -> Callable[[str, int], dict[str, Any]]:
+    """``measure(key, t)``: one of ``programs`` (compiled) at one size; the FFN program is fed the
+    rows ``senders``' attention program sends at layer 0 for t sequences."""
+    calls = {k: _compiled(gm, device, compile) for k, gm in programs.items()}
+    dtype = getattr(torch, facts["dtype"])
+
+    def measure(key: str, t: int) -> dict[str, Any]:
+        if key in ("attention", "no_layout"):
+            kind = "model" if key == "no_layout" else key
+            return time_us(calls[kind], inputs_at(programs[kind], example, t, device), iters, device)
+        if key == "ffn":
+            rows = senders["attention"](*inputs_at(senders["attention"], example, t, device))[-1]
+            return time_us(calls["ffn"], [torch.empty(t, device=device), rows.reshape(t, -1).to(dtype)], iters, device)
+        x = torch.randn(t, facts["hidden"], device=device).to(head.weight.dtype if hasattr(head, "weight") else dtype)
+        return time_us(head, [x], iters, device)
+
+    return measure
+
+
+def _time_second_depth(ep: torch.export.ExportedProgram, depth: tuple[int, bool],
+                       senders: dict[str, fx.GraphModule], example: Sequence[Any], facts: dict[str, Any],
+                       device: torch.device, iters: int, compile: bool, sizes: Sequence[int],
+                       say: Callable[[str], None]) -> dict[str, Any]:
+    """The attention, FFN and no-layout programs at the :func:`second_depth` ``depth``, timed at ``sizes``."""
+    layers, shared = depth
+    programs, _, _ = role_programs(ep, device, layers, share_weights=shared)
+    measure = _measurer(programs, senders, example, facts, device, iters, compile, None)
+    out: dict[str, Any] = {"layers": layers, "shared_weights": shared}
+    for key in ("attention", "ffn", "no_layout"):
+        out[key] = [{"rows" if key == "ffn" else "tokens": t, **measure(key, t)} for t in sizes]
+    say(f"at {layers} layers{' (the second reading the first weights)' if shared else ''}: "
+        + ", ".join(f"{k} {out[k][-1]['median_us']:.0f} µs" for k in ("attention", "ffn", "no_layout"))
+        + f" at {sizes[-1]}")
+    return out
 
 
 def _refuse_cache(ep: torch.export.ExportedProgram, path: str) -> None:
@@ -393,6 +438,31 @@ def _curve(rec: dict, key: str, size: str, per: Callable[[int, float], float], p
         raise ProfileError(f"{path}: '{key}': {e}: not a profile afd-compile wrote") from None
 
 
+def call_curves(rec: dict, k: int, path: str) -> dict[str, Curve]:
+    """Each program's time beyond its layers, from its two depths (``second_depth``): at a size timed
+    at both, ``k`` layers taking ``t_k`` and ``d`` taking ``t_d``, a layer is ``(t_k - t_d) / (k - d)`` and
+    the rest ``t_k - k x`` that (clamped to [0, t_k]); {} for a profile of one depth."""
+    second = rec.get("second_depth")
+    if not second:
+        return {}
+    d = int(second["layers"])
+    if d == k:
+        raise ProfileError(f"{path}: 'second_depth' times {d} layers, as the profile does: profile again")
+    out = {}
+    for key, size in (("attention", "tokens"), ("ffn", "rows"), ("no_layout", "tokens")):
+        whole = {int(r[size]): float(r["median_us"]) for r in rec[key]}
+        points = []
+        for r in second[key]:
+            t = int(r[size])
+            if t in whole:
+                per = (whole[t] - float(r["median_us"])) / (k - d)
+                points.append((t, min(whole[t], max(0.0, whole[t] - k * per))))
+        if not points:
+            raise ProfileError(f"{path}: 'second_depth' times {key} at no size the profile timed: profile again")
+        out[key] = Curve(tuple(sorted(points)))
+    return out
+
+
 def read_profile(path: str, model: str | None = None, device: str | None = None,
                  layers: int | None = None) -> tuple[Costs, ModelFacts, dict[str, Any]]:
     """The cost model's parts of the profile at ``path``: refused (ProfileError, one line) when it is
@@ -423,14 +493,19 @@ def read_profile(path: str, model: str | None = None, device: str | None = None,
                            heads=int(m.get("heads", 0)))
         facts = ModelFacts(**{**facts.__dict__, "layers": layers or facts.layers})
         head = _curve(rec, "head", "tokens", lambda t, us: us, path)
-        attention = _curve(rec, "attention", "tokens", lambda t, us: (us - head.at(t)) / k, path)
-        ffn = _curve(rec, "ffn", "rows", lambda r, us: us / k, path, (facts.experts, facts.top_k))
+        calls = call_curves(rec, k, path)
+        once = calls.get("attention", head)
+        attention = _curve(rec, "attention", "tokens", lambda t, us: (us - once.at(t)) / k, path)
+        ffn_once = calls.get("ffn")
+        ffn = _curve(rec, "ffn", "rows", lambda r, us: (us - (ffn_once.at(r) if ffn_once else 0.0)) / k, path,
+                     (facts.experts, facts.top_k))
         contexts = sorted({int(r["context"]) for r in rec.get("kv") or []})
         if not contexts:
             raise ProfileError(f"{path}: 'kv' has no measured context: profile again")
         kv = KVCurves(tuple(contexts), tuple(_curve({"kv": [r for r in rec["kv"] if int(r["context"]) == c]},
                                                     "kv", "batch", lambda b, us: us, path) for c in contexts))
-        costs = Costs(str(dev["name"]), int(dev["memory_bytes"]), attention, ffn, head, kv)
+        costs = Costs(str(dev["name"]), int(dev["memory_bytes"]), attention, ffn, head, kv,
+                      calls.get("attention"), calls.get("ffn"), calls.get("no_layout"))
     except ProfileError:
         raise
     except (KeyError, TypeError, ValueError) as e:

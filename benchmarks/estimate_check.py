@@ -73,17 +73,21 @@ def _row(what: str, size: str, predicted: float, measured: float) -> dict:
             "error": round(predicted / measured - 1, 4)}
 
 
-def interpolation(rec: dict, coarse: object, k: int) -> list[dict]:
-    """Per-layer attention / FFN / KV from the coarse profile at the fine grid's held-out sizes."""
+def interpolation(rec: dict, coarse: object, k: int, calls: dict) -> list[dict]:
+    """Per-layer attention / FFN / KV from the coarse profile at the fine grid's held-out sizes (the
+    measured per layer: less the program's call as the coarse profile splits it off, ``calls``, else
+    less the head)."""
     rows = []
     head = {r["tokens"]: r["median_us"] for r in rec["head"]}
     for r in rec["attention"]:
         if r["tokens"] not in COARSE:
-            got = (r["median_us"] - head[r["tokens"]]) / k
-            rows.append(_row("attention layer", f"T={r['tokens']}", coarse.attention.at(r["tokens"]), got))
+            t = r["tokens"]
+            got = (r["median_us"] - (calls["attention"].at(t) if calls else head[t])) / k
+            rows.append(_row("attention layer", f"T={t}", coarse.attention.at(t), got))
     for r in rec["ffn"]:
         if r["rows"] not in COARSE:
-            rows.append(_row("FFN layer", f"R={r['rows']}", coarse.ffn.at(r["rows"]), r["median_us"] / k))
+            got = (r["median_us"] - (calls["ffn"].at(r["rows"]) if calls else 0.0)) / k
+            rows.append(_row("FFN layer", f"R={r['rows']}", coarse.ffn.at(r["rows"]), got))
     for r in rec["kv"]:
         if not (r["context"] in COARSE_KV[0] and r["batch"] in COARSE_KV[1]):
             rows.append(_row("KV read (one layer)", f"B={r['batch']} C={r['context']}",
@@ -114,13 +118,15 @@ def two_depths(rec: dict, parts: list[dict], layers: int) -> list[dict]:
 def checks(rec: dict, sdpa: list, parts: list[dict], family: str, layers: int, tmp: str) -> tuple[list, list]:
     """The check rows from a whole profile (``rec``), HF's SDPA KV reads and the sliced profiles."""
     from afd_compile import estimate as est
+    from afd_compile.profile import call_curves
 
-    coarse, facts, _ = _costs(_subset(rec, COARSE, COARSE_KV), os.path.join(tmp, "coarse.json"))
-    rows = interpolation(rec, coarse, facts.layers)
-    for r in rec["no_layout"]:  # the whole model from its parts: every layer's attention and FFN + the head
-        t = r["tokens"]
+    subset = _subset(rec, COARSE, COARSE_KV)
+    coarse, facts, _ = _costs(subset, os.path.join(tmp, "coarse.json"))
+    rows = interpolation(rec, coarse, facts.layers, call_curves(subset, facts.layers, "coarse.json"))
+    for r in rec["no_layout"]:  # the whole model from its parts: every layer's attention and FFN + each program's
+        t = r["tokens"]  # call (or the head)
         rows.append(_row("no-layout step from the parts", f"T={t}", facts.layers * (coarse.attention.at(t)
-                         + coarse.ffn.at(t)) + coarse.head.at(t), r["median_us"]))
+                         + coarse.ffn.at(t)) + coarse.once_attention(t) + coarse.once_ffn(t), r["median_us"]))
     for part in parts:  # profile --layers K: K of the layers timed, scaled to all of them, against the whole
         sliced, _, _ = _costs(part, os.path.join(tmp, "sliced.json"))
         k = part["model"]["profiled_layers"]
@@ -132,7 +138,8 @@ def checks(rec: dict, sdpa: list, parts: list[dict], family: str, layers: int, t
         for r in rec["no_layout"]:
             t = r["tokens"]
             rows.append(_row(f"no-layout step from {k} layers timed", f"T={t}", facts.layers * (
-                sliced.attention.at(t) + sliced.ffn.at(t)) + sliced.head.at(t), r["median_us"]))
+                sliced.attention.at(t) + sliced.ffn.at(t)) + sliced.once_attention(t) + sliced.once_ffn(t),
+                r["median_us"]))
     rows += two_depths(rec, parts, facts.layers)
     recorded = []
     if family == "llama" and layers == 4 and rec["device"]["type"] == "cuda":

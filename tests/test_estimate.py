@@ -111,6 +111,22 @@ def test_afd_layer(cand, batch, att, ffn, wire, layer):
         assert e.stages_gain is None
 
 
+def test_a_programs_call_is_counted_once_a_step():
+    """Profiled at two depths, an AFD step adds the attention program's call and the FFN program's once
+    (not the head: the attention's call holds it), a TP rank's the model's."""
+    costs = Costs("test", 10**12, FLAT, FFN, HEAD, KVCurves((8,), (Curve(((1, 0.0),)),)),
+                  call_attention=Curve(((1, 30.0), (4, 60.0))), call_ffn=Curve(((1, 5.0), (8, 12.0))),
+                  call_model=Curve(((1, 70.0),)))
+    facts = ModelFacts(**{**FACTS.__dict__, "layers": 3})
+    e = afd(costs, facts, AFDCandidate(1, 1), 2, context=8, link=LINK)
+    # (the attention call at 2 sequences: 30 + (60 - 30) / 3; the FFN's at its 2 rows: 5 + 7 / 7)
+    assert e.step_us == pytest.approx(3 * 164.0 + 40.0 + 6.0)
+    e = afd(costs, facts, AFDCandidate(2, 1, stages=2), 4, context=8, link=LINK)  # (fan-in 2: 8 rows a step)
+    assert e.step_us == pytest.approx(3 * e.layer_us + 30.0 + 30.0 * 3 / 3 + 12.0)
+    e = tp(costs, facts, TPCandidate(1, 1), 2, context=8, link=LINK)
+    assert e.step_us == pytest.approx(3 * 150.0 + 70.0)
+
+
 def test_afd_memory_and_a_layout_that_does_not_fit():
     e = afd(_costs(memory=2000), FACTS, AFDCandidate(1, 1), 4, context=8, link=LINK)
     # attention rank: weights 1000 + KV 4 sequences x 8 positions x 10 bytes + head/embedding 100

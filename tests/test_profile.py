@@ -37,6 +37,11 @@ def test_profile_writes_what_the_estimate_reads(profiled):
     assert rec["model"]["sha256"] == sha256_of(path)
     assert (rec["model"]["layers"], rec["model"]["profiled_layers"]) == (2, 1)  # (the model's depth, the layers timed)
     assert [r["tokens"] for r in rec["attention"]] == [1, 4] and [r["rows"] for r in rec["ffn"]] == [1, 4]
+    # (one layer timed of two: the second depth is two layers, the second reading the first's weights)
+    second = rec["second_depth"]
+    assert (second["layers"], second["shared_weights"]) == (2, True)
+    assert [[r["tokens" if k != "ffn" else "rows"] for r in second[k]] for k in ("attention", "ffn", "no_layout")] \
+        == [[1, 4]] * 3
     assert {(r["batch"], r["context"]) for r in rec["kv"]} == {(1, 32), (2, 32), (1, 64), (2, 64)}
     assert all(r["median_us"] > 0 and r["p10_us"] <= r["median_us"] <= r["p90_us"]
                for key in ("attention", "ffn", "no_layout", "head", "kv") for r in rec[key])
@@ -48,6 +53,14 @@ def test_profile_writes_what_the_estimate_reads(profiled):
                                ffn_bytes=4 * 3 * 64 * 128, other_bytes=4 * 2 * 128 * 64, kv_bytes=2 * 2 * 16 * 4,
                                kv_heads=2, to_ffn_bytes=64 * 4, to_attention_bytes=64 * 4, heads=4)
     assert read_profile(out, path, layers=80)[1].layers == 80
+    assert costs.call_attention is not None and costs.call_model is not None  # (from the second depth)
+
+
+def test_plan_estimate_reads_a_fresh_profile(profiled, capsys):
+    path, out = profiled
+    assert main(["plan", path, "--estimate", out, "-A", "1", "-F", "1", "--batch", "2", "--context", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "a call once a step (at 1 sequence: attention rank " in text and "AFD 1A1F S=1" in text, text
 
 
 @pytest.mark.parametrize("name,shape", [
@@ -114,6 +127,56 @@ def test_keep_layers_is_the_models_first_layers(family, layers, keep):
         want = model(ids[0])
     got = cut["model"](*ids)
     torch.testing.assert_close(got[0] if isinstance(got, (tuple, list)) else got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_keep_layers_sharing_the_first_layers_weights():
+    """keep_layers(share_weights=True): two layers with one layer's weights, computing what the model
+    does with its second layer's weights replaced by its first's (profile's second depth)."""
+    from afd_compile.models import build_hf, export_lm
+    from afd_compile.passes.keep_layers import keep_layers
+    from afd_compile.passes.roles import annotate_roles
+    from afd_compile.profile import inputs_at
+    from afd_compile.programs import flat_inputs, fresh_module
+
+    model = build_hf("llama", num_layers=3)
+    ep = export_lm(model, vocab_size=128)
+    one, two = fresh_module(ep), fresh_module(ep)
+    for gm, k, shared in ((one, 1, False), (two, 2, True)):
+        annotate_roles(gm, graph_name="the model")
+        assert keep_layers(gm, k, share_weights=shared) == 3
+    weights = lambda gm: sum(t.numel() for t in gm.parameters())  # noqa: E731
+    assert weights(two) == weights(one)
+    ids = inputs_at(two, flat_inputs(ep), 3, torch.device("cpu"))
+    decoder = model.model.model
+    decoder.layers = decoder.layers[:2]
+    decoder.layers[1].load_state_dict(decoder.layers[0].state_dict())
+    with torch.no_grad():
+        want = model(ids[0])
+    got = two(*ids)
+    torch.testing.assert_close(got[0] if isinstance(got, (tuple, list)) else got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_programs_call_from_two_depths():
+    """read_profile splits each program's time into its layers and its call from the two depths, by
+    hand: 4 layers at 500 µs, 3 at 400 -> 100 a layer, 100 the call."""
+    from afd_compile.profile import call_curves
+
+    rec = {"attention": [{"tokens": 1, "median_us": 500.0}, {"tokens": 8, "median_us": 900.0}],
+           "ffn": [{"rows": 1, "median_us": 420.0}, {"rows": 8, "median_us": 420.0}],
+           "no_layout": [{"tokens": 1, "median_us": 1000.0}, {"tokens": 8, "median_us": 1000.0}],
+           "second_depth": {"layers": 3, "attention": [{"tokens": 1, "median_us": 400.0},
+                                                       {"tokens": 8, "median_us": 700.0}],
+                            "ffn": [{"rows": 8, "median_us": 320.0}],
+                            "no_layout": [{"tokens": 1, "median_us": 1010.0}]}}
+    calls = call_curves(rec, 4, "p.json")
+    assert calls["attention"].points == ((1, 100.0), (8, 100.0))  # (at 8: 200 a layer, 900 - 800)
+    assert calls["ffn"].points == ((8, 20.0),)
+    assert calls["no_layout"].points == ((1, 1000.0),)  # (a deeper program no slower: all of it the call, clamped)
+    assert call_curves({k: v for k, v in rec.items() if k != "second_depth"}, 4, "p.json") == {}
+    from afd_compile.profile import second_depth
+
+    assert [second_depth(k, n) for k, n in ((4, 4), (2, 80), (1, 61), (1, 1))] == [(3, False), (1, False), (2, True),
+                                                                                   None]
 
 
 def test_keep_layers_refuses_layers_not_alike(exported):
