@@ -10,9 +10,9 @@ From ``MODEL.pt2`` (an export with a dynamic batch, as the quick start's), on on
   program at R rows, the model with no layout at T, the LM head alone at T, and one layer's
   attention over a KV cache (``afd::decode_attention`` on CUDA, masked SDPA on CPU) at (batch,
   context);
-- each program also at a second depth (:func:`second_depth`), at the first and last T, so its time
-  splits into its layers and its call (what it costs once a step: graph launch, input copies,
-  embedding, the head), which scale apart;
+- each program also at one layer fewer (none of one: the residual stream passed through), at the
+  first and last T, so its time splits into its layers and its call (what it costs once a step:
+  graph launch, input copies, embedding, the head), which scale apart;
 - written as JSON with the device, torch's version, the model's sha256 and the facts the cost model
   needs (layers, weight bytes per layer of each role, KV bytes per token, wire bytes per token).
 
@@ -188,13 +188,13 @@ def time_us(fn: Callable[..., Any], args: Sequence[Any], iters: int, device: tor
             "p90_us": round(pick(0.9), 2)}
 
 
-def role_programs(ep: torch.export.ExportedProgram, device: torch.device, layers: int | None = None,
-                  share_weights: bool = False) -> tuple[dict[str, fx.GraphModule], Any, dict[str, Any]]:
+def role_programs(ep: torch.export.ExportedProgram, device: torch.device,
+                  layers: int | None = None) -> tuple[dict[str, fx.GraphModule], Any, dict[str, Any]]:
     """The attention and FFN programs of the 1A1F split (exchange taken out, lowered for ``device``)
     and the model with no layout, on ``device``; the split; and :func:`model_facts` of the whole
     model. ``layers``: keep only the first ``layers`` layers of each program (``passes/keep_layers.py``:
-    a deep model timed on a few of its layers, its dropped layers' weights never on the device);
-    ``share_weights``: the kept layers after the first read the first's weights."""
+    a deep model timed on a few of its layers, its dropped layers' weights never on the device; 0: none,
+    what each program costs besides its layers)."""
     from .deploy import no_layout_program, plan_afd
     from .passes.keep_layers import keep_layers
     from .passes.loopback import loopback_exchange
@@ -210,11 +210,11 @@ def role_programs(ep: torch.export.ExportedProgram, device: torch.device, layers
         if kind == "model":
             no_layout_program(gm, Build("none", device=device.type))
         else:
-            loopback_exchange(gm, return_first_sent=kind == "attention")
+            loopback_exchange(gm, return_first_sent=kind == "attention" and layers != 0)  # (0: no layer sends)
         if layers is not None:
             if kind == "model":
                 annotate_roles(gm, graph_name="the model")
-            keep_layers(gm, layers, f"the {kind} program", share_weights)
+            keep_layers(gm, layers, f"the {kind} program")
         lower(gm, Build("none" if kind == "model" else f"afd-{kind}", device=device.type))
         programs[kind] = gm.to(device)
     return programs, result, facts
@@ -283,26 +283,16 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
                 f"{timed['ffn'][-1]['median_us']:.0f} µs, no layout {timed['no_layout'][-1]['median_us']:.0f} µs")
         for key in keys:
             _retime_outliers(timed[key], lambda t, k=key: measure(k, t), say, key)
-        depth = second_depth(kept, facts["layers"])
-        if depth is not None:
-            timed["second_depth"] = _time_second_depth(ep, depth, programs, example, facts, device, iters, compile,
-                                                       sorted({tokens[0], tokens[-1]}), say)
+        second = _time_second_depth(ep, kept - 1, programs, example, facts, device, iters, compile,
+                                    sorted({tokens[0], tokens[-1]}), say)
+        if second is not None:
+            timed["second_depth"] = second
         timed["kv"] = kv_times(facts, contexts, kv_batches, iters, device, say=say)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"format": PROFILE_FORMAT, "created": now,
             "device": _device_record(device), "torch": torch.__version__, "compiled": compile, "iters": iters,
             "model": {"file": os.path.basename(path), "sha256": sha256_of(path), **facts,
                       "profiled_layers": kept}, **timed}
-
-
-def second_depth(kept: int, layers: int) -> tuple[int, bool] | None:
-    """The other depth each program is timed at, so its time splits into a part once a call and one
-    a layer: one layer fewer than ``kept``, or, with one layer kept of several, two layers whose
-    second reads the first's weights (the memory of one; ``keep_layers(share_weights=True)``).
-    None for a model of one layer."""
-    if kept >= 2:
-        return kept - 1, False
-    return (2, True) if layers >= 2 else None
 
 
 def _measurer(programs: dict[str, fx.GraphModule], senders: dict[str, fx.GraphModule], example: Sequence[Any],
@@ -326,20 +316,25 @@ def _measurer(programs: dict[str, fx.GraphModule], senders: dict[str, fx.GraphMo
     return measure
 
 
-def _time_second_depth(ep: torch.export.ExportedProgram, depth: tuple[int, bool],
-                       senders: dict[str, fx.GraphModule], example: Sequence[Any], facts: dict[str, Any],
-                       device: torch.device, iters: int, compile: bool, sizes: Sequence[int],
-                       say: Callable[[str], None]) -> dict[str, Any]:
-    """The attention, FFN and no-layout programs at the :func:`second_depth` ``depth``, timed at ``sizes``."""
-    layers, shared = depth
-    programs, _, _ = role_programs(ep, device, layers, share_weights=shared)
+def _time_second_depth(ep: torch.export.ExportedProgram, layers: int, senders: dict[str, fx.GraphModule],
+                       example: Sequence[Any], facts: dict[str, Any], device: torch.device, iters: int,
+                       compile: bool, sizes: Sequence[int], say: Callable[[str], None]) -> dict[str, Any] | None:
+    """The attention, FFN and no-layout programs at ``layers`` (one fewer than profiled; 0: none, the
+    residual stream passed through), timed at ``sizes``: each program's time then splits into its
+    layers and its call. None (said) where the layers cannot be cut so."""
+    from .passes.keep_layers import KeepLayersError
+
+    try:
+        programs, _, _ = role_programs(ep, device, layers)
+    except KeepLayersError as e:
+        say(f"not timed at {layers} layers ({e}): each program's call stays in its per-layer times")
+        return None
     measure = _measurer(programs, senders, example, facts, device, iters, compile, None)
-    out: dict[str, Any] = {"layers": layers, "shared_weights": shared}
+    out: dict[str, Any] = {"layers": layers}
     for key in ("attention", "ffn", "no_layout"):
         out[key] = [{"rows" if key == "ffn" else "tokens": t, **measure(key, t)} for t in sizes]
-    say(f"at {layers} layers{' (the second reading the first weights)' if shared else ''}: "
-        + ", ".join(f"{k} {out[k][-1]['median_us']:.0f} µs" for k in ("attention", "ffn", "no_layout"))
-        + f" at {sizes[-1]}")
+    say(f"at {layers} layers: " + ", ".join(f"{k} {out[k][-1]['median_us']:.0f} µs" for k in
+                                            ("attention", "ffn", "no_layout")) + f" at {sizes[-1]}")
     return out
 
 

@@ -37,9 +37,9 @@ def test_profile_writes_what_the_estimate_reads(profiled):
     assert rec["model"]["sha256"] == sha256_of(path)
     assert (rec["model"]["layers"], rec["model"]["profiled_layers"]) == (2, 1)  # (the model's depth, the layers timed)
     assert [r["tokens"] for r in rec["attention"]] == [1, 4] and [r["rows"] for r in rec["ffn"]] == [1, 4]
-    # (one layer timed of two: the second depth is two layers, the second reading the first's weights)
+    # (one layer timed of two: the second depth is none, the residual stream passed through)
     second = rec["second_depth"]
-    assert (second["layers"], second["shared_weights"]) == (2, True)
+    assert second["layers"] == 0
     assert [[r["tokens" if k != "ffn" else "rows"] for r in second[k]] for k in ("attention", "ffn", "no_layout")] \
         == [[1, 4]] * 3
     assert {(r["batch"], r["context"]) for r in rec["kv"]} == {(1, 32), (2, 32), (1, 64), (2, 64)}
@@ -129,31 +129,31 @@ def test_keep_layers_is_the_models_first_layers(family, layers, keep):
     torch.testing.assert_close(got[0] if isinstance(got, (tuple, list)) else got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_keep_layers_sharing_the_first_layers_weights():
-    """keep_layers(share_weights=True): two layers with one layer's weights, computing what the model
-    does with its second layer's weights replaced by its first's (profile's second depth)."""
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_keep_no_layer_passes_the_stream_through(family):
+    """keep_layers(gm, 0): what a program costs besides its layers (profile's second depth of a one-layer
+    profile); the model's program then computes what the model with no layer computes (the embedding
+    through the final norm and the head)."""
     from afd_compile.models import build_hf, export_lm
-    from afd_compile.passes.keep_layers import keep_layers
-    from afd_compile.passes.roles import annotate_roles
-    from afd_compile.profile import inputs_at
-    from afd_compile.programs import flat_inputs, fresh_module
+    from afd_compile.profile import inputs_at, role_programs
+    from afd_compile.programs import flat_inputs
 
-    model = build_hf("llama", num_layers=3)
+    model = build_hf(family, num_layers=2)
     ep = export_lm(model, vocab_size=128)
-    one, two = fresh_module(ep), fresh_module(ep)
-    for gm, k, shared in ((one, 1, False), (two, 2, True)):
-        annotate_roles(gm, graph_name="the model")
-        assert keep_layers(gm, k, share_weights=shared) == 3
-    weights = lambda gm: sum(t.numel() for t in gm.parameters())  # noqa: E731
-    assert weights(two) == weights(one)
-    ids = inputs_at(two, flat_inputs(ep), 3, torch.device("cpu"))
-    decoder = model.model.model
-    decoder.layers = decoder.layers[:2]
-    decoder.layers[1].load_state_dict(decoder.layers[0].state_dict())
+    none, _, _ = role_programs(ep, torch.device("cpu"), layers=0)
+    from afd_compile.passes.graph_utils import layers_of
+
+    assert [layers_of(gm) for gm in none.values()] == [{}, {}, {}]
+    assert not any(".layers." in name for gm in none.values() for name, _ in gm.named_parameters())
+    ids = inputs_at(none["model"], flat_inputs(ep), 3, torch.device("cpu"))
+    model.model.model.layers = model.model.model.layers[:0]
     with torch.no_grad():
         want = model(ids[0])
-    got = two(*ids)
+    got = none["model"](*ids)
     torch.testing.assert_close(got[0] if isinstance(got, (tuple, list)) else got, want, rtol=1e-5, atol=1e-6)
+    x = torch.randn(3, 64)
+    got = none["ffn"](torch.empty(3), x)  # (the FFN program with no layer: its rows back)
+    torch.testing.assert_close(got[0] if isinstance(got, (tuple, list)) else got, x)
 
 
 def test_a_programs_call_from_two_depths():
@@ -173,10 +173,6 @@ def test_a_programs_call_from_two_depths():
     assert calls["ffn"].points == ((8, 20.0),)
     assert calls["no_layout"].points == ((1, 1000.0),)  # (a deeper program no slower: all of it the call, clamped)
     assert call_curves({k: v for k, v in rec.items() if k != "second_depth"}, 4, "p.json") == {}
-    from afd_compile.profile import second_depth
-
-    assert [second_depth(k, n) for k, n in ((4, 4), (2, 80), (1, 61), (1, 1))] == [(3, False), (1, False), (2, True),
-                                                                                   None]
 
 
 def test_keep_layers_refuses_layers_not_alike(exported):
@@ -188,8 +184,8 @@ def test_keep_layers_refuses_layers_not_alike(exported):
     annotate_roles(gm)
     with pytest.raises(KeepLayersError, match="graph: layer 1 is not like layer 0 .* profile the whole model"):
         keep_layers(gm, 1)
-    with pytest.raises(KeepLayersError, match="keep 0 layers"):
-        keep_layers(gm, 0)
+    with pytest.raises(KeepLayersError, match="keep -1 layers: give 0 or more"):
+        keep_layers(gm, -1)
     assert keep_layers(gm, 3) == 3  # (all of them: nothing to drop)
 
 
