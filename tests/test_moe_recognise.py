@@ -82,6 +82,18 @@ def test_each_expert_form_becomes_one_op_equal_to_the_model(programs, form, make
     assert recognise_moe(gm) == [] and gm.meta[RECORDS_KEY] == tuple(records)  # idempotent: no block left
 
 
+def test_bf16_experts_combined_in_fp32_are_recognised():
+    """DeepSeek-V3 in bf16: its experts compute in bf16 and combine under fp32 routing weights (an fp32
+    output): the expert forms are told apart at bf16's tolerance, not fp32's (no form matched before)."""
+    model = build_hf("deepseek_v3", num_layers=2, experts_implementation="grouped_mm").to(torch.bfloat16)
+    ep = export_lm(model)
+    gm = ep.module()
+    records = recognise_moe(gm)
+    assert records and all(r.op for r in records), [str(r) for r in records]
+    with torch.no_grad():
+        assert max_rel_err(gm(_ids(3)), ep.module()(_ids(3))) <= 2e-2
+
+
 class _TanhGLU(torch.nn.Module):
     """The stacked-weight bmm MoE of ``handwritten.BmmMoE`` with a tanh GLU, no activation the op has."""
 
