@@ -8,8 +8,9 @@ top 8) decoder of ``--layers`` layers, vocab 32000, bf16, random weights, export
 profiled by ``afd_compile.profile.run_profile`` as ``afd-compile profile`` does (Inductor + CUDA
 graphs). One profile over a fine grid; the estimate is then made from a coarse subset of it and
 compared with the held-out sizes (measured in the same run); profiles timing ``--sliced`` K of the
-layers (``profile --layers K``; default 1 and 2) are compared with the whole one, and the two
-shallowest give each program as a fixed part plus one a layer, checked at the whole depth. Prints
+layers (``profile --layers K``; default 1 and 2) are compared with the whole one, and every depth
+timed below the whole (those, and each profile's second depth: one layer fewer) gives each program
+as a line, its call plus one a layer, checked at the whole depth. Prints
 the tables, writes JSON.
 
     python benchmarks/estimate_check.py --family llama --json $OUT/estimate_check_llama.json
@@ -95,23 +96,26 @@ def interpolation(rec: dict, coarse: object, k: int, calls: dict) -> list[dict]:
     return rows
 
 
-def two_depths(rec: dict, parts: list[dict], layers: int) -> list[dict]:
-    """A program's time as a fixed part (its call: graph replay, input copies, the head) plus one per
-    layer, both read off the two shallowest sliced profiles (K1 < K2 layers timed), predicting the
-    whole program (all ``layers``) against its measured time."""
-    if len(parts) < 2:
+def depth_line(rec: dict, parts: list[dict], layers: int) -> list[dict]:
+    """Each program's time as its call plus one per layer: a least-squares line through every depth
+    timed below the whole (the sliced profiles, each profile's second depth), at the sizes every depth
+    timed, predicting the whole program (all ``layers``) against its measured time."""
+    timed = [p for q in (rec, *parts) for p in (q, q.get("second_depth") or {}) if p]
+    depth = lambda p: p["model"]["profiled_layers"] if "model" in p else p["layers"]  # noqa: E731
+    below = [p for p in timed if depth(p) < layers]
+    if len({depth(p) for p in below}) < 2:
         return []
-    (k1, p1), (k2, p2) = sorted((p["model"]["profiled_layers"], p) for p in parts)[:2]
     rows = []
     for key, size in (("attention", "tokens"), ("ffn", "rows"), ("no_layout", "tokens")):
         whole = {r[size]: r["median_us"] for r in rec[key]}
-        at1, at2 = ({r[size]: r["median_us"] for r in p[key]} for p in (p1, p2))
-        for t in sorted(set(at1) & set(at2) & set(whole)):
-            per = (at2[t] - at1[t]) / (k2 - k1)
-            fixed = at1[t] - k1 * per
-            rows.append(_row(f"{key.replace('_', '-')} program, {layers} layers from {k1} and {k2} timed "
-                             f"(fixed {fixed:.0f} µs + {per:.0f} µs a layer)", f"{size[0].upper()}={t}",
-                             fixed + layers * per, whole[t]))
+        for t in sorted(set.intersection(*({r[size] for r in p[key]} for p in below)) & set(whole)):
+            pts = [(depth(p), next(r["median_us"] for r in p[key] if r[size] == t)) for p in below]
+            mx, my = (sum(v) / len(pts) for v in zip(*pts, strict=True))
+            per = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+            call = my - per * mx
+            rows.append(_row(f"{key.replace('_', '-')} program, {layers} layers from depths "
+                             f"{sorted({d for d, _ in pts})} (call {call:.0f} µs + {per:.0f} µs a layer)",
+                             f"{size[0].upper()}={t}", call + layers * per, whole[t]))
     return rows
 
 
@@ -140,7 +144,7 @@ def checks(rec: dict, sdpa: list, parts: list[dict], family: str, layers: int, t
             rows.append(_row(f"no-layout step from {k} layers timed", f"T={t}", facts.layers * (
                 sliced.attention.at(t) + sliced.ffn.at(t)) + sliced.once_attention(t) + sliced.once_ffn(t),
                 r["median_us"]))
-    rows += two_depths(rec, parts, facts.layers)
+    rows += depth_line(rec, parts, facts.layers)
     recorded = []
     if family == "llama" and layers == 4 and rec["device"]["type"] == "cuda":
         with_sdpa, _, _ = _costs({**rec, "kv": sdpa}, os.path.join(tmp, "sdpa.json"))
@@ -183,8 +187,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sliced", type=lambda v: [int(k) for k in v.split(",") if k], default=[1, 2],
                         help="K,K2,...: also profile with --layers K each ('': none) and compare its per-layer parts "
-                        "with the whole profile's; with two, a fixed part + one a layer from the two shallowest "
-                        "against each whole program (default 1,2)")
+                        "with the whole profile's; every depth below the whole gives each program as its call "
+                        "plus one a layer, against each whole program (default 1,2)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--small", action="store_true", help="a tiny model on the CPU, uncompiled: checks the script")
     parser.add_argument("--from-json", metavar="FILE", help="recompute the checks from the profiles a run of this "
