@@ -10,8 +10,8 @@ From ``MODEL.pt2`` (an export with a dynamic batch, as the quick start's), on on
   program at R rows, the model with no layout at T, the LM head alone at T, and one layer's
   attention over a KV cache (``afd::decode_attention`` on CUDA, masked SDPA on CPU) at (batch,
   context);
-- each program also at one layer fewer (none of one: the residual stream passed through), at the
-  first and last T, so its time splits into its layers and its call (what it costs once a step:
+- each program also with no layer (the residual stream passed through: ``keep_layers(gm, 0)``), at
+  the first and last T, so its time splits into its layers and its call (what it costs once a step:
   graph launch, input copies, embedding, the head), which scale apart;
 - written as JSON with the device, torch's version, the model's sha256 and the facts the cost model
   needs (layers, weight bytes per layer of each role, KV bytes per token, wire bytes per token).
@@ -283,7 +283,7 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
                 f"{timed['ffn'][-1]['median_us']:.0f} µs, no layout {timed['no_layout'][-1]['median_us']:.0f} µs")
         for key in keys:
             _retime_outliers(timed[key], lambda t, k=key: measure(k, t), say, key)
-        second = _time_second_depth(ep, kept - 1, programs, example, facts, device, iters, compile,
+        second = _time_second_depth(ep, 0, programs, example, facts, device, iters, compile,
                                     sorted({tokens[0], tokens[-1]}), say)
         if second is not None:
             timed["second_depth"] = second
@@ -319,9 +319,10 @@ def _measurer(programs: dict[str, fx.GraphModule], senders: dict[str, fx.GraphMo
 def _time_second_depth(ep: torch.export.ExportedProgram, layers: int, senders: dict[str, fx.GraphModule],
                        example: Sequence[Any], facts: dict[str, Any], device: torch.device, iters: int,
                        compile: bool, sizes: Sequence[int], say: Callable[[str], None]) -> dict[str, Any] | None:
-    """The attention, FFN and no-layout programs at ``layers`` (one fewer than profiled; 0: none, the
-    residual stream passed through), timed at ``sizes``: each program's time then splits into its
-    layers and its call. None (said) where the layers cannot be cut so."""
+    """The attention, FFN and no-layout programs at ``layers`` (0: none, the residual stream passed
+    through: the call itself, so a layer is the profiled time less it over the layers timed, its noise
+    divided by them, where one layer fewer would multiply it), timed at ``sizes``: each program's time
+    then splits into its layers and its call. None (said) where the layers cannot be cut so."""
     from .passes.keep_layers import KeepLayersError
 
     try:

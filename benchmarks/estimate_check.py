@@ -9,7 +9,7 @@ profiled by ``afd_compile.profile.run_profile`` as ``afd-compile profile`` does 
 graphs). One profile over a fine grid; the estimate is then made from a coarse subset of it and
 compared with the held-out sizes (measured in the same run); profiles timing ``--sliced`` K of the
 layers (``profile --layers K``; default 1 and 2) are compared with the whole one, and every depth
-timed below the whole (those, and each profile's second depth: one layer fewer) gives each program
+timed below the whole (those, and each profile's second depth) gives each program
 as a line, its call plus one a layer, checked at the whole depth. Prints
 the tables, writes JSON.
 
