@@ -130,8 +130,13 @@ def print_estimate(args: argparse.Namespace, layout: object) -> int:
     if costs.call_attention is not None:
         head += (f"; a call once a step (at 1 sequence: attention rank {costs.once_attention(1):.0f} µs, "
                  f"TP rank {costs.once_model(1):.0f} µs)")
+    unrecognised = (rec.get("model") or {}).get("moe_unrecognised") or []
+    if unrecognised:
+        head += (f"\nnote: {len(unrecognised)} MoE block(s) of the profiled model were not recognised "
+                 f"({unrecognised[0]}): its FFN was timed as the model's own experts, and no EP layout is weighed")
     if args.json:
         print(json.dumps({"profile": args.estimate, "device": costs.device, "layers": facts.layers,
+                          "moe_unrecognised": unrecognised,
                           "context": args.context, "link": link.__dict__,
                           "estimates": [{**e.json(), "past_profile": est.past_profile(costs, e)} for e in rows],
                           "assumptions": list(est.ASSUMPTIONS)}, indent=2))

@@ -106,6 +106,7 @@ def model_facts(result: Any, ep: torch.export.ExportedProgram) -> dict[str, Any]
             "kv_heads": kv_heads, "to_ffn_bytes": cuts[0].wire_in.bytes_per_token,
             "to_attention_bytes": cuts[0].wire_out.bytes_per_token,
             "experts": moe[0].experts if moe else 0, "top_k": moe[0].top_k if moe else 0,
+            "moe_unrecognised": [str(r).splitlines()[0] for r in result.moe if not getattr(r, "op", None)],
             "heads": heads, "head_dim": head_dim, "v_head_dim": v_head_dim, "dtype": str(dtype).removeprefix("torch.")}
 
 
@@ -268,6 +269,9 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
     example = flat_inputs(ep)
     programs, result, facts = role_programs(ep, device, layers)
     kept = min(layers or facts["layers"], facts["layers"])
+    if facts["moe_unrecognised"]:
+        say(f"{len(facts['moe_unrecognised'])} MoE block(s) not recognised ({facts['moe_unrecognised'][0]}): the FFN "
+            "program runs the model's own experts, and the estimate weighs no expert parallelism for them")
     say(f"programs of {kept} of {facts['layers']} layers ready" if kept < facts["layers"] else
         f"programs of all {kept} layers ready")
     timed: dict[str, Any] = {"attention": [], "ffn": [], "no_layout": [], "head": [], "kv": []}

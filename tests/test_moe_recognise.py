@@ -137,6 +137,14 @@ def test_an_unmatched_expert_form_is_named_and_left_or_refused(tmp_path):
         assert "shard experts only as the recognised afd::moe_experts op" in ran.stderr
     ran = run_cli("plan", path, "-A", "2", "-F", "1")
     assert ran.returncode == 0 and "MoE experts: 0 of 2 blocks recognised" in ran.stdout, ran.stderr
+    # profile times it as written, says so, and the estimate says what that leaves out
+    prof = str(tmp_path / "p.json")
+    ran = run_cli("profile", path, "-o", prof, "--device", "cpu", "--tokens", "1,2", "--contexts", "8",
+                  "--kv-batches", "1,2", "--iters", "1", "--no-compile")
+    assert ran.returncode == 0 and "2 MoE block(s) not recognised" in ran.stdout + ran.stderr, ran.stderr
+    ran = run_cli("plan", path, "--estimate", prof, "-A", "1", "-F", "1", "--batch", "1", "--context", "8")
+    assert ran.returncode == 0 and "note: 2 MoE block(s) of the profiled model were not recognised" in ran.stdout \
+        and "no EP layout is weighed" in ran.stdout, (ran.stdout, ran.stderr)
 
 
 @pytest.fixture(scope="module")
