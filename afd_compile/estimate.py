@@ -57,8 +57,8 @@ ASSUMPTIONS = (
     "micro-batch's attention + wire + FFN + wire); the LM head runs after the last layer, not overlapped",
     "a step adds, once, what each program costs beyond its layers (the call: graph launch, input copies, "
     "embedding, LM head), the attention rank's and the FFN rank's both (one GPU's model measured whole "
-    "costs about the sum of its roles'); from a profile timed at two depths, else the LM head alone and "
-    "the rest in the per-layer times",
+    "costs about the sum of its roles'); from a profile that timed each program with no layer too, else "
+    "the LM head alone and the rest in the per-layer times",
     "a transfer or collective costs the link's latency plus its bytes at the link's bandwidth; ring "
     "all-reduce moves 2(P-1)/P of its message, all-gather / reduce-scatter (P-1)/P, all-to-all up to "
     "min(top-k, P) copies of each token, (P-1)/P of them off the rank",
@@ -192,7 +192,7 @@ class ModelFacts:
 class Costs:
     """The profile's measured parts, per layer: ``attention`` (µs at T tokens, one a sequence, the KV
     read excluded), ``kv`` (the KV read), ``ffn`` (µs at R rows), ``head`` (the LM head at T tokens).
-    Once a step, where the profile timed its programs at two depths: ``call_attention``,
+    Once a step, where the profile timed its programs with no layer too: ``call_attention``,
     ``call_ffn`` (at R rows) and ``call_model`` (µs at T tokens), what the attention program, the FFN
     program and the model with no layout cost beyond their layers (the call: graph launch, input
     copies, embedding, the LM head); None: not known (then folded into the per-layer times, and the

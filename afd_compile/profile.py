@@ -276,7 +276,7 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
         f"programs of all {kept} layers ready")
     timed: dict[str, Any] = {"attention": [], "ffn": [], "no_layout": [], "head": [], "kv": []}
     head_w = _head_weight(result.attention, device)
-    head = _compiled(_Linear(head_w), device, compile) if head_w is not None else None
+    head = (_compiled(_Linear(head_w), device, compile), head_w.dtype) if head_w is not None else None
     measure = _measurer(programs, programs, example, facts, device, iters, compile, head)
     keys = ("attention", "no_layout", "ffn") + (("head",) if head is not None else ())
     with torch.no_grad():
@@ -287,8 +287,8 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
                 f"{timed['ffn'][-1]['median_us']:.0f} µs, no layout {timed['no_layout'][-1]['median_us']:.0f} µs")
         for key in keys:
             _retime_outliers(timed[key], lambda t, k=key: measure(k, t), say, key)
-        second = _time_second_depth(ep, 0, programs, example, facts, device, iters, compile,
-                                    sorted({tokens[0], tokens[-1]}), say)
+        second = _time_without_layers(ep, programs, example, facts, device, iters, compile,
+                                      sorted({tokens[0], tokens[-1]}), say)
         if second is not None:
             timed["second_depth"] = second
         timed["kv"] = kv_times(facts, contexts, kv_batches, iters, device, say=say)
@@ -301,9 +301,10 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
 
 def _measurer(programs: dict[str, fx.GraphModule], senders: dict[str, fx.GraphModule], example: Sequence[Any],
               facts: dict[str, Any], device: torch.device, iters: int, compile: bool,
-              head: Callable[..., Any] | None) -> Callable[[str, int], dict[str, Any]]:
+              head: tuple[Callable[..., Any], torch.dtype] | None) -> Callable[[str, int], dict[str, Any]]:
     """``measure(key, t)``: one of ``programs`` (compiled) at one size; the FFN program is fed the
-    rows ``senders``' attention program sends at layer 0 for t sequences."""
+    rows ``senders``' attention program sends at layer 0 for t sequences; ``head``: the LM head
+    (compiled) and its weight's dtype."""
     calls = {k: _compiled(gm, device, compile) for k, gm in programs.items()}
     dtype = getattr(torch, facts["dtype"])
 
@@ -314,31 +315,32 @@ def _measurer(programs: dict[str, fx.GraphModule], senders: dict[str, fx.GraphMo
         if key == "ffn":
             rows = senders["attention"](*inputs_at(senders["attention"], example, t, device))[-1]
             return time_us(calls["ffn"], [torch.empty(t, device=device), rows.reshape(t, -1).to(dtype)], iters, device)
-        x = torch.randn(t, facts["hidden"], device=device).to(head.weight.dtype if hasattr(head, "weight") else dtype)
-        return time_us(head, [x], iters, device)
+        fn, head_dtype = head
+        return time_us(fn, [torch.randn(t, facts["hidden"], device=device).to(head_dtype)], iters, device)
 
     return measure
 
 
-def _time_second_depth(ep: torch.export.ExportedProgram, layers: int, senders: dict[str, fx.GraphModule],
-                       example: Sequence[Any], facts: dict[str, Any], device: torch.device, iters: int,
-                       compile: bool, sizes: Sequence[int], say: Callable[[str], None]) -> dict[str, Any] | None:
-    """The attention, FFN and no-layout programs at ``layers`` (0: none, the residual stream passed
-    through: the call itself, so a layer is the profiled time less it over the layers timed, its noise
-    divided by them, where one layer fewer would multiply it), timed at ``sizes``: each program's time
-    then splits into its layers and its call. None (said) where the layers cannot be cut so."""
+def _time_without_layers(ep: torch.export.ExportedProgram, senders: dict[str, fx.GraphModule],
+                         example: Sequence[Any], facts: dict[str, Any], device: torch.device, iters: int,
+                         compile: bool, sizes: Sequence[int], say: Callable[[str], None]) -> dict[str, Any] | None:
+    """The profile's second depth: the attention, FFN and no-layout programs with no layer (the
+    residual stream passed through), timed at ``sizes``: each program's call itself, so a layer is the
+    profiled time less it over the layers timed (the noise divided by them; one layer fewer as the
+    second depth would multiply it by them). None (said) where the layers cannot be cut so."""
     from .passes.keep_layers import KeepLayersError
 
+    layers = 0
     try:
         programs, _, _ = role_programs(ep, device, layers)
     except KeepLayersError as e:
-        say(f"not timed at {layers} layers ({e}): each program's call stays in its per-layer times")
+        say(f"not timed with no layer ({e}): each program's call stays in its per-layer times")
         return None
     measure = _measurer(programs, senders, example, facts, device, iters, compile, None)
     out: dict[str, Any] = {"layers": layers}
     for key in ("attention", "ffn", "no_layout"):
         out[key] = [{"rows" if key == "ffn" else "tokens": t, **measure(key, t)} for t in sizes]
-    say(f"at {layers} layers: " + ", ".join(f"{k} {out[k][-1]['median_us']:.0f} µs" for k in
+    say("with no layer: " + ", ".join(f"{k} {out[k][-1]['median_us']:.0f} µs" for k in
                                             ("attention", "ffn", "no_layout")) + f" at {sizes[-1]}")
     return out
 

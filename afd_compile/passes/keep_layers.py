@@ -11,9 +11,9 @@ go. Before / after at K = 1 of 2 layers::
     x1 = add(x0, mlp0(...))  L0     x2 = add(x1, mlp1(...))  L1     y = norm(x2)  -
  -> x1 = add(x0, mlp0(...))  L0                                      y = norm(x1)  -
 
-K = 0 keeps no layer (what a program costs besides its layers: ``profile``'s second depth of a
-one-layer profile): what read the last layer reads instead what layer 0 read from outside the
-layers of the same shape and dtype (the residual stream, passed through), which must be one node::
+K = 0 keeps no layer (what a program costs besides its layers: ``profile``'s second depth): what
+read the last layer reads instead what layer 0 read from outside the layers of the same shape and
+dtype (the residual stream, passed through), which must be one node::
 
     h = embed(ids)  -     x1 = add(h, attn0(h, cos))  L0     y = norm(x1)  -
  -> h = embed(ids)  -                                         y = norm(h)   -
