@@ -104,7 +104,8 @@ def test_the_exchange_taken_out_keeps_each_roles_compute(exported):
     torch.testing.assert_close(out[0], ref[0] if isinstance(ref, (tuple, list)) else ref)
 
 
-@pytest.mark.parametrize("family,layers,keep", [("llama", 3, 2), ("qwen3_moe", 2, 1)])
+# (OLMo-2: export asserts a dtype in layer 1 that layer 0 does not: a check, not a difference in structure)
+@pytest.mark.parametrize("family,layers,keep", [("llama", 3, 2), ("qwen3_moe", 2, 1), ("olmo2", 2, 1)])
 def test_keep_layers_is_the_models_first_layers(family, layers, keep):
     """profile --layers K: each program keeps its first K layers (and only their weights); the model's
     program then computes what the model cut to K layers computes."""

@@ -2,11 +2,11 @@
 
 A decoder's layers are identical in structure, so K of them time like any K: the program keeps
 layers ``0 .. K-1`` and whatever is outside the layers (embedding, masks, final norm, LM head).
-Every layer must hold the same ops in the same order (size arithmetic aside: export computes a
-shared size once, in the first layer that needs it). Every node outside the dropped layers that
-read a node of a dropped layer reads instead its twin, the node at the same place in layer ``K-1``
-(a size: a kept node of the same value); the dropped layers' nodes and the weights only they read
-go. Before / after at K = 1 of 2 layers::
+Every layer must hold the same ops in the same order (size arithmetic and checks aside: export
+computes a shared size once, and asserts a dtype, in the first layer that needs it). Every node
+outside the dropped layers that read a node of a dropped layer reads instead its twin, the node at
+the same place in layer ``K-1`` (a size: a kept node of the same value); the dropped layers' nodes
+and the weights only they read go. Before / after at K = 1 of 2 layers::
 
     x1 = add(x0, mlp0(...))  L0     x2 = add(x1, mlp1(...))  L1     y = norm(x2)  -
  -> x1 = add(x0, mlp0(...))  L0                                      y = norm(x1)  -
@@ -40,6 +40,14 @@ def _signature(n: fx.Node) -> tuple[str, str]:
     return n.op, str(n.target) if n.op in ("call_function", "call_method") else ""
 
 
+#: checks export inserts where it first needs one (a dtype assert in one layer, not in another): not compute
+_CHECKS = (torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default)
+
+
+def _is_check(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target in _CHECKS
+
+
 def _is_size(n: fx.Node) -> bool:
     """Size arithmetic (export computes a shared ``s0 * s1`` once, in the first layer that needs it)."""
     return isinstance(n.meta.get("val"), (int, torch.SymInt))
@@ -48,7 +56,7 @@ def _is_size(n: fx.Node) -> bool:
 def keep_layers(gm: fx.GraphModule, k: int, graph_name: str = "graph") -> int:
     """Keep the first ``k`` layers of ``gm`` in place (see the module docstring); returns how many
     layers it had. Refused (KeepLayersError): ``k < 0``, no layer roles, layers that are not alike
-    (their ops, size arithmetic aside, in another order: the few kept would not stand for the rest);
+    (their ops, size arithmetic and checks aside, in another order: the few kept would not stand for the rest);
     at ``k = 0``, a layer output with no one input of layer 0 like it."""
     if k < 0:
         raise KeepLayersError(f"{graph_name}: keep {k} layers: give 0 or more")
@@ -59,13 +67,13 @@ def keep_layers(gm: fx.GraphModule, k: int, graph_name: str = "graph") -> int:
     total = len(layers)
     if k >= total:
         return total
-    ops = [[n for n in layer if not _is_size(n)] for layer in layers]
+    ops = [[n for n in layer if not _is_size(n) and not _is_check(n)] for layer in layers]
     last = ops[max(k - 1, 0)]
     for j, layer in enumerate(ops if k else []):
         if [_signature(n) for n in layer] != [_signature(n) for n in last]:
             raise KeepLayersError(
                 f"{graph_name}: layer {j} is not like layer {k - 1} ({len(layer)} ops against {len(last)}, size "
-                f"arithmetic aside): its layers differ in structure, so the first {k} do not stand for all "
+                f"arithmetic and checks aside): its layers differ in structure, so the first {k} do not stand for all "
                 f"{total}; profile the whole model")
     dropped = {n for layer in layers[k:] for n in layer}
     twins = {n: last[i] for layer in ops[k:] for i, n in enumerate(layer)} if k else _stream_inputs(layers[0])
