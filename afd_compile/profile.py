@@ -330,14 +330,13 @@ def _time_without_layers(ep: torch.export.ExportedProgram, senders: dict[str, fx
     second depth would multiply it by them). None (said) where the layers cannot be cut so."""
     from .passes.keep_layers import KeepLayersError
 
-    layers = 0
     try:
-        programs, _, _ = role_programs(ep, device, layers)
+        programs, _, _ = role_programs(ep, device, 0)
     except KeepLayersError as e:
         say(f"not timed with no layer ({e}): each program's call stays in its per-layer times")
         return None
     measure = _measurer(programs, senders, example, facts, device, iters, compile, None)
-    out: dict[str, Any] = {"layers": layers}
+    out: dict[str, Any] = {"layers": 0}
     for key in ("attention", "ffn", "no_layout"):
         out[key] = [{"rows" if key == "ffn" else "tokens": t, **measure(key, t)} for t in sizes]
     say("with no layer: " + ", ".join(f"{k} {out[k][-1]['median_us']:.0f} µs" for k in

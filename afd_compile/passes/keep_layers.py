@@ -92,10 +92,7 @@ def keep_layers(gm: fx.GraphModule, k: int, graph_name: str = "graph") -> int:
     for n in reversed(list(gm.graph.nodes)):
         if n in dropped:
             gm.graph.erase_node(n)  # (its users: dropped, erased first, or rerouted above)
-    for n in list(gm.graph.nodes):
-        if n.op == "get_attr" and not n.users:
-            gm.graph.erase_node(n)
-    drop_unused_attrs(gm)
+    drop_unused_attrs(gm)  # (the get_attr nodes only dropped layers read, and their weights)
     gm.graph.lint()
     gm.recompile()
     return total

@@ -350,7 +350,6 @@ def build_attention_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModu
     return new
 
 
-
 def build_ffn_program(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
     """All FFN regions, in layer order, between a group receive and a group send.
 
