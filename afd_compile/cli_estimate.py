@@ -46,6 +46,9 @@ def add_profile_parser(sub: argparse._SubParsersAction, quiet: object, imports: 
                    "first K layers only (a model too big for the device: layers are identical in structure, the "
                    "profile keeps the model's depth and plan --estimate scales to it; default: every layer)")
     p.add_argument("--iters", type=count_flag(1, 10000), default=20, help="timed calls per size (default 20)")
+    p.add_argument("--rounds", type=count_flag(1, 100), default=3, help="times each size is timed, a round over "
+                   "every size before the next; the quickest round is kept (default 3: a slow spell of the device "
+                   "falls on one round)")
     p.add_argument("--no-compile", action="store_true", help="time the FX programs as they are (no Inductor, "
                    "no CUDA graphs): quick, not what the backend runs")
     imports(p)  # type: ignore[operator]
@@ -193,7 +196,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     say = (lambda s: None) if args.quiet else (lambda s: print(f"profile: {s}", flush=True))
     say(f"{args.model} on {device}{'' if args.no_compile else ' (compiling each program first)'}")
     rec = run_profile(args.model, device, args.profile_tokens, args.contexts, args.kv_batches, args.iters,
-                      not args.no_compile, say, args.profile_layers)
+                      not args.no_compile, say, args.profile_layers, args.rounds)
     write_json(args.output, rec)
     m = rec["model"]
     print(f"profile: wrote {args.output} ({rec['device']['name']}, {len(rec['attention'])} sizes, "

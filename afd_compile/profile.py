@@ -258,9 +258,11 @@ def _decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
 
 def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS, contexts: Sequence[int] = CONTEXTS,
                 kv_batches: Sequence[int] = KV_BATCHES, iters: int = 20, compile: bool = True,
-                say: Callable[[str], None] = lambda _s: None, layers: int | None = None) -> dict[str, Any]:
+                say: Callable[[str], None] = lambda _s: None, layers: int | None = None,
+                rounds: int = 3) -> dict[str, Any]:
     """Profile the model at ``path`` on ``device`` (see the module docstring); returns the JSON record.
-    ``layers``: time the first ``layers`` layers only (the record keeps the model's depth)."""
+    ``layers``: time the first ``layers`` layers only (the record keeps the model's depth); ``rounds``:
+    :func:`timed_rounds`."""
     from .programs import flat_inputs, load_program
     from .saved import sha256_of
 
@@ -279,22 +281,23 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
     head = (_compiled(_Linear(head_w), device, compile), head_w.dtype) if head_w is not None else None
     measure = _measurer(programs, programs, example, facts, device, iters, compile, head)
     keys = ("attention", "no_layout", "ffn") + (("head",) if head is not None else ())
+
+    def progress(t: int, got: dict[str, dict[str, Any]]) -> None:
+        say(f"tokens {t}: attention {got['attention']['median_us']:.0f} µs, FFN {got['ffn']['median_us']:.0f} µs, "
+            f"no layout {got['no_layout']['median_us']:.0f} µs")
+
     with torch.no_grad():
-        for t in tokens:
-            for key in keys:
-                timed[key].append({"rows" if key == "ffn" else "tokens": t, **measure(key, t)})
-            say(f"tokens {t}: attention {timed['attention'][-1]['median_us']:.0f} µs, FFN "
-                f"{timed['ffn'][-1]['median_us']:.0f} µs, no layout {timed['no_layout'][-1]['median_us']:.0f} µs")
+        timed.update(timed_rounds(measure, keys, tokens, rounds, progress, say))
         for key in keys:
             _retime_outliers(timed[key], lambda t, k=key: measure(k, t), say, key)
         second = _time_without_layers(ep, programs, example, facts, device, iters, compile,
-                                      sorted({tokens[0], tokens[-1]}), say)
+                                      sorted({tokens[0], tokens[-1]}), say, rounds)
         if second is not None:
             timed["second_depth"] = second
         timed["kv"] = kv_times(facts, contexts, kv_batches, iters, device, say=say)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return {"format": PROFILE_FORMAT, "created": now,
-            "device": _device_record(device), "torch": torch.__version__, "compiled": compile, "iters": iters,
+    return {"format": PROFILE_FORMAT, "created": now, "device": _device_record(device), "torch": torch.__version__,
+            "compiled": compile, "iters": iters, "rounds": rounds,
             "model": {"file": os.path.basename(path), "sha256": sha256_of(path), **facts,
                       "profiled_layers": kept}, **timed}
 
@@ -321,9 +324,34 @@ def _measurer(programs: dict[str, fx.GraphModule], senders: dict[str, fx.GraphMo
     return measure
 
 
+def timed_rounds(measure: Callable[[str, int], dict[str, Any]], keys: Sequence[str], sizes: Sequence[int],
+                 rounds: int, progress: Callable[[int, dict[str, dict[str, Any]]], None] | None = None,
+                 say: Callable[[str], None] = lambda _s: None) -> dict[str, list[dict[str, Any]]]:
+    """Each key's rows: ``measure(key, size)`` at every size, ``rounds`` times, a round going over every
+    (size, key) before the next begins, so that a slow spell of the device (clocks, a neighbour) falls on
+    one round of each row rather than on every round of a few; a row keeps its quickest round (lowest
+    median) and lists every round's median under ``rounds_us``. ``progress(size, rows)`` after each size
+    of the first round (it compiles); a line said after each later round."""
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in range(rounds):
+        for t in sizes:
+            for key in keys:
+                got, was = measure(key, t), best.get((key, t))
+                medians = [*(was["rounds_us"] if was else []), got["median_us"]]
+                best[(key, t)] = {**(got if was is None or got["median_us"] < was["median_us"] else was),
+                                  "rounds_us": medians}
+            if r == 0 and progress is not None:
+                progress(t, {key: best[(key, t)] for key in keys})
+        if r:
+            spread = max(max(v["rounds_us"]) / min(v["rounds_us"]) for v in best.values()) - 1
+            say(f"round {r + 1} of {rounds} timed (the widest spread of a row's rounds: {spread:.0%})")
+    return {key: [{"rows" if key == "ffn" else "tokens": t, **best[(key, t)]} for t in sizes] for key in keys}
+
+
 def _time_without_layers(ep: torch.export.ExportedProgram, senders: dict[str, fx.GraphModule],
                          example: Sequence[Any], facts: dict[str, Any], device: torch.device, iters: int,
-                         compile: bool, sizes: Sequence[int], say: Callable[[str], None]) -> dict[str, Any] | None:
+                         compile: bool, sizes: Sequence[int], say: Callable[[str], None],
+                         rounds: int) -> dict[str, Any] | None:
     """The profile's second depth: the attention, FFN and no-layout programs with no layer (the
     residual stream passed through), timed at ``sizes``: each program's call itself, so a layer is the
     profiled time less it over the layers timed (the noise divided by them; one layer fewer as the
@@ -336,9 +364,7 @@ def _time_without_layers(ep: torch.export.ExportedProgram, senders: dict[str, fx
         say(f"not timed with no layer ({e}): each program's call stays in its per-layer times")
         return None
     measure = _measurer(programs, senders, example, facts, device, iters, compile, None)
-    out: dict[str, Any] = {"layers": 0}
-    for key in ("attention", "ffn", "no_layout"):
-        out[key] = [{"rows" if key == "ffn" else "tokens": t, **measure(key, t)} for t in sizes]
+    out: dict[str, Any] = {"layers": 0, **timed_rounds(measure, ("attention", "ffn", "no_layout"), sizes, rounds)}
     say("with no layer: " + ", ".join(f"{k} {out[k][-1]['median_us']:.0f} µs" for k in
                                             ("attention", "ffn", "no_layout")) + f" at {sizes[-1]}")
     return out
