@@ -119,6 +119,14 @@ def depth_line(rec: dict, parts: list[dict], layers: int) -> list[dict]:
     return rows
 
 
+def entry_rows(rec: dict, entry: list[dict]) -> list[dict]:
+    """The profile's no-layout program against the model compiled as a user does (:func:`entry_steps`)."""
+    whole = {r["tokens"]: r["median_us"] for r in rec["no_layout"]}
+    return [_row("no-layout program (profile) against the user's torch.compile(model, backend='afd'), "
+                 "synchronised each step", f"T={e['tokens']}", whole[e["tokens"]], e["median_us"])
+            for e in entry if e["tokens"] in whole]
+
+
 def checks(rec: dict, sdpa: list, parts: list[dict], family: str, layers: int, tmp: str) -> tuple[list, list]:
     """The check rows from a whole profile (``rec``), HF's SDPA KV reads and the sliced profiles."""
     from afd_compile import estimate as est
@@ -158,7 +166,39 @@ def checks(rec: dict, sdpa: list, parts: list[dict], family: str, layers: int, t
     return rows, recorded
 
 
-def measure(args: argparse.Namespace) -> tuple[dict, list, list[dict]]:
+ENTRY = (8, 128)  # the batches of RECORDED's steps with no KV cache
+
+
+def entry_steps(model: torch.nn.Module, dev: torch.device, vocab: int, iters: int) -> list[dict]:
+    """The model as a user compiles it (``torch.compile(model, backend="afd", dynamic=True)``, no
+    layout) at each ``ENTRY`` batch, a step timed as ``compile_step.py`` timed RECORDED's steps with no
+    KV cache: the host's clock around the call, synchronised each step (median). Beside the profile's
+    no-layout program at the same T (CUDA events around the compiled program's call) it is what the
+    entry point adds: dynamo's guards over the user's module, the backend's runner, input binding."""
+    import statistics
+    import time
+
+    import afd_compile.backend  # noqa: F401  (registers backend="afd")
+
+    fn = torch.compile(model, backend="afd", dynamic=True)
+    out = []
+    with torch.no_grad():
+        for t in ENTRY:
+            ids = torch.randint(0, vocab, (t, 1), device=dev, generator=torch.Generator(dev).manual_seed(t))
+            for _ in range(3):
+                fn(ids)
+            times = []
+            for _ in range(iters):
+                torch.cuda.synchronize() if dev.type == "cuda" else None
+                t0 = time.perf_counter()
+                fn(ids)
+                torch.cuda.synchronize() if dev.type == "cuda" else None
+                times.append((time.perf_counter() - t0) * 1e6)
+            out.append({"tokens": t, "median_us": round(statistics.median(times), 2)})
+    return out
+
+
+def measure(args: argparse.Namespace) -> tuple[dict, list, list[dict], list[dict]]:
     """Profile the model on the GPU (``--small``: a tiny one on the CPU): the whole profile, HF's SDPA KV
     reads, and a profile timing each ``--sliced`` K of the layers."""
     from afd_compile.models import build_hf, export_lm
@@ -171,13 +211,15 @@ def measure(args: argparse.Namespace) -> tuple[dict, list, list[dict]]:
                    vocab_size=shape.get("vocab_size", 128))
     path = os.path.join(tempfile.mkdtemp(), f"{args.family}.pt2")
     torch.export.save(ep, path)
+    entry = entry_steps(model, dev, shape.get("vocab_size", 128), args.iters)
     del model, ep
+    torch._dynamo.reset()
     say = lambda s: print("profile:", s, flush=True)  # noqa: E731
     rec = run_profile(path, dev, FINE, CONTEXTS, KV_BATCHES, args.iters, not args.small, say)
     sdpa = kv_times(rec["model"], CONTEXTS, (8, 64), args.iters, dev, sdpa=True)  # (HF's own, for RECORDED)
     parts = [run_profile(path, dev, COARSE, CONTEXTS[:1], KV_BATCHES[:2], args.iters, not args.small, say,
                          layers=k) for k in args.sliced]
-    return rec, sdpa, parts
+    return rec, sdpa, parts, entry
 
 
 def main() -> None:
@@ -197,12 +239,13 @@ def main() -> None:
     if args.from_json:
         with open(args.from_json) as f:
             old = json.load(f)
-        rec, sdpa = old["profile"], old["sdpa_kv"]
+        rec, sdpa, entry = old["profile"], old["sdpa_kv"], old.get("entry") or []
         parts = old.get("sliced_profiles") or ([old["sliced_profile"]] if old.get("sliced_profile") else [])
         args.family, args.layers = old["family"], old["layers"]
     else:
-        rec, sdpa, parts = measure(args)
+        rec, sdpa, parts, entry = measure(args)
     rows, recorded = checks(rec, sdpa, parts, args.family, args.layers, tempfile.mkdtemp())
+    rows += entry_rows(rec, entry)
     device = rec["device"]["name"]
     print(f"\n{args.family}, {args.layers} layers, {rec['model']['dtype']}, on {device} (profile: {len(FINE)} sizes; "
           f"estimate from {len(COARSE)})\n")
@@ -212,7 +255,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"family": args.family, "layers": args.layers, "device": device, "profile": rec,
-                       "sdpa_kv": sdpa, "sliced_profiles": parts, "checks": rows, "recorded": recorded}, f, indent=1)
+                       "sdpa_kv": sdpa, "sliced_profiles": parts, "entry": entry, "checks": rows,
+                       "recorded": recorded}, f, indent=1)
 
 
 if __name__ == "__main__":
