@@ -198,7 +198,48 @@ def entry_steps(model: torch.nn.Module, dev: torch.device, vocab: int, iters: in
     return out
 
 
-def measure(args: argparse.Namespace) -> tuple[dict, list, list[dict], list[dict]]:
+def kernel_gap(path: str, dev: torch.device, t: int, calls: int = 10) -> list[dict]:
+    """Where the whole program's time goes against its parts': the attention, FFN and no-layout
+    programs as the profile builds and compiles them, each called ``calls`` times at ``t`` under
+    torch.profiler; per kernel (by name), its GPU µs a call in the whole and in the two parts. The
+    parts' sum short of the whole is the no-layout check's miss, kernel by kernel."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from afd_compile.profile import _compiled, inputs_at, role_programs
+    from afd_compile.programs import flat_inputs, load_program
+
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    ep = load_program(path)
+    example = flat_inputs(ep)
+    programs, _, facts = role_programs(ep, dev)
+    per: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    with torch.no_grad():
+        sent = programs["attention"](*inputs_at(programs["attention"], example, t, dev))[-1]
+        args = {"attention": inputs_at(programs["attention"], example, t, dev),
+                "no_layout": inputs_at(programs["model"], example, t, dev),
+                "ffn": [torch.empty(t, device=dev), sent.reshape(t, -1).to(getattr(torch, facts["dtype"]))]}
+        for key, kind in (("attention", "attention"), ("ffn", "ffn"), ("no_layout", "model")):
+            fn = _compiled(programs[kind], dev, True)
+            for _ in range(3):  # (compiled, recorded, warm)
+                fn(*args[key])
+            sync()
+            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+                for _ in range(calls):
+                    fn(*args[key])
+                sync()
+            for e in prof.key_averages():
+                us = e.device_time_total if cuda else e.self_cpu_time_total
+                if us and (not cuda or e.device_type == torch.autograd.DeviceType.CUDA):
+                    per[e.key][key] += us / calls
+    rows = [{"kernel": k[:90], **{key: round(v.get(key, 0.0), 1) for key in ("no_layout", "attention", "ffn")}}
+            for k, v in per.items()]
+    return sorted(rows, key=lambda r: -abs(r["no_layout"] - r["attention"] - r["ffn"]))
+
+
+def measure(args: argparse.Namespace) -> tuple[dict, list, list[dict], list[dict], list[dict]]:
     """Profile the model on the GPU (``--small``: a tiny one on the CPU): the whole profile, HF's SDPA KV
     reads, and a profile timing each ``--sliced`` K of the layers."""
     from afd_compile.models import build_hf, export_lm
@@ -219,7 +260,12 @@ def measure(args: argparse.Namespace) -> tuple[dict, list, list[dict], list[dict
     sdpa = kv_times(rec["model"], CONTEXTS, (8, 64), args.iters, dev, sdpa=True)  # (HF's own, for RECORDED)
     parts = [run_profile(path, dev, COARSE, CONTEXTS[:1], KV_BATCHES[:2], args.iters, not args.small, say,
                          layers=k) for k in args.sliced]
-    return rec, sdpa, parts, entry
+    try:
+        kernels = kernel_gap(path, dev, args.kernels) if args.kernels else []
+    except Exception as e:  # (a diagnostic: the checks above stand without it)
+        print(f"--kernels {args.kernels}: not traced: {type(e).__name__}: {e}", flush=True)
+        kernels = []
+    return rec, sdpa, parts, entry, kernels
 
 
 def main() -> None:
@@ -231,6 +277,8 @@ def main() -> None:
                         help="K,K2,...: also profile with --layers K each ('': none) and compare its per-layer parts "
                         "with the whole profile's; every depth below the whole gives each program as its call "
                         "plus one a layer, against each whole program (default 1,2)")
+    parser.add_argument("--kernels", type=int, default=0, metavar="T", help="also trace the attention, FFN and "
+                        "no-layout programs at T and list per kernel the whole's GPU time against the parts' (0: no)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--small", action="store_true", help="a tiny model on the CPU, uncompiled: checks the script")
     parser.add_argument("--from-json", metavar="FILE", help="recompute the checks from the profiles a run of this "
@@ -239,11 +287,11 @@ def main() -> None:
     if args.from_json:
         with open(args.from_json) as f:
             old = json.load(f)
-        rec, sdpa, entry = old["profile"], old["sdpa_kv"], old.get("entry") or []
+        rec, sdpa, entry, kernels = old["profile"], old["sdpa_kv"], old.get("entry") or [], old.get("kernels") or []
         parts = old.get("sliced_profiles") or ([old["sliced_profile"]] if old.get("sliced_profile") else [])
         args.family, args.layers = old["family"], old["layers"]
     else:
-        rec, sdpa, parts, entry = measure(args)
+        rec, sdpa, parts, entry, kernels = measure(args)
     rows, recorded = checks(rec, sdpa, parts, args.family, args.layers, tempfile.mkdtemp())
     rows += entry_rows(rec, entry)
     device = rec["device"]["name"]
@@ -252,10 +300,19 @@ def main() -> None:
     print("| what | size | predicted (µs) | measured (µs) | predicted / measured - 1 |\n|---|---|---|---|---|")
     for r in rows + recorded:
         print(f"| {r['what']} | {r['size']} | {r['predicted_us']} | {r['measured_us']} | {r['error']:+.1%} |")
+    if kernels:
+        print(f"\nkernels, GPU µs a call (the largest gaps between the whole and its parts' sum; {len(kernels)} "
+              "kernels in all)\n\n| kernel | no-layout | attention | FFN | whole - parts |\n|---|---|---|---|---|")
+        for k in kernels[:15]:
+            print(f"| {k['kernel']} | {k['no_layout']} | {k['attention']} | {k['ffn']} | "
+                  f"{k['no_layout'] - k['attention'] - k['ffn']:+.1f} |")
+        total = {key: sum(k[key] for k in kernels) for key in ("no_layout", "attention", "ffn")}
+        print(f"| (all) | {total['no_layout']:.1f} | {total['attention']:.1f} | {total['ffn']:.1f} | "
+              f"{total['no_layout'] - total['attention'] - total['ffn']:+.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"family": args.family, "layers": args.layers, "device": device, "profile": rec,
-                       "sdpa_kv": sdpa, "sliced_profiles": parts, "entry": entry, "checks": rows,
+                       "sdpa_kv": sdpa, "sliced_profiles": parts, "entry": entry, "kernels": kernels, "checks": rows,
                        "recorded": recorded}, f, indent=1)
 
 

@@ -171,8 +171,8 @@ if [[ $SECTIONS == *" one "* || $SECTIONS == *" moe "* ]]; then  # issue 34: the
   TAIL=6 run one_attention_graphs python3 benchmarks/attention_graphs.py --json "$OUT/one_attention_graphs.json"
   # plan --estimate against measurements: a profile's interpolation, the no-layout step from its parts, the
   # multi-GPU step times BENCHMARKS.md records (Llama-8B-shaped x 4) recomputed from this one-GPU profile
-  TAIL=45 run one_estimate_check_llama python3 benchmarks/estimate_check.py --family llama --json "$OUT/one_estimate_check_llama.json"
-  TAIL=30 run one_estimate_check_qwen3moe python3 benchmarks/estimate_check.py --family qwen3_moe --json "$OUT/one_estimate_check_qwen3moe.json"
+  TAIL=45 run one_estimate_check_llama python3 benchmarks/estimate_check.py --family llama --kernels 8 --json "$OUT/one_estimate_check_llama.json"
+  TAIL=30 run one_estimate_check_qwen3moe python3 benchmarks/estimate_check.py --family qwen3_moe --kernels 8 --json "$OUT/one_estimate_check_qwen3moe.json"
   # AFD against TP/EP for real model shapes (a few layers of each profiled here, scaled), 8 to 64 GPUs
   TAIL=30 run one_estimate_table python3 benchmarks/estimate_table.py --models llama3_70b,qwen3_30b_a3b,qwen3_235b_a22b --json "$OUT/one_estimate_table.json"
   # (DeepSeek-V3 alone, one layer: 27 GB of weights, minutes to save and load)
