@@ -137,9 +137,13 @@ def print_estimate(args: argparse.Namespace, layout: object) -> int:
     if unrecognised:
         head += (f"\nnote: {len(unrecognised)} MoE block(s) of the profiled model were not recognised "
                  f"({unrecognised[0]}): its FFN was timed as the model's own experts, and no EP layout is weighed")
+    form = (rec.get("model") or {}).get("attention_form", "sdpa")
+    if form == "eager":
+        head += ("\nnote: the model writes its attention out (no SDPA): a step reads the KV cache as that form does "
+                 "(the scores' matmul, softmax, the values' matmul), not through afd::decode_attention")
     if args.json:
         print(json.dumps({"profile": args.estimate, "device": costs.device, "layers": facts.layers,
-                          "moe_unrecognised": unrecognised,
+                          "moe_unrecognised": unrecognised, "attention_form": form,
                           "context": args.context, "link": link.__dict__,
                           "estimates": [{**e.json(), "past_profile": est.past_profile(costs, e)} for e in rows],
                           "assumptions": list(est.ASSUMPTIONS)}, indent=2))

@@ -62,28 +62,72 @@ def _attr_bytes(gm: fx.GraphModule) -> dict[str, int]:
     return {n.target: _bytes(get_attr_path(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
 
 
-def attention_shape(gm: fx.GraphModule) -> tuple[int, int, int, int, torch.dtype]:
-    """(query heads, KV heads, key head size, value head size, dtype) of the first SDPA of ``gm``: the
-    KV heads are the fewest heads its key has on the way back from the SDPA through ops of one
-    tensor input (a repeat / expand / view) up to the transpose into heads: a key concatenated from
+_PRODUCTS = ("aten.matmul.default", "aten.bmm.default", "aten.baddbmm.default")
+
+
+def attention_shape(gm: fx.GraphModule) -> tuple[int, int, int, int, torch.dtype, str]:
+    """(query heads, KV heads, key head size, value head size, dtype, form) of the first attention of
+    ``gm``: an SDPA (form "sdpa"), else the eager form ("eager": scores from a matmul / bmm of queries
+    and keys, a softmax over [batch, heads, queries, keys], a matmul with the values: soft-capped,
+    ALiBi or sink logits on the way, as HF writes Gemma-2, BLOOM, MPT, gpt-oss). The KV heads are the
+    fewest heads its key has on the way back through ops of one tensor input (a repeat / expand /
+    view, a transpose of the last two dims) up to the transpose into heads: a key concatenated from
     parts (MLA's per-head part and its shared rotary part, as HF traces DeepSeek) has the heads of
     the concatenation."""
     sdpa = next((n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)), None)
-    if sdpa is None:
-        raise ProfileError("the attention program has no scaled_dot_product_attention: profile times SDPA attention")
-    q, v = sdpa.args[0].meta["val"], sdpa.args[2].meta["val"]
-    heads, head_dim = int(q.shape[1]), int(q.shape[-1])
-    kv, node = heads, sdpa.args[1]
+    if sdpa is not None:
+        q, key, v, form = sdpa.args[0].meta["val"], sdpa.args[1], sdpa.args[2].meta["val"], "sdpa"
+        heads = int(q.shape[1])
+    else:
+        q, key, v, heads = _eager_attention(gm)
+        form = "eager"
+    kv, node = heads, key
     for _ in range(12):  # back through expand / reshape / transpose to the projection's view
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
         if isinstance(val, torch.Tensor) and val.dim() >= 4 and isinstance(val.shape[1], int):
             kv = min(kv, int(val.shape[1]))
         tensors = [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)] \
             if isinstance(node, fx.Node) else []
-        if len(tensors) != 1 or "transpose" in str(node.target) or "permute" in str(node.target):
+        last_two = "transpose" in str(node.target) and isinstance(val, torch.Tensor) and \
+            {int(d) % val.dim() for d in node.args[1:3]} == {val.dim() - 2, val.dim() - 1}  # (keys transposed)
+        if len(tensors) != 1 or ("transpose" in str(node.target) and not last_two) or "permute" in str(node.target):
             break  # (sizes aside: a dynamic view reads the batch's size node too; past a transpose, no heads dim)
         node = tensors[0]
-    return heads, kv, head_dim, int(v.shape[-1]), q.dtype
+    return heads, kv, int(q.shape[-1]), int(v.shape[-1]), q.dtype, form
+
+
+def _eager_attention(gm: fx.GraphModule) -> tuple[torch.Tensor, fx.Node, torch.Tensor, int]:
+    """(queries' value, the keys' node, values' value, heads) of the first softmax over 4-D scores in
+    ``gm`` that a matmul / bmm of queries and keys produced and a matmul with the values reads."""
+    def val(n: Any) -> Any:
+        return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+    for soft in (n for n in gm.graph.nodes if n.op == "call_function" and "softmax" in str(n.target)):
+        scores = val(soft)
+        if not (isinstance(scores, torch.Tensor) and scores.dim() == 4):
+            continue
+        node = soft
+        for _ in range(12):  # back through the elementwise ops on the scores to their product
+            ins = [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
+            node = next((a for a in ins if val(a).shape == val(node).shape), None) or \
+                next((a for a in ins if val(a).dim() == val(node).dim()), None) or (ins[0] if len(ins) == 1 else None)
+            if node is None or str(node.target) in _PRODUCTS:
+                break
+        after, probs = soft, None
+        for _ in range(12):  # on through the casts, dropout, slices to the product with the values
+            users = [u for u in after.users if u.op == "call_function" and "assert" not in str(u.target)]
+            if len(users) != 1:
+                break
+            if str(users[0].target) in _PRODUCTS[:2] and users[0].args[0] is after:
+                probs = users[0]
+                break
+            after = users[0]
+        if node is not None and str(node.target) in _PRODUCTS and probs is not None:
+            q, key = (node.args[1], node.args[2]) if "baddbmm" in str(node.target) else (node.args[0], node.args[1])
+            return val(q), key, val(probs.args[1]), int(scores.shape[1])
+    raise ProfileError("the attention program has no scaled_dot_product_attention and no softmax over [batch, heads, "
+                       "queries, keys] between a product of queries and keys and one with the values: profile "
+                       "times one layer's KV read by the attention's shape, which it could not find")
 
 
 def model_facts(result: Any, ep: torch.export.ExportedProgram) -> dict[str, Any]:
@@ -97,7 +141,7 @@ def model_facts(result: Any, ep: torch.export.ExportedProgram) -> dict[str, Any]
     other |= {n.args[0].target for n in result.attention.graph.nodes
               if n.target is torch.ops.aten.embedding.default and n.args[0].op == "get_attr"}
     other_bytes = sum(att.get(t, 0) for t in other)
-    heads, kv_heads, head_dim, v_head_dim, dtype = attention_shape(result.attention)
+    heads, kv_heads, head_dim, v_head_dim, dtype, form = attention_shape(result.attention)
     moe = [r for r in result.moe if getattr(r, "op", None)]
     size = torch.empty(0, dtype=dtype).element_size()
     return {"layers": layers, "hidden": int(cuts[0].wire_in.tensors[0].width),
@@ -107,7 +151,8 @@ def model_facts(result: Any, ep: torch.export.ExportedProgram) -> dict[str, Any]
             "to_attention_bytes": cuts[0].wire_out.bytes_per_token,
             "experts": moe[0].experts if moe else 0, "top_k": moe[0].top_k if moe else 0,
             "moe_unrecognised": [str(r).splitlines()[0] for r in result.moe if not getattr(r, "op", None)],
-            "heads": heads, "head_dim": head_dim, "v_head_dim": v_head_dim, "dtype": str(dtype).removeprefix("torch.")}
+            "heads": heads, "head_dim": head_dim, "v_head_dim": v_head_dim, "dtype": str(dtype).removeprefix("torch."),
+            "attention_form": form}
 
 
 def inputs_at(gm: fx.GraphModule, example: Sequence[Any], tokens: int, device: torch.device) -> list[Any]:
@@ -229,12 +274,15 @@ def _compiled(gm: fx.GraphModule, device: torch.device, compile: bool) -> Callab
 
 
 def _decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int, context: int,
-                      device: torch.device, sdpa: bool = False,
-                      v_head_dim: int | None = None) -> tuple[Callable[..., Any], tuple]:
+                      device: torch.device, sdpa: bool = False, v_head_dim: int | None = None,
+                      form: str = "sdpa") -> tuple[Callable[..., Any], tuple]:
     """One layer's attention of ``batch`` sequences over a cache of ``context`` positions, all filled:
     ``afd::decode_attention`` (FlexAttention over the filled blocks) on CUDA, as the backend runs a
     cached decode step there; masked SDPA over the cache on CPU or with ``sdpa`` (HF's own, on CUDA
-    compiled by Inductor as a program holding it is). Values of ``v_head_dim`` (default: the keys')."""
+    compiled by Inductor as a program holding it is). Values of ``v_head_dim`` (default: the keys').
+    ``form`` "eager" (:func:`attention_shape`: a model that writes its attention out, which the
+    backend leaves as it is): the scores' matmul, the masked softmax in fp32 and the values' matmul,
+    on CUDA compiled by Inductor (the model's own extra logits, soft-capping, ALiBi, sinks, left out)."""
     from .passes.decode_attention import decode_blocks
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -243,17 +291,21 @@ def _decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
             for d in (head_dim, v_head_dim or head_dim))
     mask = torch.ones(batch, 1, 1, context, dtype=torch.bool, device=device)
     scale = head_dim ** -0.5
-    if device.type == "cuda" and not sdpa:
+    if device.type == "cuda" and not sdpa and form == "sdpa":
         return (lambda q, k, v, m: torch.ops.afd.decode_attention(q, k, v, *decode_blocks(q, m), scale)), \
             (q, k, v, mask)
     rep = heads // kv_heads
 
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    def written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         k, v = (x.repeat_interleave(rep, dim=1) for x in (k, v))
+        if form == "eager":
+            scores = torch.matmul(q, k.transpose(2, 3)).float() * scale
+            probs = torch.softmax(scores.masked_fill(~m, float("-inf")), dim=-1).to(q.dtype)
+            return torch.matmul(probs, v)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)
 
     # on CUDA as Inductor compiles HF's attention in a program (what a decode step with SDPA runs)
-    return (torch.compile(sdpa, dynamic=False) if device.type == "cuda" else sdpa), (q, k, v, mask)
+    return (torch.compile(written_out, dynamic=False) if device.type == "cuda" else written_out), (q, k, v, mask)
 
 
 def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS, contexts: Sequence[int] = CONTEXTS,
@@ -274,6 +326,9 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
     if facts["moe_unrecognised"]:
         say(f"{len(facts['moe_unrecognised'])} MoE block(s) not recognised ({facts['moe_unrecognised'][0]}): the FFN "
             "program runs the model's own experts, and the estimate weighs no expert parallelism for them")
+    if facts["attention_form"] == "eager":
+        say("the attention is written out (no SDPA; the backend leaves it so): one layer's KV read is timed as "
+            "the scores' matmul, the softmax and the values' matmul (the model's own extra logits left out)")
     say(f"programs of {kept} of {facts['layers']} layers ready" if kept < facts["layers"] else
         f"programs of all {kept} layers ready")
     timed: dict[str, Any] = {"attention": [], "ffn": [], "no_layout": [], "head": [], "kv": []}
@@ -413,7 +468,8 @@ def kv_times(facts: dict[str, Any], contexts: Sequence[int], batches: Sequence[i
     with torch.no_grad():
         for c in contexts:
             for b in batches:
-                fn, args = _decode_attention(*shape, b, c, device, sdpa, facts.get("v_head_dim"))
+                fn, args = _decode_attention(*shape, b, c, device, sdpa, facts.get("v_head_dim"),
+                                             facts.get("attention_form", "sdpa"))
                 out.append({"batch": b, "context": c, **time_us(fn, args, iters, device, graph=True)})
             say(f"context {c}: one layer's KV read at batch {batches[-1]}: {out[-1]['median_us']:.0f} µs")
     return out

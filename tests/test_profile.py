@@ -91,12 +91,30 @@ def test_plan_estimate_reads_a_fresh_profile(profiled, capsys):
 @pytest.mark.parametrize("name,shape", [
     ("llama2", (4, 2, 16, 16)),  # GQA: the key repeated from 2 heads
     ("deepseek_v3", (4, 4, 16, 16)),  # MLA as HF traces it: a per-head key concatenated with a shared rotary part
+    ("gemma2", (4, 2, 16, 16)),  # written out: matmul, soft-capped scores, softmax, matmul; GQA by repeat_kv
+    ("bloom", (4, 4, 16, 16)),  # written out over batch x heads: baddbmm with ALiBi, softmax, bmm
+    ("gpt_oss", (4, 2, 16, 16)),  # written out with a sink logit per head joined to the scores (and sliced off)
 ])
 def test_attention_shape_reads_the_kv_heads_the_cache_holds(exported, name, shape):
     from afd_compile.profile import attention_shape
     from afd_compile.programs import fresh_module
 
-    assert attention_shape(fresh_module(exported(name)[0]))[:4] == shape
+    got = attention_shape(fresh_module(exported(name)[0]))
+    assert got[:4] == shape and got[5] == ("sdpa" if name in ("llama2", "deepseek_v3") else "eager")
+
+
+def test_a_model_writing_its_attention_out_is_profiled(exported, tmp_path, capsys):
+    """Gemma-2 as HF writes it (no SDPA): profiled, its KV read timed as the written-out form, and the
+    estimate says so."""
+    _, path = exported("gemma2")
+    out = str(tmp_path / "p.json")
+    assert main(["profile", path, "-o", out, "--device", "cpu", "--tokens", "1,4", "--contexts", "32,64",
+                 "--kv-batches", "1,2", "--iters", "2", "--rounds", "1", "--no-compile"]) == 0
+    assert "the attention is written out (no SDPA" in capsys.readouterr().out
+    with open(out) as f:
+        assert json.load(f)["model"]["attention_form"] == "eager"
+    assert main(["plan", path, "--estimate", out, "-A", "1", "-F", "1", "--batch", "2", "--context", "64"]) == 0
+    assert "note: the model writes its attention out (no SDPA)" in capsys.readouterr().out
 
 
 def test_the_exchange_taken_out_keeps_each_roles_compute(exported):
