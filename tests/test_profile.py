@@ -128,14 +128,15 @@ def test_the_exchange_taken_out_keeps_each_roles_compute(exported):
     assert loopback_exchange(attention) == [] and loopback_exchange(ffn) == ["afd_loopback_0"]
     for gm in (attention, ffn):
         assert not any(str(n.target).startswith("afd.") for n in gm.graph.nodes)
-    # the FFN program without its exchange is the two layers' MLPs one after the other
+    # the FFN program without its exchange is each layer's MLP on the rows its first layer received (the
+    # attention side's rows: fed its own output, an MoE's routing collapses), every layer's output returned
     x = torch.randn(3, 64)
-    want = x
+    got = ffn(torch.empty(3), x)
+    assert len(got) == 2
     for i in range(2):
         w = {k: ep.state_dict[f"model.model.layers.{i}.mlp.{k}_proj.weight"] for k in ("gate", "up", "down")}
-        want = (torch.nn.functional.silu(want @ w["gate"].T) * (want @ w["up"].T)) @ w["down"].T
-    got = ffn(torch.empty(3), x)
-    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-6)
+        want = (torch.nn.functional.silu(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-6)
     assert attention(*flat_inputs(ep)) is not None
     # for the profile, the attention program also returns what it sent at layer 0: the FFN program's rows
     fed = copy.deepcopy(result.attention)
