@@ -351,3 +351,37 @@ def test_a_disturbed_size_is_timed_again():
     assert [r["median_us"] for r in rows] == [150.0, 200.0, 210.0, 250.0]  # the lower median kept
     assert [r.get("retimed", False) for r in rows] == [True, False, True, False]
     assert said[0] == "attention at 8: 300 µs (p10 300, p90 300) looked disturbed; timed again: 150 µs"
+
+
+def test_the_ffn_program_routes_as_the_model_does():
+    """profile's FFN program (exchange taken out) runs every layer on the attention program's rows:
+    each MoE layer reaches about as many experts as the model's does. Fed its own output, a random
+    MoE collapsed to top-k from its third layer on (4 of 64 experts against 22-28)."""
+    import torch.fx as fx
+
+    from afd_compile.models import build_hf, export_lm
+    from afd_compile.profile import inputs_at, role_programs
+    from afd_compile.programs import flat_inputs
+
+    ep = export_lm(build_hf("qwen3_moe", num_layers=4, num_experts=64, num_experts_per_tok=4))
+    programs, _, _ = role_programs(ep, torch.device("cpu"))
+    example, t = flat_inputs(ep), 8
+
+    class Reached(fx.Interpreter):
+        def __init__(self, gm):
+            super().__init__(gm)
+            self.per_layer = []
+
+        def call_function(self, target, args, kwargs):
+            if "moe_experts" in str(target):
+                self.per_layer.append(len(torch.unique(args[1])))
+            return super().call_function(target, args, kwargs)
+
+    with torch.no_grad():
+        rows = programs["attention"](*inputs_at(programs["attention"], example, t, torch.device("cpu")))[-1]
+        ffn, model = Reached(programs["ffn"]), Reached(programs["model"])
+        ffn.run(torch.empty(t), rows.reshape(t, -1))
+        model.run(*inputs_at(programs["model"], example, t, torch.device("cpu")))
+    assert len(ffn.per_layer) == len(model.per_layer) == 4
+    reached = list(zip(ffn.per_layer, model.per_layer, strict=True))
+    assert all(f >= m / 2 for f, m in reached), reached
