@@ -10,8 +10,11 @@ graphs). One profile over a fine grid; the estimate is then made from a coarse s
 compared with the held-out sizes (measured in the same run); profiles timing ``--sliced`` K of the
 layers (``profile --layers K``; default 1 and 2) are compared with the whole one, and every depth
 timed below the whole (those, and each profile's second depth) gives each program
-as a line, its call plus one a layer, checked at the whole depth. Prints
-the tables, writes JSON.
+as a line, its call plus one a layer, checked at the whole depth. The model is also timed as a
+user compiles it (``torch.compile(model, backend="afd")``, synchronised each step, as the recorded
+two-GPU steps were timed) beside the profile's no-layout program; ``--kernels T`` traces the three
+programs at T and lists per kernel the whole's GPU time against the parts'. Prints the tables,
+writes JSON.
 
     python benchmarks/estimate_check.py --family llama --json $OUT/estimate_check_llama.json
     python benchmarks/estimate_check.py --from-json benchmarks/results/estimate_check_llama_h100.json
