@@ -366,7 +366,10 @@ def test_ctrl_c_ends_a_run_with_one_line_and_exit_130(tmp_path):
     path = _tiny_pt2(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "afd_compile.cli", "verify", path, "-A", "2", "-F", "1",
                              "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # (its own process group: as a terminal's job)
+                            start_new_session=True,  # (its own process group: as a terminal's job)
+                            # (and Ctrl-C's default action, as a terminal's job has: a test run started in the
+                            # background of a shell inherits SIGINT ignored, which Python keeps ignoring)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while len(proctree.tree(proc.pid)) < 5:  # forkserver, launcher, 3 ranks (resource tracker aside)
