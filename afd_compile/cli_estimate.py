@@ -118,7 +118,7 @@ def check_estimate_flags(args: argparse.Namespace) -> None:
 def print_estimate(args: argparse.Namespace, layout: object) -> int:
     """``plan --estimate``: the layout's estimate beside TP of its GPU count, or ``--search``'s ranking."""
     from . import estimate as est
-    from .profile import read_profile
+    from .profile_read import read_profile
 
     costs, facts, rec = read_profile(args.estimate, args.model, args.device_name, args.layers)
     link = est.Link.parse(args.link)

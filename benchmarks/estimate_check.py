@@ -65,7 +65,7 @@ def _subset(rec: dict, tokens: tuple[int, ...], kv: tuple[tuple[int, ...], tuple
 
 
 def _costs(rec: dict, path: str):
-    from afd_compile.profile import read_profile
+    from afd_compile.profile_read import read_profile
 
     with open(path, "w") as f:
         json.dump(rec, f)
@@ -133,7 +133,7 @@ def entry_rows(rec: dict, entry: list[dict]) -> list[dict]:
 def checks(rec: dict, sdpa: list, parts: list[dict], family: str, layers: int, tmp: str) -> tuple[list, list]:
     """The check rows from a whole profile (``rec``), HF's SDPA KV reads and the sliced profiles."""
     from afd_compile import estimate as est
-    from afd_compile.profile import call_curves
+    from afd_compile.profile_read import call_curves
 
     subset = _subset(rec, COARSE, COARSE_KV)
     coarse, facts, _ = _costs(subset, os.path.join(tmp, "coarse.json"))

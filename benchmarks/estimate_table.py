@@ -72,7 +72,7 @@ def profile(name: str, layers: int, iters: int, out: str) -> None:
 
 def table(profiles: dict[str, str], tpot_ms: float) -> list[dict]:
     from afd_compile import estimate as est
-    from afd_compile.profile import read_profile
+    from afd_compile.profile_read import read_profile
 
     rows = []
     for name, path in profiles.items():

@@ -13,7 +13,8 @@ import torch
 from afd_compile.cli import main
 from afd_compile.estimate import ModelFacts
 from afd_compile.passes.loopback import loopback_exchange
-from afd_compile.profile import PROFILE_FORMAT, read_profile, timed_rounds
+from afd_compile.profile import timed_rounds
+from afd_compile.profile_read import PROFILE_FORMAT, read_profile
 from afd_compile.saved import sha256_of
 
 GOLDEN_PROFILE = os.path.join(os.path.dirname(__file__), "golden", "profile_llama2.json")
@@ -204,7 +205,7 @@ def test_keep_no_layer_passes_the_stream_through(family):
 def test_a_programs_call_from_two_depths():
     """read_profile splits each program's time into its layers and its call from the two depths, by
     hand: 4 layers at 500 µs, 3 at 400 -> 100 a layer, 100 the call."""
-    from afd_compile.profile import call_curves
+    from afd_compile.profile_read import call_curves
 
     rec = {"attention": [{"tokens": 1, "median_us": 500.0}, {"tokens": 8, "median_us": 900.0}],
            "ffn": [{"rows": 1, "median_us": 420.0}, {"rows": 8, "median_us": 420.0}],

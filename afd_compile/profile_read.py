@@ -1,0 +1,107 @@
+"""Reading a profile ``afd-compile profile`` wrote (``profile.py``) into the cost model's parts:
+:func:`read_profile` checks the record (its format, model, device, sizes) and turns it into
+:class:`~afd_compile.estimate.Costs` per layer (each program less its call, over its layers; without
+a second depth, the attention program less the head) and once a step (each program's call,
+:func:`call_curves`). Pure: no device, no model loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from .errors import AFDCompileError
+from .estimate import Costs, Curve, KVCurves, ModelFacts
+
+PROFILE_FORMAT = "afd-compile-profile/1"
+
+
+class ProfileError(AFDCompileError):
+    """A profile that cannot be made or read: the model, the device or the record says why."""
+
+
+def _curve(rec: dict, key: str, size: str, per: Callable[[int, float], float], path: str,
+           routing: tuple[int, int] = (0, 0)) -> Curve:
+    rows = rec.get(key)
+    if not isinstance(rows, list) or len(rows) < 2:
+        raise ProfileError(f"{path}: '{key}' needs at least 2 measured sizes, has {len(rows or [])}: profile again")
+    try:
+        return Curve(tuple((int(r[size]), max(0.0, per(int(r[size]), float(r["median_us"])))) for r in rows), routing)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"{path}: '{key}': {e}: not a profile afd-compile wrote") from None
+
+
+def call_curves(rec: dict, k: int, path: str) -> dict[str, Curve]:
+    """Each program's time beyond its layers, from its two depths (``second_depth``): at a size timed
+    at both, ``k`` layers taking ``t_k`` and ``d`` taking ``t_d``, a layer is ``(t_k - t_d) / (k - d)`` and
+    the rest ``t_k - k x`` that (clamped to [0, t_k]); {} for a profile of one depth."""
+    second = rec.get("second_depth")
+    if not second:
+        return {}
+    d = int(second["layers"])
+    if d == k:
+        raise ProfileError(f"{path}: 'second_depth' times {d} layers, as the profile does: profile again")
+    out = {}
+    for key, size in (("attention", "tokens"), ("ffn", "rows"), ("no_layout", "tokens")):
+        whole = {int(r[size]): float(r["median_us"]) for r in rec[key]}
+        points = []
+        for r in second[key]:
+            t = int(r[size])
+            if t in whole:
+                per = (whole[t] - float(r["median_us"])) / (k - d)
+                points.append((t, min(whole[t], max(0.0, whole[t] - k * per))))
+        if not points:
+            raise ProfileError(f"{path}: 'second_depth' times {key} at no size the profile timed: profile again")
+        out[key] = Curve(tuple(sorted(points)))
+    return out
+
+
+def read_profile(path: str, model: str | None = None, device: str | None = None,
+                 layers: int | None = None) -> tuple[Costs, ModelFacts, dict[str, Any]]:
+    """The cost model's parts of the profile at ``path``: refused (ProfileError, one line) when it is
+    not one, was made of another model than ``model`` (sha256) or on another device than ``device``
+    (a substring of the device's name, e.g. "H200"), or lacks a size. ``layers``: the real model's
+    depth (default: the profiled program's)."""
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ProfileError(f"{path}: cannot read a profile: {e}") from None
+    if not isinstance(rec, dict) or rec.get("format") != PROFILE_FORMAT:
+        raise ProfileError(f"{path}: not an afd-compile profile (format {PROFILE_FORMAT!r}); make one with "
+                           "afd-compile profile MODEL.pt2 -o PROFILE.json")
+    m, dev = rec.get("model") or {}, rec.get("device") or {}
+    if model is not None:
+        from .saved import sha256_of
+
+        if m.get("sha256") != sha256_of(model):
+            raise ProfileError(f"{path} was measured on {m.get('file')!r} (sha256 {str(m.get('sha256'))[:12]}...), "
+                               f"not on {model}: profile this model")
+    if device is not None and device.lower() not in str(dev.get("name", "")).lower():
+        raise ProfileError(f"{path} was measured on {dev.get('name')!r}, not on a {device}: profile on the "
+                           "device you estimate for")
+    try:
+        k = int(m.get("profiled_layers", m["layers"]))  # (the layers timed; the model's depth: "layers")
+        facts = ModelFacts(**{f: int(m[f]) for f in ModelFacts.__dataclass_fields__ if f != "heads"},
+                           heads=int(m.get("heads", 0)))
+        facts = ModelFacts(**{**facts.__dict__, "layers": layers or facts.layers})
+        head = _curve(rec, "head", "tokens", lambda t, us: us, path)
+        calls = call_curves(rec, k, path)
+        once = calls.get("attention", head)
+        attention = _curve(rec, "attention", "tokens", lambda t, us: (us - once.at(t)) / k, path)
+        ffn_once = calls.get("ffn")
+        ffn = _curve(rec, "ffn", "rows", lambda r, us: (us - (ffn_once.at(r) if ffn_once else 0.0)) / k, path,
+                     (facts.experts, facts.top_k))
+        contexts = sorted({int(r["context"]) for r in rec.get("kv") or []})
+        if not contexts:
+            raise ProfileError(f"{path}: 'kv' has no measured context: profile again")
+        kv = KVCurves(tuple(contexts), tuple(_curve({"kv": [r for r in rec["kv"] if int(r["context"]) == c]},
+                                                    "kv", "batch", lambda b, us: us, path) for c in contexts))
+        costs = Costs(str(dev["name"]), int(dev["memory_bytes"]), attention, ffn, head, kv,
+                      calls.get("attention"), calls.get("ffn"), calls.get("no_layout"))
+    except ProfileError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"{path}: missing or malformed field {e}: not a profile afd-compile wrote") from None
+    return costs, facts, rec
