@@ -43,8 +43,10 @@ def add_profile_parser(sub: argparse._SubParsersAction, quiet: object, imports: 
     p.add_argument("--kv-batches", type=_sizes, default=KV_BATCHES, metavar="B1,B2,...",
                    help=f"batches of that KV read (default {','.join(map(str, KV_BATCHES))})")
     p.add_argument("--layers", dest="profile_layers", type=count_flag(1, 100000), metavar="K", help="time the "
-                   "first K layers only (a model too big for the device: layers are identical in structure, the "
-                   "profile keeps the model's depth and plan --estimate scales to it; default: every layer)")
+                   "first K layers of each kind only (a model too big for the device: layers of a kind are "
+                   "identical in structure; a model with dense first layers then MoE ones has each kind timed "
+                   "alone too; the profile keeps the model's depth and plan --estimate scales to it; default: "
+                   "every layer)")
     p.add_argument("--iters", type=count_flag(1, 10000), default=20, help="timed calls per size (default 20)")
     p.add_argument("--rounds", type=count_flag(1, 100), default=3, help="times each size is timed, a round over "
                    "every size before the next; the quickest round is kept (default 3: a slow spell of the device "
@@ -141,9 +143,14 @@ def print_estimate(args: argparse.Namespace, layout: object) -> int:
     if form == "eager":
         head += ("\nnote: the model writes its attention out (no SDPA): a step reads the KV cache as that form does "
                  "(the scores' matmul, softmax, the values' matmul), not through afd::decode_attention")
+    kinds = [int(c["layers"]) for c in rec.get("kinds") or []]
+    if kinds:
+        head += (f"\nnote: the model's layers are of {len(kinds)} kinds ({' + '.join(map(str, kinds))} layers), each "
+                 "timed alone: a layer costs their mean weighted by their counts (a staged layout's per-layer "
+                 "maximum too, not each kind's)")
     if args.json:
         print(json.dumps({"profile": args.estimate, "device": costs.device, "layers": facts.layers,
-                          "moe_unrecognised": unrecognised, "attention_form": form,
+                          "moe_unrecognised": unrecognised, "attention_form": form, "layer_kinds": kinds,
                           "context": args.context, "link": link.__dict__,
                           "estimates": [{**e.json(), "past_profile": est.past_profile(costs, e)} for e in rows],
                           "assumptions": list(est.ASSUMPTIONS)}, indent=2))
@@ -203,6 +210,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                       not args.no_compile, say, args.profile_layers, args.rounds)
     write_json(args.output, rec)
     m = rec["model"]
+    kinds = f" (the first of each of {len(rec['kinds'])} kinds; each kind alone too)" if rec.get("kinds") else ""
     print(f"profile: wrote {args.output} ({rec['device']['name']}, {len(rec['attention'])} sizes, "
-          f"{len(rec['kv'])} KV reads, {m['profiled_layers']} of {m['layers']} layers timed)")
+          f"{len(rec['kv'])} KV reads, {m['profiled_layers']} of {m['layers']} layers timed{kinds})")
     return EXIT_OK

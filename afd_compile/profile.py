@@ -18,8 +18,10 @@ From ``MODEL.pt2`` (an export with a dynamic batch, as the quick start's), on on
 
 ``profile_read.read_profile`` checks one and turns it into the cost model's parts.
 A deep model is timed on a few of its layers (``layers=K``: ``passes/keep_layers.py`` keeps each
-program's first K, layers being identical in structure; their weights alone go to the device) and
-the record keeps its depth; or an export of a few layers (its config with fewer) is profiled and
+program's first K layers of each kind, layers of a kind being identical in structure; their weights
+alone go to the device) and the record keeps its depth; a model with layers of several kinds
+(dense first layers, then MoE) has each kind timed alone too (``kinds``), a layer costing their mean
+weighted by their counts. Or an export of a few layers (its config with fewer) is profiled and
 ``plan --estimate --layers N`` scales it to the real depth.
 """
 
@@ -225,14 +227,15 @@ def time_us(fn: Callable[..., Any], args: Sequence[Any], iters: int, device: tor
 
 
 def role_programs(ep: torch.export.ExportedProgram, device: torch.device,
-                  layers: int | None = None) -> tuple[dict[str, fx.GraphModule], Any, dict[str, Any]]:
+                  layers: int | Sequence[int] | None = None) -> tuple[dict[str, fx.GraphModule], Any, dict[str, Any]]:
     """The attention and FFN programs of the 1A1F split (exchange taken out, lowered for ``device``)
     and the model with no layout, on ``device``; the split; and :func:`model_facts` of the whole
-    model. ``layers``: keep only the first ``layers`` layers of each program (``passes/keep_layers.py``:
-    a deep model timed on a few of its layers, its dropped layers' weights never on the device; 0: none,
-    what each program costs besides its layers)."""
+    model. ``layers``: keep only the first ``layers`` layers of each kind of the model (or the layers
+    it lists) in each program (``passes/keep_layers.py``: a deep model timed on a few of its layers,
+    its dropped layers' weights never on the device; 0: none, what each program costs besides its
+    layers); the facts then hold ``layer_kinds``, each layer's kind in the model."""
     from .deploy import no_layout_program, plan_afd
-    from .passes.keep_layers import keep_layers
+    from .passes.keep_layers import first_of_each_kind, keep_layers, layer_kinds
     from .passes.loopback import loopback_exchange
     from .passes.roles import annotate_roles
     from .pipeline import Build, lower
@@ -241,16 +244,18 @@ def role_programs(ep: torch.export.ExportedProgram, device: torch.device,
 
     result = plan_afd(ep, None, SplitConfig())
     facts = model_facts(result, ep)
-    programs = {"attention": result.attention, "ffn": result.ffn, "model": fresh_module(ep)}
+    programs = {"model": fresh_module(ep), "attention": result.attention, "ffn": result.ffn}
+    no_layout_program(programs["model"], Build("none", device=device.type))
+    keep: Sequence[int] = ()
+    if layers is not None:
+        annotate_roles(programs["model"], graph_name="the model")
+        facts["layer_kinds"] = layer_kinds(programs["model"], "the model")
+        keep = first_of_each_kind(facts["layer_kinds"], layers) if isinstance(layers, int) else layers
     for kind, gm in programs.items():
-        if kind == "model":
-            no_layout_program(gm, Build("none", device=device.type))
-        else:
-            loopback_exchange(gm, return_first_sent=kind == "attention" and layers != 0)  # (0: no layer sends)
+        if kind != "model":  # (no layer kept: none sends)
+            loopback_exchange(gm, return_first_sent=kind == "attention" and bool(keep or layers is None))
         if layers is not None:
-            if kind == "model":
-                annotate_roles(gm, graph_name="the model")
-            keep_layers(gm, layers, f"the {kind} program")
+            keep_layers(gm, keep, f"the {kind} program")
         lower(gm, Build("none" if kind == "model" else f"afd-{kind}", device=device.type))
         programs[kind] = gm.to(device)
     return programs, result, facts
@@ -303,8 +308,9 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
                 say: Callable[[str], None] = lambda _s: None, layers: int | None = None,
                 rounds: int = 3) -> dict[str, Any]:
     """Profile the model at ``path`` on ``device`` (see the module docstring); returns the JSON record.
-    ``layers``: time the first ``layers`` layers only (the record keeps the model's depth); ``rounds``:
-    :func:`timed_rounds`."""
+    ``layers``: time the first ``layers`` layers of each kind only (the record keeps the model's depth;
+    several kinds: :func:`_time_kinds` too); ``rounds``: :func:`timed_rounds`."""
+    from .passes.keep_layers import first_of_each_kind
     from .programs import flat_inputs, load_program
     from .saved import sha256_of
 
@@ -312,7 +318,8 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
     _refuse_cache(ep, path)
     example = flat_inputs(ep)
     programs, result, facts = role_programs(ep, device, layers)
-    kept = min(layers or facts["layers"], facts["layers"])
+    kinds = facts.get("layer_kinds") or []
+    kept = len(first_of_each_kind(kinds, layers)) if layers is not None else facts["layers"]
     if facts["moe_unrecognised"]:
         say(f"{len(facts['moe_unrecognised'])} MoE block(s) not recognised ({facts['moe_unrecognised'][0]}): the FFN "
             "program runs the model's own experts, and the estimate weighs no expert parallelism for them")
@@ -321,6 +328,10 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
             "the scores' matmul, the softmax and the values' matmul (the model's own extra logits left out)")
     say(f"programs of {kept} of {facts['layers']} layers ready" if kept < facts["layers"] else
         f"programs of all {kept} layers ready")
+    if len(set(kinds)) > 1 and kept < facts["layers"]:
+        say(f"its layers are of {len(set(kinds))} kinds (" + ", ".join(
+            f"{kinds.count(c)} from layer {kinds.index(c)}" for c in sorted(set(kinds))) +
+            f"): the first {layers} of each kept, and each kind is timed alone as well")
     timed: dict[str, Any] = {"attention": [], "ffn": [], "no_layout": [], "head": [], "kv": []}
     head_w = _head_weight(result.attention, device)
     head = (_compiled(_Linear(head_w), device, compile), head_w.dtype) if head_w is not None else None
@@ -339,6 +350,8 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
                                       sorted({tokens[0], tokens[-1]}), say, rounds)
         if second is not None:
             timed["second_depth"] = second
+        if len(set(kinds)) > 1 and kept < facts["layers"]:
+            timed["kinds"] = _time_kinds(ep, facts, layers or 0, example, device, iters, compile, tokens, say, rounds)
         timed["kv"] = kv_times(facts, contexts, kv_batches, iters, device, say=say)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"format": PROFILE_FORMAT, "created": now, "device": _device_record(device), "torch": torch.__version__,
@@ -412,6 +425,31 @@ def _time_without_layers(ep: torch.export.ExportedProgram, senders: dict[str, fx
     out: dict[str, Any] = {"layers": 0, **timed_rounds(measure, ("attention", "ffn", "no_layout"), sizes, rounds)}
     say("with no layer: " + ", ".join(f"{k} {out[k][-1]['median_us']:.0f} µs" for k in
                                             ("attention", "ffn", "no_layout")) + f" at {sizes[-1]}")
+    return out
+
+
+def _time_kinds(ep: torch.export.ExportedProgram, facts: dict[str, Any], k: int, example: Sequence[Any],
+                device: torch.device, iters: int, compile: bool, sizes: Sequence[int], say: Callable[[str], None],
+                rounds: int) -> list[dict[str, Any]]:
+    """A model whose layers are of several kinds (``facts["layer_kinds"]``: DeepSeek-V3's dense first
+    layers, then its MoE layers), profiled on the first ``k`` of each: the attention, FFN and no-layout
+    programs with only that kind's ``k`` layers, timed at ``sizes``, per kind (its count in the model,
+    the layers timed, the rows), so that a layer of each kind is its program less the call over ``k``
+    (``profile_read``: a layer of the model, their mean weighted by their counts). The FFN program is
+    fed the rows its own attention program sends at its first layer."""
+    from .passes.keep_layers import first_of_each_kind
+
+    kinds, out = facts["layer_kinds"], []
+    for kind in sorted(set(kinds)):
+        keep = [i for i in first_of_each_kind(kinds, k) if kinds[i] == kind]
+        programs, _, _ = role_programs(ep, device, keep)
+        measure = _measurer(programs, programs, example, facts, device, iters, compile, None)
+        rows = timed_rounds(measure, ("attention", "ffn", "no_layout"), sizes, rounds)
+        out.append({"kind": kind, "layers": kinds.count(kind), "first": kinds.index(kind), "profiled_layers": len(keep),
+                    **rows})
+        say(f"the {len(keep)} layer(s) of kind {kind} (layer {keep[0]}, {kinds.count(kind)} in the model) alone: "
+            + ", ".join(f"{key} {rows[key][-1]['median_us']:.0f} µs" for key in rows) + f" at {sizes[-1]}")
+        del programs, measure
     return out
 
 

@@ -1,7 +1,8 @@
 """Reading a profile ``afd-compile profile`` wrote (``profile.py``) into the cost model's parts:
 :func:`read_profile` checks the record (its format, model, device, sizes) and turns it into
 :class:`~afd_compile.estimate.Costs` per layer (each program less its call, over its layers; without
-a second depth, the attention program less the head) and once a step (each program's call,
+a second depth, the attention program less the head; of a model with layers of several kinds, each
+kind's layer so, weighted by its count) and once a step (each program's call,
 :func:`call_curves`). Pure: no device, no model loaded.
 """
 
@@ -30,6 +31,23 @@ def _curve(rec: dict, key: str, size: str, per: Callable[[int, float], float], p
         return Curve(tuple((int(r[size]), max(0.0, per(int(r[size]), float(r["median_us"])))) for r in rows), routing)
     except (KeyError, TypeError, ValueError) as e:
         raise ProfileError(f"{path}: '{key}': {e}: not a profile afd-compile wrote") from None
+
+
+def _layer_curve(rec: dict, key: str, size: str, once: Callable[[int], float], k: int, path: str,
+                 routing: tuple[int, int] = (0, 0)) -> Curve:
+    """One layer of program ``key``: its rows less its call (``once``) over the ``k`` layers timed; of a
+    model with layers of several kinds (``kinds``, each timed alone), each kind's layer so, weighted
+    by the share of the model's layers it has, at the sizes of the first kind."""
+    kinds = rec.get("kinds")
+    if not kinds:
+        return _curve(rec, key, size, lambda x, us: (us - once(x)) / k, path, routing)
+    if not isinstance(kinds, list) or any(not isinstance(c, dict) or int(c["profiled_layers"]) < 1 for c in kinds):
+        raise ProfileError(f"{path}: 'kinds' is malformed: not a profile afd-compile wrote")
+    total = sum(int(c["layers"]) for c in kinds)
+    parts = [(int(c["layers"]) / total,
+              _curve(c, key, size, lambda x, us, n=int(c["profiled_layers"]): (us - once(x)) / n, path))
+             for c in kinds]
+    return Curve(tuple((x, sum(w * part.at(x) for w, part in parts)) for x, _ in parts[0][1].points), routing)
 
 
 def call_curves(rec: dict, k: int, path: str) -> dict[str, Curve]:
@@ -88,11 +106,10 @@ def read_profile(path: str, model: str | None = None, device: str | None = None,
         facts = ModelFacts(**{**facts.__dict__, "layers": layers or facts.layers})
         head = _curve(rec, "head", "tokens", lambda t, us: us, path)
         calls = call_curves(rec, k, path)
-        once = calls.get("attention", head)
-        attention = _curve(rec, "attention", "tokens", lambda t, us: (us - once.at(t)) / k, path)
-        ffn_once = calls.get("ffn")
-        ffn = _curve(rec, "ffn", "rows", lambda r, us: (us - (ffn_once.at(r) if ffn_once else 0.0)) / k, path,
-                     (facts.experts, facts.top_k))
+        once, ffn_once = calls.get("attention", head), calls.get("ffn")
+        attention = _layer_curve(rec, "attention", "tokens", once.at, k, path)
+        ffn = _layer_curve(rec, "ffn", "rows", ffn_once.at if ffn_once else lambda r: 0.0, k, path,
+                           (facts.experts, facts.top_k))
         contexts = sorted({int(r["context"]) for r in rec.get("kv") or []})
         if not contexts:
             raise ProfileError(f"{path}: 'kv' has no measured context: profile again")

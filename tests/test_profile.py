@@ -162,6 +162,7 @@ def test_keep_layers_is_the_models_first_layers(family, layers, keep):
     ep = export_lm(model, vocab_size=128)
     whole, _, facts = role_programs(copy.deepcopy(ep), torch.device("cpu"))
     cut, _, cut_facts = role_programs(ep, torch.device("cpu"), layers=keep)
+    assert cut_facts.pop("layer_kinds") == [0] * layers  # (one kind)
     assert cut_facts == facts and facts["layers"] == layers  # (the facts: of the whole model)
     for kind in whole:
         weights = lambda gm: sum(t.numel() for t in [*gm.parameters(), *gm.buffers()])  # noqa: E731
@@ -221,28 +222,71 @@ def test_a_programs_call_from_two_depths():
     assert call_curves({k: v for k, v in rec.items() if k != "second_depth"}, 4, "p.json") == {}
 
 
-def test_keep_layers_refuses_layers_not_alike(exported):
-    from afd_compile.passes.keep_layers import KeepLayersError, keep_layers
+def test_keep_layers_keeps_the_first_k_of_each_kind(exported):
+    from afd_compile.passes.graph_utils import layers_of
+    from afd_compile.passes.keep_layers import KeepLayersError, keep_layers, layer_kinds
     from afd_compile.passes.roles import annotate_roles
     from afd_compile.programs import fresh_module
 
     gm = fresh_module(exported("qwen3moe3_mixed")[0])  # (layer 1 a dense MLP, layers 0 and 2 MoE)
     annotate_roles(gm)
-    with pytest.raises(KeepLayersError, match="graph: layer 1 is not like layer 0 .* profile the whole model"):
-        keep_layers(gm, 1)
+    assert layer_kinds(gm) == [0, 1, 0]
     with pytest.raises(KeepLayersError, match="keep -1 layers: give 0 or more"):
         keep_layers(gm, -1)
-    assert keep_layers(gm, 3) == 3  # (all of them: nothing to drop)
+    with pytest.raises(KeepLayersError, match=r"graph: keep layers \[5\]: it has 3"):
+        keep_layers(gm, [0, 5])
+    assert keep_layers(copy.deepcopy(gm), 3) == 3  # (all of them: nothing to drop)
+    assert keep_layers(gm, 1) == 3 and sorted(layers_of(gm)) == [0, 1]
 
 
-def test_profile_layers_refused_in_one_line(exported, tmp_path, capsys):
+def test_a_model_with_dense_first_layers_keeps_k_of_each_kind_and_each_kind_alone():
+    """DeepSeek-V3-shaped, 2 dense layers then 2 MoE layers: the first layer of each kind (0 and 2) and
+    the MoE layers alone compute what the model with just those layers computes."""
+    from afd_compile.models import build_hf, export_lm
+    from afd_compile.profile import inputs_at, role_programs
+    from afd_compile.programs import flat_inputs
+
+    model = build_hf("deepseek_v3", num_layers=4, first_k_dense_replace=2)
+    ep = export_lm(model, vocab_size=128)
+    decoder, every = model.model.model, list(model.model.model.layers)
+    for keep in (1, [2, 3]):
+        cut, _, facts = role_programs(copy.deepcopy(ep), torch.device("cpu"), layers=keep)
+        assert facts["layer_kinds"] == [0, 0, 1, 1]
+        ids = inputs_at(cut["model"], flat_inputs(ep), 3, torch.device("cpu"))
+        decoder.layers = torch.nn.ModuleList(every[i] for i in ([0, 2] if keep == 1 else keep))
+        with torch.no_grad():
+            want = model(ids[0])
+        got = cut["model"](*ids)
+        torch.testing.assert_close(got[0] if isinstance(got, (tuple, list)) else got, want, rtol=1e-5, atol=1e-6)
+        kept = {name.split(".layers.")[1].split(".")[0] for gm in cut.values() for name, _ in gm.named_parameters()
+                if ".layers." in name}
+        assert kept == ({"0", "2"} if keep == 1 else {"2", "3"}), kept
+
+
+def test_profile_of_layers_of_two_kinds_times_each_kind_and_weighs_them(exported, tmp_path, capsys):
+    """profile --layers 1 of a model whose layers differ (MoE, dense, MoE): the first of each kind, and
+    each kind alone; the estimate's layer is the kinds' layers weighted by their counts (2 MoE, 1 dense)."""
     _, path = exported("qwen3moe3_mixed")
-    out = tmp_path / "p.json"
-    assert main(["profile", path, "-o", str(out), "--device", "cpu", "--layers", "2", "--no-compile", "-q"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("afd-compile profile: error: the ffn program: layer 0 is not like layer 1") and \
-        len(err.splitlines()) == 1, err
-    assert not out.exists()
+    out = str(tmp_path / "p.json")
+    assert main(["profile", path, "-o", out, "--device", "cpu", "--layers", "1", "--tokens", "1,4",
+                 "--contexts", "32,64", "--kv-batches", "1,2", "--iters", "2", "--rounds", "1", "--no-compile"]) == 0
+    said = capsys.readouterr().out
+    assert "its layers are of 2 kinds (2 from layer 0, 1 from layer 1)" in said, said
+    assert "2 of 3 layers timed" in said, said
+    with open(out) as f:
+        rec = json.load(f)
+    assert rec["model"]["layer_kinds"] == [0, 1, 0] and rec["model"]["profiled_layers"] == 2
+    assert [(c["kind"], c["layers"], c["first"], c["profiled_layers"]) for c in rec["kinds"]] == [(0, 2, 0, 1),
+                                                                                                  (1, 1, 1, 1)]
+    from afd_compile.profile_read import call_curves
+
+    costs, facts, _ = read_profile(out, path)
+    call = call_curves(rec, 2, out)["attention"]
+    for t in (1, 4):
+        moe, dense = ((c["attention"][(1, 4).index(t)]["median_us"] - call.at(t)) for c in rec["kinds"])
+        assert costs.attention.at(t) == pytest.approx(max(0.0, moe) * 2 / 3 + max(0.0, dense) / 3)
+    assert main(["plan", path, "--estimate", out, "-A", "2", "-F", "1"]) == 0
+    assert "note: the model's layers are of 2 kinds" in capsys.readouterr().out
 
 
 def test_profile_refuses_an_export_with_its_kv_cache(tmp_path, capsys):
