@@ -183,7 +183,7 @@ def _layout_rows(costs: object, facts: object, layout: object, args: argparse.Na
         cand = est.AFDCandidate(layout.attention_ranks, layout.ffn_ranks, args.stages, layout.ffn_tp, layout.ffn_ep,
                                 layout.attn_tp)
         gpus = layout.attention_ranks + layout.ffn_ranks
-        rows = [at_best(lambda b: est.afd(costs, facts, cand, b, args.context, link))]
+        rows = [at_best(lambda b: est.afd(costs, facts, cand, b, args.context, link, est.LINKS["nvlink"]))]
     elif layout is not None:  # TPLayout
         gpus = layout.tp  # type: ignore[attr-defined]
         rows = []

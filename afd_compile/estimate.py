@@ -42,6 +42,8 @@ PROFILE_KV_BATCHES = (1, 8, 32, 64, 128)
 BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 #: the share of device memory a rank may fill (the rest: activations, CUDA graphs, the allocator)
 MEMORY_USE = 0.9
+#: GPUs of one node (NVLink between them)
+GPUS_PER_NODE = 8
 
 ASSUMPTIONS = (
     "decode steps: one new token per sequence a step, so the time per output token is the step time",
@@ -53,6 +55,8 @@ ASSUMPTIONS = (
     "a group of P ranks splitting a layer's weights (TP, EP) runs the group's rows in 1/P of the time "
     "one GPU takes for them (the same bytes and FLOPs over P); a TP group of t reads its KV cache split "
     "min(t, KV heads) ways (past the KV heads, each rank reads a whole head)",
+    f"a group of up to {GPUS_PER_NODE} GPUs (one node) collects over NVLink; an MoE's FFN EP group over all "
+    "the FFN ranks past one node, as EP over all GPUs, dispatches and combines over the link between nodes",
     "AFD S stages: a layer costs max(S x the slowest of attention, FFN, each wire direction; one "
     "micro-batch's attention + wire + FFN + wire); the LM head runs after the last layer, not overlapped",
     "a step adds, once, what each program costs beyond its layers (the call: graph launch, input copies, "
@@ -343,7 +347,8 @@ def _group_rows(costs: Costs, rows: float, parts: int) -> float:
 def afd(costs: Costs, facts: ModelFacts, cand: AFDCandidate, batch: int, context: int, link: Link,
         group_link: Link | None = None) -> Estimate:
     """AFD ``cand`` with ``batch`` sequences per attention rank, or per attention TP group (see the
-    module docstring)."""
+    module docstring): the exchange over ``link``, the groups' collectives over ``group_link``
+    (default ``link``) or, an FFN EP group wider than a node, over ``link``."""
     s = min(cand.stages, batch)
     micro = batch / s
     t = cand.attn_tp
@@ -360,7 +365,7 @@ def afd(costs: Costs, facts: ModelFacts, cand: AFDCandidate, batch: int, context
         tf += 2 * glink.us(rows * cand.ffn_tp * facts.hidden_bytes * (cand.ffn_tp - 1) / cand.ffn_tp)
     elif cand.ffn_ep > 1:  # dispatch and combine by all-to-all
         copies = min(facts.top_k or 1, cand.ffn_ep) * (cand.ffn_ep - 1) / cand.ffn_ep
-        tf += 2 * glink.us(rows * facts.hidden_bytes * copies)
+        tf += 2 * (link if cand.ffn_ep > GPUS_PER_NODE else glink).us(rows * facts.hidden_bytes * copies)
     tc_in = link.us(rows * facts.to_ffn_bytes)
     tc_out = link.us(rows * facts.to_attention_bytes)
     layer = max(s * max(ta, tf, tc_in, tc_out), ta + tc_in + tf + tc_out)
@@ -406,15 +411,16 @@ def tp(costs: Costs, facts: ModelFacts, cand: TPCandidate, batch: int, context: 
                     {"GPU": int(mem)}, mem <= costs.memory_bytes * MEMORY_USE, reads=reads)
 
 
-def candidates(gpus: int, facts: ModelFacts, max_stages: int = 3, max_group: int = 8) -> list:
+def candidates(gpus: int, facts: ModelFacts, max_stages: int = 3, max_group: int = GPUS_PER_NODE) -> list:
     """The layouts ``--search`` weighs on ``gpus`` GPUs: every AFD A:F (F <= A), S = 1..max_stages,
-    attention TP groups and FFN TP / EP groups of up to ``max_group`` (EP for an MoE); TP of up to
-    ``max_group`` (one node), with an MoE also EP over all GPUs. A TP group (attention or TP) splits
-    the query heads evenly, and the KV heads or holds whole copies of them."""
+    attention TP groups and FFN TP / EP groups of up to ``max_group`` (EP for an MoE, also over all F
+    FFN ranks); TP of up to ``max_group`` (one node), with an MoE also EP over all GPUs. A TP group
+    (attention or TP) splits the query heads evenly, and the KV heads or holds whole copies of them."""
     out: list = []
     for f in range(1, gpus // 2 + 1):
         groups = [(1, 1)] + [(p, 1) for p in _divisors(f, max_group) if p > 1]
-        groups += [(1, p) for p in _divisors(f, max_group) if p > 1 and facts.experts % p == 0 and facts.experts]
+        eps = [p for p in _divisors(f, max_group) if p > 1] + ([f] if f > max_group else [])
+        groups += [(1, p) for p in eps if facts.experts and facts.experts % p == 0]
         for s in range(1, max_stages + 1):
             out += [AFDCandidate(gpus - f, f, s, gt, ge, at) for at in _head_groups(gpus - f, facts, max_group)
                     for gt, ge in groups]

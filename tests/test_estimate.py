@@ -175,6 +175,22 @@ def test_candidates():
     assert not any(c.startswith("AFD 1A3F") for c in names)  # more FFN than attention ranks
 
 
+def test_an_moe_ffn_ep_group_may_span_every_ffn_rank_and_then_crosses_nodes():
+    """As TP/EP's experts over all GPUs: AFD's FFN EP group over all F ranks, past a node too; its
+    all-to-all then takes the link between nodes, a group inside a node NVLink (the group link)."""
+    moe = ModelFacts(**{**FACTS.__dict__, "experts": 32, "top_k": 2})
+    names = {str(c) for c in candidates(48, moe, max_stages=1)}
+    assert {"AFD 32A16F S=1 ffn_ep=16", "AFD 24A24F S=1 ffn_ep=8"} <= names
+    assert "AFD 24A24F S=1 ffn_ep=24" not in names  # (24 does not divide 32 experts)
+    node, fabric = Link("node", 1.0, 1.0), Link("fabric", 1.0, 100.0)
+    # 2 rows per FFN rank, 16 ranks: 2 x 16 rows over 16 = 50 (flat) / 16 ... 2 all-to-alls of 2 rows x 1000 bytes
+    # x min(2, 16) copies x 15/16 off the rank
+    wide = afd(_costs(), moe, AFDCandidate(32, 16, ffn_ep=16), 1, context=8, link=fabric, group_link=node)
+    assert wide.ffn_us == pytest.approx(50.0 / 16 + 2 * (100.0 + 2 * 1000 * 2 * 15 / 16 / 1000))
+    inside = afd(_costs(), moe, AFDCandidate(16, 8, ffn_ep=8), 1, context=8, link=fabric, group_link=node)
+    assert inside.ffn_us == pytest.approx(50.0 / 8 + 2 * (1.0 + 2 * 1000 * 2 * 7 / 8 / 1000))
+
+
 @pytest.mark.parametrize("text,want", [("nvlink", (300.0, 15.0)), ("ib", (50.0, 20.0)), ("25,3.5", (25.0, 3.5))])
 def test_link(text, want):
     link = Link.parse(text)
