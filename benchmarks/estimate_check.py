@@ -307,7 +307,8 @@ def main() -> None:
     if kernels:
         print(f"\nkernels, GPU µs a call (the largest gaps between the whole and its parts' sum; {len(kernels)} "
               "kernels in all)\n\n| kernel | no-layout | attention | FFN | whole - parts |\n|---|---|---|---|---|")
-        for k in [k for k in kernels if k["kernel"].startswith("(")] + kernels[:15]:
+        calls = [k for k in kernels if k["kernel"].startswith("(")]
+        for k in calls + [k for k in kernels if k not in calls][:15]:
             print(f"| {k['kernel']} | {k['no_layout']} | {k['attention']} | {k['ffn']} | "
                   f"{k['no_layout'] - k['attention'] - k['ffn']:+.1f} |")
         total = {key: sum(k[key] for k in kernels if not k["kernel"].startswith("(")) for key in

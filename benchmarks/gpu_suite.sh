@@ -174,9 +174,12 @@ if [[ $SECTIONS == *" one "* || $SECTIONS == *" moe "* ]]; then  # issue 34: the
   TAIL=45 run one_estimate_check_llama python3 benchmarks/estimate_check.py --family llama --kernels 8 --json "$OUT/one_estimate_check_llama.json"
   TAIL=30 run one_estimate_check_qwen3moe python3 benchmarks/estimate_check.py --family qwen3_moe --kernels 8 --json "$OUT/one_estimate_check_qwen3moe.json"
   # AFD against TP/EP for real model shapes (a few layers of each profiled here, scaled), 8 to 64 GPUs
-  TAIL=30 run one_estimate_table python3 benchmarks/estimate_table.py --models llama3_70b,qwen3_30b_a3b,qwen3_235b_a22b --json "$OUT/one_estimate_table.json"
-  # (DeepSeek-V3 alone, one layer: 27 GB of weights, minutes to save and load)
-  TAIL=30 run one_estimate_table_deepseek python3 benchmarks/estimate_table.py --models deepseek_v3 --json "$OUT/one_estimate_table_deepseek.json"
+  # (each model in its own run: 1.5-4 minutes each; DeepSeek-V3 one layer, 27 GB of weights; the profiles land in
+  # $OUT/table, and `estimate_table.py --profiles $OUT/table --models ...` tables them together)
+  mkdir -p "$OUT/table"
+  for m in llama3_70b qwen3_30b_a3b qwen3_235b_a22b deepseek_v3; do
+    TAIL=12 run "one_estimate_table_$m" python3 benchmarks/estimate_table.py --models "$m" --json "$OUT/table/one_estimate_table_$m.json"
+  done
   TAIL=8 run one_moe_ffn python3 benchmarks/moe_ffn.py --json "$OUT/one_moe_ffn.json"
   TAIL=9 run one_moe_kernels python3 benchmarks/moe_kernels.py --json "$OUT/one_moe_kernels.json"
   TAIL=12 run one_moe_kernels_split python3 benchmarks/moe_kernels.py --split --tokens 64,256,1024 --json "$OUT/one_moe_kernels_split.json"
