@@ -34,8 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FINE = (1, 4, 8, 16, 32, 64, 128, 256)
 COARSE = (1, 8, 64, 256)
-CONTEXTS, KV_BATCHES = (1024, 2048, 4096), (1, 16, 64, 128)
-COARSE_KV = ((1024, 4096), (1, 64, 128))
+#: the KV read: the profile's default batches (``PROFILE_KV_BATCHES``: 1, 8, 32, 64, 128) as the coarse
+#: subset, 16 held out between them, and context 2048 held out
+CONTEXTS, KV_BATCHES = (1024, 2048, 4096), (1, 8, 16, 32, 64, 128)
+COARSE_KV = ((1024, 4096), (1, 8, 32, 64, 128))
 SHAPES = {"llama": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336),
           "qwen3_moe": dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                             moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, intermediate_size=6144)}
