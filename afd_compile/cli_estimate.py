@@ -74,7 +74,8 @@ def add_estimate_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=count_flag(1, 1 << 20), metavar="B",
                    help="sequences per attention rank (AFD) / TP replica instead of the best batch")
     g.add_argument("--layers", type=count_flag(1, 100000), metavar="N", help="the real model's layers (default: "
-                   "the profiled model's: an export of a few layers of a deep model needs it)")
+                   "the profiled model's: an export of a few layers of a deep model needs it; of layers of several "
+                   "kinds in runs, dense first then MoE, the last kind takes the layers added)")
     g.add_argument("--link", default="nvlink", metavar="nvlink|ib|GBPS,LATENCY_US", help="the link between the "
                    "AFD roles and of EP's all-to-all past one node (default nvlink; groups stay inside a node)")
     g.add_argument("--device-name", metavar="NAME", help="refuse a profile measured on another device (a part "
@@ -120,7 +121,7 @@ def check_estimate_flags(args: argparse.Namespace) -> None:
 def print_estimate(args: argparse.Namespace, layout: object) -> int:
     """``plan --estimate``: the layout's estimate beside TP of its GPU count, or ``--search``'s ranking."""
     from . import estimate as est
-    from .profile_read import read_profile
+    from .profile_read import kind_counts, read_profile
 
     costs, facts, rec = read_profile(args.estimate, args.model, args.device_name, args.layers)
     link = est.Link.parse(args.link)
@@ -143,11 +144,12 @@ def print_estimate(args: argparse.Namespace, layout: object) -> int:
     if form == "eager":
         head += ("\nnote: the model writes its attention out (no SDPA): a step reads the KV cache as that form does "
                  "(the scores' matmul, softmax, the values' matmul), not through afd::decode_attention")
-    kinds = [int(c["layers"]) for c in rec.get("kinds") or []]
+    kinds = [round(n, 1) for n in kind_counts(rec, facts.layers, args.estimate)]
     if kinds:
-        head += (f"\nnote: the model's layers are of {len(kinds)} kinds ({' + '.join(map(str, kinds))} layers), each "
-                 "timed alone: a layer costs their mean weighted by their counts (a staged layout's per-layer "
-                 "maximum too, not each kind's)")
+        shown = " + ".join(f"{n:g}" for n in kinds)
+        head += (f"\nnote: the model's layers are of {len(kinds)} kinds ({shown} layers), each timed alone: a "
+                 "layer costs their mean weighted by their counts (a staged layout's per-layer maximum too, not "
+                 "each kind's)")
     if args.json:
         print(json.dumps({"profile": args.estimate, "device": costs.device, "layers": facts.layers,
                           "moe_unrecognised": unrecognised, "attention_form": form, "layer_kinds": kinds,

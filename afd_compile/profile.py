@@ -54,6 +54,25 @@ def _attr_bytes(gm: fx.GraphModule) -> dict[str, int]:
     return {n.target: _bytes(get_attr_path(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
 
 
+def kind_bytes(result: Any, kinds: Sequence[int]) -> list[dict[str, int]]:
+    """Per kind of layer (``kinds``: each layer's), the weight bytes of one of its layers on each side
+    of the split ``result``, the mean over the kind's layers (a dense layer's FFN against an MoE
+    layer's experts): what a rank holds of each kind."""
+    from .passes.graph_utils import layers_of
+
+    out = []
+    sides = {"attention_bytes": result.attention, "ffn_bytes": result.ffn}
+    per_layer = {}
+    for key, gm in sides.items():
+        sizes = _attr_bytes(gm)
+        per_layer[key] = {i: sum(sizes[t] for t in {a.target for n in layer.members for a in n.all_input_nodes
+                                                    if a.op == "get_attr"}) for i, layer in layers_of(gm).items()}
+    for kind in sorted(set(kinds)):
+        idx = [i for i, k in enumerate(kinds) if k == kind]
+        out.append({key: sum(per_layer[key].get(i, 0) for i in idx) // len(idx) for key in sides})
+    return out
+
+
 _PRODUCTS = ("aten.matmul.default", "aten.bmm.default", "aten.baddbmm.default")
 
 
@@ -230,10 +249,11 @@ def role_programs(ep: torch.export.ExportedProgram, device: torch.device,
                   layers: int | Sequence[int] | None = None) -> tuple[dict[str, fx.GraphModule], Any, dict[str, Any]]:
     """The attention and FFN programs of the 1A1F split (exchange taken out, lowered for ``device``)
     and the model with no layout, on ``device``; the split; and :func:`model_facts` of the whole
-    model. ``layers``: keep only the first ``layers`` layers of each kind of the model (or the layers
-    it lists) in each program (``passes/keep_layers.py``: a deep model timed on a few of its layers,
-    its dropped layers' weights never on the device; 0: none, what each program costs besides its
-    layers); the facts then hold ``layer_kinds``, each layer's kind in the model."""
+    model, with ``layer_kinds`` (each layer's kind in the model) and, of several kinds, ``kind_bytes``
+    (:func:`kind_bytes`). ``layers``: keep only the first ``layers`` layers of each kind of the model
+    (or the layers it lists) in each program (``passes/keep_layers.py``: a deep model timed on a few
+    of its layers, its dropped layers' weights never on the device; 0: none, what each program costs
+    besides its layers)."""
     from .deploy import no_layout_program, plan_afd
     from .passes.keep_layers import first_of_each_kind, keep_layers, layer_kinds
     from .passes.loopback import loopback_exchange
@@ -246,10 +266,12 @@ def role_programs(ep: torch.export.ExportedProgram, device: torch.device,
     facts = model_facts(result, ep)
     programs = {"model": fresh_module(ep), "attention": result.attention, "ffn": result.ffn}
     no_layout_program(programs["model"], Build("none", device=device.type))
+    annotate_roles(programs["model"], graph_name="the model")
+    facts["layer_kinds"] = layer_kinds(programs["model"], "the model")
+    if len(set(facts["layer_kinds"])) > 1:
+        facts["kind_bytes"] = kind_bytes(result, facts["layer_kinds"])
     keep: Sequence[int] = ()
     if layers is not None:
-        annotate_roles(programs["model"], graph_name="the model")
-        facts["layer_kinds"] = layer_kinds(programs["model"], "the model")
         keep = first_of_each_kind(facts["layer_kinds"], layers) if isinstance(layers, int) else layers
     for kind, gm in programs.items():
         if kind != "model":  # (no layer kept: none sends)
@@ -328,10 +350,11 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
             "the scores' matmul, the softmax and the values' matmul (the model's own extra logits left out)")
     say(f"programs of {kept} of {facts['layers']} layers ready" if kept < facts["layers"] else
         f"programs of all {kept} layers ready")
-    if len(set(kinds)) > 1 and kept < facts["layers"]:
+    if len(set(kinds)) > 1:
         say(f"its layers are of {len(set(kinds))} kinds (" + ", ".join(
-            f"{kinds.count(c)} from layer {kinds.index(c)}" for c in sorted(set(kinds))) +
-            f"): the first {layers} of each kept, and each kind is timed alone as well")
+            f"{kinds.count(c)} from layer {kinds.index(c)}" for c in sorted(set(kinds))) + "): " +
+            (f"the first {layers} of each kept; " if kept < facts["layers"] else "") +
+            "each kind is timed alone as well")
     timed: dict[str, Any] = {"attention": [], "ffn": [], "no_layout": [], "head": [], "kv": []}
     head_w = _head_weight(result.attention, device)
     head = (_compiled(_Linear(head_w), device, compile), head_w.dtype) if head_w is not None else None
@@ -350,8 +373,9 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
                                       sorted({tokens[0], tokens[-1]}), say, rounds)
         if second is not None:
             timed["second_depth"] = second
-        if len(set(kinds)) > 1 and kept < facts["layers"]:
-            timed["kinds"] = _time_kinds(ep, facts, layers or 0, example, device, iters, compile, tokens, say, rounds)
+        if len(set(kinds)) > 1:
+            timed["kinds"] = _time_kinds(ep, facts, layers if layers is not None else facts["layers"], example,
+                                         device, iters, compile, tokens, say, rounds)
         timed["kv"] = kv_times(facts, contexts, kv_batches, iters, device, say=say)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"format": PROFILE_FORMAT, "created": now, "device": _device_record(device), "torch": torch.__version__,

@@ -33,20 +33,46 @@ def _curve(rec: dict, key: str, size: str, per: Callable[[int, float], float], p
         raise ProfileError(f"{path}: '{key}': {e}: not a profile afd-compile wrote") from None
 
 
+def kind_counts(rec: dict, layers: int, path: str = "the profile") -> list[float]:
+    """How many of the model's ``layers`` each kind of a profile with ``kinds`` has ([] without): as
+    profiled at its depth; at another depth (``plan --layers N`` for an export of fewer layers), kinds
+    in runs (dense first layers, then MoE ones: an export with fewer of the last) give the last kind
+    the layers added, interleaved kinds keep their shares."""
+    kinds = rec.get("kinds") or []
+    if not isinstance(kinds, list) or any(not isinstance(c, dict) or int(c["profiled_layers"]) < 1 for c in kinds):
+        raise ProfileError(f"{path}: 'kinds' is malformed: not a profile afd-compile wrote")
+    counts = [float(c["layers"]) for c in kinds]
+    order = (rec.get("model") or {}).get("layer_kinds") or []
+    if not counts or layers == sum(counts):
+        return counts
+    runs = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
+    if len(runs) == len(set(runs)) and layers > sum(counts) - counts[order[-1]]:
+        counts[order[-1]] += layers - sum(counts)
+        return counts
+    return [c * layers / sum(counts) for c in counts]
+
+
+def _kind_weighted_bytes(m: dict, counts: list[float]) -> dict[str, int]:
+    """A layer's weight bytes on each side, the kinds' (``kind_bytes``) weighted by ``counts``; {}
+    where the profile has no such (one kind: the facts' bytes are the layers' own)."""
+    per = m.get("kind_bytes")
+    if not counts or not per:
+        return {}
+    return {key: int(sum(c * b[key] for c, b in zip(counts, per, strict=True)) / sum(counts))
+            for key in ("attention_bytes", "ffn_bytes")}
+
+
 def _layer_curve(rec: dict, key: str, size: str, once: Callable[[int], float], k: int, path: str,
-                 routing: tuple[int, int] = (0, 0)) -> Curve:
+                 counts: list[float], routing: tuple[int, int] = (0, 0)) -> Curve:
     """One layer of program ``key``: its rows less its call (``once``) over the ``k`` layers timed; of a
     model with layers of several kinds (``kinds``, each timed alone), each kind's layer so, weighted
-    by the share of the model's layers it has, at the sizes of the first kind."""
+    by ``counts`` (:func:`kind_counts`), at the sizes of the first kind."""
     kinds = rec.get("kinds")
     if not kinds:
         return _curve(rec, key, size, lambda x, us: (us - once(x)) / k, path, routing)
-    if not isinstance(kinds, list) or any(not isinstance(c, dict) or int(c["profiled_layers"]) < 1 for c in kinds):
-        raise ProfileError(f"{path}: 'kinds' is malformed: not a profile afd-compile wrote")
-    total = sum(int(c["layers"]) for c in kinds)
-    parts = [(int(c["layers"]) / total,
-              _curve(c, key, size, lambda x, us, n=int(c["profiled_layers"]): (us - once(x)) / n, path))
-             for c in kinds]
+    total = sum(counts)
+    parts = [(n / total, _curve(c, key, size, lambda x, us, n=int(c["profiled_layers"]): (us - once(x)) / n, path))
+             for n, c in zip(counts, kinds, strict=True)]
     return Curve(tuple((x, sum(w * part.at(x) for w, part in parts)) for x, _ in parts[0][1].points), routing)
 
 
@@ -103,12 +129,13 @@ def read_profile(path: str, model: str | None = None, device: str | None = None,
         k = int(m.get("profiled_layers", m["layers"]))  # (the layers timed; the model's depth: "layers")
         facts = ModelFacts(**{f: int(m[f]) for f in ModelFacts.__dataclass_fields__ if f != "heads"},
                            heads=int(m.get("heads", 0)))
-        facts = ModelFacts(**{**facts.__dict__, "layers": layers or facts.layers})
+        counts = kind_counts(rec, layers or facts.layers, path)
+        facts = ModelFacts(**{**facts.__dict__, "layers": layers or facts.layers, **_kind_weighted_bytes(m, counts)})
         head = _curve(rec, "head", "tokens", lambda t, us: us, path)
         calls = call_curves(rec, k, path)
         once, ffn_once = calls.get("attention", head), calls.get("ffn")
-        attention = _layer_curve(rec, "attention", "tokens", once.at, k, path)
-        ffn = _layer_curve(rec, "ffn", "rows", ffn_once.at if ffn_once else lambda r: 0.0, k, path,
+        attention = _layer_curve(rec, "attention", "tokens", once.at, k, path, counts)
+        ffn = _layer_curve(rec, "ffn", "rows", ffn_once.at if ffn_once else lambda r: 0.0, k, path, counts,
                            (facts.experts, facts.top_k))
         contexts = sorted({int(r["context"]) for r in rec.get("kv") or []})
         if not contexts:

@@ -162,7 +162,7 @@ def test_keep_layers_is_the_models_first_layers(family, layers, keep):
     ep = export_lm(model, vocab_size=128)
     whole, _, facts = role_programs(copy.deepcopy(ep), torch.device("cpu"))
     cut, _, cut_facts = role_programs(ep, torch.device("cpu"), layers=keep)
-    assert cut_facts.pop("layer_kinds") == [0] * layers  # (one kind)
+    assert cut_facts.pop("layer_kinds") == facts.pop("layer_kinds") == [0] * layers  # (one kind)
     assert cut_facts == facts and facts["layers"] == layers  # (the facts: of the whole model)
     for kind in whole:
         weights = lambda gm: sum(t.numel() for t in [*gm.parameters(), *gm.buffers()])  # noqa: E731
@@ -287,6 +287,45 @@ def test_profile_of_layers_of_two_kinds_times_each_kind_and_weighs_them(exported
         assert costs.attention.at(t) == pytest.approx(max(0.0, moe) * 2 / 3 + max(0.0, dense) / 3)
     assert main(["plan", path, "--estimate", out, "-A", "2", "-F", "1"]) == 0
     assert "note: the model's layers are of 2 kinds" in capsys.readouterr().out
+
+
+def test_an_export_of_fewer_layers_of_two_kinds_scales_the_last_kind_to_the_real_depth(tmp_path):
+    """DeepSeek-V3's form exported with fewer layers (1 dense, then 2 MoE) and profiled whole: each kind
+    is timed alone, and plan --layers 10 costs 1 dense and 9 MoE layers: time and weight bytes."""
+    from afd_compile.models import build_hf, export_lm
+    from afd_compile.profile_read import call_curves
+
+    path = str(tmp_path / "ds.pt2")
+    torch.export.save(export_lm(build_hf("deepseek_v3", num_layers=3), vocab_size=128), path)
+    out = str(tmp_path / "p.json")
+    assert main(["profile", path, "-o", out, "--device", "cpu", "--tokens", "1,4", "--contexts", "32,64",
+                 "--kv-batches", "1,2", "--iters", "2", "--rounds", "1", "--no-compile", "-q"]) == 0
+    with open(out) as f:
+        rec = json.load(f)
+    m = rec["model"]
+    assert m["layer_kinds"] == [0, 1, 1] and [c["layers"] for c in rec["kinds"]] == [1, 2]
+    dense, moe = m["kind_bytes"]
+    assert moe["ffn_bytes"] > dense["ffn_bytes"] and moe["attention_bytes"] >= dense["attention_bytes"]
+    _, facts, _ = read_profile(out, path, layers=10)
+    assert facts.layers == 10 and facts.ffn_bytes == (dense["ffn_bytes"] + 9 * moe["ffn_bytes"]) // 10
+    costs, _, _ = read_profile(out, path, layers=10)
+    once = call_curves(rec, 3, out)["ffn"]
+    per = [max(0.0, c["ffn"][0]["median_us"] - once.at(1)) / c["profiled_layers"] for c in rec["kinds"]]
+    assert costs.ffn.at(1) == pytest.approx((per[0] + 9 * per[1]) / 10)
+
+
+@pytest.mark.parametrize("order,counts,layers,want", [
+    ([0, 0, 1, 1, 1], [2, 3], 5, [2, 3]),         # as profiled
+    ([0, 0, 1, 1, 1], [2, 3], 61, [2, 59]),       # runs (dense first): the last kind takes the layers added
+    ([0, 1, 0, 1], [2, 2], 48, [24, 24]),         # interleaved: the shares kept
+    ([0, 0, 1], [2, 1], 2, [4 / 3, 2 / 3]),       # fewer than the first runs hold: the shares kept
+])
+def test_kind_counts(order, counts, layers, want):
+    from afd_compile.profile_read import kind_counts
+
+    rec = {"model": {"layer_kinds": order}, "kinds": [{"layers": c, "profiled_layers": 1} for c in counts]}
+    assert kind_counts(rec, layers) == pytest.approx(want)
+    assert kind_counts({"model": {}}, layers) == []
 
 
 def test_profile_refuses_an_export_with_its_kv_cache(tmp_path, capsys):
