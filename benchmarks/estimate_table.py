@@ -32,17 +32,19 @@ MODELS = {
     "qwen3_235b_a22b": ("qwen3_moe", 94, dict(hidden_size=4096, num_attention_heads=64, num_key_value_heads=4,
                                              head_dim=128, moe_intermediate_size=1536, num_experts=128,
                                              num_experts_per_tok=8, intermediate_size=12288, vocab_size=151936)),
-    # 61 layers, the first 3 dense: profiled as MoE layers (first_k_dense_replace 0), every layer scaled as one;
-    # K/V cached per head as HF's model traces (128 heads x (192 + 128) values a token), not MLA's latent (576)
+    # 61 layers, the first 3 dense: exported as its 3 dense layers and 1 MoE layer, each kind timed alone, scaled
+    # to 3 + 58 (profile_read.kind_counts); K/V cached per head as HF's model traces (128 heads x (192 + 128)
+    # values a token), not MLA's latent (576)
     "deepseek_v3": ("deepseek_v3", 61, dict(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
                                             q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                                             qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
                                             num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
-                                            first_k_dense_replace=0, n_group=8, topk_group=4,
+                                            first_k_dense_replace=3, n_group=8, topk_group=4,
                                             intermediate_size=18432, vocab_size=129280)),
 }
-#: layers profiled where --profile-layers would not fit the GPU (DeepSeek-V3: 22.5 GB of experts a layer)
-PROFILE_LAYERS = {"deepseek_v3": 1}
+#: layers exported where --profile-layers does not do (DeepSeek-V3: its 3 dense layers and 1 MoE layer, 22.5 GB
+#: of experts)
+PROFILE_LAYERS = {"deepseek_v3": 4}
 GPUS, CONTEXTS, TOKENS = (8, 16, 32, 64), (4096, 32768), (1, 16, 64, 256, 512)
 KV_BATCHES = (1, 4, 16)  # (the recorded run's; the KV read is linear in the batch past them)
 #: fewer where the cache would not fit beside a layer's weights (DeepSeek-V3 as HF traces it: 80 KB a token a layer)
@@ -103,7 +105,7 @@ def main() -> None:
     for name in args.models.split(","):
         path = os.path.join(folder, f"profile_{name}.json")
         if args.profiles is None:
-            profile(name, min(args.profile_layers, PROFILE_LAYERS.get(name, args.profile_layers)), args.iters, path)
+            profile(name, PROFILE_LAYERS.get(name, args.profile_layers), args.iters, path)
         profiles[name] = path
     rows = table(profiles, args.tpot_ms)
     print(f"\nbest tokens/s per GPU at a {args.tpot_ms:g} ms time per output token (predicted; link between "
