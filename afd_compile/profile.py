@@ -373,9 +373,10 @@ def run_profile(path: str, device: torch.device, tokens: Sequence[int] = TOKENS,
                                       sorted({tokens[0], tokens[-1]}), say, rounds)
         if second is not None:
             timed["second_depth"] = second
-        if len(set(kinds)) > 1:
-            timed["kinds"] = _time_kinds(ep, facts, layers if layers is not None else facts["layers"], example,
-                                         device, iters, compile, tokens, say, rounds)
+        by_kind = _time_kinds(ep, facts, layers if layers is not None else facts["layers"], example, device,
+                              iters, compile, tokens, say, rounds) if len(set(kinds)) > 1 else None
+        if by_kind:
+            timed["kinds"] = by_kind
         timed["kv"] = kv_times(facts, contexts, kv_batches, iters, device, say=say)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"format": PROFILE_FORMAT, "created": now, "device": _device_record(device), "torch": torch.__version__,
@@ -454,19 +455,24 @@ def _time_without_layers(ep: torch.export.ExportedProgram, senders: dict[str, fx
 
 def _time_kinds(ep: torch.export.ExportedProgram, facts: dict[str, Any], k: int, example: Sequence[Any],
                 device: torch.device, iters: int, compile: bool, sizes: Sequence[int], say: Callable[[str], None],
-                rounds: int) -> list[dict[str, Any]]:
+                rounds: int) -> list[dict[str, Any]] | None:
     """A model whose layers are of several kinds (``facts["layer_kinds"]``: DeepSeek-V3's dense first
     layers, then its MoE layers), profiled on the first ``k`` of each: the attention, FFN and no-layout
     programs with only that kind's ``k`` layers, timed at ``sizes``, per kind (its count in the model,
     the layers timed, the rows), so that a layer of each kind is its program less the call over ``k``
     (``profile_read``: a layer of the model, their mean weighted by their counts). The FFN program is
-    fed the rows its own attention program sends at its first layer."""
-    from .passes.keep_layers import first_of_each_kind
+    fed the rows its own attention program sends at its first layer. None (said) where a kind cannot
+    be cut out alone: a layer then costs the mean of the layers timed together."""
+    from .passes.keep_layers import KeepLayersError, first_of_each_kind
 
     kinds, out = facts["layer_kinds"], []
     for kind in sorted(set(kinds)):
         keep = [i for i in first_of_each_kind(kinds, k) if kinds[i] == kind]
-        programs, _, _ = role_programs(ep, device, keep)
+        try:
+            programs, _, _ = role_programs(ep, device, keep)
+        except KeepLayersError as e:
+            say(f"its kinds of layer not timed apart ({e}): a layer costs the mean of the layers timed together")
+            return None
         measure = _measurer(programs, programs, example, facts, device, iters, compile, None)
         rows = timed_rounds(measure, ("attention", "ffn", "no_layout"), sizes, rounds)
         out.append({"kind": kind, "layers": kinds.count(kind), "first": kinds.index(kind), "profiled_layers": len(keep),
