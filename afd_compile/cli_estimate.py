@@ -212,7 +212,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
                       not args.no_compile, say, args.profile_layers, args.rounds)
     write_json(args.output, rec)
     m = rec["model"]
-    kinds = f" (the first of each of {len(rec['kinds'])} kinds; each kind alone too)" if rec.get("kinds") else ""
+    kinds = (f" ({'the first of each of' if m['profiled_layers'] < m['layers'] else 'of'} {len(rec['kinds'])} "
+             "kinds, each kind also alone)") if rec.get("kinds") else ""
     print(f"profile: wrote {args.output} ({rec['device']['name']}, {len(rec['attention'])} sizes, "
           f"{len(rec['kv'])} KV reads, {m['profiled_layers']} of {m['layers']} layers timed{kinds})")
     return EXIT_OK
