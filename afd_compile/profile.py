@@ -399,12 +399,19 @@ def _measurer(programs: dict[str, fx.GraphModule], senders: dict[str, fx.GraphMo
             kind = "model" if key == "no_layout" else key
             return time_us(calls[kind], inputs_at(programs[kind], example, t, device), iters, device)
         if key == "ffn":
-            rows = senders["attention"](*inputs_at(senders["attention"], example, t, device))[-1]
-            return time_us(calls["ffn"], [torch.empty(t, device=device), rows.reshape(t, -1).to(dtype)], iters, device)
+            return time_us(calls["ffn"], ffn_inputs(senders["attention"], example, dtype, t, device), iters, device)
         fn, head_dtype = head
         return time_us(fn, [torch.randn(t, facts["hidden"], device=device).to(head_dtype)], iters, device)
 
     return measure
+
+
+def ffn_inputs(attention: fx.GraphModule, example: Sequence[Any], dtype: torch.dtype, t: int,
+               device: torch.device) -> list[torch.Tensor]:
+    """The FFN program's inputs at ``t`` rows: the rows ``attention`` (an attention program that
+    returns what it sends at its first layer, last) sends for ``t`` sequences, in ``dtype``."""
+    rows = attention(*inputs_at(attention, example, t, device))[-1]
+    return [torch.empty(t, device=device), rows.reshape(t, -1).to(dtype)]
 
 
 def timed_rounds(measure: Callable[[str, int], dict[str, Any]], keys: Sequence[str], sizes: Sequence[int],

@@ -212,7 +212,7 @@ def kernel_gap(path: str, dev: torch.device, t: int, calls: int = 10) -> list[di
 
     from torch.profiler import ProfilerActivity, profile
 
-    from afd_compile.profile import _compiled, inputs_at, role_programs, time_us
+    from afd_compile.profile import _compiled, ffn_inputs, inputs_at, role_programs, time_us
     from afd_compile.programs import flat_inputs, load_program
 
     cuda = dev.type == "cuda"
@@ -222,10 +222,9 @@ def kernel_gap(path: str, dev: torch.device, t: int, calls: int = 10) -> list[di
     programs, _, facts = role_programs(ep, dev)
     per: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     with torch.no_grad():
-        sent = programs["attention"](*inputs_at(programs["attention"], example, t, dev))[-1]
         args = {"attention": inputs_at(programs["attention"], example, t, dev),
                 "no_layout": inputs_at(programs["model"], example, t, dev),
-                "ffn": [torch.empty(t, device=dev), sent.reshape(t, -1).to(getattr(torch, facts["dtype"]))]}
+                "ffn": ffn_inputs(programs["attention"], example, getattr(torch, facts["dtype"]), t, dev)}
         for key, kind in (("attention", "attention"), ("ffn", "ffn"), ("no_layout", "model")):
             fn = _compiled(programs[kind], dev, True)
             for _ in range(3):  # (compiled, recorded, warm)
