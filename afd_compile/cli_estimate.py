@@ -147,10 +147,9 @@ def print_estimate(args: argparse.Namespace, layout: object) -> int:
     kinds = [round(n, 1) for n in kind_counts(rec, facts.layers, args.estimate)]
     if kinds:
         shown = " + ".join(f"{n:g}" for n in kinds)
-        head += (f"\nnote: the model's layers are of {len(kinds)} kinds ({shown} layers), each timed alone: a "
-                 "layer costs their mean weighted by their counts (a staged layout's per-layer maximum too, not "
-                 "each kind's; under EP a dense layer is split over the group as an MoE layer is, though each "
-                 "rank runs it whole on its own rows: its time and weights are understated there)")
+        head += (f"\nnote: the model's layers are of {len(kinds)} kinds ({shown} layers), each timed alone and "
+                 "costed apart (under FFN EP a dense layer runs whole on each FFN rank's rows); the table's attention "
+                 "and FFN columns are their means weighted by their counts")
     if args.json:
         print(json.dumps({"profile": args.estimate, "device": costs.device, "layers": facts.layers,
                           "moe_unrecognised": unrecognised, "attention_form": form, "layer_kinds": kinds,

@@ -16,6 +16,10 @@ reads them into :class:`Costs`), no torch. A decode step (one new token per sequ
   (ring: ``2 (t - 1) / t`` of the message); for an MoE also **EP over all N GPUs** (attention TP
   ``t``, experts spread over every GPU, two all-to-alls a layer of up to ``min(k, N)`` copies).
 
+A model with layers of several kinds (dense first layers, then MoE ones: :attr:`Costs.kinds`) has each
+kind's layer costed apart, weighted by its share of the layers (under AFD's FFN EP a dense layer runs
+whole on each FFN rank's own rows, its weights whole; under TP/EP it is split over the TP group).
+
 Every assumption is a line of :data:`ASSUMPTIONS`, printed with the estimate. Times in µs.
 """
 
@@ -196,6 +200,21 @@ class ModelFacts:
 
 
 @dataclass(frozen=True)
+class LayerKind:
+    """One kind of layer of a model whose layers differ (dense first layers, then MoE ones): its
+    ``share`` of the layers, its per-layer ``attention`` and ``ffn`` curves (as :class:`Costs`'),
+    whether its FFN is an MoE (EP splits its experts; a dense FFN runs whole on each EP rank's own
+    rows) and one layer's weight bytes on each side."""
+
+    share: float
+    attention: Curve
+    ffn: Curve
+    moe: bool
+    attention_bytes: int
+    ffn_bytes: int
+
+
+@dataclass(frozen=True)
 class Costs:
     """The profile's measured parts, per layer: ``attention`` (µs at T tokens, one a sequence, the KV
     read excluded), ``kv`` (the KV read), ``ffn`` (µs at R rows), ``head`` (the LM head at T tokens).
@@ -214,6 +233,12 @@ class Costs:
     call_attention: Curve | None = None
     call_ffn: Curve | None = None
     call_model: Curve | None = None
+    kinds: tuple[LayerKind, ...] = ()  # a model with layers of several kinds: each apart (else one, these)
+
+    def layer_kinds(self, facts: ModelFacts) -> tuple[LayerKind, ...]:
+        """The kinds a step's layers are costed by: :attr:`kinds`, or one of every layer."""
+        return self.kinds or (LayerKind(1.0, self.attention, self.ffn, facts.experts > 0, facts.attention_bytes,
+                                        facts.ffn_bytes),)
 
     def once_attention(self, tokens: float) -> float:
         """An attention rank's time once a step, besides its layers, at ``tokens`` sequences."""
@@ -339,40 +364,51 @@ def past_profile(costs: Costs, e: Estimate) -> list[str]:
     return out
 
 
-def _group_rows(costs: Costs, rows: float, parts: int) -> float:
-    """A layer's FFN over ``rows`` split ``parts`` ways (TP or EP): the same work over ``parts`` GPUs."""
-    return costs.ffn.at(rows) / parts
+def _afd_ffn(kind: LayerKind, cand: AFDCandidate, rows: float, facts: ModelFacts, link: Link,
+             glink: Link) -> tuple[float, int]:
+    """An FFN rank's layer of ``kind`` at ``rows`` rows a micro-batch, and how many ways the group
+    splits its weights: over ``P`` ranks (TP, or EP of an MoE) the group's rows in 1/P of one GPU's
+    time plus the group's collectives; a dense layer under EP runs whole on the rank's own rows."""
+    parts = max(cand.ffn_tp, cand.ffn_ep)
+    if cand.ffn_ep > 1 and not kind.moe:
+        return kind.ffn.at(rows), 1
+    tf = kind.ffn.at(rows * parts) / parts
+    if cand.ffn_tp > 1:  # all-gather the group's rows, reduce-scatter the output
+        tf += 2 * glink.us(rows * cand.ffn_tp * facts.hidden_bytes * (cand.ffn_tp - 1) / cand.ffn_tp)
+    elif cand.ffn_ep > 1:  # dispatch and combine by all-to-all
+        copies = min(facts.top_k or 1, cand.ffn_ep) * (cand.ffn_ep - 1) / cand.ffn_ep
+        tf += 2 * (link if cand.ffn_ep > GPUS_PER_NODE else glink).us(rows * facts.hidden_bytes * copies)
+    return tf, parts
 
 
 def afd(costs: Costs, facts: ModelFacts, cand: AFDCandidate, batch: int, context: int, link: Link,
         group_link: Link | None = None) -> Estimate:
     """AFD ``cand`` with ``batch`` sequences per attention rank, or per attention TP group (see the
     module docstring): the exchange over ``link``, the groups' collectives over ``group_link``
-    (default ``link``) or, an FFN EP group wider than a node, over ``link``."""
+    (default ``link``) or, an FFN EP group wider than a node, over ``link``. Layers of several kinds
+    (:attr:`Costs.kinds`): each kind's layer apart, weighted by its share."""
     s = min(cand.stages, batch)
     micro = batch / s
     t = cand.attn_tp
     kv_split = min(t, max(facts.kv_heads, 1))
     glink = group_link or link
-    ta = costs.attention.at(micro) / t + costs.kv.at(micro, context) / kv_split
-    if t > 1:  # the group's partial sums reduce-scattered at the cut, the tokens all-gathered after it
-        ta += 2 * glink.us(micro * facts.hidden_bytes * (t - 1) / t)
     fan_in = cand.attention / cand.ffn
     rows = fan_in * micro / t  # per FFN rank and micro-batch (each attention rank sends its 1/t of its group's)
     parts = max(cand.ffn_tp, cand.ffn_ep)
-    tf = _group_rows(costs, rows * parts, parts)
-    if cand.ffn_tp > 1:  # all-gather the group's rows, reduce-scatter the output
-        tf += 2 * glink.us(rows * cand.ffn_tp * facts.hidden_bytes * (cand.ffn_tp - 1) / cand.ffn_tp)
-    elif cand.ffn_ep > 1:  # dispatch and combine by all-to-all
-        copies = min(facts.top_k or 1, cand.ffn_ep) * (cand.ffn_ep - 1) / cand.ffn_ep
-        tf += 2 * (link if cand.ffn_ep > GPUS_PER_NODE else glink).us(rows * facts.hidden_bytes * copies)
     tc_in = link.us(rows * facts.to_ffn_bytes)
     tc_out = link.us(rows * facts.to_attention_bytes)
-    layer = max(s * max(ta, tf, tc_in, tc_out), ta + tc_in + tf + tc_out)
+    ta = tf = layer = att_bytes = ffn_mem = 0.0
+    for kind in costs.layer_kinds(facts):
+        ta_k = kind.attention.at(micro) / t + costs.kv.at(micro, context) / kv_split
+        if t > 1:  # the group's partial sums reduce-scattered at the cut, the tokens all-gathered after it
+            ta_k += 2 * glink.us(micro * facts.hidden_bytes * (t - 1) / t)
+        tf_k, split = _afd_ffn(kind, cand, rows, facts, link, glink)
+        layer += kind.share * max(s * max(ta_k, tf_k, tc_in, tc_out), ta_k + tc_in + tf_k + tc_out)
+        ta, tf = ta + kind.share * ta_k, tf + kind.share * tf_k
+        att_bytes += kind.share * (kind.attention_bytes // t)
+        ffn_mem += facts.layers * kind.share * kind.ffn_bytes // split
     step = facts.layers * layer + costs.once_attention(batch) + costs.once_ffn(rows * s * parts)
-    att_mem = facts.layers * (facts.attention_bytes // t + batch * context * facts.kv_bytes // kv_split) \
-        + facts.other_bytes
-    ffn_mem = facts.layers * facts.ffn_bytes // parts
+    att_mem = facts.layers * (att_bytes + batch * context * facts.kv_bytes // kv_split) + facts.other_bytes
     cap = costs.memory_bytes * MEMORY_USE
     unstaged = afd(costs, facts, replace(cand, stages=1), batch, context, link, group_link).layer_us if s > 1 else None
     reads = {"attention": micro, "KV read": micro, "context": context, "FFN": rows * parts, "head": batch}
@@ -387,24 +423,22 @@ def tp(costs: Costs, facts: ModelFacts, cand: TPCandidate, batch: int, context: 
     an MoE's experts over every GPU, dispatched by all-to-all over ``fabric`` (``link`` inside a node)."""
     t, n = cand.tp, cand.gpus
     kv_split = min(t, max(facts.kv_heads, 1))
-    ta = costs.attention.at(batch) / t + costs.kv.at(batch, context) / kv_split
     msg = batch * facts.hidden_bytes  # one all-reduce's message
     ring = link.us(msg * 2 * (t - 1) / t) if t > 1 else 0.0
-    if cand.ep:
-        share = batch / t  # each rank's tokens (SCATTERED), to the ranks of their experts and back
-        copies = min(facts.top_k or 1, n) * (n - 1) / n
-        wire = 2 * (fabric or link).us(share * facts.hidden_bytes * copies)
-        tf = costs.ffn.at(batch * n / t) / n + wire
-        ffn_mem = facts.layers * facts.ffn_bytes // n
-        collectives = ring + wire
-    else:
-        tf = _group_rows(costs, batch, t) + ring
-        ffn_mem = facts.layers * facts.ffn_bytes // t
-        collectives = 2 * ring
+    share = batch / t  # each rank's tokens (SCATTERED), to the ranks of their experts and back (EP)
+    copies = min(facts.top_k or 1, n) * (n - 1) / n
+    wire = 2 * (fabric or link).us(share * facts.hidden_bytes * copies)
+    ta = tf = collectives = att_bytes = ffn_mem = 0.0
+    for kind in costs.layer_kinds(facts):  # (a dense layer's MLP is split over the TP group, EP or not)
+        ta += kind.share * (kind.attention.at(batch) / t + costs.kv.at(batch, context) / kv_split)
+        ep = cand.ep and kind.moe
+        tf += kind.share * (kind.ffn.at(batch * n / t) / n + wire if ep else kind.ffn.at(batch) / t + ring)
+        collectives += kind.share * (ring + wire if ep else 2 * ring)
+        att_bytes += kind.share * (kind.attention_bytes // t)
+        ffn_mem += facts.layers * kind.share * kind.ffn_bytes // (n if ep else t)
     layer = ta + ring + tf
     step = facts.layers * layer + costs.once_model(batch)
-    mem = (facts.layers * (facts.attention_bytes // t + batch * context * facts.kv_bytes // kv_split)
-           + facts.other_bytes + ffn_mem)
+    mem = facts.layers * (att_bytes + batch * context * facts.kv_bytes // kv_split) + facts.other_bytes + ffn_mem
     reads = {"attention": batch, "KV read": batch, "context": context, "FFN": batch * n / t if cand.ep else batch,
              "head": batch}
     return Estimate(str(cand), n, batch, batch * (n // t), context, ta, tf, collectives, layer, step,

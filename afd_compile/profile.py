@@ -57,7 +57,8 @@ def _attr_bytes(gm: fx.GraphModule) -> dict[str, int]:
 def kind_bytes(result: Any, kinds: Sequence[int]) -> list[dict[str, int]]:
     """Per kind of layer (``kinds``: each layer's), the weight bytes of one of its layers on each side
     of the split ``result``, the mean over the kind's layers (a dense layer's FFN against an MoE
-    layer's experts): what a rank holds of each kind."""
+    layer's experts): what a rank holds of each kind; and whether its FFN is a recognised MoE
+    (``afd::moe_experts``: expert parallelism splits it)."""
     from .passes.graph_utils import layers_of
 
     out = []
@@ -67,9 +68,12 @@ def kind_bytes(result: Any, kinds: Sequence[int]) -> list[dict[str, int]]:
         sizes = _attr_bytes(gm)
         per_layer[key] = {i: sum(sizes[t] for t in {a.target for n in layer.members for a in n.all_input_nodes
                                                     if a.op == "get_attr"}) for i, layer in layers_of(gm).items()}
+    moe = {i for i, layer in layers_of(result.ffn).items()
+           if any(n.target is torch.ops.afd.moe_experts.default for n in layer.members)}
     for kind in sorted(set(kinds)):
         idx = [i for i, k in enumerate(kinds) if k == kind]
-        out.append({key: sum(per_layer[key].get(i, 0) for i in idx) // len(idx) for key in sides})
+        out.append({**{key: sum(per_layer[key].get(i, 0) for i in idx) // len(idx) for key in sides},
+                    "moe": idx[0] in moe})
     return out
 
 

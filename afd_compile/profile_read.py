@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import AFDCompileError
-from .estimate import Costs, Curve, KVCurves, ModelFacts
+from .estimate import Costs, Curve, KVCurves, LayerKind, ModelFacts
 
 PROFILE_FORMAT = "afd-compile-profile/1"
 
@@ -60,6 +60,27 @@ def _kind_weighted_bytes(m: dict, counts: list[float]) -> dict[str, int]:
         return {}
     return {key: int(sum(c * b[key] for c, b in zip(counts, per, strict=True)) / sum(counts))
             for key in ("attention_bytes", "ffn_bytes")}
+
+
+def _kinds(rec: dict, counts: list[float], once: Callable[[int], float], ffn_once: Callable[[int], float],
+           facts: ModelFacts, path: str) -> tuple[LayerKind, ...]:
+    """Each kind of layer of a profile with ``kinds`` as the cost model's :class:`LayerKind`: its share
+    of ``counts``, its layer's curves (its programs less their call over its layers timed), whether
+    its FFN is an MoE and its weight bytes (``kind_bytes``); () without kinds."""
+    kinds, per = rec.get("kinds") or [], (rec.get("model") or {}).get("kind_bytes") or []
+    if not kinds:
+        return ()
+    if len(per) != len(kinds):
+        raise ProfileError(f"{path}: 'kind_bytes' does not match 'kinds': not a profile afd-compile wrote")
+    out = []
+    for n, c, b in zip(counts, kinds, per, strict=True):
+        k = int(c["profiled_layers"])
+        routing = (facts.experts, facts.top_k) if b["moe"] else (0, 0)
+        out.append(LayerKind(n / sum(counts), _curve(c, "attention", "tokens", lambda x, us, k=k: (us - once(x)) / k,
+                                                     path),
+                             _curve(c, "ffn", "rows", lambda x, us, k=k: (us - ffn_once(x)) / k, path, routing),
+                             bool(b["moe"]), int(b["attention_bytes"]), int(b["ffn_bytes"])))
+    return tuple(out)
 
 
 def _layer_curve(rec: dict, key: str, size: str, once: Callable[[int], float], k: int, path: str,
@@ -143,7 +164,8 @@ def read_profile(path: str, model: str | None = None, device: str | None = None,
         kv = KVCurves(tuple(contexts), tuple(_curve({"kv": [r for r in rec["kv"] if int(r["context"]) == c]},
                                                     "kv", "batch", lambda b, us: us, path) for c in contexts))
         costs = Costs(str(dev["name"]), int(dev["memory_bytes"]), attention, ffn, head, kv,
-                      calls.get("attention"), calls.get("ffn"), calls.get("no_layout"))
+                      calls.get("attention"), calls.get("ffn"), calls.get("no_layout"),
+                      _kinds(rec, counts, once.at, ffn_once.at if ffn_once else lambda r: 0.0, facts, path))
     except ProfileError:
         raise
     except (KeyError, TypeError, ValueError) as e:

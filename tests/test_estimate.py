@@ -10,6 +10,7 @@ from afd_compile.estimate import (
     Curve,
     EstimateError,
     KVCurves,
+    LayerKind,
     Link,
     ModelFacts,
     TPCandidate,
@@ -189,6 +190,29 @@ def test_an_moe_ffn_ep_group_may_span_every_ffn_rank_and_then_crosses_nodes():
     assert wide.ffn_us == pytest.approx(50.0 / 16 + 2 * (100.0 + 2 * 1000 * 2 * 15 / 16 / 1000))
     inside = afd(_costs(), moe, AFDCandidate(16, 8, ffn_ep=8), 1, context=8, link=fabric, group_link=node)
     assert inside.ffn_us == pytest.approx(50.0 / 8 + 2 * (1.0 + 2 * 1000 * 2 * 7 / 8 / 1000))
+
+
+def test_layers_of_two_kinds_are_costed_apart():
+    """One dense layer and three MoE layers (shares 1/4, 3/4): under FFN EP 2 the dense layer runs whole
+    on the rank's own rows (no all-to-all, its weights whole), the MoE layers split; each kind's layer
+    takes its own maximum over the stages' resources."""
+    moe = ModelFacts(**{**FACTS.__dict__, "layers": 4, "experts": 8, "top_k": 2})
+    dense = LayerKind(0.25, Curve(((1, 100.0),)), Curve(((1, 40.0),)), False, 1000, 4000)
+    experts = LayerKind(0.75, Curve(((1, 100.0),)), Curve(((1, 80.0),)), True, 1000, 16000)
+    costs = Costs("test", 10**12, FLAT, FFN, HEAD, KVCurves((8,), (Curve(((1, 0.0),)),)), kinds=(dense, experts))
+    e = afd(costs, moe, AFDCandidate(2, 2, ffn_ep=2), 2, context=8, link=LINK)
+    wire = 5.0 + 2 * 1000 / 1000  # 2 rows of 1000 bytes each way
+    a2a = 2 * (5.0 + 2 * 1000 * 2 * 1 / 2 / 1000)  # 2 rows x min(2, 2) copies x 1/2 off the rank, twice
+    layers = [100 + wire + 40.0 + wire, 100 + wire + 80.0 / 2 + a2a + wire]
+    assert e.ffn_us == pytest.approx(0.25 * 40.0 + 0.75 * (40.0 + a2a))
+    assert e.layer_us == pytest.approx(0.25 * layers[0] + 0.75 * layers[1])
+    assert e.memory["FFN rank"] == 4 * 0.25 * 4000 + 4 * 0.75 * 16000 // 2
+    t = tp(costs, moe, TPCandidate(2, 2), 2, context=8, link=LINK)  # TP 2, no EP: both kinds split over 2
+    ring = 5.0 + 2 * 1000 * 2 * (1 / 2) / 1000
+    assert t.ffn_us == pytest.approx(0.25 * (40.0 / 2 + ring) + 0.75 * (80.0 / 2 + ring))
+    ep = tp(costs, moe, TPCandidate(2, 1, ep=True), 2, context=8, link=LINK)  # experts over 2, the dense MLP whole
+    assert ep.ffn_us == pytest.approx(0.25 * 40.0 + 0.75 * (80.0 / 2 + 2 * (5.0 + 2 * 1000 * 1 / 1000)))
+    assert ep.memory["GPU"] == 4 * (1000 + 2 * 8 * 10) + 100 + 4 * 0.25 * 4000 + 4 * 0.75 * 16000 // 2
 
 
 @pytest.mark.parametrize("text,want", [("nvlink", (300.0, 15.0)), ("ib", (50.0, 20.0)), ("25,3.5", (25.0, 3.5))])
