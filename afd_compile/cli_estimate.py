@@ -121,7 +121,7 @@ def check_estimate_flags(args: argparse.Namespace) -> None:
 def print_estimate(args: argparse.Namespace, layout: object) -> int:
     """``plan --estimate``: the layout's estimate beside TP of its GPU count, or ``--search``'s ranking."""
     from . import estimate as est
-    from .profile_read import kind_counts, read_profile
+    from .profile_read import read_profile
 
     costs, facts, rec = read_profile(args.estimate, args.model, args.device_name, args.layers)
     link = est.Link.parse(args.link)
@@ -144,7 +144,7 @@ def print_estimate(args: argparse.Namespace, layout: object) -> int:
     if form == "eager":
         head += ("\nnote: the model writes its attention out (no SDPA): a step reads the KV cache as that form does "
                  "(the scores' matmul, softmax, the values' matmul), not through afd::decode_attention")
-    kinds = [round(n, 1) for n in kind_counts(rec, facts.layers, args.estimate)]
+    kinds = [round(kind.share * facts.layers, 1) for kind in costs.kinds]
     if kinds:
         shown = " + ".join(f"{n:g}" for n in kinds)
         head += (f"\nnote: the model's layers are of {len(kinds)} kinds ({shown} layers), each timed alone and "

@@ -84,16 +84,13 @@ def _kinds(rec: dict, counts: list[float], once: Callable[[int], float], ffn_onc
 
 
 def _layer_curve(rec: dict, key: str, size: str, once: Callable[[int], float], k: int, path: str,
-                 counts: list[float], routing: tuple[int, int] = (0, 0)) -> Curve:
+                 kinds: tuple[LayerKind, ...], routing: tuple[int, int] = (0, 0)) -> Curve:
     """One layer of program ``key``: its rows less its call (``once``) over the ``k`` layers timed; of a
-    model with layers of several kinds (``kinds``, each timed alone), each kind's layer so, weighted
-    by ``counts`` (:func:`kind_counts`), at the sizes of the first kind."""
-    kinds = rec.get("kinds")
+    model with layers of several kinds (``kinds``: :func:`_kinds`), their layers' mean weighted by
+    their shares, at the sizes of the first kind."""
     if not kinds:
         return _curve(rec, key, size, lambda x, us: (us - once(x)) / k, path, routing)
-    total = sum(counts)
-    parts = [(n / total, _curve(c, key, size, lambda x, us, n=int(c["profiled_layers"]): (us - once(x)) / n, path))
-             for n, c in zip(counts, kinds, strict=True)]
+    parts = [(kind.share, getattr(kind, key)) for kind in kinds]
     return Curve(tuple((x, sum(w * part.at(x) for w, part in parts)) for x, _ in parts[0][1].points), routing)
 
 
@@ -154,18 +151,18 @@ def read_profile(path: str, model: str | None = None, device: str | None = None,
         facts = ModelFacts(**{**facts.__dict__, "layers": layers or facts.layers, **_kind_weighted_bytes(m, counts)})
         head = _curve(rec, "head", "tokens", lambda t, us: us, path)
         calls = call_curves(rec, k, path)
-        once, ffn_once = calls.get("attention", head), calls.get("ffn")
-        attention = _layer_curve(rec, "attention", "tokens", once.at, k, path, counts)
-        ffn = _layer_curve(rec, "ffn", "rows", ffn_once.at if ffn_once else lambda r: 0.0, k, path, counts,
-                           (facts.experts, facts.top_k))
+        once = calls.get("attention", head).at
+        ffn_once = calls["ffn"].at if "ffn" in calls else lambda r: 0.0
+        kinds = _kinds(rec, counts, once, ffn_once, facts, path)
+        attention = _layer_curve(rec, "attention", "tokens", once, k, path, kinds)
+        ffn = _layer_curve(rec, "ffn", "rows", ffn_once, k, path, kinds, (facts.experts, facts.top_k))
         contexts = sorted({int(r["context"]) for r in rec.get("kv") or []})
         if not contexts:
             raise ProfileError(f"{path}: 'kv' has no measured context: profile again")
         kv = KVCurves(tuple(contexts), tuple(_curve({"kv": [r for r in rec["kv"] if int(r["context"]) == c]},
                                                     "kv", "batch", lambda b, us: us, path) for c in contexts))
         costs = Costs(str(dev["name"]), int(dev["memory_bytes"]), attention, ffn, head, kv,
-                      calls.get("attention"), calls.get("ffn"), calls.get("no_layout"),
-                      _kinds(rec, counts, once.at, ffn_once.at if ffn_once else lambda r: 0.0, facts, path))
+                      calls.get("attention"), calls.get("ffn"), calls.get("no_layout"), kinds)
     except ProfileError:
         raise
     except (KeyError, TypeError, ValueError) as e:
