@@ -373,6 +373,14 @@ def test_estimate_from_a_fixed_profile(exported, tmp_path, capsys, check_golden)
     assert main(["plan", path, "--estimate", prof, "--tp", "2", "--batch", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [e["layout"] for e in data["estimates"]] == ["TP 1 x DP 2", "TP 2"] and data["assumptions"]
+    # a given layout's FFN TP group collects inside its node (NVLink) whatever --link the roles cross
+    ffn = {}
+    for link in ("nvlink", "ib"):
+        assert main(["plan", path, "--estimate", prof, "-A", "2", "-F", "2", "--ffn-tp", "2", "--batch", "8",
+                     "--link", link, "--json"]) == 0
+        e = json.loads(capsys.readouterr().out)["estimates"][0]
+        ffn[link] = e["ffn_us"], e["wire_us"]
+    assert ffn["ib"][0] == ffn["nvlink"][0] and ffn["ib"][1] > ffn["nvlink"][1], ffn
 
 
 @pytest.mark.parametrize("edit,flags,message", [
