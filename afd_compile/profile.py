@@ -20,8 +20,8 @@ From ``MODEL.pt2`` (an export with a dynamic batch, as the quick start's), on on
 A deep model is timed on a few of its layers (``layers=K``: ``passes/keep_layers.py`` keeps each
 program's first K layers of each kind, layers of a kind being identical in structure; their weights
 alone go to the device) and the record keeps its depth; a model with layers of several kinds
-(dense first layers, then MoE) has each kind timed alone too (``kinds``), a layer costing their mean
-weighted by their counts. Or an export of a few layers (its config with fewer) is profiled and
+(dense first layers, then MoE) has each kind timed alone too (``kinds``), which the estimate costs
+kind by kind (``estimate.LayerKind``). Or an export of a few layers (its config with fewer) is profiled and
 ``plan --estimate --layers N`` scales it to the real depth.
 """
 
@@ -471,7 +471,7 @@ def _time_kinds(ep: torch.export.ExportedProgram, facts: dict[str, Any], k: int,
     layers, then its MoE layers), profiled on the first ``k`` of each: the attention, FFN and no-layout
     programs with only that kind's ``k`` layers, timed at ``sizes``, per kind (its count in the model,
     the layers timed, the rows), so that a layer of each kind is its program less the call over ``k``
-    (``profile_read``: a layer of the model, their mean weighted by their counts). The FFN program is
+    (``profile_read``: a :class:`~afd_compile.estimate.LayerKind` each, weighted by its count). The FFN program is
     fed the rows its own attention program sends at its first layer. None (said) where a kind cannot
     be cut out alone: a layer then costs the mean of the layers timed together."""
     from .passes.keep_layers import KeepLayersError, first_of_each_kind
