@@ -12,9 +12,9 @@ layers (``profile --layers K``; default 1 and 2) are compared with the whole one
 timed below the whole (those, and each profile's second depth) gives each program
 as a line, its call plus one a layer, checked at the whole depth. The model is also timed as a
 user compiles it (``torch.compile(model, backend="afd")``, synchronised each step, as the recorded
-two-GPU steps were timed) beside the profile's no-layout program; ``--kernels T`` traces the three
-programs at T and lists per kernel the whole's GPU time against the parts'. Prints the tables,
-writes JSON.
+two-GPU steps were timed) beside the profile's no-layout program; ``--kernels T,...`` traces the three
+programs at each T (``--kernels-only``: that alone) and lists per kernel the whole's GPU time against
+the parts'. Prints the tables, writes JSON.
 
     python benchmarks/estimate_check.py --family llama --json $OUT/estimate_check_llama.json
     python benchmarks/estimate_check.py --from-json benchmarks/results/estimate_check_llama_h100.json
@@ -244,33 +244,65 @@ def kernel_gap(path: str, dev: torch.device, t: int, calls: int = 10) -> list[di
     return sorted(rows, key=lambda r: -abs(r["no_layout"] - r["attention"] - r["ffn"]))
 
 
-def measure(args: argparse.Namespace) -> tuple[dict, list, list[dict], list[dict], list[dict]]:
+def measure(args: argparse.Namespace) -> tuple[dict, list, list[dict], list[dict], dict[str, list[dict]]]:
     """Profile the model on the GPU (``--small``: a tiny one on the CPU): the whole profile, HF's SDPA KV
     reads, and a profile timing each ``--sliced`` K of the layers."""
-    from afd_compile.models import build_hf, export_lm
     from afd_compile.profile import kv_times, run_profile
 
     dev = torch.device("cpu" if args.small else "cuda")
-    shape = {} if args.small else {"vocab_size": 32000, **SHAPES[args.family]}
-    model = build_hf(args.family, num_layers=args.layers, **shape)
-    ep = export_lm(model.to(dev, torch.float32 if args.small else torch.bfloat16), device=dev,
-                   vocab_size=shape.get("vocab_size", 128))
-    path = os.path.join(tempfile.mkdtemp(), f"{args.family}.pt2")
-    torch.export.save(ep, path)
-    entry = entry_steps(model, dev, shape.get("vocab_size", 128), args.iters)
-    del model, ep
+    model, path, vocab = exported(args, dev)
+    entry = entry_steps(model, dev, vocab, args.iters)
+    del model
     torch._dynamo.reset()
     say = lambda s: print("profile:", s, flush=True)  # noqa: E731
     rec = run_profile(path, dev, FINE, CONTEXTS, KV_BATCHES, args.iters, not args.small, say)
     sdpa = kv_times(rec["model"], CONTEXTS, (8, 64), args.iters, dev, sdpa=True)  # (HF's own, for RECORDED)
     parts = [run_profile(path, dev, COARSE, CONTEXTS[:1], KV_BATCHES[:2], args.iters, not args.small, say,
                          layers=k) for k in args.sliced]
-    try:
-        kernels = kernel_gap(path, dev, args.kernels) if args.kernels else []
-    except Exception as e:  # (a diagnostic: the checks above stand without it)
-        print(f"--kernels {args.kernels}: not traced: {type(e).__name__}: {e}", flush=True)
-        kernels = []
-    return rec, sdpa, parts, entry, kernels
+    return rec, sdpa, parts, entry, traced(path, dev, args.kernels)
+
+
+def exported(args: argparse.Namespace, dev: torch.device) -> tuple[torch.nn.Module, str, int]:
+    """The ``--family`` model of ``--layers`` layers (bf16 on the GPU, fp32 on the CPU), exported and
+    saved: the model, the saved program's path, the vocabulary size."""
+    from afd_compile.models import build_hf, export_lm
+
+    shape = {} if args.small else {"vocab_size": 32000, **SHAPES[args.family]}
+    model = build_hf(args.family, num_layers=args.layers, **shape)
+    ep = export_lm(model.to(dev, torch.float32 if args.small else torch.bfloat16), device=dev,
+                   vocab_size=shape.get("vocab_size", 128))
+    path = os.path.join(tempfile.mkdtemp(), f"{args.family}.pt2")
+    torch.export.save(ep, path)
+    return model, path, shape.get("vocab_size", 128)
+
+
+def traced(path: str, dev: torch.device, tokens: list[int]) -> dict[str, list[dict]]:
+    """``kernel_gap`` at each of ``tokens`` (a diagnostic: the checks stand without it)."""
+    out = {}
+    for t in tokens:
+        try:
+            out[str(t)] = kernel_gap(path, dev, t)
+        except Exception as e:
+            print(f"--kernels {t}: not traced: {type(e).__name__}: {e}", flush=True)
+    return out
+
+
+def print_kernels(kernels: dict[str, list[dict]]) -> None:
+    """Per traced T: the call, then the kernels with the largest gaps between the whole and its parts."""
+    for t, rows in kernels.items():
+        print(f"\nkernels at T={t}, GPU µs a call (the largest gaps between the whole and its parts' sum; "
+              f"{len(rows)} kernels in all)\n\n| kernel | no-layout | attention | FFN | whole - parts |\n"
+              "|---|---|---|---|---|")
+        calls = [k for k in rows if k["kernel"].startswith("(")]
+        for k in calls + [k for k in rows if k not in calls][:15]:
+            print(f"| {k['kernel']} | {k['no_layout']} | {k['attention']} | {k['ffn']} | "
+                  f"{k['no_layout'] - k['attention'] - k['ffn']:+.1f} |")
+        total = {key: sum(k[key] for k in rows if not k["kernel"].startswith("(")) for key in
+                 ("no_layout", "attention", "ffn")}
+        n = {key: sum(1 for k in rows if not k["kernel"].startswith("(") and k[key]) for key in total}
+        print(f"| (all kernels: {n['no_layout']}, {n['attention']}, {n['ffn']} distinct) | {total['no_layout']:.1f} | "
+              f"{total['attention']:.1f} | {total['ffn']:.1f} | "
+              f"{total['no_layout'] - total['attention'] - total['ffn']:+.1f} |")
 
 
 def main() -> None:
@@ -282,17 +314,29 @@ def main() -> None:
                         help="K,K2,...: also profile with --layers K each ('': none) and compare its per-layer parts "
                         "with the whole profile's; every depth below the whole gives each program as its call "
                         "plus one a layer, against each whole program (default 1,2)")
-    parser.add_argument("--kernels", type=int, default=0, metavar="T", help="also trace the attention, FFN and "
-                        "no-layout programs at T and list per kernel the whole's GPU time against the parts' (0: no)")
+    parser.add_argument("--kernels", type=lambda v: [int(t) for t in v.split(",") if t], default=[],
+                        metavar="T,T2,...", help="also trace the attention, FFN and no-layout programs at each T and "
+                        "list per kernel the whole's GPU time against the parts'")
+    parser.add_argument("--kernels-only", action="store_true", help="export and trace --kernels only (no profile, "
+                        "no checks): where the no-layout check's miss at those T goes")
     parser.add_argument("--json", default=None)
     parser.add_argument("--small", action="store_true", help="a tiny model on the CPU, uncompiled: checks the script")
     parser.add_argument("--from-json", metavar="FILE", help="recompute the checks from the profiles a run of this "
                         "script wrote (no GPU): the cost model changed, the measurements did not")
     args = parser.parse_args()
+    if args.kernels_only:
+        dev = torch.device("cpu" if args.small else "cuda")
+        kernels = traced(exported(args, dev)[1], dev, args.kernels or [1])
+        print_kernels(kernels)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"family": args.family, "layers": args.layers, "kernels": kernels}, f, indent=1)
+        return
     if args.from_json:
         with open(args.from_json) as f:
             old = json.load(f)
-        rec, sdpa, entry, kernels = old["profile"], old["sdpa_kv"], old.get("entry") or [], old.get("kernels") or []
+        rec, sdpa, entry, kernels = old["profile"], old["sdpa_kv"], old.get("entry") or [], old.get("kernels") or {}
+        kernels = {"8": kernels} if isinstance(kernels, list) else kernels  # (one T, 8, before --kernels took several)
         parts = old.get("sliced_profiles") or ([old["sliced_profile"]] if old.get("sliced_profile") else [])
         args.family, args.layers = old["family"], old["layers"]
     else:
@@ -305,17 +349,7 @@ def main() -> None:
     print("| what | size | predicted (µs) | measured (µs) | predicted / measured - 1 |\n|---|---|---|---|---|")
     for r in rows + recorded:
         print(f"| {r['what']} | {r['size']} | {r['predicted_us']} | {r['measured_us']} | {r['error']:+.1%} |")
-    if kernels:
-        print(f"\nkernels, GPU µs a call (the largest gaps between the whole and its parts' sum; {len(kernels)} "
-              "kernels in all)\n\n| kernel | no-layout | attention | FFN | whole - parts |\n|---|---|---|---|---|")
-        calls = [k for k in kernels if k["kernel"].startswith("(")]
-        for k in calls + [k for k in kernels if k not in calls][:15]:
-            print(f"| {k['kernel']} | {k['no_layout']} | {k['attention']} | {k['ffn']} | "
-                  f"{k['no_layout'] - k['attention'] - k['ffn']:+.1f} |")
-        total = {key: sum(k[key] for k in kernels if not k["kernel"].startswith("(")) for key in
-                 ("no_layout", "attention", "ffn")}
-        print(f"| (all kernels) | {total['no_layout']:.1f} | {total['attention']:.1f} | {total['ffn']:.1f} | "
-              f"{total['no_layout'] - total['attention'] - total['ffn']:+.1f} |")
+    print_kernels(kernels)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"family": args.family, "layers": args.layers, "device": device, "profile": rec,
