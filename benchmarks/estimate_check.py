@@ -238,10 +238,35 @@ def kernel_gap(path: str, dev: torch.device, t: int, calls: int = 10) -> list[di
                 us = e.device_time_total if cuda else e.self_cpu_time_total
                 if us and (not cuda or e.device_type == torch.autograd.DeviceType.CUDA):
                     per[e.key][key] += us / calls
+                    per["(kernels launched a call)"][key] += e.count / calls
             per["(the call, CUDA events around it: time_us)"][key] = time_us(fn, args[key], calls, dev)["median_us"]
+            per["(the host's µs a call: calls back to back, one sync at the end)"][key] = host_us(fn, args[key], calls,
+                                                                                                  sync)
+            if cuda:  # (no cudagraph trees: Inductor's program captured whole in one CUDA graph and replayed)
+                plain = torch.compile(programs[kind], dynamic=True)
+                per["(compiled without cudagraph trees, one CUDA graph replayed: time_us)"][key] = time_us(
+                    plain, args[key], calls, dev, graph=True)["median_us"]
+    from torch._dynamo.utils import counters
+
+    per["(cudagraph skips, all programs)"]["no_layout"] = float(sum(counters["inductor"].get(k, 0) for k in
+                                                                    counters["inductor"] if "skip" in k))
     rows = [{"kernel": k[:90], **{key: round(v.get(key, 0.0), 1) for key in ("no_layout", "attention", "ffn")}}
             for k, v in per.items()]
     return sorted(rows, key=lambda r: -abs(r["no_layout"] - r["attention"] - r["ffn"]))
+
+
+def host_us(fn, args: tuple, calls: int, sync) -> float:  # noqa: ANN001
+    """The host's µs a call of ``fn`` issued ``calls`` times back to back (the clock stopped before the
+    one sync at the end): above the GPU's time a call, the step is the host's."""
+    import time
+
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    host = time.perf_counter() - t0
+    sync()
+    return host / calls * 1e6
 
 
 def measure(args: argparse.Namespace) -> tuple[dict, list, list[dict], list[dict], dict[str, list[dict]]]:
