@@ -57,6 +57,14 @@ def add_profile_parser(sub: argparse._SubParsersAction, quiet: object, imports: 
     quiet(p)  # type: ignore[operator]
 
 
+def layers_flag(text: str) -> int | tuple[int, ...]:
+    """``plan --layers``: the model's depth, or one count per kind of layer (``3,58``)."""
+    one = count_flag(1, 100000)
+    if "," not in text:
+        return one(text)
+    return tuple(one(part) for part in text.split(","))
+
+
 def add_estimate_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("deployment estimate (plan --estimate; no model is loaded, no GPU needed)")
     g.add_argument("--estimate", metavar="PROFILE.json", help="predict step time, time per output token and "
@@ -73,9 +81,10 @@ def add_estimate_flags(p: argparse.ArgumentParser) -> None:
                    help="KV cache positions a sequence reads (default 4096)")
     g.add_argument("--batch", type=count_flag(1, 1 << 20), metavar="B",
                    help="sequences per attention rank (AFD) / TP replica instead of the best batch")
-    g.add_argument("--layers", type=count_flag(1, 100000), metavar="N", help="the real model's layers (default: "
+    g.add_argument("--layers", type=layers_flag, metavar="N|N1,N2,...", help="the real model's layers (default: "
                    "the profiled model's: an export of a few layers of a deep model needs it; of layers of several "
-                   "kinds in runs, dense first then MoE, the last kind takes the layers added)")
+                   "kinds in runs, dense first then MoE, the last kind takes the layers added; N1,N2,...: the "
+                   "layers of each kind, in the order the model first has them)")
     g.add_argument("--link", default="nvlink", metavar="nvlink|ib|GBPS,LATENCY_US", help="the link between the "
                    "AFD roles and of EP's all-to-all past one node (default nvlink; groups stay inside a node)")
     g.add_argument("--device-name", metavar="NAME", help="refuse a profile measured on another device (a part "

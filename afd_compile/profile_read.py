@@ -33,15 +33,23 @@ def _curve(rec: dict, key: str, size: str, per: Callable[[int, float], float], p
         raise ProfileError(f"{path}: '{key}': {e}: not a profile afd-compile wrote") from None
 
 
-def kind_counts(rec: dict, layers: int, path: str = "the profile") -> list[float]:
+def kind_counts(rec: dict, layers: int | tuple[int, ...], path: str = "the profile") -> list[float]:
     """How many of the model's ``layers`` each kind of a profile with ``kinds`` has ([] without): as
     profiled at its depth; at another depth (``plan --layers N`` for an export of fewer layers), kinds
     in runs (dense first layers, then MoE ones: an export with fewer of the last) give the last kind
-    the layers added, interleaved kinds keep their shares."""
+    the layers added, interleaved kinds keep their shares. ``layers`` as one count per kind, in the
+    order the model first has them (``plan --layers 3,58``), gives them as they are."""
     kinds = rec.get("kinds") or []
     if not isinstance(kinds, list) or any(not isinstance(c, dict) or int(c["profiled_layers"]) < 1 for c in kinds):
         raise ProfileError(f"{path}: 'kinds' is malformed: not a profile afd-compile wrote")
     counts = [float(c["layers"]) for c in kinds]
+    if isinstance(layers, tuple):
+        if len(layers) != max(len(counts), 1):
+            firsts = [int(c.get("first", -1)) for c in kinds] if kinds else [0]
+            raise ProfileError(f"--layers {','.join(map(str, layers))}: {len(layers)} counts, but {path} has "
+                               f"{max(len(counts), 1)} kind(s) of layer (first at layers {firsts}): give one count a "
+                               "kind in that order, or the model's depth")
+        return [float(n) for n in layers] if counts else []
     order = (rec.get("model") or {}).get("layer_kinds") or []
     if not counts or layers == sum(counts):
         return counts
@@ -120,11 +128,11 @@ def call_curves(rec: dict, k: int, path: str) -> dict[str, Curve]:
 
 
 def read_profile(path: str, model: str | None = None, device: str | None = None,
-                 layers: int | None = None) -> tuple[Costs, ModelFacts, dict[str, Any]]:
+                 layers: int | tuple[int, ...] | None = None) -> tuple[Costs, ModelFacts, dict[str, Any]]:
     """The cost model's parts of the profile at ``path``: refused (ProfileError, one line) when it is
     not one, was made of another model than ``model`` (sha256) or on another device than ``device``
     (a substring of the device's name, e.g. "H200"), or lacks a size. ``layers``: the real model's
-    depth (default: the profiled program's)."""
+    depth (default: the profiled program's), or its layers of each kind (:func:`kind_counts`)."""
     try:
         with open(path) as f:
             rec = json.load(f)
@@ -148,7 +156,8 @@ def read_profile(path: str, model: str | None = None, device: str | None = None,
         facts = ModelFacts(**{f: int(m[f]) for f in ModelFacts.__dataclass_fields__ if f != "heads"},
                            heads=int(m.get("heads", 0)))
         counts = kind_counts(rec, layers or facts.layers, path)
-        facts = ModelFacts(**{**facts.__dict__, "layers": layers or facts.layers, **_kind_weighted_bytes(m, counts)})
+        depth = sum(layers) if isinstance(layers, tuple) else layers or facts.layers
+        facts = ModelFacts(**{**facts.__dict__, "layers": depth, **_kind_weighted_bytes(m, counts)})
         head = _curve(rec, "head", "tokens", lambda t, us: us, path)
         calls = call_curves(rec, k, path)
         once = calls.get("attention", head).at

@@ -308,6 +308,8 @@ def test_an_export_of_fewer_layers_of_two_kinds_scales_the_last_kind_to_the_real
     assert moe["ffn_bytes"] > dense["ffn_bytes"] and moe["attention_bytes"] >= dense["attention_bytes"]
     _, facts, _ = read_profile(out, path, layers=10)
     assert facts.layers == 10 and facts.ffn_bytes == (dense["ffn_bytes"] + 9 * moe["ffn_bytes"]) // 10
+    _, given, _ = read_profile(out, path, layers=(3, 7))  # (plan --layers 3,7: the counts a kind, as given)
+    assert given.layers == 10 and given.ffn_bytes == (3 * dense["ffn_bytes"] + 7 * moe["ffn_bytes"]) // 10
     costs, _, _ = read_profile(out, path, layers=10)
     once = call_curves(rec, 3, out)["ffn"]
     per = [max(0.0, c["ffn"][0]["median_us"] - once.at(1)) / c["profiled_layers"] for c in rec["kinds"]]
@@ -319,13 +321,27 @@ def test_an_export_of_fewer_layers_of_two_kinds_scales_the_last_kind_to_the_real
     ([0, 0, 1, 1, 1], [2, 3], 61, [2, 59]),       # runs (dense first): the last kind takes the layers added
     ([0, 1, 0, 1], [2, 2], 48, [24, 24]),         # interleaved: the shares kept
     ([0, 0, 1], [2, 1], 2, [4 / 3, 2 / 3]),       # fewer than the first runs hold: the shares kept
+    ([0, 0, 1], [2, 1], (3, 58), [3, 58]),        # one count a kind, as given
+    ([1, 1, 0], [1, 2], (60, 1), [60, 1]),        # a trailing kind differs: the user says which grows
 ])
 def test_kind_counts(order, counts, layers, want):
     from afd_compile.profile_read import kind_counts
 
     rec = {"model": {"layer_kinds": order}, "kinds": [{"layers": c, "profiled_layers": 1} for c in counts]}
     assert kind_counts(rec, layers) == pytest.approx(want)
-    assert kind_counts({"model": {}}, layers) == []
+    if isinstance(layers, int):
+        assert kind_counts({"model": {}}, layers) == []
+
+
+def test_kind_counts_given_per_kind_must_name_each_kind():
+    from afd_compile.profile_read import ProfileError, kind_counts
+
+    rec = {"model": {"layer_kinds": [0, 1, 1]}, "kinds": [{"layers": 1, "profiled_layers": 1, "first": 0},
+                                                        {"layers": 2, "profiled_layers": 1, "first": 1}]}
+    with pytest.raises(ProfileError, match=r"--layers 3,58,2: 3 counts, but p.json has 2 kind\(s\) of layer "
+                       r"\(first at layers \[0, 1\]\): give one count a kind"):
+        kind_counts(rec, (3, 58, 2), "p.json")
+    assert kind_counts({"model": {}}, (7,)) == []  # (one kind: the depth alone)
 
 
 def test_profile_refuses_an_export_with_its_kv_cache(tmp_path, capsys):
@@ -390,6 +406,7 @@ def test_estimate_from_a_fixed_profile(exported, tmp_path, capsys, check_golden)
     (lambda r: r.update(kv=[]), [], "fixed.json: 'kv' has no measured context: profile again\n"),
     (lambda r: r["model"].pop("kv_bytes"), [], "missing or malformed field 'kv_bytes'"),
     (lambda r: None, ["--device-name", "H200"], "was measured on 'NVIDIA H100 80GB HBM3', not on a H200"),
+    (lambda r: None, ["--layers", "3,58"], "fixed.json has 1 kind(s) of layer (first at layers [0]): give one count"),
 ])
 def test_a_bad_profile_is_refused_in_one_line(exported, tmp_path, capsys, edit, flags, message):
     _, path = exported("llama2")
