@@ -355,7 +355,8 @@ def main() -> None:
         print_kernels(kernels)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"family": args.family, "layers": args.layers, "kernels": kernels}, f, indent=1)
+                json.dump({"family": args.family, "layers": args.layers, "device": torch.cuda.get_device_name()
+                           if dev.type == "cuda" else "cpu", "kernels": kernels}, f, indent=1)
         return
     if args.from_json:
         with open(args.from_json) as f:

@@ -172,7 +172,7 @@ if [[ $SECTIONS == *" one "* || $SECTIONS == *" moe "* ]]; then  # issue 34: the
   # plan --estimate against measurements: a profile's interpolation, the no-layout step from its parts, the
   # multi-GPU step times BENCHMARKS.md records (Llama-8B-shaped x 4) recomputed from this one-GPU profile
   TAIL=45 run one_estimate_check_llama python3 benchmarks/estimate_check.py --family llama --kernels 8 --json "$OUT/one_estimate_check_llama.json"
-  TAIL=30 run one_estimate_check_qwen3moe python3 benchmarks/estimate_check.py --family qwen3_moe --kernels 8 --json "$OUT/one_estimate_check_qwen3moe.json"
+  TAIL=30 run one_estimate_check_qwen3moe python3 benchmarks/estimate_check.py --family qwen3_moe --kernels 1,4,8 --json "$OUT/one_estimate_check_qwen3moe.json"
   # AFD against TP/EP for real model shapes (a few layers of each profiled here, scaled), 8 to 64 GPUs
   # (each model in its own run: 1.5-4 minutes each; DeepSeek-V3 one layer, 27 GB of weights; the profiles land in
   # $OUT/table, and `estimate_table.py --profiles $OUT/table --models ...` tables them together)
