@@ -174,7 +174,7 @@ if [[ $SECTIONS == *" one "* || $SECTIONS == *" moe "* ]]; then  # issue 34: the
   TAIL=45 run one_estimate_check_llama python3 benchmarks/estimate_check.py --family llama --kernels 8 --json "$OUT/one_estimate_check_llama.json"
   TAIL=30 run one_estimate_check_qwen3moe python3 benchmarks/estimate_check.py --family qwen3_moe --kernels 1,4,8 --json "$OUT/one_estimate_check_qwen3moe.json"
   # AFD against TP/EP for real model shapes (a few layers of each profiled here, scaled), 8 to 64 GPUs
-  # (each model in its own run: 1.5-4 minutes each; DeepSeek-V3 one layer, 27 GB of weights; the profiles land in
+  # (each model in its own run: 1.5-4 minutes each, DeepSeek-V3 more than 5: 4 layers of 2 kinds; the profiles land in
   # $OUT/table, and `estimate_table.py --profiles $OUT/table --models ...` tables them together)
   mkdir -p "$OUT/table"
   for m in llama3_70b qwen3_30b_a3b qwen3_235b_a22b deepseek_v3; do
