@@ -303,7 +303,9 @@ def ep_dispatch(payloads: list[torch.Tensor], ids: torch.Tensor, group_id: int, 
     each rank owning at least one of
     its experts. Returns ``[*payloads received (m, ...), local ids (m, k), valid (m, k) bool,
     received counts per source rank (P,) int64]``: ``valid`` marks the slots whose expert this
-    rank owns (the others' local id is 0 and their routing weight must be zeroed)."""
+    rank owns; the others' local id is ``E/P``, outside the local experts, so ``afd::moe_experts``
+    computes no row for them (their routing weight is zeroed too: an id of 0 made expert 0 run
+    every received token's other slots, and with the weight applied first, its biases added)."""
     group, rank, size = _group_rank(group_id)
     if size != parts:
         raise ValueError(f"afd.ep_dispatch: the program was sharded for {parts} expert-parallel ranks, the group "
@@ -323,7 +325,7 @@ def ep_dispatch(payloads: list[torch.Tensor], ids: torch.Tensor, group_id: int, 
     out = [_a2a(p[order], send_counts, recv_counts, group) for p in (*payloads, ids)]
     local = out[-1] - rank * per
     valid = (local >= 0) & (local < per)
-    return [*out[:-1], torch.where(valid, local, torch.zeros_like(local)), valid, recv]
+    return [*out[:-1], torch.where(valid, local, torch.full_like(local, per)), valid, recv]
 
 
 @ep_dispatch.register_fake

@@ -114,3 +114,45 @@ def test_a_pair_outside_the_experts_takes_none_and_adds_nothing(impl):
         pytest.skip(f"torch._grouped_mm on CPU: {err}")
     assert torch.equal(got[5:], torch.zeros_like(got[5:]))
     assert float((got - want).abs().max()) / float(want.abs().max()) < 1e-6
+
+
+def _ep_rank(rank: int, world: int, weight_first: bool) -> dict:
+    """One rank of expert parallelism over gloo: its own tokens dispatched to the experts' ranks,
+    the op over this rank's experts, the partials combined back; against the op over all experts."""
+    import torch.distributed as dist
+
+    from afd_compile.collectives import ep_combine, ep_dispatch
+    from afd_compile.comm import register_group
+
+    register_group(0, dist.group.WORLD)
+    g = torch.Generator().manual_seed(0)  # (the same experts on every rank)
+    e, hidden, inter, k = 4, 8, 6, 2
+    w_gate_up, w_down = torch.randn(e, 2 * inter, hidden, generator=g), torch.randn(e, hidden, inter, generator=g)
+    b_gate_up, b_down = torch.randn(e, 2 * inter, generator=g), torch.randn(e, hidden, generator=g)
+    g.manual_seed(1 + rank)  # (each rank its own tokens)
+    x = torch.randn(5, hidden, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(5)])
+    w = torch.rand(5, k, generator=g)
+    xr, wr, local, valid, counts = ep_dispatch([x, w], ids, 0, e, world)
+    per = e // world
+    mine = slice(rank * per, (rank + 1) * per)
+    y = moe.moe_experts(xr, local, wr * valid, w_gate_up[mine], w_down[mine], b_gate_up[mine], b_down[mine], "silu",
+                        True, weight_first)
+    out = ep_combine(y, ids, counts, 0, e)
+    want = moe.moe_experts(x, ids, w, w_gate_up, w_down, b_gate_up, b_down, "silu", True, weight_first)
+    return {"err": float((out - want).abs().max() / want.abs().max()), "slots": int(valid.numel()),
+            "local": int(valid.sum()), "outside": bool(torch.equal(local[~valid], torch.full_like(local[~valid], per))),
+            "inside": bool(((local[valid] >= 0) & (local[valid] < per)).all())}
+
+
+@pytest.mark.parametrize("weight_first", [False, True])
+def test_expert_parallel_dispatch_leaves_other_ranks_slots_to_no_expert(weight_first):
+    """A token dispatched to a rank for one of its experts carries its other slots too: their local id
+    is outside this rank's experts, so the op computes no row for them (an id of 0 ran expert 0 on
+    them, and with the routing weight applied first and expert biases, added its biases)."""
+    from afd_compile.runtime import run_local
+
+    res = run_local(_ep_rank, 2, weight_first, timeout_s=120)
+    for rank, r in res.items():
+        assert r["err"] < 1e-5 and r["outside"] and r["inside"], (rank, r)
+        assert r["local"] < r["slots"], (rank, r)  # (some received slots belong to the other rank)
