@@ -422,18 +422,15 @@ def test_pytorchs_fused_encoder_layer_is_refused_with_the_remedy():
 
 
 def test_a_graph_the_backend_refuses_is_one_line_from_the_example():
-    # GQADecoder's 2 KV heads over 4 ranks, repeated by repeat_interleave: refused at the first
-    # compile; dynamo wraps the refusal (BackendCompilerFailed), the example says it in one line
-    proc = run_torchrun(4, EXAMPLE, "--tp", "4", "--no-inductor", "--model",
+    # GQADecoder's 4 query heads over 3 ranks: refused at the first compile; dynamo wraps the
+    # refusal (BackendCompilerFailed), the example says it in one line
+    proc = run_torchrun(3, EXAMPLE, "--tp", "3", "--no-inductor", "--model",
                         os.path.join(os.path.dirname(__file__), "handwritten.py:GQADecoder"), timeout_s=300)
     said = [ln for ln in proc.stderr.splitlines() if ln.startswith("compile_backend.py: error: ")]
     assert proc.returncode != 0 and said, proc.stderr[-3000:]
     assert said[0] == (
-        "compile_backend.py: error: layer 0: scaled_dot_product_attention "
-        "(aten.scaled_dot_product_attention.default) combines tensors split into different numbers of "
-        "heads per rank ([2, 4]): heads replicated over ranks (fewer KV heads or groups than the 4 ranks) "
-        "meet heads split over all of them; the layout must divide the KV head count, or repeat the KV "
-        "heads to the query heads before they meet"
+        "compile_backend.py: error: layer 0: scaled_dot_product_attention has 4 attention heads, which 3 "
+        "attention-TP ranks cannot divide (only KV heads may be replicated)"
     )
     # (no rank's traceback)
     assert not any(ln.startswith("[rank") for ln in proc.stderr.splitlines()), proc.stderr[-3000:]

@@ -67,16 +67,34 @@ def test_bmm_experts_shard_over_the_intermediate_size_and_match(bmm_moe_path):
     assert len(errs) == 2 and max(errs) <= 1e-5
 
 
-def test_replicated_kv_heads_cannot_be_repeat_interleaved(gqa_path):
+def test_replicated_kv_heads_repeat_interleaved_shard_and_match(gqa_path):
+    """2 KV heads over 4 ranks: each rank holds one (replicated over 2 ranks) and repeats it to its
+    one query head (repeat_interleave's count 2 becomes 1), against the model on one process."""
     from afd_compile.deploy import tp_rank_program
     from afd_compile.passes.roles import annotate_roles
-    from afd_compile.passes.shard import ShardError
     from afd_compile.programs import load_program
 
     gm = load_program(gqa_path).module()
     annotate_roles(gm)
-    with pytest.raises(ShardError, match=r"combines tensors split into different numbers of heads per rank"):
-        tp_rank_program(gm, TPLayout(4), 0)  # 2 KV heads over 4 ranks: replicated, then repeated twice
+    prog = tp_rank_program(gm, TPLayout(4), 3).program
+    reps = [n.args[1] for n in prog.graph.nodes if n.target == torch.ops.aten.repeat_interleave.self_int]
+    assert reps == [1] * 4, reps  # (K and V of 2 layers)
+    (res,) = run_tp_cases([TPCase(gqa_path, TPLayout(4), None)])
+    assert res and max(r["max_rel_err"] for r in res.values()) <= 1e-5 and all(r["compared"] for r in res.values())
+
+
+def test_replicated_kv_heads_repeated_unevenly_are_refused():
+    from afd_compile.passes.shard import ShardError
+    from afd_compile.passes.shard.rules import repeat_replicated
+
+    g = torch.fx.Graph()
+    k = g.placeholder("k")
+    k.meta["val"] = torch.empty(1, 2, 3, 8)
+    n = g.call_function(torch.ops.aten.repeat_interleave.self_int, (k, 3, 1))
+    n.meta["val"] = torch.empty(1, 6, 3, 8)
+    with pytest.raises(ShardError, match=r"repeat_interleave of heads replicated over 2 ranks each, repeats 3: "
+                       r"expected an int that 2 divides"):
+        repeat_replicated(n, 1, 2, 4, [])
 
 
 class _FlatMLP(torch.nn.Module):
@@ -232,9 +250,11 @@ def test_a_hand_written_static_cache_decodes_in_micro_batches(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "fixed micro-batches of [2, 1] sequences" in out and "transfers per stage {0: " in out
     assert out.strip().splitlines()[-1].startswith("verify: OK"), out[-2000:]
-    # and TP: each rank its KV heads' slice of the cache buffers
-    assert main(["verify", path, "--tp", "2", "--decode-steps", "3", "-q"]) == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("verify: OK")
+    # and TP: each rank its KV heads' slice of the cache buffers; at 4 ranks over the 2 KV heads each
+    # pair of ranks holds one head's cache, repeat_interleave'd to the rank's one query head
+    for tp in ("2", "4"):
+        assert main(["verify", path, "--tp", tp, "--decode-steps", "3", "-q"]) == 0
+        assert capsys.readouterr().out.strip().splitlines()[-1].startswith("verify: OK")
 
 
 def test_a_gpt_fast_style_cache_is_found_by_its_writes_not_its_input_name(tmp_path, capsys):

@@ -28,6 +28,7 @@ from .rules import (
     folded_view,
     ndim,
     one_head_broadcast,
+    repeat_replicated,
     shape_of,
 )
 from .types import ArgFix, ShardError
@@ -144,8 +145,7 @@ _MOVES = {aten.permute.default, aten.transpose.int, aten.unsqueeze.default, aten
           aten.contiguous.default, aten.clone.default, aten._to_copy.default, aten.alias.default}
 
 
-_TAKE_APART = {aten.select.int, aten.unbind.int, aten.chunk.default, aten.split.Tensor,
-               aten.split_with_sizes.default}
+_TAKE_APART = {aten.select.int, aten.unbind.int, aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default}
 
 
 def _taken_apart(n: fx.Node, dim: int) -> bool:
@@ -199,10 +199,9 @@ def _fused_reshape(n: fx.Node, src: fx.Node, t: _Track) -> int | None:
 
 def _follow_folded(n: fx.Node, src: fx.Node, rule: ShardRule | None, t: _Track, f: int, parts: int,
                    fixes: list[ArgFix]) -> int:
-    """The split dim of ``n``, which reads a tensor whose heads are folded into its split dim
-    (``t.inner``): a view folds or unfolds them (:func:`~.rules.folded_view`); any other op with a
-    rule keeps the folded dim as it is (a ``bmm`` over batch x heads, a softmax, a transpose), its
-    rule refusing an unsplit operand that spans it."""
+    """The split dim of ``n``, reading a tensor whose heads are folded into its split dim (``t.inner``):
+    a view folds or unfolds them (:func:`~.rules.folded_view`); any other op with a rule keeps the folded
+    dim (a ``bmm`` over batch x heads, a softmax, a transpose), refusing an unsplit operand spanning it."""
     if rule is None:
         raise ShardError(f"no sharding rule for {n.name} ({n.target}) on a tensor split over its heads")
     if f != parts:
@@ -353,8 +352,7 @@ def _slice_operands(n: fx.Node, src: fx.Node, t: _Track) -> dict[fx.Node, int]:
 
 
 class WholeBlocks(Exception):
-    """Blocks of a fused projection that are one head without a head dim (multi-query attention's
-    K and V): they must be replicated whole, not cut along head_dim."""
+    """Blocks of a fused projection that are one head with no head dim (multi-query K and V): replicate whole."""
 
     def __init__(self, blocks: set) -> None:
         super().__init__(blocks)
@@ -442,6 +440,8 @@ def _step(n: fx.Node, w: _Walk) -> Iterable[fx.Node]:
     origins = {t.origin[a] for a in split_in}
     if _cut_by_block_op(n, src0, t, f):
         return n.users
+    if n.target == aten.repeat_interleave.self_int and f < w.parts:  # (replicated KV heads to the queries')
+        f = repeat_replicated(n, sdim[src0], f, w.parts, w.fixes)
     rule = RULES.get(n.target)
     if folded:  # no per-rank slice of an unsplit operand along folded heads: the rules refuse it
         try:

@@ -353,8 +353,7 @@ def _new_empty(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None
 def _repeat_interleave(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
     """``repeat_interleave(x, n, dim)`` (GQA's K/V heads expanded to the query heads, as
     hand-written decoders do): each rank repeats its own heads ``n`` times, so the split dim stays
-    where it is. Replicated KV heads (fewer than the attention-TP ranks) would need ``n`` divided:
-    their head counts then differ from the query's and the attention op refuses them by name."""
+    where it is (replicated KV heads: :func:`repeat_replicated` first)."""
     src = node.args[0]
     if not isinstance(node.args[1], int):
         raise ShardError(f"{node.name}: repeat_interleave with per-element repeats {node.args[1]} on a split tensor")
@@ -362,6 +361,21 @@ def _repeat_interleave(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix
     if dim is None:
         raise ShardError(f"{node.name}: repeat_interleave without a dim flattens the split tensor")
     return sdim[src]
+
+
+def repeat_replicated(node: fx.Node, d: int, f: int, parts: int, fixes: list[ArgFix]) -> int:
+    """``repeat_interleave(x, n, d)`` of heads replicated over the ranks (fewer KV heads than the
+    ``parts`` ranks: ``f`` distinct slices, rank ``r`` holding slice ``r * f // parts``): the
+    repeated heads split over every rank as the queries' do, so each rank repeats its own
+    ``n * f // parts`` times (a fix of ``n``); returns the result's factor (``f`` along another dim)."""
+    rep, dim = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if dim is None or dim % ndim(node) != d:
+        return f
+    if not isinstance(rep, int) or (rep * f) % parts or node.kwargs.get("output_size") is not None:
+        raise ShardError(f"{node.name}: repeat_interleave of heads replicated over {parts // f} ranks each, "
+                         f"repeats {rep}: expected an int that {parts // f} divides and no output_size")
+    fixes.append(ArgFix(node.name, None, rep, rep * f // parts))
+    return parts
 
 
 def _getitem(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
