@@ -282,3 +282,25 @@ def test_a_dead_in_place_update_of_a_temporary_is_dropped_and_one_of_state_kept(
     erased = drop_dead_writes(gm.graph)
     assert "aten.sort.default" not in targets() and "aten.clamp_.default" not in targets(), (erased, targets())
     assert "aten.add_.Tensor" in targets() or "aten.add_.Scalar" in targets(), targets()
+
+
+def test_an_moe_output_viewed_back_to_the_residual_outside_the_block_runs_scattered(tmp_path):
+    """Llama 4's decoder layer views its MoE's [T, H] output back to the residual's [b, s, H]
+    (``view(residual.shape)``, sized by the attention's own sizes), outside the MoE block: under
+    ``--moe-a2a`` the MLP's rows are this rank's share, so that view must take them as rows (it
+    asked for the whole batch: "shape '[2, 5, 64]' is invalid for input of size 320")."""
+    import transformers
+
+    from afd_compile.models import LogitsOnly
+
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, intermediate_size_mlp=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=1,
+        max_position_embeddings=64)
+    torch.manual_seed(0)
+    path = str(tmp_path / "llama4.pt2")
+    torch.export.save(export_lm(LogitsOnly(transformers.Llama4ForCausalLM(cfg).eval())), path)
+    cases = [TPCase(path, TPLayout(2, moe_a2a=True)), TPCase(path, TPLayout(4, 2, moe_a2a=True), (3, 1))]
+    for case, res in zip(cases, run_tp_cases(cases), strict=True):
+        assert res and all(r["compared"] for r in res.values()), (case, res)
+        assert max(r["max_rel_err"] for r in res.values()) <= 1e-5, (case, res)

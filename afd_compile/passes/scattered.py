@@ -61,6 +61,9 @@ def _set_val(node: fx.Node, fake_mode: object, shape: tuple, like: torch.Tensor)
             node.meta["val"] = torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
+_TOKEN_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
 @dataclass
 class ScatteredSite(LayerSite):
     """The site of the SCATTERED emitters (attention-TP groups of ``k``)."""
@@ -187,7 +190,11 @@ def reduce_scatter_into_mlp(site: ScatteredSite) -> None:
         out2d = b.call(aten.view.default, (out, [-1, hidden]), "sc_mlp_out")
     _set_val(out2d, site.fake_mode, (own.meta.get("val"), hidden), like)
     for u in outside:
-        u.replace_input_with(out, out2d)
+        if u.target in _TOKEN_VIEWS and u.args[0] is out and u.meta["val"].shape[-1] == hidden:
+            u.args = (out2d, [-1, hidden])  # (a view back to the layer's [b, s, H] outside the MLP, as Llama 4's
+            _set_val(u, site.fake_mode, (own.meta.get("val"), hidden), like)  # view(residual.shape): its rows now)
+        else:
+            u.replace_input_with(out, out2d)
     site.h2 = _layer_output(members, site.full_shape, site.where)
     _set_val(site.h2, site.fake_mode, (own.meta.get("val"), hidden), like)
 
