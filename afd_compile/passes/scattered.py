@@ -34,7 +34,7 @@ import torch.fx as fx
 from ..comm import GROUP_ATTN_TP, GROUP_TP
 from ..errors import AFDCompileError, TPRewriteError
 from ..scatter import Collective, ScatterMode, TPLayout
-from .anatomy import rebind_token_sizes, residual_add_after_attention
+from .anatomy import VIEW_OPS, rebind_token_sizes, residual_add_after_attention
 from .dist_states import TPPlan
 from .emitters import LayerSite, emit_layer, register
 from .graph_utils import (
@@ -59,9 +59,6 @@ def _set_val(node: fx.Node, fake_mode: object, shape: tuple, like: torch.Tensor)
     if fake_mode is not None:
         with fake_mode:
             node.meta["val"] = torch.empty(shape, dtype=like.dtype, device=like.device)
-
-
-_TOKEN_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 @dataclass
@@ -190,7 +187,7 @@ def reduce_scatter_into_mlp(site: ScatteredSite) -> None:
         out2d = b.call(aten.view.default, (out, [-1, hidden]), "sc_mlp_out")
     _set_val(out2d, site.fake_mode, (own.meta.get("val"), hidden), like)
     for u in outside:
-        if u.target in _TOKEN_VIEWS and u.args[0] is out and u.meta["val"].shape[-1] == hidden:
+        if u.target in VIEW_OPS and u.args[0] is out and u.meta["val"].shape[-1] == hidden:
             u.args = (out2d, [-1, hidden])  # (a view back to the layer's [b, s, H] outside the MLP, as Llama 4's
             _set_val(u, site.fake_mode, (own.meta.get("val"), hidden), like)  # view(residual.shape): its rows now)
         else:
