@@ -125,8 +125,8 @@ class Curve:
         pts = self.points
         for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
             if x <= x1:
-                r0, r1 = y0 - model(x0), y1 - model(x1)
-                return model(x) + r0 + (r1 - r0) * (x - x0) / (x1 - x0)
+                r0, r1 = y0 - model(x0), y1 - model(x1)  # (never below 0: a point measured 0 came back -5e-14)
+                return max(0.0, model(x) + r0 + (r1 - r0) * (x - x0) / (x1 - x0))
         x1, y1 = pts[-1]
         return max(y1, model(x) + y1 - model(x1))
 

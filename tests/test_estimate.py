@@ -71,6 +71,13 @@ def test_an_moe_curve_follows_the_experts_its_rows_reach():
     assert off.at(8) == pytest.approx(_moe(8) + 5.0) and abs(off.at(16) - _moe(16)) < 5.0
 
 
+def test_an_moe_curve_is_never_below_zero():  # a layer timed as 0 (its program no slower than its call): the
+    points = ((1, 1810.088), (4, 0.0), (16, 0.0), (64, 2500.0))  # fit's rounding gave -4.5e-14, which a kind-
+    routed = Curve(points, (128, 8))  # weighted curve built from it then refused as "times >= 0"
+    assert all(routed.at(x) >= 0.0 for x in (*range(1, 80), 2.5, 3.999, 4.0))
+    assert Curve(tuple((x, routed.at(x)) for x, _ in points))  # builds
+
+
 def test_an_moe_curve_of_two_points_is_a_line():  # three terms need three points
     assert Curve(((1, 10.0), (3, 30.0)), (128, 8)).at(2) == pytest.approx(20.0)
 
