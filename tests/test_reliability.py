@@ -612,3 +612,60 @@ def test_a_refusal_on_one_rank_of_a_backend_layout_stops_every_rank_at_once():
     for said in (ffn, attention):  # shutdown() leaves without the barrier its peer would never reach
         assert said[2].startswith("compile refused: "), said
         assert said[3] < 30, said  # (a barrier would wait out the 60 s timeout)
+
+
+def _later_refusal(rank: int, world: int, done: str) -> tuple:
+    """Rank 1 (attention) compiles a second graph, for a longer sequence, that breaks inside its
+    layer: refused after the first graph ran. It stays up (a server catching the error) until
+    rank 0 has said what it saw, or 30 s."""
+    import time
+
+    import torch
+    from handwritten import GQADecoder
+
+    from afd_compile.runtime import shutdown
+
+    class BreaksWhenLong(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = GQADecoder(layers=1).eval()
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.m.embed(ids)
+            for layer in self.m.layers:
+                h = x + layer.attn(layer.attn_norm(x))
+                if ids.shape[1] > 6:
+                    torch._dynamo.graph_break()
+                x = h + layer.mlp(layer.mlp_norm(h))
+            return self.m.head(self.m.norm(x))
+
+    compiled = torch.compile(BreaksWhenLong(), backend="afd", dynamic=True,
+                             options={"attention": 1, "ffn": 1, "inductor": False})
+    with torch.no_grad():
+        compiled(torch.randint(0, 128, (2, 5)))
+        t = time.monotonic()
+        try:
+            compiled(torch.randint(0, 128, (2, 8 if rank == 1 else 5)))  # (an FFN rank's inputs are not used)
+            said = ("ran", "")
+        except Exception as e:  # noqa: BLE001  (what each rank's caller sees)
+            said = (type(e).__name__, str(e).splitlines()[0])
+    took = time.monotonic() - t
+    if rank == 0:
+        open(done, "w").close()
+    while rank == 1 and not os.path.exists(done) and time.monotonic() - t < 30:
+        time.sleep(0.1)
+    shutdown()
+    return (*said, took)
+
+
+def test_a_later_graph_refused_on_an_attention_rank_stops_its_ffn_rank_at_once(tmp_path):
+    """An attention rank compiles a graph per batch shape; one refused after the first ran was
+    not told to the FFN rank, which waited for the next step until the peer's process ended (or
+    the timeout). It is told on the control group, as a failed step is."""
+    from afd_compile.runtime import run_local
+
+    out = run_local(_later_refusal, 2, str(tmp_path / "done"), timeout_s=60)
+    ffn, attention = out[0], out[1]
+    assert attention[0] == "NoStructureError" and "no attention/FFN structure found" in attention[1], attention
+    assert ffn[0] == "ControlError" and "attention rank 1 failed its step" in ffn[1], ffn
+    assert ffn[2] < 20, ffn  # (untold, it waits until rank 1 ends: 30 s)

@@ -42,16 +42,22 @@ def agree_first(opts: BackendOptions) -> None:
 
 
 def refused_first(e: AFDCompileError) -> None:
-    """A refusal on this rank before its first layout graph agreed: posted for the other ranks
-    (they raise it as theirs), and recorded, so ``shutdown()`` does not wait for them at a
-    barrier."""
+    """A refusal on this rank: before its first layout graph agreed, posted for the other ranks
+    (they raise it as theirs); after (a later graph: an attention rank compiles one per batch
+    shape), told to the FFN rank of each of its attention communicators (FAILED on the control
+    group: it stops serving at once, naming this rank, instead of waiting for its next step until
+    the timeout). Recorded either way, so ``shutdown()`` does not wait for the peers at a barrier."""
     import torch.distributed as dist
 
-    from ..runtime import PeerRefused, agree, step_failed
+    from ..comm import registered_communicators
+    from ..runtime import PeerRefused, agree, step_failed, tell_failed
 
     if "tag" not in _FIRST or not dist.is_initialized():
         return
     step_failed(f"compile refused: {e}")
-    if not _FIRST["agreed"] and not isinstance(e, PeerRefused):
+    if _FIRST["agreed"]:
+        for comm in registered_communicators().values():  # (an FFN one, or one stopped: nothing to tell)
+            tell_failed(comm)
+    elif not isinstance(e, PeerRefused):
         _FIRST["agreed"] = True
         agree(_FIRST["tag"], str(e).splitlines()[0] if str(e) else type(e).__name__, 0.0)
