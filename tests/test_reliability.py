@@ -577,17 +577,26 @@ def test_a_backend_refusal_reaches_the_caller_as_itself_cut_at_the_backend():
 
 # --- backend layouts: one rank's refusal ends every rank at once ---------------------------------
 
-def _refusing_layout(rank: int, world: int) -> tuple:
+def _refusing_layout(rank: int, world: int, how: str = "refuse", done: str = "") -> tuple:
+    """Rank 0 (FFN) refuses its first graph (``how`` = "refuse": a static one) or fails in its compile
+    ("error": an error injected where it exports); with ``done`` it stays up until rank 1 has said
+    what it saw (it holds the store), or 30 s."""
     import time
 
     import torch
     from handwritten import GQADecoder
 
+    import afd_compile.backend as backend
     from afd_compile.runtime import protocol, shutdown
 
     torch.manual_seed(0)
     model = GQADecoder(layers=1).eval()  # no dynamic=True: the FFN rank (0) refuses the static graph
-    compiled = torch.compile(model, backend="afd", options={"attention": 1, "ffn": 1, "inductor": False})
+    if how == "error" and rank == 0:  # (dynamic: nothing refused)
+        def fail(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("injected: the export failed")
+        backend._distribute = fail
+    compiled = torch.compile(model, backend="afd", dynamic=how == "error",
+                             options={"attention": 1, "ffn": 1, "inductor": False})
     try:
         with torch.no_grad():
             compiled(torch.randint(0, 128, (2, 5)))
@@ -595,6 +604,11 @@ def _refusing_layout(rank: int, world: int) -> tuple:
     except Exception as e:  # noqa: BLE001  (what each rank's caller sees)
         said = (type(e).__name__, str(e).splitlines()[0])
     failed = protocol._FAILED_STEP
+    t = time.monotonic()
+    if done and rank == 1:
+        open(done, "w").close()
+    while done and rank == 0 and not os.path.exists(done) and time.monotonic() - t < 30:
+        time.sleep(0.1)
     t = time.monotonic()
     shutdown()
     return (*said, failed, time.monotonic() - t)
@@ -614,15 +628,35 @@ def test_a_refusal_on_one_rank_of_a_backend_layout_stops_every_rank_at_once():
         assert said[3] < 30, said  # (a barrier would wait out the 60 s timeout)
 
 
-def _later_refusal(rank: int, world: int, done: str) -> tuple:
-    """Rank 1 (attention) compiles a second graph, for a longer sequence, that breaks inside its
-    layer: refused after the first graph ran. It stays up (a server catching the error) until
-    rank 0 has said what it saw, or 30 s."""
+def test_an_error_in_one_ranks_first_compile_stops_every_rank_at_once(tmp_path):
+    """Not a refusal but an error (torch's, or a bug of ours) in rank 0's first compile: posted as
+    a refusal is, its type named; rank 1 did not wait in the agreement until the timeout."""
+    from afd_compile.runtime import run_local
+
+    out = run_local(_refusing_layout, 2, "error", str(tmp_path / "done"), timeout_s=60)
+    assert out[0][0] == "BackendCompilerFailed", out[0]  # (dynamo's wrapper of an error not ours)
+    assert out[1][:2] == ("PeerRefused", "rank 0 refused it (RuntimeError: injected: the export failed); rank 1 "
+                                         "stops too"), out[1]
+    assert out[0][2] == "compile failed: RuntimeError: injected: the export failed", out[0]
+    # rank 0 ends at once (it held the store): rank 1 says so, not the store's "Broken pipe" as its own
+    out = run_local(_refusing_layout, 2, "error", timeout_s=60)
+    assert out[1][0] == "PeerRefused" and (out[1][1].startswith("rank 0 refused it (RuntimeError: injected")
+                                           or out[1][1].startswith("the store went away while rank 1 waited for "
+                                                                   "ranks [0]")), out[1]
+    assert out[1][1].endswith("rank 1 stops too"), out[1]
+
+
+def _later_refusal(rank: int, world: int, done: str, how: str) -> tuple:
+    """Rank 1 (attention) compiles a second graph, for a longer sequence: ``how`` = "break" breaks
+    inside its layer (refused), "error" fails in the compile (an error injected where the backend
+    exports the graph). It stays up (a server catching the error) until rank 0 has said what it
+    saw, or 30 s."""
     import time
 
     import torch
     from handwritten import GQADecoder
 
+    import afd_compile.backend as backend
     from afd_compile.runtime import shutdown
 
     class BreaksWhenLong(torch.nn.Module):
@@ -634,7 +668,7 @@ def _later_refusal(rank: int, world: int, done: str) -> tuple:
             x = self.m.embed(ids)
             for layer in self.m.layers:
                 h = x + layer.attn(layer.attn_norm(x))
-                if ids.shape[1] > 6:
+                if ids.shape[1] > 6 and how == "break":  # (either way a guard: a longer sequence, a new graph)
                     torch._dynamo.graph_break()
                 x = h + layer.mlp(layer.mlp_norm(h))
             return self.m.head(self.m.norm(x))
@@ -643,12 +677,16 @@ def _later_refusal(rank: int, world: int, done: str) -> tuple:
                              options={"attention": 1, "ffn": 1, "inductor": False})
     with torch.no_grad():
         compiled(torch.randint(0, 128, (2, 5)))
+        if how == "error":
+            def fail(*args: object, **kwargs: object) -> None:
+                raise RuntimeError("injected: the export failed")
+            backend._distribute = fail
         t = time.monotonic()
         try:
             compiled(torch.randint(0, 128, (2, 8 if rank == 1 else 5)))  # (an FFN rank's inputs are not used)
             said = ("ran", "")
         except Exception as e:  # noqa: BLE001  (what each rank's caller sees)
-            said = (type(e).__name__, str(e).splitlines()[0])
+            said = (type(e).__name__, str(e))
     took = time.monotonic() - t
     if rank == 0:
         open(done, "w").close()
@@ -658,14 +696,16 @@ def _later_refusal(rank: int, world: int, done: str) -> tuple:
     return (*said, took)
 
 
-def test_a_later_graph_refused_on_an_attention_rank_stops_its_ffn_rank_at_once(tmp_path):
-    """An attention rank compiles a graph per batch shape; one refused after the first ran was
-    not told to the FFN rank, which waited for the next step until the peer's process ended (or
-    the timeout). It is told on the control group, as a failed step is."""
+@pytest.mark.parametrize("how,message", [("break", "no attention/FFN structure found"),
+                                         ("error", "RuntimeError: injected: the export failed")])
+def test_a_later_graph_failed_on_an_attention_rank_stops_its_ffn_rank_at_once(tmp_path, how, message):
+    """An attention rank compiles a graph per batch shape; one refused (or failed) after the first
+    ran was not told to the FFN rank, which waited for the next step until the peer's process
+    ended (or the timeout). It is told on the control group, as a failed step is."""
     from afd_compile.runtime import run_local
 
-    out = run_local(_later_refusal, 2, str(tmp_path / "done"), timeout_s=60)
+    out = run_local(_later_refusal, 2, str(tmp_path / "done"), how, timeout_s=60)
     ffn, attention = out[0], out[1]
-    assert attention[0] == "NoStructureError" and "no attention/FFN structure found" in attention[1], attention
+    assert message in attention[1], attention
     assert ffn[0] == "ControlError" and "attention rank 1 failed its step" in ffn[1], ffn
     assert ffn[2] < 20, ffn  # (untold, it waits until rank 1 ends: 30 s)

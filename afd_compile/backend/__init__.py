@@ -156,6 +156,9 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
     except AFDCompileError as e:
         refused_first(e)
         raise _past_dynamo(e, inspect.currentframe()) from None
+    except Exception as e:  # (not ours: torch's export, a bug) the peers are told as of a refusal
+        refused_first(e)
+        raise
 
 
 def _on_shutdown() -> None:

@@ -41,12 +41,13 @@ def agree_first(opts: BackendOptions) -> None:
     agree(_FIRST["tag"], None, opts.timeout_s or 1800.0)
 
 
-def refused_first(e: AFDCompileError) -> None:
-    """A refusal on this rank: before its first layout graph agreed, posted for the other ranks
-    (they raise it as theirs); after (a later graph: an attention rank compiles one per batch
-    shape), told to the FFN rank of each of its attention communicators (FAILED on the control
-    group: it stops serving at once, naming this rank, instead of waiting for its next step until
-    the timeout). Recorded either way, so ``shutdown()`` does not wait for the peers at a barrier."""
+def refused_first(e: Exception) -> None:
+    """A refusal on this rank (or an error of its compile: its type named): before its first layout
+    graph agreed, posted for the other ranks (they raise it as theirs); after (a later graph: an
+    attention rank compiles one per batch shape), told to the FFN rank of each of its attention
+    communicators (FAILED on the control group: it stops serving at once, naming this rank,
+    instead of waiting for its next step until the timeout). Recorded either way, so
+    ``shutdown()`` does not wait for the peers at a barrier."""
     import torch.distributed as dist
 
     from ..comm import registered_communicators
@@ -54,10 +55,13 @@ def refused_first(e: AFDCompileError) -> None:
 
     if "tag" not in _FIRST or not dist.is_initialized():
         return
-    step_failed(f"compile refused: {e}")
+    line = (str(e).splitlines() or [""])[0]
+    if not isinstance(e, AFDCompileError):  # (an error, not a refusal: its type says which)
+        line = f"{type(e).__name__}: {line}"
+    step_failed(f"compile refused: {e}" if isinstance(e, AFDCompileError) else f"compile failed: {line}")
     if _FIRST["agreed"]:
         for comm in registered_communicators().values():  # (an FFN one, or one stopped: nothing to tell)
             tell_failed(comm)
     elif not isinstance(e, PeerRefused):
         _FIRST["agreed"] = True
-        agree(_FIRST["tag"], str(e).splitlines()[0] if str(e) else type(e).__name__, 0.0)
+        agree(_FIRST["tag"], line or type(e).__name__, 0.0)

@@ -209,9 +209,15 @@ def agree(tag: str, refusal: str | None, timeout_s: float) -> None:
     while pending:
         for r in list(pending):
             key = f"afd/agree/{tag}/{r}"
-            if not store.check([key]):
-                continue
-            value = store.get(key).decode()
+            try:
+                if not store.check([key]):
+                    continue
+                value = store.get(key).decode()
+            except dist.DistError as e:  # (the rank holding the store ended: it refused, or failed)
+                raise PeerRefused(f"the store went away while rank {rank} waited for ranks {pending} to say whether "
+                                  f"they built their programs ({tag}): a rank ended, its own error says why "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); rank {rank} "
+                                  "stops too") from None
             if value.startswith("refused:"):
                 raise PeerRefused(f"rank {r} refused it ({value[len('refused:') :]}); rank {rank} stops too")
             pending.remove(r)
