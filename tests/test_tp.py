@@ -11,7 +11,6 @@ import torch
 from afd_compile.deploy import tp_rank_program
 from afd_compile.passes.roles import annotate_roles
 from afd_compile.passes.shard import ShardError
-from afd_compile.passes.tp_rewrite import TPRewriteError
 from afd_compile.scatter import TPLayout
 from afd_compile.verify import TPCase, run_tp_cases
 
@@ -216,9 +215,19 @@ def test_shard_tensor_blocks_and_replication():
     assert shard_tensor(torch.arange(4).reshape(1, 4), row, 1).tolist() == [[2, 3]]
 
 
-def test_scattered_mlp_on_a_parallel_residual_block_is_refused_clearly(exported):
-    with pytest.raises(TPRewriteError, match="layer 0: .*parallel-residual"):
-        _program(exported, "gptj", TPLayout(2, dense_dp=True))
+def test_scattered_mlp_on_a_parallel_residual_block_slices_what_attention_does_not_compute(exported):
+    # GPT-J: h = x + attn(ln(x)) + mlp(ln(x)) with a SCATTERED MLP at attn_tp 2 (was refused). Per
+    # layer o_proj is reduce-scattered into this rank's rows and the MLP's input ln(x), computed on
+    # all the group's tokens, is sliced locally; layer 0's residual x too, layer 1's arrives as its
+    # rows (only attention's path reads the gathered input); the last layer gathers once
+    prog = _program(exported, "gptj", TPLayout(2, dense_dp=True), fuse_norm=False)
+    afd = torch.ops.afd
+    t = _targets(prog)
+    assert t.count(afd.reduce_scatter_group_tokens.default) == 2 and t.count(afd.all_gather_group_tokens.default) == 2
+    assert afd.all_reduce.default not in t
+    local = [n for n in prog.program.graph.nodes if n.target == afd.scatter_group_tokens.default]
+    readers = sorted(u.target.__name__ for n in local for u in n.users)
+    assert readers == ["add.Tensor", "linear.default", "linear.default"]
 
 
 def test_dense_dp_with_attn_tp_2_keeps_the_residual_scattered(exported):
@@ -334,6 +343,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("gemma2", 4, 1, (2,), VP),          # explicit softmax attention (soft-capped), KV replicated; tied head split
     ("gemma2", 4, 2, (3, 0)),            # norm after o_proj under DP attention; a group with zero tokens
     ("gptj", 4, 2, (3, 0)),              # parallel residual under DP attention with attn_tp == 2
+    ("gptj", 4, 2, (3, 1), DDP),         # parallel residual, SCATTERED MLP in attention-TP groups of 2
     ("gpt2", 4, 2, (2, 3)),              # Conv1D (addmm, weight [in, out]), fused c_attn split; DP attention
     ("olmo2", 4, 1, (2,)),               # q/k norm over all heads: all-reduced mean; k norm over replicated KV
     ("qwen3moe3_mixed", 4, 2, (2, 5), A2A),  # MoE a2a + a dense FULL layer between, uneven groups
@@ -364,6 +374,7 @@ NUMERICS_SLOW = [
     ("gptj", 4, 1, (2,)),
     ("falcon", 2, 1, (3,)),
     ("falcon", 2, 2, (2, 1)),            # parallel attention; attn_tp == 1
+    ("falcon", 2, 1, (3,), DDP),         # parallel attention, SCATTERED MLP (its own norm) at attn_tp == 2
     ("deepseek_v3", 4, 2, (1, 2)),
     ("gemma2", 4, 2, (1, 2), DDP),       # norm after o_proj on the SCATTERED rows
     ("gpt_oss", 4, 2, (2, 3)),

@@ -34,7 +34,7 @@ import torch.fx as fx
 from ..comm import GROUP_ATTN_TP, GROUP_TP
 from ..errors import AFDCompileError, TPRewriteError
 from ..scatter import Collective, ScatterMode, TPLayout
-from .anatomy import VIEW_OPS, rebind_token_sizes, residual_add_after_attention
+from .anatomy import VIEW_OPS, is_identity, rebind_token_sizes, residual_add_after_attention
 from .dist_states import TPPlan
 from .emitters import LayerSite, emit_layer, register
 from .graph_utils import (
@@ -44,8 +44,9 @@ from .graph_utils import (
     shape_args,
     symbol_sources,
 )
+from .op_kinds import ADD_OPS
 from .roles import META_KEY as ROLE_KEY
-from .roles import Role, descendants
+from .roles import Role, ancestors, descendants, is_attention_op
 from .shard import ShardedWeight
 
 aten = torch.ops.aten
@@ -108,8 +109,11 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
         b = Builder(graph, fake_mode, layer)
         h1, row, x_res = residual_add_after_attention(members, ffn[0], where)
         below = descendants(row, set(members))
-        x = x_res if x_res is not None else next(a for a in h1.all_input_nodes if a not in below)
         hidden = int(row.meta["val"].shape[-1])
+        if _parallel(members, ffn):  # (h1 may join attention with the MLP's output: the input is the layer's)
+            x = _layer_input(members, hidden, where)
+        else:
+            x = x_res if x_res is not None else next(a for a in h1.all_input_nodes if a not in below)
         if token_nodes is None:
             with graph.inserting_before(x.next):
                 flat = b.call(aten.view.default, (x, [-1, hidden]), "sc_tokens_flat")
@@ -140,6 +144,9 @@ def gather_attention_input(site: ScatteredSite) -> None:
     _check_from(x, site.prev_out, site.where)
     _set_val(x, site.fake_mode, (site.own.meta.get("val"), site.hidden), x.meta["val"])
     users = [u for u in x.users if u in member_set and (u is not site.h1 or not site.mlp_scattered)]
+    if site.mlp_scattered and _parallel(members, site.ffn):  # (the residual adds read this rank's rows as they
+        path = ancestors([next(n for n in members if is_attention_op(n))], within=member_set)  # are)
+        users = [u for u in users if u in path or u.target not in ADD_OPS]
     with site.graph.inserting_before(min(users, key=lambda u: members.index(u))):
         g = b.call(torch.ops.afd.all_gather_group_tokens.default, (x, GROUP_ATTN_TP, site.total, site.own),
                    "sc_gather_attn")
@@ -161,15 +168,20 @@ def reduce_scatter_into_mlp(site: ScatteredSite) -> None:
     own, like = site.own, row.meta["val"]
     ffn_in_nodes = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"
                     and isinstance(a.meta.get("val"), torch.Tensor)]
-    if any(a is x or a not in descendants(h1, member_set) | {h1} for a in ffn_in_nodes):
-        raise TPRewriteError(f"{site.where}: the MLP does not read the residual sum after attention ({h1.name}) (a "
-                             "parallel-residual block): a SCATTERED MLP with attn_tp > 1 is not supported there")
+    parallel = _parallel(members, ffn)
+    if not parallel and any(a is x or a not in descendants(h1, member_set) | {h1} for a in ffn_in_nodes):
+        raise TPRewriteError(f"{site.where}: the MLP reads {[a.name for a in ffn_in_nodes]}, neither the residual sum "
+                             f"after attention ({h1.name}) nor only what attention does not compute (a parallel-"
+                             "residual block): a SCATTERED MLP with attn_tp > 1 is not supported there")
     with graph.inserting_before(row.next):
         flat = b.call(aten.view.default, (row, [-1, hidden]), "sc_o_flat")
         rs = b.call(torch.ops.afd.reduce_scatter_group_tokens.default, (flat, GROUP_ATTN_TP, site.total, own),
                     "sc_reduce_scatter")
     row.replace_all_uses_with(rs, delete_user_cb=lambda u, _f=flat: u is not _f)
     site.settled = True
+    if parallel:
+        _parallel_mlp(site, rs, ffn_in_nodes)
+        return
     if not site.input_scattered:  # the residual arrives TP_ATTN_FULL: take this rank's rows, a local slice
         with graph.inserting_before(h1):
             xflat = b.call(aten.view.default, (x, [-1, hidden]), "sc_residual_flat")
@@ -177,10 +189,20 @@ def reduce_scatter_into_mlp(site: ScatteredSite) -> None:
                         "sc_residual")
         h1.replace_input_with(x, xs)
     _set_val(h1, site.fake_mode, (own.meta.get("val"), hidden), like)
+    _own_mlp_output(site, ffn_in_nodes[0])
+    site.h2 = _layer_output(members, site.full_shape, site.where)
+    _set_val(site.h2, site.fake_mode, (own.meta.get("val"), hidden), like)
+
+
+def _own_mlp_output(site: ScatteredSite, ffn_in: fx.Node) -> fx.Node:
+    """The MLP, its input now this rank's rows: the sizes it reads re-expressed in them, its output
+    viewed as ``[own, H]`` for every reader outside it (returned)."""
+    b, graph, members, ffn, hidden, own = site.b, site.graph, site.members, site.ffn, site.hidden, site.own
+    member_set, ffn_set, like = set(members), set(ffn), site.row.meta["val"]
     sizes = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"
              and not isinstance(a.meta.get("val"), torch.Tensor)]
     if sizes:
-        rebind_token_sizes(b, ffn, list(dict.fromkeys(sizes)), ffn_in_nodes[0], own, site.where)
+        rebind_token_sizes(b, ffn, list(dict.fromkeys(sizes)), ffn_in, own, site.where)
     out = region_output(ffn)
     outside = [u for u in out.users if u not in ffn_set]
     with graph.inserting_before(min(outside, key=lambda u: members.index(u) if u in member_set else 1 << 30)):
@@ -192,8 +214,81 @@ def reduce_scatter_into_mlp(site: ScatteredSite) -> None:
             _set_val(u, site.fake_mode, (own.meta.get("val"), hidden), like)  # view(residual.shape): its rows now)
         else:
             u.replace_input_with(out, out2d)
+    return out2d
+
+
+def _parallel(members: list[fx.Node], ffn: list[fx.Node]) -> bool:
+    """A parallel-residual block (GPT-J, GPT-NeoX, Phi, Falcon, Cohere: ``h = x + attn(ln1(x)) +
+    mlp(ln2(x))``): the MLP reads nothing the attention computed."""
+    ffn_set, member_set = set(ffn), set(members)
+    attn = next((n for n in members if is_attention_op(n)), None)
+    inputs = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set]
+    return attn is not None and attn not in ancestors(inputs, within=member_set)
+
+
+def _layer_input(members: list[fx.Node], hidden: int, where: str) -> fx.Node:
+    """The residual stream entering the layer: the one hidden-sized tensor it reads from outside."""
+    member_set = set(members)
+    found = list(dict.fromkeys(
+        a for n in members for a in n.all_input_nodes if a not in member_set and a.op != "get_attr"
+        and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dim() > 1
+        and a.meta["val"].shape[-1] == hidden and a.meta["val"].is_floating_point()))
+    if len(found) != 1:
+        raise TPRewriteError(f"{where}: expected one hidden-state tensor entering the layer, found "
+                             f"{[n.name for n in found]}")
+    return found[0]
+
+
+def _parallel_mlp(site: ScatteredSite, rs: fx.Node, ffn_in_nodes: list[fx.Node]) -> None:
+    """prepare_mlp of a parallel-residual block: the MLP's inputs (TP_ATTN_FULL: computed from the
+    layer input, gathered if it came SCATTERED) each take this rank's rows, a local slice; then
+    every op joining a value on this rank's rows (o_proj's reduce-scatter, the MLP's output, a
+    SCATTERED layer input) with a TP_ATTN_FULL one slices the latter the same way::
+
+        o = afd.reduce_scatter_group_tokens(view(o, [-1, H]))             # this rank's rows, settled
+        m = mlp(afd.scatter_group_tokens(view(ln2(x), [-1, H])))          # local slices in
+        h = afd.scatter_group_tokens(view(x, [-1, H])) + o + view(m, [-1, H])   # SCATTERED out
+    """
+    b, graph, members, hidden, own = site.b, site.graph, site.members, site.hidden, site.own
+    pos = {n: i for i, n in enumerate(members)}
+    ffn_set, like = set(site.ffn), site.row.meta["val"]
+
+    def own_rows(a: fx.Node, before: fx.Node) -> fx.Node:
+        with graph.inserting_before(before):
+            flat = b.call(aten.view.default, (a, [-1, hidden]), "sc_full_flat")
+            sliced = b.call(torch.ops.afd.scatter_group_tokens.default, (flat, GROUP_ATTN_TP, site.total, own),
+                            "sc_local_rows")
+        _set_val(sliced, site.fake_mode, (own.meta.get("val"), hidden), like)
+        return sliced
+
+    for a in dict.fromkeys(ffn_in_nodes):
+        if a is site.x and site.input_scattered:  # (this rank's rows already)
+            continue
+        if a.meta["val"].shape[-1] != hidden:
+            raise TPRewriteError(f"{site.where}: the MLP of a parallel-residual block reads {a.name} "
+                                 f"{tuple(a.meta['val'].shape)}, not hidden-sized rows: it cannot take a share of them")
+        readers = [u for u in a.users if u in ffn_set]
+        sliced = own_rows(a, min(readers, key=lambda u: pos[u]))
+        for u in readers:
+            u.replace_input_with(a, sliced)
+    shared = {rs, _own_mlp_output(site, ffn_in_nodes[0])} | ({site.x} if site.input_scattered else set())
+    for n in members:
+        if (n in ffn_set or n in shared or not any(a in shared for a in n.all_input_nodes)
+                or n.target == aten._assert_tensor_metadata.default):  # (a check of dtype and device, not shape)
+            continue
+        if n.target in ADD_OPS:
+            for a in [a for a in n.all_input_nodes if a not in shared]:
+                n.replace_input_with(a, own_rows(a, n))
+        elif not (n.target in _CASTS or is_identity(n)):
+            raise TPRewriteError(f"{site.where}: {n.name} ({n.target}) reads this rank's share of the tokens in a "
+                                 "parallel-residual block; only adds, casts and identities may join the residual "
+                                 "stream there")
+        _set_val(n, site.fake_mode, (own.meta.get("val"), hidden), like)
+        shared.add(n)
     site.h2 = _layer_output(members, site.full_shape, site.where)
-    _set_val(site.h2, site.fake_mode, (own.meta.get("val"), hidden), like)
+    if site.h2 not in shared:
+        raise TPRewriteError(f"{site.where}: the layer's output {site.h2.name} does not come from this rank's share "
+                             "of the tokens")
 
 
 @register("postprocess_layer", Collective.ALL_GATHER, False, ScatterMode.SCATTERED, by="scattered",
