@@ -679,3 +679,32 @@ def test_expert_parallelism_of_one_moe_block_shared_by_two_layers_is_refused():
         tp_rank_program(gm, TPLayout(2, moe_a2a=True), 0)
     with pytest.raises(FFNTPError, match=message):
         expert_parallel_ffn(split(ep.module(), layout=AFDLayout(2, 2, ffn_ep=2)).ffn, 2, 0)
+
+
+def test_a_layer_of_two_attention_maps_is_refused_naming_both():
+    # DiffLlama's differential attention: two attention ops combined in one layer. Heads cannot be
+    # split by one attention op's rule: refused naming both, with what still runs (AFD keeps it whole)
+    import torch.nn.functional as F
+    from handwritten import GQADecoder
+
+    class TwoMaps(torch.nn.Module):
+        def __init__(self, attn: torch.nn.Module) -> None:
+            super().__init__()
+            self.q, self.k, self.v, self.o = attn.q, attn.k, attn.v, attn.o
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, s, _ = x.shape
+            q, k, v = (p(x).view(b, s, -1, 16).transpose(1, 2) for p in (self.q, self.k, self.v))
+            k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            d = F.scaled_dot_product_attention(q * 0.5, k, v, is_causal=True)
+            return self.o((a - 0.3 * d).transpose(1, 2).reshape(b, s, -1))
+
+    model = GQADecoder(layers=1).eval()
+    model.layers[0].attn = TwoMaps(model.layers[0].attn)
+    ids = torch.randint(0, 128, (2, 5))
+    gm = torch.export.export(model, (ids,), dynamic_shapes={"ids": {0: torch.export.Dim("b", min=1, max=64)}}).module()
+    with pytest.raises(ShardError, match=r"layer 0: splitting heads over ranks needs one attention op a layer, found 2 "
+                                         r"\['scaled_dot_product_attention', 'scaled_dot_product_attention_1'\].*"
+                                         "AFD without --attn-tp keeps the attention whole"):
+        tp_rank_program(gm, TPLayout(2), 0, graph_name="two_maps")

@@ -59,7 +59,10 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
         attn_ops = [n for n in members if role_of(n).role is Role.ATTENTION and is_attention_op(n)]
         ffn = [n for n in members if role_of(n).role is Role.FFN]
         if len(attn_ops) != 1:
-            raise ShardError(f"{where}: expected one attention op, found {[n.name for n in attn_ops]}")
+            raise ShardError(f"{where}: splitting heads over ranks needs one attention op a layer, found "
+                             f"{len(attn_ops)} {[n.name for n in attn_ops]} (two attention maps combined, as "
+                             "DiffLlama's differential attention, or none): not supported under TP / attention "
+                             "TP; AFD without --attn-tp keeps the attention whole")
         attn = attn_ops[0]
         lin = [n for n in members if n.target in LINEAR_OPS and role_of(n).role is Role.ATTENTION
                and not role_of(n).router]
