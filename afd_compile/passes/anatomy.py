@@ -83,6 +83,15 @@ def residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, whe
                          f"(it feeds {[f'{u.name} ({u.target})' for u in row.users]})")
 
 
+def parallel_residual(members: list[fx.Node], mlp_inputs: list[fx.Node]) -> bool:
+    """A parallel-residual block (GPT-J, GPT-NeoX, Phi, Falcon, Cohere: ``h = x + attn(ln1(x)) +
+    mlp(ln2(x))``): the MLP, reading ``mlp_inputs``, reads nothing the layer's attention computed."""
+    from .roles import ancestors, is_attention_op
+
+    attn = next((n for n in members if is_attention_op(n)), None)
+    return attn is not None and attn not in ancestors(mlp_inputs, within=set(members))
+
+
 VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
 
 

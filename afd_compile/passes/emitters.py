@@ -33,11 +33,11 @@ import torch.fx as fx
 from ..comm import GROUP_ATTN_TP, GROUP_TP
 from ..errors import TPRewriteError
 from ..scatter import Collective, ScatterMode
-from .anatomy import attention_row, is_identity, residual_add_after_attention
+from .anatomy import attention_row, is_identity, parallel_residual, residual_add_after_attention
 from .graph_utils import Builder, shape_args
 from .op_kinds import ADD_OPS
 from .roles import META_KEY as ROLE_KEY
-from .roles import ancestors, descendants, is_attention_op
+from .roles import ancestors, descendants
 
 aten_view = torch.ops.aten.view.default
 aten_sym_size = torch.ops.aten.sym_size.int
@@ -209,7 +209,7 @@ def gather_partial(site: Site) -> None:
         n = post_attention_norm(G)                         # the norm runs on the gathered tokens
 
     A parallel-residual block or a norm after o_proj take their own forms (below)."""
-    if _parallel_residual(site.members, site.ffn_in):
+    if parallel_residual(site.members, [site.ffn_in]):
         site.gathered = _parallel_residual_gather(site)
         return
     b, graph, members, where = site.b, site.graph, site.members, site.where
@@ -270,13 +270,6 @@ def _flat_rows(b: Builder, node: fx.Node, hidden: int) -> fx.Node:
     """This rank's token count, as a graph value: rows of ``node`` viewed as (-1, hidden)."""
     flat = b.call(aten_view, (node, [-1, hidden]))
     return b.call(aten_sym_size, (flat, 0))
-
-
-def _parallel_residual(members: list[fx.Node], ffn_in: fx.Node) -> bool:
-    """The MLP reads nothing the attention computed (GPT-J, GPT-NeoX, Phi, Falcon, Cohere:
-    ``h = x + attn(ln1(x)) + mlp(ln2(x))``)."""
-    attn = next((n for n in members if is_attention_op(n)), None)
-    return attn is not None and attn not in ancestors([ffn_in], within=set(members))
 
 
 def _parallel_residual_gather(site: Site) -> fx.Node:

@@ -34,7 +34,7 @@ import torch.fx as fx
 from ..comm import GROUP_ATTN_TP, GROUP_TP
 from ..errors import AFDCompileError, TPRewriteError
 from ..scatter import Collective, ScatterMode, TPLayout
-from .anatomy import VIEW_OPS, is_identity, rebind_token_sizes, residual_add_after_attention
+from .anatomy import VIEW_OPS, is_identity, parallel_residual, rebind_token_sizes, residual_add_after_attention
 from .dist_states import TPPlan
 from .emitters import LayerSite, emit_layer, register
 from .graph_utils import (
@@ -79,6 +79,7 @@ class ScatteredSite(LayerSite):
     own: fx.Node  # this rank's share
     sources: dict
     prev_out: fx.Node | None  # the previous layer's SCATTERED output
+    parallel: bool  # a parallel-residual block (anatomy.parallel_residual)
     h2: fx.Node | None = None  # this layer's SCATTERED output, once its MLP ran SCATTERED
     settled: bool = False  # o_proj's partial sum went into a reduce-scatter
 
@@ -108,12 +109,16 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
         ffn = [n for n in members if n.meta[ROLE_KEY].role is Role.FFN]
         b = Builder(graph, fake_mode, layer)
         h1, row, x_res = residual_add_after_attention(members, ffn[0], where)
-        below = descendants(row, set(members))
         hidden = int(row.meta["val"].shape[-1])
-        if _parallel(members, ffn):  # (h1 may join attention with the MLP's output: the input is the layer's)
+        ffn_set = set(ffn)
+        parallel = parallel_residual(members, [a for n in ffn for a in n.all_input_nodes if a not in ffn_set])
+        if parallel:  # (h1 may join attention with the MLP's output: the input is the layer's)
             x = _layer_input(members, hidden, where)
+        elif x_res is not None:
+            x = x_res
         else:
-            x = x_res if x_res is not None else next(a for a in h1.all_input_nodes if a not in below)
+            below = descendants(row, set(members))
+            x = next(a for a in h1.all_input_nodes if a not in below)
         if token_nodes is None:
             with graph.inserting_before(x.next):
                 flat = b.call(aten.view.default, (x, [-1, hidden]), "sc_tokens_flat")
@@ -123,7 +128,8 @@ def rewrite_scattered_layers(new: fx.GraphModule, plan: TPPlan, layout: TPLayout
             token_nodes = (total, own)
         site = ScatteredSite(graph, layer, members, where, b, fake_mode, m.mlp is ScatterMode.SCATTERED,
                              m.layer_input is ScatterMode.SCATTERED, ffn, h1, row,
-                             x, x_res, hidden, tuple(row.meta["val"].shape), *token_nodes, sources, prev_out)
+                             x, x_res, hidden, tuple(row.meta["val"].shape), *token_nodes, sources, prev_out,
+                             parallel)
         emit_layer(site, plan, by="scattered")
         if site.settled:
             settled.add(layer)
@@ -144,7 +150,7 @@ def gather_attention_input(site: ScatteredSite) -> None:
     _check_from(x, site.prev_out, site.where)
     _set_val(x, site.fake_mode, (site.own.meta.get("val"), site.hidden), x.meta["val"])
     users = [u for u in x.users if u in member_set and (u is not site.h1 or not site.mlp_scattered)]
-    if site.mlp_scattered and _parallel(members, site.ffn):  # (the residual adds read this rank's rows as they
+    if site.mlp_scattered and site.parallel:  # (the residual adds read this rank's rows as they
         path = ancestors([next(n for n in members if is_attention_op(n))], within=member_set)  # are)
         users = [u for u in users if u in path or u.target not in ADD_OPS]
     with site.graph.inserting_before(min(users, key=lambda u: members.index(u))):
@@ -168,8 +174,7 @@ def reduce_scatter_into_mlp(site: ScatteredSite) -> None:
     own, like = site.own, row.meta["val"]
     ffn_in_nodes = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"
                     and isinstance(a.meta.get("val"), torch.Tensor)]
-    parallel = _parallel(members, ffn)
-    if not parallel and any(a is x or a not in descendants(h1, member_set) | {h1} for a in ffn_in_nodes):
+    if not site.parallel and any(a is x or a not in descendants(h1, member_set) | {h1} for a in ffn_in_nodes):
         raise TPRewriteError(f"{site.where}: the MLP reads {[a.name for a in ffn_in_nodes]}, neither the residual sum "
                              f"after attention ({h1.name}) nor only what attention does not compute (a parallel-"
                              "residual block): a SCATTERED MLP with attn_tp > 1 is not supported there")
@@ -179,7 +184,7 @@ def reduce_scatter_into_mlp(site: ScatteredSite) -> None:
                     "sc_reduce_scatter")
     row.replace_all_uses_with(rs, delete_user_cb=lambda u, _f=flat: u is not _f)
     site.settled = True
-    if parallel:
+    if site.parallel:
         _parallel_mlp(site, rs, ffn_in_nodes)
         return
     if not site.input_scattered:  # the residual arrives TP_ATTN_FULL: take this rank's rows, a local slice
@@ -215,15 +220,6 @@ def _own_mlp_output(site: ScatteredSite, ffn_in: fx.Node) -> fx.Node:
         else:
             u.replace_input_with(out, out2d)
     return out2d
-
-
-def _parallel(members: list[fx.Node], ffn: list[fx.Node]) -> bool:
-    """A parallel-residual block (GPT-J, GPT-NeoX, Phi, Falcon, Cohere: ``h = x + attn(ln1(x)) +
-    mlp(ln2(x))``): the MLP reads nothing the attention computed."""
-    ffn_set, member_set = set(ffn), set(members)
-    attn = next((n for n in members if is_attention_op(n)), None)
-    inputs = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set]
-    return attn is not None and attn not in ancestors(inputs, within=member_set)
 
 
 def _layer_input(members: list[fx.Node], hidden: int, where: str) -> fx.Node:
