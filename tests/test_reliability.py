@@ -646,6 +646,55 @@ def test_an_error_in_one_ranks_first_compile_stops_every_rank_at_once(tmp_path):
     assert out[1][1].endswith("rank 1 stops too"), out[1]
 
 
+def _serve_fails(rank: int, world: int, done: str) -> tuple:
+    """Rank 0 serves as an FFN rank (``afd_compile.serve``) and fails building its program (an error
+    injected where it exports the model); rank 1 compiles its attention program. Rank 0 stays up
+    (it holds the store) until rank 1 has said what it saw, or 60 s."""
+    import time
+
+    import torch
+    from handwritten import GQADecoder
+
+    import afd_compile
+    import afd_compile.backend as backend
+    from afd_compile.runtime import shutdown
+
+    model = GQADecoder(layers=1).eval()
+    options = {"attention": 1, "ffn": 1, "inductor": False}
+    t = time.monotonic()
+    try:
+        if rank == 0:
+            def fail(*args: object, **kwargs: object) -> None:
+                raise RuntimeError("injected: the export failed")
+            backend._ffn_export = fail
+            afd_compile.serve(model, options)
+        else:
+            with torch.no_grad():
+                torch.compile(model, backend="afd", dynamic=True, options=options)(torch.randint(0, 128, (2, 5)))
+        said = ("ran", "")
+    except Exception as e:  # noqa: BLE001  (what each rank's caller sees)
+        said = (type(e).__name__, str(e).splitlines()[0])
+    took = time.monotonic() - t
+    if rank == 1:
+        open(done, "w").close()
+    while rank == 0 and not os.path.exists(done) and time.monotonic() - t < 60:
+        time.sleep(0.1)
+    shutdown()
+    return (*said, took)
+
+
+def test_an_error_in_an_ffn_ranks_serve_stops_its_attention_peers_at_once(tmp_path):
+    """``afd_compile.serve`` told its peers only of a refusal: an error building the FFN rank's
+    program (torch's, or a bug) left the attention rank in the agreement until the timeout."""
+    from afd_compile.runtime import run_local
+
+    out = run_local(_serve_fails, 2, str(tmp_path / "done"), timeout_s=60)
+    assert out[0][:2] == ("RuntimeError", "injected: the export failed"), out[0]
+    assert out[1][:2] == ("PeerRefused", "rank 0 refused it (RuntimeError: injected: the export failed); rank 1 "
+                                         "stops too"), out[1]
+    assert out[1][2] < 40, out[1]  # (untold, it waits in the agreement until the 60 s timeout)
+
+
 def _later_refusal(rank: int, world: int, done: str, how: str) -> tuple:
     """Rank 1 (attention) compiles a second graph, for a longer sequence: ``how`` = "break" breaks
     inside its layer (refused), "error" fails in the compile (an error injected where the backend

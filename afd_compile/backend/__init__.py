@@ -97,7 +97,7 @@ import torch.fx as fx
 
 from ..errors import AFDCompileError
 from ..pipeline import LOWERED_KEY, builds_for, lower, rank_build
-from .agreement import agree_first, begin_first, refused_first
+from .agreement import agree_first, begin_first, tell_peers
 from .compiled import (
     HOST_SYNC_OPS,
     STATS,
@@ -154,10 +154,10 @@ def afd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict
     try:
         return _compile(gm, example_inputs, options, **kwargs)
     except AFDCompileError as e:
-        refused_first(e)
+        tell_peers(e)
         raise _past_dynamo(e, inspect.currentframe()) from None
     except Exception as e:  # (not ours: torch's export, a bug) the peers are told as of a refusal
-        refused_first(e)
+        tell_peers(e)
         raise
 
 
@@ -535,8 +535,8 @@ def serve(model: torch.nn.Module, options: dict[str, Any], example_inputs: tuple
     begin_first(opts)
     try:
         return _serve(model, opts, example_inputs, example_kwargs)
-    except AFDCompileError as e:
-        refused_first(e)
+    except Exception as e:  # (a refusal, or an error: torch's export, a bug) the peers are told
+        tell_peers(e)
         raise
 
 

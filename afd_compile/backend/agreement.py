@@ -41,7 +41,7 @@ def agree_first(opts: BackendOptions) -> None:
     agree(_FIRST["tag"], None, opts.timeout_s or 1800.0)
 
 
-def refused_first(e: Exception) -> None:
+def tell_peers(e: Exception) -> None:
     """A refusal on this rank (or an error of its compile: its type named): before its first layout
     graph agreed, posted for the other ranks (they raise it as theirs); after (a later graph: an
     attention rank compiles one per batch shape), told to the FFN rank of each of its attention
