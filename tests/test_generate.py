@@ -387,13 +387,17 @@ def _cli(*args: str) -> Ran:
 
 
 DECODE = [("qwen3_moe", ("--tp", "2")),
+          # the experts over all-to-all on a static batch of 3: a rank's share (2 or 1 of a decode
+          # step's 3 tokens) is not a multiple of the batch the MoE views its tokens by
+          ("qwen3_moe", ("--tp", "2", "--moe-a2a")),
           # each micro-batch its own cache rows (batch 3: rows 2 + 1, each padded to 3 tokens on the FFN
           # side), fan-in, and an expert-parallel FFN group running the same stages over a static batch
           ("qwen3_moe", ("-A", "3", "-F", "2", "--ffn-ep", "2", "--stages", "2")),
           # composed: two attention DP groups of TP 2 (each its own sequences and cache, sharded by
           # heads) and an FFN TP group of 2
           ("llama", ("-A", "4", "--attn-tp", "2", "-F", "2", "--ffn-tp", "2"))]
-SLOW_DECODE = [("llama", ("--tp", "2")), ("qwen3_moe", ("-A", "2", "-F", "2", "--ffn-ep", "2")),
+SLOW_DECODE = [("llama", ("--tp", "2")), ("qwen3_moe", ("--tp", "4", "--attn-dp", "2", "--moe-a2a")),
+               ("llama", ("--tp", "2", "--dense-dp")), ("qwen3_moe", ("-A", "2", "-F", "2", "--ffn-ep", "2")),
                ("llama", ("-A", "1", "-F", "1")),
                ("llama", ("-A", "3", "-F", "2")), ("qwen3_moe", ("-A", "2", "-F", "1", "--stages", "3")),
                ("llama", ("-A", "3", "-F", "2", "--stages", "2")),
@@ -424,16 +428,15 @@ def test_verify_decode_steps_more_layouts(cached_pt2, family, layout):
     _check_decode(_cli("verify", cached_pt2(family), *layout, "--decode-steps", "6"), CACHE_BATCH.get(family, 2))
 
 
-def test_groups_over_a_static_batch_of_3_are_planned_or_refused(cached_pt2, capsys):
+def test_groups_over_a_static_batch_of_3_are_planned(cached_pt2, capsys):
     # the group's token count is a multiple of the batch, as its own is (the program views its
     # tokens as [3, T // 3, H]): planning it traced a group count of 8 once
     from afd_compile.cli import main
 
     assert main(["plan", cached_pt2("qwen3_moe"), "-A", "3", "-F", "2", "--ffn-tp", "2", "-q"]) == 0
     assert "ffn tp: groups [[0, 1]]; FFN TP rank 0 of 2" in capsys.readouterr().out
-    # TP with the experts over all-to-all cannot take a static batch yet: refused, not a shape error on a rank
-    assert main(["plan", cached_pt2("qwen3_moe"), "--tp", "2", "--moe-a2a", "-q"]) == 2
-    assert "moe_a2a (--moe-a2a) over a static batch (input_ids has 3 rows" in capsys.readouterr().err
+    # TP with the experts over all-to-all: each rank's share of the batch's tokens (was refused)
+    assert main(["plan", cached_pt2("qwen3_moe"), "--tp", "2", "--moe-a2a", "-q"]) == 0
 
 
 def test_decode_steps_read_the_cache(cached_pt2):

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from afd_compile.deploy import tp_rank_program
-from afd_compile.passes.roles import annotate_roles
+from afd_compile.errors import TPRewriteError
+from afd_compile.passes.roles import META_KEY as ROLE_KEY
+from afd_compile.passes.roles import Role, annotate_roles
 from afd_compile.passes.shard import ShardError
 from afd_compile.scatter import TPLayout
 from afd_compile.verify import TPCase, run_tp_cases
@@ -277,6 +279,44 @@ def test_moe_a2a_splits_experts_and_reduce_scatters_into_the_moe(exported):
     disp = next(n for n in prog.program.graph.nodes if n.target == afd.ep_dispatch.default)
     valid = next(u for u in disp.users if u.args[1] == 3)
     assert any(u.target == torch.ops.aten.to.dtype for u in valid.users)
+
+
+def _static_batch_program(moe, scale_by_position: bool = False):
+    """A hand-written decoder exported with a static batch of 2 (as a static KV cache fixes it),
+    the sequence dynamic; ``scale_by_position``: its MLP scales each position by its index."""
+    from handwritten import GQADecoder, SwiGLU
+
+    class PositionScaled(SwiGLU):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (reads the sequence length alone)
+            return super().forward(x) * torch.arange(x.shape[1], dtype=x.dtype)[:, None]
+
+    model = GQADecoder(layers=1, moe=moe).eval()
+    if scale_by_position:
+        model.layers[0].mlp = PositionScaled(64, 128)
+    ids = torch.randint(0, 128, (2, 5))
+    ep = torch.export.export(model, (ids,), dynamic_shapes={"ids": {1: torch.export.Dim("s", min=2, max=16)}})
+    return ep
+
+
+def test_a_scattered_moe_over_a_static_batch_views_the_ranks_rows_as_one_sequence():
+    # a static batch of 2 (a static KV cache): the MoE views its tokens back as [2, s, H], which a
+    # rank's share (3 of 5 tokens, or 1 of a decode step's 2) cannot fill: such views take the rank's
+    # rows as one sequence, [1, -1, H] (was refused); numerics: test_generate's decode steps
+    ep = _static_batch_program("bmm")
+    prog = tp_rank_program(ep.module(), TPLayout(2, moe_a2a=True), 1, fuse_norm=False)
+    assert _targets(prog).count(torch.ops.afd.ep_dispatch.default) == 1
+    views = [n for n in prog.program.graph.nodes if n.target in (torch.ops.aten.view.default,
+                                                                  torch.ops.aten.reshape.default)
+             and n.meta[ROLE_KEY].layer == 0 and n.meta[ROLE_KEY].role is Role.FFN]
+    assert views and all(2 not in n.args[1][:-1] for n in views), [n.args[1] for n in views]
+    assert any(list(n.args[1]) == [1, -1, 64] for n in views), [n.args[1] for n in views]
+
+
+def test_a_scattered_mlp_reading_a_size_a_share_cannot_have_is_refused_naming_it():
+    ep = _static_batch_program(False, scale_by_position=True)
+    with pytest.raises(TPRewriteError, match=r"layer 0: the MLP reads sym_size_int\S* \(s\d*\), a size made from the "
+                                             r"token dims \[2, s\d*\] that is not a multiple of their product"):
+        tp_rank_program(ep.module(), TPLayout(2, dense_dp=True), 0, fuse_norm=False)
 
 
 def test_expert_parallel_needs_experts_that_divide(exported):

@@ -12,20 +12,27 @@ import torch.fx as fx
 from ..errors import TPRewriteError
 
 
-def rebind_token_sizes(b: object, ffn: list[fx.Node], sizes: list[fx.Node], ffn_in: fx.Node,
-                        total: fx.Node, where: str) -> None:
-    """The MLP runs on the gathered tokens: re-express the sizes it reads (computed from this
-    group's batch and sequence symbols) in the gathered count ``total``, binding the token
-    symbols as the AFD FFN program does (all but one to 1, the last to ``total // c``)."""
+def rebind_token_sizes(b: object, ffn: list[fx.Node], sizes: list[fx.Node], dims: list[object],
+                        total: fx.Node, where: str, share: bool = False) -> None:
+    """The MLP runs on other tokens than it was traced with (``dims``: its input's token dims):
+    re-express the sizes it reads (computed from the batch and sequence symbols) in the new count
+    ``total``, binding the token symbols as the AFD FFN program does (all but one to 1, the last to
+    ``total // c``, ``c`` the product of the static token dims). ``share``: ``total`` is a rank's
+    share of the tokens, not a multiple of ``c``: a size that is a multiple of the token count
+    becomes that multiple of ``total``; any other is refused (a static batch of 2: ``[2, s, H]``
+    cannot hold 3 rows)."""
     import operator
+
+    import sympy
 
     from .symbolic import TokenBinding, emit_with, sym_expr
 
     try:
-        binding = TokenBinding.for_token_dims(list(ffn_in.meta["val"].shape[:-1]), where)
+        binding = TokenBinding.for_token_dims(dims, where)
     except ValueError as e:
         raise TPRewriteError(str(e)) from None
     graph = ffn[0].graph
+    count = binding.coeff * binding.sigma if binding.sigma is not None else None
     with graph.inserting_before(ffn[0]):
         sigma = total if binding.coeff == 1 else b.call(operator.floordiv, (total, binding.coeff))
         for sz in sizes:
@@ -34,7 +41,17 @@ def rebind_token_sizes(b: object, ffn: list[fx.Node], sizes: list[fx.Node], ffn_
             if expr is None or not binding.known(expr):
                 raise TPRewriteError(f"{where}: the MLP reads {sz.name} ({val}), which is not a function of the "
                                      "token count")
-            new = emit_with(b.call, expr, {binding.sigma: sigma} if binding.sigma is not None else {})
+            times = sympy.simplify(expr / count) if count is not None else None
+            if share and binding.coeff > 1 and times is not None and times.is_Integer and int(times) > 0:
+                new = total if int(times) == 1 else b.call(operator.mul, (total, int(times)))
+            elif share and binding.coeff > 1:
+                raise TPRewriteError(
+                    f"{where}: the MLP reads {sz.name} ({val}), a size made from the token dims {list(dims)} that "
+                    f"is not a multiple of their product: a rank's share of the tokens need not be a multiple of "
+                    f"{binding.coeff} (the static ones among them: a static batch); export with a dynamic batch, "
+                    "or run this layout without a SCATTERED MLP (--moe-a2a / --dense-dp)")
+            else:
+                new = emit_with(b.call, expr, {binding.sigma: sigma} if binding.sigma is not None else {})
             for u in ffn:
                 u.replace_input_with(sz, new)
 

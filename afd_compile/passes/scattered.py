@@ -28,6 +28,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -206,8 +207,11 @@ def _own_mlp_output(site: ScatteredSite, ffn_in: fx.Node) -> fx.Node:
     member_set, ffn_set, like = set(members), set(ffn), site.row.meta["val"]
     sizes = [a for n in ffn for a in n.all_input_nodes if a not in ffn_set and a.op != "get_attr"
              and not isinstance(a.meta.get("val"), torch.Tensor)]
+    tokens = list(site.full_shape[:-1])
+    live = _views_of_rows(ffn, tokens)
+    sizes = [a for a in sizes if any(a in u.all_input_nodes for u in live)]
     if sizes:
-        rebind_token_sizes(b, ffn, list(dict.fromkeys(sizes)), ffn_in, own, site.where)
+        rebind_token_sizes(b, ffn, list(dict.fromkeys(sizes)), tokens, own, site.where, share=True)
     out = region_output(ffn)
     outside = [u for u in out.users if u not in ffn_set]
     with graph.inserting_before(min(outside, key=lambda u: members.index(u) if u in member_set else 1 << 30)):
@@ -220,6 +224,38 @@ def _own_mlp_output(site: ScatteredSite, ffn_in: fx.Node) -> fx.Node:
         else:
             u.replace_input_with(out, out2d)
     return out2d
+
+
+def _views_of_rows(ffn: list[fx.Node], tokens: list[object]) -> list[fx.Node]:
+    """Views inside the MLP whose leading dims are the layer's tokens (``tokens``: ``[b, s]``, their
+    product the token count) view this rank's rows instead, as one sequence (as a dynamic batch
+    binds its symbols: ``b = 1``, ``s = own``): ``view(y, [2, s, H])`` becomes ``view(y, [1, -1,
+    H])``. A rank's share of a static batch's tokens need not fill ``[2, own // 2]`` (decode steps
+    under a static KV cache: one token a sequence). Returns the MLP's nodes still read (a size
+    only those views read is not)."""
+    from .symbolic import sym_expr
+
+    count = sympy.expand(sympy.Mul(*(sym_expr(d) for d in tokens)))
+    for n in ffn:
+        val = n.meta.get("val")
+        if n.target not in VIEW_OPS or not isinstance(val, torch.Tensor) or val.dim() < 2:
+            continue
+        prod = sympy.Integer(1)
+        for j, d in enumerate(val.shape[:-1]):
+            prod = sympy.expand(prod * sym_expr(d))
+            if prod == count:
+                rest = val.shape[j + 1:]
+                if j > 0 or not isinstance(n.args[1][0], int) or n.args[1][0] != -1:
+                    if all(isinstance(r, int) for r in rest):
+                        n.args = (n.args[0], [*[1] * j, -1, *rest])
+                break
+    dead: set[fx.Node] = set()  # (sizes only those views read: 2 * s, and s itself)
+    while True:
+        more = {n for n in ffn if n not in dead and n.op == "call_function" and n.users.keys() <= dead
+                and not isinstance(n.meta.get("val"), torch.Tensor)}
+        if not more:
+            return [n for n in ffn if n not in dead]
+        dead |= more
 
 
 def _layer_input(members: list[fx.Node], hidden: int, where: str) -> fx.Node:

@@ -54,14 +54,6 @@ def _check_supported(plan: TPPlan, layout: TPLayout, gm: fx.GraphModule) -> None
     if layout.moe_a2a and "moe" not in kinds:
         raise TPRewriteError(f"moe_a2a (--moe-a2a) is set, but the graph has no MoE layer (layer kinds: "
                              f"{sorted(kinds)}); it would change nothing")
-    first = next((n for n in gm.graph.nodes if n.op == "placeholder"), None)
-    val = first.meta.get("val") if first is not None else None
-    if layout.moe_a2a and isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[0], int) \
-            and val.shape[0] > 1:
-        raise TPRewriteError(f"moe_a2a (--moe-a2a) over a static batch ({first.name} has {val.shape[0]} rows: a "
-                             "static KV cache fixes it) is not supported yet: the MoE blocks view their tokens as "
-                             "[batch, tokens // batch, hidden], which a rank's share of the tokens need not fill; "
-                             "run this layout without moe_a2a")
     if layout.dense_dp and "dense" not in kinds:
         raise TPRewriteError(f"dense_dp (--dense-dp) is set, but the graph has no dense MLP layer (layer kinds: "
                              f"{sorted(kinds)}); it would change nothing")
@@ -293,7 +285,7 @@ def _rewrite_dp_attention(new: fx.GraphModule, plan: TPPlan, layout: TPLayout, r
         ffn_in = tensors[0]
         b = Builder(graph, fake_mode, layer)
         if sizes:  # an MoE block sizes its buffers from the token count: now all groups' tokens
-            rebind_token_sizes(b, ffn, sizes, ffn_in, total, where)
+            rebind_token_sizes(b, ffn, sizes, list(ffn_in.meta["val"].shape[:-1]), total, where)
         site = Site(graph, layer, members, where, b, fake_mode, ffn=ffn, out=region_output(ffn), ffn_in=ffn_in,
                     hidden=int(ffn_in.meta["val"].shape[-1]), total=total, root=root, sources=sources)
         emit_layer(site, plan)  # prepare_mlp: a gather; postprocess_layer: a reduce-scatter (emitters.py)
