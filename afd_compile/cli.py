@@ -34,9 +34,10 @@ from .plan_view import (
     PASSES_HELP,
     PLAN_USAGE,
     TP_LEGEND,
+    afd_plan_notes,
     cache_json,
+    mixers_json,
     moe_lines,
-    moe_placement,
     moe_records,
     plan_table,
     print_passes,
@@ -307,8 +308,7 @@ def cmd_plan_tp(args: argparse.Namespace) -> int:
             print(prog.shards)
         if cache:
             print(f"KV cache: {len(cache['buffers'])} buffers updated in place, {cache['bytes_per_rank']} bytes per "
-                  f"rank "
-                  f"of {cache['bytes_unsharded']} ({len(cache['split_by_kv_heads'])} split by KV heads)")
+                  f"rank of {cache['bytes_unsharded']} ({len(cache['split_by_kv_heads'])} split by KV heads)")
     _print_timings(args, prog.timings)
     return EXIT_OK
 
@@ -338,6 +338,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         data = result.plan.to_json()
         data["layout"] = str(layout) if layout else None
         data["moe_blocks"] = [str(r) for r in result.moe]
+        data.update(mixers_json(result.attention))
         names = [n.name for n in result.attention.graph.nodes if n.op == "placeholder"]
         data["tokens_per_step"] = token_count_for_graph(result.attention,
                                                         result.plan.cuts[0].token_dims).describe(names)
@@ -350,7 +351,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(plan_table(result, layout))
         print(AFD_LEGEND)
-        for line in moe_lines(result.moe) + moe_placement(result.moe, layout, args.gate_on_attention):
+        for line in afd_plan_notes(result, layout, args.gate_on_attention):
             print(line)
     if args.stages != 1 and not args.json:
         print(stage_text(stage_schedule(result, ep)))

@@ -81,6 +81,22 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bitnet": ("BitNetForCausalLM", "BitNetConfig", dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=128, pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    # hybrid: a gated delta-net (linear attention, its own recurrent state) in layer 0, gated full
+    # attention in layer 1, each followed by an MoE with a gated shared expert
+    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
+        layer_types=["linear_attention", "full_attention"], max_position_embeddings=128, pad_token_id=0,
+        bos_token_id=0, eos_token_id=0)),
+    # hybrid: a Mamba state-space mixer in layer 0 (selective scan written in torch), attention in
+    # layer 1, each followed by an MoE
+    "jamba": ("JambaForCausalLM", "JambaConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2,
+        attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
+        max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # multi-query attention: fused c_attn [q | one K head | one V head]
     "gpt_bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig", dict(
         vocab_size=128, n_embd=64, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),

@@ -97,6 +97,33 @@ def cache_line(result) -> str | None:
             f"each attention rank; {cache['bytes_per_ffn_rank']} on each FFN rank")
 
 
+def mixer_lines(program: object) -> list[str]:
+    """``plan``'s line on layers whose token mixer is not attention (hybrid models; none: nothing),
+    from the attention program's roles."""
+    from .passes.roles import non_attention_layers
+
+    layers = non_attention_layers(program)
+    if not layers:
+        return []
+    return [f"token mixers: layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))} not attention (a "
+            "state-space, convolution or linear-attention mixer): run whole on the attention ranks, their state "
+            "there as a KV cache is"]
+
+
+def afd_plan_notes(result: object, layout: object, gate_on_attention: bool) -> list[str]:
+    """The lines ``plan`` prints under an AFD plan's table: token mixers, MoE blocks, their placement."""
+    moe = result.moe  # type: ignore[attr-defined]
+    return mixer_lines(result.attention) + moe_lines(moe) + moe_placement(moe, layout, gate_on_attention)  # type: ignore[attr-defined]
+
+
+def mixers_json(program: object) -> dict:
+    """``plan --json``'s ``non_attention_layers`` (:func:`mixer_lines`), absent when there are none."""
+    from .passes.roles import non_attention_layers
+
+    layers = non_attention_layers(program)
+    return {"non_attention_layers": layers} if layers else {}
+
+
 def moe_lines(records: tuple) -> list[str]:
     """One line per MoE block recognition found (``passes/moe``): the form and the op, or why not."""
     if not records:

@@ -193,6 +193,10 @@ def inputs_at(gm: fx.GraphModule, example: Sequence[Any], tokens: int, device: t
                     reps[d] = math.ceil(want / x.shape[d])
                     x = x.repeat(*reps).narrow(d, 0, want)
             vocab = _vocabulary(n)
+            if vocab and val.dim() > 1 and isinstance(val.shape[1], int) and val.shape[1] > 1:
+                raise ProfileError(f"input {n.name} {tuple(val.shape)} fixes its sequence at {val.shape[1]} tokens: "
+                                   "profile times decode steps (one token a sequence); export with a dynamic "
+                                   "sequence (torch.export.Dim.AUTO for dim 1, as afd_compile.models.export_lm does)")
             if vocab:
                 x = torch.randint(0, vocab, x.shape, generator=generator, dtype=x.dtype)
             x = x.to(device)
@@ -267,6 +271,7 @@ def role_programs(ep: torch.export.ExportedProgram, device: torch.device,
     from .split_api import SplitConfig
 
     result = plan_afd(ep, None, SplitConfig())
+    _refuse_hybrid(result.attention)
     facts = model_facts(result, ep)
     programs = {"model": fresh_module(ep), "attention": result.attention, "ffn": result.ffn}
     no_layout_program(programs["model"], Build("none", device=device.type))
@@ -508,6 +513,19 @@ def _refuse_cache(ep: torch.export.ExportedProgram, path: str) -> None:
                            "profile times the model at many batches, which a cache fixes; profile the export "
                            "without the cache (use_cache=False, a dynamic batch: afd_compile.models.export_lm): "
                            "the KV read is timed apart, per batch and context")
+
+
+def _refuse_hybrid(attention: fx.GraphModule) -> None:
+    """Layers whose token mixer is not attention (hybrids; ``passes.roles.non_attention_layers``)
+    are refused: the cost model reads a KV cache per layer, growing with the context, and a
+    state-space or linear-attention layer reads a state of fixed size instead."""
+    from .passes.roles import non_attention_layers
+
+    layers = non_attention_layers(attention)
+    if layers:
+        raise ProfileError(f"layers {layers} mix tokens by something other than attention (a state-space, convolution "
+                           "or linear-attention mixer: a hybrid model); the deployment estimate reads a KV cache per "
+                           "layer growing with the context, and does not model their fixed-size state yet")
 
 
 def _retime_outliers(rows: list[dict[str, Any]], measure: Callable[[int], dict[str, Any]],

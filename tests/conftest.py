@@ -35,6 +35,9 @@ MODELS = {
     "gpt_oss": ("gpt_oss", 2, {}),
     "phimoe": ("phimoe", 2, {}),
     "bitnet": ("bitnet", 2, {}),
+    # hybrids: layer 0's token mixer is not attention (Mamba; gated delta-net linear attention)
+    "jamba": ("jamba", 2, {}),
+    "qwen3_next": ("qwen3_next", 2, {}),
     "llama2_v127": ("llama", 2, {"vocab_size": 127}),  # a vocabulary no TP group size divides
     # decode-shaped: one token per sequence (the sequence static), traced with 3 sequences
     "llama2_seq1": ("llama", 2, {"export_seq": 1, "export_batch": 3}),

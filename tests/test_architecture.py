@@ -251,7 +251,7 @@ ENTRY_POINTS = ("afd_compile.cli", "afd_compile.cli_checks", "afd_compile.plan_v
 #: what an entry point may read from afd_compile.passes: records' keys, errors, role policies and
 #: helpers that read a graph (none of them rewrites one)
 READ_FROM_PASSES = {
-    "afd_compile.passes.roles": {"POLICIES", "META_KEY", "FusedLayerError", "NoStructureError"},
+    "afd_compile.passes.roles": {"POLICIES", "META_KEY", "FusedLayerError", "NoStructureError", "non_attention_layers"},
     "afd_compile.passes.graph_utils": {"batch_symbol_dims", "cache_length", "written_attrs", "state_bytes",
                                        "aliases_first_arg", "writes_first_arg", "get_attr_path", "set_attr_path"},
     "afd_compile.passes.pipeline": {"timings_table"},

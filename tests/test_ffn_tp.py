@@ -98,7 +98,8 @@ GROUP_CASES = [("qwen3moe2", AFDLayout(3, 2, 2), (2, 0, 3), False),
                # staged (unstaged dense: the attention-TP test below)
                ("llama2", AFDLayout(4, 2, 2), (1, 1, 3, 2), False, 2),
                ("gpt_oss", AFDLayout(2, 2, 2), (2, 3), False),  # expert biases added once over the group
-               ("gptj", AFDLayout(4, 1, attn_tp=2), (2, 3), False)]  # parallel residual: MLP input sliced locally
+               ("gptj", AFDLayout(4, 1, attn_tp=2), (2, 3), False),  # parallel residual: MLP input sliced locally
+               ("jamba", AFDLayout(2, 2, ffn_ep=2), (3, 2), True)]  # a hybrid (Mamba in layer 0), the router sent
 
 
 def test_ffn_groups_reproduce_the_model(exported):

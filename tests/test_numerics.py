@@ -20,6 +20,8 @@ CASES += [("qwen3moe3_mixed", a, f, False) for a, f in LAYOUTS if a >= 2]  # (1A
 CASES += [("qwen3moe3_mixed", a, f, True) for a, f in [(2, 1), (3, 2)]]
 # ALiBi attention through baddbmm; the MLP module adds the residual itself (its add stays attention's)
 CASES += [("bloom", 3, 2, False)]
+# a hybrid: layer 0's token mixer is Mamba (a state-space scan, not attention), run whole on the attention ranks
+CASES += [("jamba", 3, 2, False)]
 # zero-token attention ranks: the FFN rank fans in only the peers that have tokens
 ZERO = [("llama3", 2, 1, False, (3, 0)), ("qwen3moe3_mixed", 3, 2, True, (0, 2, 0))]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -354,6 +355,26 @@ def test_profile_refuses_an_export_with_its_kv_cache(tmp_path, capsys):
     assert "updates 3 buffers in place (a KV cache: key_cache_0, ...)" in err and \
         "profile the export without the cache" in err and len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_profile_refuses_a_fixed_sequence_and_a_hybrid_in_one_line(exported, tmp_path, capsys):
+    # decode steps are one token a sequence: an export whose sequence is static at 5 would time 5 (the
+    # FFN program failed on a traceback); a hybrid's state-space layer reads no KV cache the estimate knows
+    from afd_compile.models import build_hf
+
+    fixed = tmp_path / "fixed_seq.pt2"
+    ids = torch.randint(0, 128, (2, 5))
+    torch.export.save(torch.export.export(build_hf("llama", num_layers=1), (ids,),
+                                          dynamic_shapes={"input_ids": {0: torch.export.Dim("batch")}}), fixed)
+    for path, message in [(str(fixed), "input input_ids (s77, 5) fixes its sequence at 5 tokens: profile times decode "
+                                       "steps (one token a sequence)"),
+                          (exported("jamba")[1], "layers [0] mix tokens by something other than attention")]:
+        out = tmp_path / "p.json"
+        assert main(["profile", path, "-o", str(out), "--device", "cpu", "--no-compile", "--tokens", "1,2",
+                     "--iters", "1", "--rounds", "1", "-q"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert re.sub(r"s\d+", "s77", message) in re.sub(r"s\d+", "s77", err) and len(err.splitlines()) == 1, err
+        assert not out.exists()
 
 
 def _fixed_profile(model: str, tmp_path) -> str:

@@ -178,10 +178,16 @@ class _Hybrid(torch.nn.Module):
         return x
 
 
-def test_a_layer_whose_mixer_is_not_attention_is_refused_naming_it():
+def test_a_layer_whose_mixer_is_not_attention_keeps_it_on_the_attention_side():
+    # hybrid models interleave attention with state-space / convolution mixers (was refused): AFD
+    # needs only the FFN region, so the mixer is the attention side's, as attention is
     gm = torch.export.export(_Hybrid(), (torch.randn(2, 5, 16),)).module()
-    with pytest.raises(NoStructureError, match=r"hybrid: layer 1 has an FFN region but no attention op.*not supported"):
-        annotate_roles(gm, graph_name="hybrid")
+    summary = annotate_roles(gm, graph_name="hybrid")
+    assert summary.non_attention == (1,) and "token mixer not attention in layers [1]" in str(summary)
+    conv = [n for n in gm.graph.nodes if n.target == torch.ops.aten.conv1d.default]
+    assert conv and all(n.meta[META_KEY] == NodeRole(1, Role.ATTENTION) for n in conv)
+    ffn = [n for n in gm.graph.nodes if n.meta[META_KEY] == NodeRole(1, Role.FFN)]
+    assert sum(n.target == torch.ops.aten.linear.default for n in ffn) == 2  # the MLP, and only it
 
 
 class _ExplicitAttention(torch.nn.Module):

@@ -319,6 +319,13 @@ def test_a_scattered_mlp_reading_a_size_a_share_cannot_have_is_refused_naming_it
         tp_rank_program(ep.module(), TPLayout(2, dense_dp=True), 0, fuse_norm=False)
 
 
+def test_a_hybrid_layer_under_tp_is_refused_naming_its_mixer(exported):
+    # Jamba's layer 0 mixes tokens by a Mamba scan: no heads to split (AFD runs it whole: test_numerics)
+    with pytest.raises(ShardError, match=r"layer 0: its token mixer is not attention .* AFD without --attn-tp runs it "
+                                         r"whole on the attention ranks"):
+        _program(exported, "jamba", TPLayout(2))
+
+
 def test_expert_parallel_needs_experts_that_divide(exported):
     with pytest.raises(ShardError, match="layer 0: .*4 experts do not divide over 8"):
         _program(exported, "qwen3moe2", TPLayout(8, 8, moe_a2a=True))

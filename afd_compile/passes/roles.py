@@ -415,17 +415,21 @@ POLICIES: dict[str, RolePolicy] = {
 
 @dataclass(frozen=True)
 class RoleSummary:
-    """What :func:`annotate_roles` found: per layer, the FFN node count and the router node."""
+    """What :func:`annotate_roles` found: per layer, the FFN node count and the router node; the
+    layers whose token mixer is not attention."""
 
     graph_name: str
     num_layers: int
     ffn_nodes_per_layer: tuple[int, ...]
     routers: tuple[str | None, ...]
+    #: layers whose token mixer is not attention (:func:`non_attention_layers`)
+    non_attention: tuple[int, ...] = ()
 
     def __str__(self) -> str:
+        mixers = f", token mixer not attention in layers {list(self.non_attention)}" if self.non_attention else ""
         return (
             f"{self.graph_name}: {self.num_layers} layers, FFN nodes per layer "
-            f"{list(self.ffn_nodes_per_layer)}, routers {list(self.routers)}"
+            f"{list(self.ffn_nodes_per_layer)}, routers {list(self.routers)}{mixers}"
         )
 
 
@@ -475,15 +479,6 @@ def annotate_roles(
     by_layer: dict[int | None, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         by_layer.setdefault(roles[n].layer, []).append(n)
-    for layer in layers:
-        nodes_l = by_layer.get(layer, [])
-        if not any(is_attention_op(n) for n in nodes_l if roles[n].role is Role.ATTENTION):
-            raise NoStructureError(
-                f"{graph_name}: layer {layer} has an FFN region but no attention op on its attention side "
-                "(scaled_dot_product_attention, or a softmax between two matmuls): a layer whose token "
-                "mixer is not attention (a state-space, convolution or linear-attention mixer, as in "
-                "hybrid models) is not supported"
-            )
     _share_size_arithmetic(gm, roles)
     for n in gm.graph.nodes:
         # a metadata assertion belongs with the tensor it checks, and an in-place op nobody reads
@@ -513,7 +508,23 @@ def annotate_roles(
         len(layers),
         tuple(sum(1 for n in by_layer.get(la, []) if roles[n] == NodeRole(la, Role.FFN)) for la in layers),
         tuple(routers),
+        tuple(non_attention_layers(gm)),
     )
+
+
+def non_attention_layers(gm: fx.GraphModule) -> list[int]:
+    """The layers of a graph annotated with roles (the whole model, or an AFD attention program)
+    whose token mixer is not attention: no attention op (SDPA, or a softmax between two matmuls)
+    on their attention side, as the state-space, convolution and linear-attention layers of hybrid
+    models (Jamba, Qwen3-Next, MiniMax). AFD runs such a mixer whole on the attention ranks, its
+    recurrent state there as attention's KV cache is (the cut only needs the FFN region after it);
+    TP, which splits attention by heads, refuses them (passes/shard/plan.py)."""
+    seen: dict[int, bool] = {}
+    for n in gm.graph.nodes:
+        r = n.meta.get(META_KEY)
+        if r is not None and r.layer is not None and r.role is Role.ATTENTION:
+            seen[r.layer] = seen.get(r.layer, False) or is_attention_op(n)
+    return sorted(layer for layer, attention in seen.items() if not attention)
 
 
 def _is_size(node: fx.Node) -> bool:

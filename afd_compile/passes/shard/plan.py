@@ -58,10 +58,15 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
         where = f"layer {layer}"
         attn_ops = [n for n in members if role_of(n).role is Role.ATTENTION and is_attention_op(n)]
         ffn = [n for n in members if role_of(n).role is Role.FFN]
+        if not attn_ops:
+            raise ShardError(f"{where}: its token mixer is not attention (no scaled_dot_product_attention, and no "
+                             "softmax between two matmuls: a state-space, convolution or linear-attention mixer, as in "
+                             "hybrid models), which TP / attention TP cannot split by heads; AFD without --attn-tp "
+                             "runs it whole on the attention ranks")
         if len(attn_ops) != 1:
             raise ShardError(f"{where}: splitting heads over ranks needs one attention op a layer, found "
                              f"{len(attn_ops)} {[n.name for n in attn_ops]} (two attention maps combined, as "
-                             "DiffLlama's differential attention, or none): not supported under TP / attention "
+                             "DiffLlama's differential attention): not supported under TP / attention "
                              "TP; AFD without --attn-tp keeps the attention whole")
         attn = attn_ops[0]
         lin = [n for n in members if n.target in LINEAR_OPS and role_of(n).role is Role.ATTENTION
