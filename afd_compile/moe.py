@@ -52,6 +52,7 @@ ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # (Nemotron-H's non-gated experts: ACT2FN's "relu2")
 }
 #: gated activations of their own (not ``act(gate) * up``), with the op's ``alpha`` and ``limit``
 GLU_ACTIVATIONS = ("swiglu_oai",)

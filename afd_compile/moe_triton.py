@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 #: activation codes of the kernels (``moe.ACTIVATIONS`` names and ``swiglu_oai``)
-ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4}
+ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu_oai": 4, "relu2": 5}
 
 
 def config(pairs: int, num_experts: int) -> dict:
@@ -179,6 +179,9 @@ def _activate(g, u, ACT: tl.constexpr, GATED: tl.constexpr, alpha, limit):
         elif ACT == 2:
             inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
             a = 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+        elif ACT == 5:
+            r = tl.maximum(g, 0.0)
+            a = r * r
         else:
             a = tl.maximum(g, 0.0)
         if GATED:

@@ -79,6 +79,24 @@ class BmmMoE(nn.Module):
         return (y * weights.t().unsqueeze(-1)).sum(0).view(b, s, h)
 
 
+class Relu2MoE(BmmMoE):
+    """Non-gated experts with a squared ReLU (``relu(x @ up) ** 2 @ down``, Nemotron-H's experts),
+    over stacked weights as :class:`BmmMoE`."""
+
+    def __init__(self, hidden: int, inter: int, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__(hidden, inter, experts, top_k)
+        self.gate_up = nn.Parameter(torch.randn(experts, hidden, inter) * hidden ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        t = x.reshape(b * s, h)
+        top, idx = self.router(t).softmax(-1).topk(self.top_k, dim=-1)
+        weights = torch.zeros(t.shape[0], self.gate_up.shape[0], dtype=t.dtype).scatter(-1, idx, top)  # [T, E]
+        xs = t.unsqueeze(0).expand(self.gate_up.shape[0], b * s, h)
+        y = torch.bmm(F.relu(torch.bmm(xs, self.gate_up)).square(), self.down)  # [E, T, H]
+        return (y * weights.t().unsqueeze(-1)).sum(0).view(b, s, h)
+
+
 class LoopMoE(nn.Module):
     """Top-k MoE looping over its experts, each run only on the tokens routed to it (selected by
     ``torch.where`` on the routing mask) and scattered back with ``index_add_``: the older
@@ -361,7 +379,7 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(hidden), GQAAttention(hidden, heads, kv_heads)
         mlp = {False: SwiGLU, True: BmmMoE, "bmm": BmmMoE, "loop": LoopMoE, "einsum": EinsumMoE, "put": PutMoE,
-               "sort": SortMoE, "top1": Top1MoE,
+               "sort": SortMoE, "top1": Top1MoE, "relu2": Relu2MoE,
                "lib": _lib_moe}[moe]
         self.mlp_norm, self.mlp = RMSNorm(hidden), mlp(hidden, inter)
 
@@ -563,6 +581,10 @@ def sort_moe() -> GQADecoder:
 
 def top1_moe() -> GQADecoder:
     return GQADecoder(moe="top1")
+
+
+def relu2_moe() -> GQADecoder:
+    return GQADecoder(moe="relu2")
 
 
 def lib_moe() -> GQADecoder:
@@ -819,7 +841,7 @@ def dense_then_in_place_moe() -> GQADecoder:
 
 
 MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "einsum_moe": einsum_moe, "put_moe": put_moe,
-          "sort_moe": sort_moe, "top1_moe": top1_moe, "lib_moe": lib_moe,
+          "sort_moe": sort_moe, "top1_moe": top1_moe, "relu2_moe": relu2_moe, "lib_moe": lib_moe,
           "per_head_norm": per_head_norm, "per_head_norm_manual": per_head_norm_manual, "grouped_qkv": grouped_qkv,
           "nanogpt": NanoGPT, "flat": Flat,
           "meta_llama": MetaLlama, "torch_postnorm": TorchPostNorm, "parallel": parallel, "einsum": einsum,

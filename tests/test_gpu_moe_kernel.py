@@ -35,7 +35,8 @@ def _operands(t: int, gated: bool, bias: bool, seed: int = 0):
 
 @pytest.mark.parametrize("t", [1, 7, 64, 160, 300])  # (each tile config of moe_triton.config)
 @pytest.mark.parametrize("act,gated,first,bias", [("silu", True, False, False), ("gelu", True, True, True),
-                                                  ("relu", False, False, True), ("swiglu_oai", True, False, True)])
+                                                  ("relu", False, False, True), ("swiglu_oai", True, False, True),
+                                                  ("relu2", False, False, False)])
 def test_fused_equals_the_reference(t, act, gated, first, bias):
     ops = _operands(t, gated, bias)
     assert implementation(ops[0], ops[3], ops[4]) == "fused"

@@ -51,7 +51,7 @@ def _random_case(tokens: int, gated: bool, bias: bool, dtype=torch.float32):
 @pytest.mark.parametrize("tokens", [0, 1, 9])
 @pytest.mark.parametrize(("gated", "bias", "activation", "weight_first"), [
     (True, False, "silu", False), (False, True, "gelu", False), (True, True, "gelu_tanh", True),
-    (False, False, "relu", True),
+    (False, False, "relu", True), (False, True, "relu2", False),
 ])
 def test_the_grouped_path_equals_the_reference(tokens, gated, bias, activation, weight_first):
     case = _random_case(tokens, gated, bias)

@@ -40,6 +40,8 @@ FORMS = [
     ("sort-sliced-weights-first", lambda: export(MODELS["sort_moe"]()), "gathered-weight bmm", "silu"),
     ("argmax-top1-where-relu", lambda: export(MODELS["top1_moe"]()), "loop over experts (index_add_)", "relu"),
     ("dense-bmm", lambda: export(MODELS["bmm_moe"]()), "stacked-weight bmm", "silu"),
+    # non-gated experts with a squared ReLU (Nemotron-H's)
+    ("dense-bmm-relu2", lambda: export(MODELS["relu2_moe"]()), "stacked-weight bmm", "relu2"),
     ("dense-einsum", lambda: export(MODELS["einsum_moe"]()), "stacked-weight bmm", "silu"),
     ("loop-index_put-gelu-bias", lambda: export(MODELS["put_moe"]()), "loop over experts (index_put_)", "gelu"),
     # GPT-OSS: a clamped GLU (alpha, limit read from the graph), gate/up interleaved, expert biases

@@ -138,7 +138,9 @@ def activations(block: Block) -> list[Activation]:
 
 def _activation(n: fx.Node) -> str | None:
     if n.target in _ACT_OPS:
-        return _ACT_OPS[n.target]
+        squared = any(u.target == aten.square.default or (u.target == aten.pow.Tensor_Scalar and u.args[1] == 2)
+                      or (u.target == aten.mul.Tensor and u.args[0] is n and u.args[1] is n) for u in n.users)
+        return "relu2" if squared and _ACT_OPS[n.target] == "relu" else _ACT_OPS[n.target]
     if n.target in (aten.gelu.default, aten.gelu_.default):
         return "gelu_tanh" if n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none") == "tanh" \
             else "gelu"
