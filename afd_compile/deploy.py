@@ -26,6 +26,7 @@ from .buckets import TokenBuckets
 from .comm import AFDCommunicator, communicator_for, register_communicator, wire_checks_from_env
 from .layout import AFDLayout
 from .limits import MAX_RANKS, bounded_int
+from .meta_keys import TOKEN_MULTIPLE
 from .passes.graph_utils import batch_symbol_dims
 from .passes.stages import static_batch
 from .passes.symbolic import sym_expr
@@ -391,8 +392,6 @@ def ffn_bucket_fields(program: fx.GraphModule, buckets: TokenBuckets | None) -> 
     """An FFN worker's token buckets when its program takes any token count (a symbolic carrier):
     each stage's rows are its tokens padded to a bucket, in units of what every token count of the
     program is a multiple of. A program of static tokens keeps its exact rows (no fields)."""
-    from .passes.split import TOKEN_MULTIPLE
-
     ph = next((n for n in program.graph.nodes if n.op == "placeholder"), None)
     val = ph.meta.get("val") if ph is not None else None
     if buckets is None or not isinstance(val, torch.Tensor) or isinstance(val.shape[0], int):
@@ -454,6 +453,9 @@ def load_rewritten_worker(outdir: str, rank: int, device: torch.device | None = 
         register_communicator(comm, comm_id)
         program = load_program(plan.path("ffn")).module()
         check_saved_program(plan, "ffn", program)
+        # what every token count is a multiple of (a static sequence or batch): the saved program checks it
+        # (a guard), and node meta does not survive the save
+        program.meta[TOKEN_MULTIPLE] = int(plan["token_count"]["factor"])
         batch = plan.get("static_batch")
         slot = check_fixed_slot(buckets, rank=rank, ffn_static_rows=not ffn_bucket_fields(program, TokenBuckets()))
         prepare_slots(comm, slot, device, lowering=lowering)

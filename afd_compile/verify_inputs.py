@@ -42,8 +42,17 @@ class ProgramFacts:
             rng = (1, math.inf)
             for s, vr in ep.range_constraints.items():
                 if str(s) == sym:
-                    rng = (int(vr.lower), int(vr.upper) if vr.upper.is_finite else math.inf)
+                    rng = (int(vr.lower), math.inf if _unbounded(vr.upper) else int(vr.upper))
         return ProgramFacts(rng, default_tolerance(ep))
+
+
+def _unbounded(bound: object) -> bool:
+    """A range's upper bound is none: sympy's ``oo``, or torch's ``int_oo`` (which sympy counts as a
+    finite integer: a ``Dim`` exported without ``max``)."""
+    import sympy
+    from torch.utils._sympy.numbers import int_oo
+
+    return bound in (int_oo, sympy.oo) or not getattr(bound, "is_number", True)
 
 
 #: the default ``--tol``: 1e-5 when every floating output compared is fp32 / fp64, else this

@@ -758,3 +758,22 @@ def test_a_later_graph_failed_on_an_attention_rank_stops_its_ffn_rank_at_once(tm
     assert message in attention[1], attention
     assert ffn[0] == "ControlError" and "attention rank 1 failed its step" in ffn[1], ffn
     assert ffn[2] < 40, ffn  # (untold, it waits until rank 1 ends: 60 s; told, rank 1's compile)
+
+
+def test_an_export_of_a_fixed_sequence_and_an_unbounded_batch_verifies_from_its_folder(tmp_path):
+    # a batch Dim without max (torch's int_oo, which sympy counts finite) failed verify on a traceback;
+    # the saved FFN program of a sequence fixed at 5 checks its tokens are a multiple of 5 (a guard), and
+    # its rows were padded to buckets of any size (the multiple lived in node meta, which a save drops)
+    import torch
+
+    from afd_compile.models import build_hf
+
+    path, out = str(tmp_path / "seq5.pt2"), str(tmp_path / "out")
+    ids = torch.randint(0, 128, (2, 5))
+    torch.export.save(torch.export.export(build_hf("llama", num_layers=1), (ids,),
+                                          dynamic_shapes={"input_ids": {0: torch.export.Dim("batch")}}), path)
+    assert run_cli("rewrite", path, "-A", "2", "-F", "1", "-o", out, "-q").returncode == 0
+    for args in (["-A", "2", "-F", "1"], ["--saved", out]):
+        ran = run_cli("verify", path, *args, "-q")
+        assert ran.returncode == 0 and ran.stdout.strip().splitlines()[-1].startswith("verify: OK"), \
+            ran.stdout[-800:] + ran.stderr[-800:]
