@@ -577,6 +577,17 @@ def test_a_backend_refusal_reaches_the_caller_as_itself_cut_at_the_backend():
 
 # --- backend layouts: one rank's refusal ends every rank at once ---------------------------------
 
+def _stay_up_until_told(rank: int, holder: int, done: str, since: float, limit: float) -> None:
+    """Of two ranks, ``holder`` stays up (a server catching the error; rank 0 also holds the store)
+    until the other has said what it saw (it writes ``done``), or ``limit`` s after ``since``."""
+    import time
+
+    if rank != holder:
+        open(done, "w").close()
+    while rank == holder and not os.path.exists(done) and time.monotonic() - since < limit:
+        time.sleep(0.1)
+
+
 def _refusing_layout(rank: int, world: int, how: str = "refuse", done: str = "") -> tuple:
     """Rank 0 (FFN) refuses its first graph (``how`` = "refuse": a static one) or fails in its compile
     ("error": an error injected where it exports); with ``done`` it stays up until rank 1 has said
@@ -604,11 +615,8 @@ def _refusing_layout(rank: int, world: int, how: str = "refuse", done: str = "")
     except Exception as e:  # noqa: BLE001  (what each rank's caller sees)
         said = (type(e).__name__, str(e).splitlines()[0])
     failed = protocol._FAILED_STEP
-    t = time.monotonic()
-    if done and rank == 1:
-        open(done, "w").close()
-    while done and rank == 0 and not os.path.exists(done) and time.monotonic() - t < 30:
-        time.sleep(0.1)
+    if done:
+        _stay_up_until_told(rank, 0, done, time.monotonic(), 30)
     t = time.monotonic()
     shutdown()
     return (*said, failed, time.monotonic() - t)
@@ -675,10 +683,7 @@ def _serve_fails(rank: int, world: int, done: str) -> tuple:
     except Exception as e:  # noqa: BLE001  (what each rank's caller sees)
         said = (type(e).__name__, str(e).splitlines()[0])
     took = time.monotonic() - t
-    if rank == 1:
-        open(done, "w").close()
-    while rank == 0 and not os.path.exists(done) and time.monotonic() - t < 60:
-        time.sleep(0.1)
+    _stay_up_until_told(rank, 0, done, t, 60)
     shutdown()
     return (*said, took)
 
@@ -737,10 +742,7 @@ def _later_refusal(rank: int, world: int, done: str, how: str) -> tuple:
         except Exception as e:  # noqa: BLE001  (what each rank's caller sees)
             said = (type(e).__name__, str(e))
     took = time.monotonic() - t
-    if rank == 0:
-        open(done, "w").close()
-    while rank == 1 and not os.path.exists(done) and time.monotonic() - t < 60:
-        time.sleep(0.1)
+    _stay_up_until_told(rank, 1, done, t, 60)
     shutdown()
     return (*said, took)
 

@@ -233,3 +233,19 @@ def test_in_place_op_nobody_reads_belongs_with_the_tensor_it_mutates(exported):
     annotate_roles(gm)
     assert clamp.meta[META_KEY] == gate.meta[META_KEY] == NodeRole(0, Role.FFN)
     assert len(plan_split(gm).cuts) == 2  # the FFN region of layer 0 still has one output
+
+
+def test_plan_names_the_layers_whose_mixer_is_not_attention(exported):
+    import json
+
+    from clirun import run_cli
+
+    path = exported("jamba")[1]
+    text = run_cli("plan", path, "-A", "1", "-F", "1", "-q")
+    assert text.returncode == 0, text.stderr
+    assert "token mixers: layer 0 not attention (a state-space, convolution or linear-attention mixer): run " \
+           "whole on the attention ranks" in text.stdout, text.stdout
+    js = run_cli("plan", path, "-A", "1", "-F", "1", "--json", "-q")
+    assert js.returncode == 0 and json.loads(js.stdout)["non_attention_layers"] == [0], js.stdout[-500:]
+    llama = run_cli("plan", exported("llama2")[1], "-A", "1", "-F", "1", "--json", "-q")
+    assert "non_attention_layers" not in json.loads(llama.stdout)  # (absent when every mixer is attention)
