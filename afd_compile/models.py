@@ -97,6 +97,15 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         num_experts=4, num_experts_per_tok=2, expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2,
         attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
         max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # hybrid, every mixer a block of its own (``layers.N.mixer``): attention, MoE (relu2 experts, a shared
+    # expert), MLP, Mamba, MoE, attention, MLP; the MLP and MoE blocks end the layers (passes/mixer_blocks.py):
+    # [attention MoE] [MLP] [Mamba MoE] [attention MLP]
+    "nemotron_h": ("NemotronHForCausalLM", "NemotronHConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, hybrid_override_pattern="*E-ME*-", ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16,
+        n_groups=1, chunk_size=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1,
+        max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # multi-query attention: fused c_attn [q | one K head | one V head]
     "gpt_bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig", dict(
         vocab_size=128, n_embd=64, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),

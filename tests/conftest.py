@@ -38,6 +38,10 @@ MODELS = {
     # hybrids: layer 0's token mixer is not attention (Mamba; gated delta-net linear attention)
     "jamba": ("jamba", 2, {}),
     "qwen3_next": ("qwen3_next", 2, {}),
+    # every mixer a block of its own: [attention MoE] [MLP] [Mamba MoE] [attention MLP] (models.py)
+    "nemotron_h": ("nemotron_h", 7, {}),
+    # [Mamba attention MoE] [attention MLP]: a Mamba beside the attention of a layer (TP keeps it whole)
+    "nemotron_h_tp": ("nemotron_h", 5, {"hybrid_override_pattern": "M*E*-"}),
     "llama2_v127": ("llama", 2, {"vocab_size": 127}),  # a vocabulary no TP group size divides
     # decode-shaped: one token per sequence (the sequence static), traced with 3 sequences
     "llama2_seq1": ("llama", 2, {"export_seq": 1, "export_batch": 3}),

@@ -220,8 +220,8 @@ SLOW_RUNS += [(2, ("--tp", "2", "--seq", "1", "--check-cache")),
               (4, ("--attention", "2", "--ffn", "2", "--ffn-ep", "2", "--family", "qwen3_moe")),
               (4, ("--attention", "2", "--ffn", "2", "--ffn-tp", "2", "--family", "llama")),
               (6, ("--attention", "4", "--attn-tp", "2", "--ffn", "2", "--ffn-tp", "2", "--family", "llama"))]
-# hybrids (layer 0's mixer not attention: Mamba, gated delta-net), AFD only (TP refuses them)
-SLOW_RUNS += [(3, (*lay, "--family", fam)) for fam in ("jamba", "qwen3_next") for _, lay in _LAYOUTS[:2]]
+# hybrids (a mixer not attention: Mamba, gated delta-net; Nemotron-H its mixers as blocks), AFD only (TP refuses them)
+SLOW_RUNS += [(3, (*lay, "--family", fam)) for fam in ("jamba", "qwen3_next", "nemotron_h") for _, lay in _LAYOUTS[:2]]
 SLOW_RUNS += [(n, (*lay, "--dynamic-output-shapes", "--model", m)) for m in _HANDWRITTEN for n, lay in _LAYOUTS
               if "--seq" not in lay]
 

@@ -22,6 +22,8 @@ CASES += [("qwen3moe3_mixed", a, f, True) for a, f in [(2, 1), (3, 2)]]
 CASES += [("bloom", 3, 2, False)]
 # a hybrid: layer 0's token mixer is Mamba (a state-space scan, not attention), run whole on the attention ranks
 CASES += [("jamba", 3, 2, False)]
+# every mixer a block of its own (Nemotron-H): layers end at each MLP / MoE block; one has no token mixer
+CASES += [("nemotron_h", 3, 2, True)]
 # zero-token attention ranks: the FFN rank fans in only the peers that have tokens
 ZERO = [("llama3", 2, 1, False, (3, 0)), ("qwen3moe3_mixed", 3, 2, True, (0, 2, 0))]
 

@@ -249,3 +249,43 @@ def test_plan_names_the_layers_whose_mixer_is_not_attention(exported):
     assert js.returncode == 0 and json.loads(js.stdout)["non_attention_layers"] == [0], js.stdout[-500:]
     llama = run_cli("plan", exported("llama2")[1], "-A", "1", "-F", "1", "--json", "-q")
     assert "non_attention_layers" not in json.loads(llama.stdout)  # (absent when every mixer is attention)
+
+
+@pytest.mark.parametrize("kinds,layers", [
+    ("AEDMEAD", [0, 0, 1, 2, 2, 3, 3]),   # each per-token block (E MoE, D dense MLP) ends a layer
+    ("MAEAD", [0, 0, 0, 1, 1]),           # a Mamba and an attention in one layer
+    ("ADM", [0, 0, None]),                # a mixer after the last MLP: no layer (it runs with the head)
+    ("MMD", [0, 0, 0]),
+])
+def test_single_mixer_blocks_group_up_to_each_per_token_block(kinds, layers):
+    from afd_compile.passes.mixer_blocks import block_layers
+
+    order = [f"layers.{i}" for i in range(len(kinds))]
+    ffn = {p: f"{p}.mixer" if k in "ED" else None for p, k in zip(order, kinds, strict=True)}
+    assert list(block_layers(order, ffn).values()) == layers
+
+
+def test_mixers_as_blocks_make_layers_that_end_at_each_mlp_or_moe_block(exported):
+    # Nemotron-H: layers.N.mixer is attention, MoE, MLP, Mamba, MoE, attention, MLP; no MLP child anywhere
+    from afd_compile.passes.module_paths import layer_path, module_paths
+    from afd_compile.passes.roles import non_attention_layers
+
+    gm = exported("nemotron_h")[0].module()
+    summary = annotate_roles(gm)
+    assert summary.num_layers == 4 and summary.non_attention == (2,)
+    assert [r is not None for r in summary.routers] == [True, False, True, False]
+    seen: dict[str, set] = {}
+    for n in gm.graph.nodes:
+        block = layer_path(module_paths(n))
+        if block is not None and n.op == "call_function" and n.target != torch.ops.aten._assert_tensor_metadata.default:
+            r = n.meta[META_KEY]  # (an assertion goes with the tensor it checks)
+            seen.setdefault(block.rsplit(".", 1)[1], set()).add((r.layer, r.role, module_paths(n)[-1].split(".")[-1]
+                                                                 if r.role is Role.FFN else None))
+    layer = {b: {x[0] for x in v} for b, v in seen.items()}
+    assert layer == {"0": {0}, "1": {0}, "2": {1}, "3": {2}, "4": {2}, "5": {3}, "6": {3}}
+    ffn_blocks = sorted(b for b, v in seen.items() if any(x[1] is Role.FFN for x in v))
+    assert ffn_blocks == ["1", "2", "4", "6"]
+    # the block norms and residual adds stay attention's; the mixer's nodes are the FFN region
+    ffn_paths = {p for n in gm.graph.nodes if n.meta[META_KEY].role is Role.FFN for p in module_paths(n)[-1:]}
+    assert all(".mixer" in p for p in ffn_paths), ffn_paths
+    assert non_attention_layers(gm) == [2]  # layer 1 (an MLP alone) mixes no tokens: not a token mixer

@@ -326,6 +326,13 @@ def test_a_hybrid_layer_under_tp_is_refused_naming_its_mixer(exported):
         _program(exported, "jamba", TPLayout(2))
 
 
+def test_a_layer_with_no_token_mixer_under_tp_is_refused_naming_it(exported):
+    # Nemotron-H's blocks [attention MoE] [MLP] ...: layer 1 is an MLP block alone (a norm, the MLP, an add)
+    with pytest.raises(ShardError, match=r"layer 1 has no token mixer \(an MLP or MoE block right after another, "
+                                         r"each a layer of its own\).* AFD without --attn-tp runs it"):
+        _program(exported, "nemotron_h", TPLayout(2))
+
+
 def test_expert_parallel_needs_experts_that_divide(exported):
     with pytest.raises(ShardError, match="layer 0: .*4 experts do not divide over 8"):
         _program(exported, "qwen3moe2", TPLayout(8, 8, moe_a2a=True))
@@ -403,6 +410,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("llama2_v127", 2, 1, (2,), VP),     # vocab-parallel head: vocab 127 over 2 ranks, slices zero-padded
     ("bloom", 4, 2, (2, 3)),             # heads folded into the batch for baddbmm, its ALiBi bias read per rank
     ("gpt_oss", 2, 1, (2,)),             # attention sinks, interleaved gate_up, expert biases added once
+    ("nemotron_h_tp", 4, 2, (2, 3)),     # mixers as blocks: a Mamba beside a layer's attention, replicated
 ]
 
 

@@ -17,16 +17,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import SplitError
-from .roles import (
-    LINEAR_OPS,
-    MATMUL_OPS,
-    META_KEY,
-    SDPA_OPS,
-    NodeRole,
-    Role,
-    descendants,
-    is_attention_op,
-)
+from .op_kinds import LINEAR_OPS, MATMUL_OPS, SDPA_OPS, is_attention_op
+from .roles import META_KEY, NodeRole, Role, descendants
 from .symbolic import emit_with, sym_expr
 
 aten = torch.ops.aten

@@ -34,8 +34,9 @@ import torch.fx as fx
 
 from .. import meta_keys
 from ..errors import AFDCompileError
+from .mixer_blocks import block_layers, mixes_tokens, per_token_child
 from .module_paths import body_of, layer_path, module_paths
-from .op_kinds import ADD_OPS, LINEAR_OPS, MATMUL_OPS, PASSTHROUGH_OPS, SDPA_OPS, SOFTMAX_OPS
+from .op_kinds import ADD_OPS, LINEAR_OPS, PASSTHROUGH_OPS, is_attention_op
 from .router import find_router
 
 META_KEY = meta_keys.ROLE
@@ -97,38 +98,14 @@ RolePolicy = Callable[[fx.GraphModule], dict[fx.Node, NodeRole]]
 FFN_MODULE_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe", "ff")
 
 
-def is_attention_op(node: fx.Node) -> bool:
-    """SDPA, or a softmax fed by a matmul whose output feeds a matmul (explicit attention).
-    A softmax feeding topk (an MoE router) is not attention."""
-    if node.op != "call_function":
-        return False
-    if node.target in SDPA_OPS:
-        return True
-    if node.target not in SOFTMAX_OPS:
-        return False
-
-    def reaches(start: Iterable[fx.Node], targets: frozenset, forward: bool, depth: int = 6) -> bool:
-        frontier = list(start)
-        for _ in range(depth):
-            nxt = []
-            for n in frontier:
-                if n.op == "call_function" and n.target in targets:
-                    return True
-                nxt.extend(n.users if forward else n.all_input_nodes)
-            frontier = nxt
-        return False
-
-    return reaches(node.all_input_nodes, MATMUL_OPS, forward=False) and reaches(
-        node.users, MATMUL_OPS, forward=True
-    )
-
-
 # --- module-path policy ------------------------------------------------------------------------
 
 
 def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
     """The FFN region of decoder layer ``...layers.N`` is the nodes under its MLP child module
-    (``mlp``, ``feed_forward``, ``block_sparse_moe``, ...). Raises NoStructureError when the graph
+    (``mlp``, ``feed_forward``, ``block_sparse_moe``, ...). When no layer has one and some are
+    per-token blocks (a model that writes every mixer as its own block), the layers are the
+    blocks grouped as ``passes/mixer_blocks.py`` says. Raises NoStructureError when the graph
     has no module paths or a layer has no such child."""
     layer_of: dict[fx.Node, str] = {}
     for node in gm.graph.nodes:
@@ -141,29 +118,37 @@ def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
     order = list(dict.fromkeys([*computing, *layer_of.values()]))
     if not order:
         raise NoStructureError("no nn_module_stack paths with a layer index (…layers.N)")
-    index = {lp: i for i, lp in enumerate(order)}
+    index: dict[str, int | None] = {lp: i for i, lp in enumerate(order)}
     children_of: dict[str, set[str]] = {lp: set() for lp in order}
     for n, owner in layer_of.items():
         for p in module_paths(n):
             if p.startswith(owner + "."):
                 children_of[owner].add(p[len(owner) + 1 :].split(".")[0])
-    ffn_child: dict[str, str] = {}
-    for lp in order:
-        children = children_of[lp]
-        name = next((c for c in FFN_MODULE_NAMES if c in children), None)
-        if name is None:
-            raise NoStructureError(
-                f"layer {lp} has no MLP child module (looked for {FFN_MODULE_NAMES}; "
-                f"children: {sorted(children)})"
-            )
-        ffn_child[lp] = f"{lp}.{name}"
+    named = {lp: next((c for c in FFN_MODULE_NAMES if c in children_of[lp]), None) for lp in order}
+    ffn_child = {lp: f"{lp}.{c}" if c else None for lp, c in named.items()}
+    by_blocks = False
+    if not any(named.values()):  # single-mixer blocks?
+        members: dict[str, list[fx.Node]] = {lp: [] for lp in order}
+        for n, lp in layer_of.items():
+            members[lp].append(n)
+        blocks = {lp: per_token_child(lp, members[lp]) for lp in order}
+        by_blocks = any(blocks.values())
+        if by_blocks:
+            ffn_child, index = blocks, block_layers(order, blocks)
+    missing = [lp for lp in order if ffn_child[lp] is None]
+    if missing and not by_blocks:
+        raise NoStructureError(
+            f"layer {missing[0]} has no MLP child module (looked for {FFN_MODULE_NAMES}; children: "
+            f"{sorted(children_of[missing[0]])}), and no layer is a per-token block (an MLP or MoE as a layer "
+            "of its own)")
     roles: dict[fx.Node, NodeRole] = {}
     for node in gm.graph.nodes:
         lp = layer_of.get(node)
         if lp is None:
             roles[node] = NodeRole(None, Role.ATTENTION)
             continue
-        in_ffn = any(p == ffn_child[lp] or p.startswith(ffn_child[lp] + ".") for p in module_paths(node))
+        ffn = ffn_child[lp]
+        in_ffn = ffn is not None and any(p == ffn or p.startswith(ffn + ".") for p in module_paths(node))
         roles[node] = NodeRole(index[lp], Role.FFN if in_ffn else Role.ATTENTION)
     _residual_adds_out(roles)
     return roles
@@ -515,16 +500,19 @@ def annotate_roles(
 def non_attention_layers(gm: fx.GraphModule) -> list[int]:
     """The layers of a graph annotated with roles (the whole model, or an AFD attention program)
     whose token mixer is not attention: no attention op (SDPA, or a softmax between two matmuls)
-    on their attention side, as the state-space, convolution and linear-attention layers of hybrid
-    models (Jamba, Qwen3-Next, MiniMax). AFD runs such a mixer whole on the attention ranks, its
-    recurrent state there as attention's KV cache is (the cut only needs the FFN region after it);
-    TP, which splits attention by heads, refuses them (passes/shard/plan.py)."""
-    seen: dict[int, bool] = {}
+    on their attention side, yet an op there that mixes tokens, as the state-space, convolution and
+    linear-attention layers of hybrid models (Jamba, Qwen3-Next, MiniMax). AFD runs such a mixer
+    whole on the attention ranks, its recurrent state there as attention's KV cache is (the cut
+    only needs the FFN region after it); TP, which splits attention by heads, refuses them
+    (passes/shard/plan.py). A layer with no token mixer at all (an MLP block right after another,
+    as a layer of its own) is not one."""
+    sides: dict[int, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         r = n.meta.get(META_KEY)
         if r is not None and r.layer is not None and r.role is Role.ATTENTION:
-            seen[r.layer] = seen.get(r.layer, False) or is_attention_op(n)
-    return sorted(layer for layer, attention in seen.items() if not attention)
+            sides.setdefault(r.layer, []).append(n)
+    return sorted(layer for layer, side in sides.items()
+                  if not any(is_attention_op(n) for n in side) and mixes_tokens(side))
 
 
 def _is_size(node: fx.Node) -> bool:

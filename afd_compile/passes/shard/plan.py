@@ -7,6 +7,7 @@ import torch
 import torch.fx as fx
 
 from ..graph_utils import attention_output, layers_of, reads_weight
+from ..mixer_blocks import mixes_tokens
 from ..op_kinds import LINEAR_OPS, SDPA_OPS
 from ..roles import Role, is_attention_op, role_of
 from ..symbolic import sym_expr
@@ -42,7 +43,6 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
                 replicated_mlp: frozenset[int] = frozenset()) -> ShardPlan:
     """Find the linears of every layer and follow their splits. Needs ``afd.role``. The MLPs of
     the ``replicated_mlp`` layers keep their full weights (a data-parallel MLP)."""
-    from ..roles import ancestors, descendants
 
     weights: list[ShardedWeight] = []
     fixes: list[ArgFix] = []
@@ -58,39 +58,8 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
         where = f"layer {layer}"
         attn_ops = [n for n in members if role_of(n).role is Role.ATTENTION and is_attention_op(n)]
         ffn = [n for n in members if role_of(n).role is Role.FFN]
-        if not attn_ops:
-            raise ShardError(f"{where}: its token mixer is not attention (no scaled_dot_product_attention, and no "
-                             "softmax between two matmuls: a state-space, convolution or linear-attention mixer, as in "
-                             "hybrid models), which TP / attention TP cannot split by heads; AFD without --attn-tp "
-                             "runs it whole on the attention ranks")
-        if len(attn_ops) != 1:
-            raise ShardError(f"{where}: splitting heads over ranks needs one attention op a layer, found "
-                             f"{len(attn_ops)} {[n.name for n in attn_ops]} (two attention maps combined, as "
-                             "DiffLlama's differential attention): not supported under TP / attention "
-                             "TP; AFD without --attn-tp keeps the attention whole")
-        attn = attn_ops[0]
-        lin = [n for n in members if n.target in LINEAR_OPS and role_of(n).role is Role.ATTENTION
-               and not role_of(n).router]
-        anchor = attention_output(attn)  # explicit attention: v enters at the matmul after the softmax
-        layer_nodes = set(members)  # walks stay inside the layer: linear in the graph, not quadratic
-        before = ancestors([anchor], within=layer_nodes)
-        cols = [n for n in lin if n in before and reads_weight(n)]  # not e.g. the rotary inv_freq matmul
-        # only the projections that feed attention directly: a low-rank down projection before
-        # another one (DeepSeek's MLA q_a_proj / kv_a_proj) stays replicated
-        cols = [c for c in cols if not ((descendants(c, before) - {c}) & set(cols))]
-        rows = parts.output_projections
-        if not cols or len(rows) != 1:
-            raise ShardError(f"{where}: expected q/k/v projections before {attn.name} and one output projection after "
-                             f"it, found {[n.name for n in cols]} / {[n.name for n in rows]}")
-        heads = _attention_heads(attn)
-        if attn_parts > 1 and heads is not None and heads % attn_parts:
-            raise ShardError(f"{where}: {attn.name} has {heads} attention heads, which {attn_parts} attention-TP ranks "
-                             "cannot divide (only KV heads may be replicated)")
-        if attn_parts > 1:
-            means: list[fx.Node] = []
-            shard_pair(gm, cols, rows[0], attn_parts, "attn", weights, fixes, where, means, states, operands)
-            rows_out.append((rows[0].name, "attn", layer))
-            split_means.extend((m.name, "attn", layer, attn_parts) for m in means)
+        _shard_attention(gm, parts, attn_ops, attn_parts, where, layer, weights, fixes, rows_out, split_means,
+                         states, operands)
         if mlp_parts > 1 and layer not in replicated_mlp:
             mlp_means: list[fx.Node] = []  # (BitNet's norm over the intermediate size before down_proj)
             settle = shard_mlp(gm, ffn, parts.ffn_output, mlp_parts, where, weights, fixes, operands, once, mlp_means)
@@ -100,6 +69,53 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
             shard_mlp(gm, ffn, parts.ffn_output, 1, where, [], [], [], [], [])  # (checks the MLP has pairs)
     return ShardPlan(one_slice_per_weight(weights), tuple(fixes), tuple(rows_out), tuple(split_means), tuple(states),
                      tuple(operands), tuple(once))
+
+
+def _shard_attention(gm: fx.GraphModule, parts: object, attn_ops: list[fx.Node], attn_parts: int, where: str,
+                     layer: int, weights: list[ShardedWeight], fixes: list[ArgFix], rows_out: list, split_means: list,
+                     states: list[ShardedState], operands: list[SlicedOperand]) -> None:
+    """A layer's attention: its q/k/v projections and output projection split by heads over
+    ``attn_parts`` ranks (checked, and planned only when ``attn_parts > 1``)."""
+    from ..roles import ancestors, descendants
+
+    members = list(parts.members)
+    if not attn_ops and not mixes_tokens(n for n in members if role_of(n).role is Role.ATTENTION):
+        raise ShardError(f"{where} has no token mixer (an MLP or MoE block right after another, each a layer of its "
+                         "own): TP plans every layer as attention then MLP, and does not take such a layer yet; "
+                         "AFD without --attn-tp runs it")
+    if not attn_ops:
+        raise ShardError(f"{where}: its token mixer is not attention (no scaled_dot_product_attention, and no "
+                         "softmax between two matmuls: a state-space, convolution or linear-attention mixer, as in "
+                         "hybrid models), which TP / attention TP cannot split by heads; AFD without --attn-tp "
+                         "runs it whole on the attention ranks")
+    if len(attn_ops) != 1:
+        raise ShardError(f"{where}: splitting heads over ranks needs one attention op a layer, found "
+                         f"{len(attn_ops)} {[n.name for n in attn_ops]} (two attention maps combined, as "
+                         "DiffLlama's differential attention): not supported under TP / attention "
+                         "TP; AFD without --attn-tp keeps the attention whole")
+    attn = attn_ops[0]
+    lin = [n for n in members if n.target in LINEAR_OPS and role_of(n).role is Role.ATTENTION
+           and not role_of(n).router]
+    anchor = attention_output(attn)  # explicit attention: v enters at the matmul after the softmax
+    layer_nodes = set(members)  # walks stay inside the layer: linear in the graph, not quadratic
+    before = ancestors([anchor], within=layer_nodes)
+    cols = [n for n in lin if n in before and reads_weight(n)]  # not e.g. the rotary inv_freq matmul
+    # only the projections that feed attention directly: a low-rank down projection before
+    # another one (DeepSeek's MLA q_a_proj / kv_a_proj) stays replicated
+    cols = [c for c in cols if not ((descendants(c, before) - {c}) & set(cols))]
+    rows = parts.output_projections
+    if not cols or len(rows) != 1:
+        raise ShardError(f"{where}: expected q/k/v projections before {attn.name} and one output projection after "
+                         f"it, found {[n.name for n in cols]} / {[n.name for n in rows]}")
+    heads = _attention_heads(attn)
+    if attn_parts > 1 and heads is not None and heads % attn_parts:
+        raise ShardError(f"{where}: {attn.name} has {heads} attention heads, which {attn_parts} attention-TP ranks "
+                         "cannot divide (only KV heads may be replicated)")
+    if attn_parts > 1:
+        means: list[fx.Node] = []
+        shard_pair(gm, cols, rows[0], attn_parts, "attn", weights, fixes, where, means, states, operands)
+        rows_out.append((rows[0].name, "attn", layer))
+        split_means.extend((m.name, "attn", layer, attn_parts) for m in means)
 
 
 def shard_mlp(gm: fx.GraphModule, members: list[fx.Node], out: fx.Node, parts: int, where: str,

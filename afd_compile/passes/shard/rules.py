@@ -22,52 +22,11 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..op_kinds import ELEMENTWISE_OPS
 from ..symbolic import sym_expr
 from .types import ArgFix, ShardError
 
 aten = torch.ops.aten
-
-_ELEMENTWISE = {
-    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default,
-    aten.silu.default, aten.gelu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
-    aten.exp.default, aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.to.dtype, aten.to.dtype_layout,
-    aten._to_copy.default, aten.contiguous.default, aten.clone.default, aten.alias.default,
-    aten.dropout.default, aten.type_as.default, aten.where.self, aten.masked_fill.Scalar,
-    aten.add.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.sub.Scalar, aten.sqrt.default,
-    aten.copy_.default, aten.square.default, aten.abs.default, aten.erf.default, aten.log.default,
-    aten.pow.Tensor_Tensor,
-    aten.clamp.default, aten.minimum.default, aten.maximum.default, aten.sin.default, aten.cos.default,
-    aten.gelu_tanh.default if hasattr(aten, "gelu_tanh") else aten.gelu.default,
-    # in place (a query scaled with ``q.mul_(scale)`` in hand-written attention): the split dim
-    # passes the same way; the tensor written keeps its slice
-    aten.mul_.Tensor, aten.mul_.Scalar, aten.add_.Tensor, aten.add_.Scalar, aten.sub_.Tensor, aten.div_.Tensor,
-    aten.div_.Scalar,
-}
-
-
-def _ops(*names: str) -> set[object]:
-    """ATen overloads by ``"op.overload"`` name, those this torch has."""
-    out = set()
-    for name in names:
-        op, overload = name.split(".")
-        packet = getattr(aten, op, None)
-        if packet is not None and hasattr(packet, overload):
-            out.add(getattr(packet, overload))
-    return out
-
-
-# more pointwise ops: comparisons and masks (xIELU's ``where(x > 0, ..)``), activations (softplus)
-_ELEMENTWISE |= _ops(
-    "gt.Scalar", "gt.Tensor", "lt.Scalar", "lt.Tensor", "ge.Scalar", "ge.Tensor", "le.Scalar", "le.Tensor",
-    "eq.Scalar", "eq.Tensor", "ne.Scalar", "ne.Tensor", "logical_not.default", "logical_and.default",
-    "logical_or.default", "where.ScalarSelf", "where.ScalarOther", "where.Scalar", "masked_fill.Tensor",
-    "softplus.default", "expm1.default", "log1p.default", "exp2.default", "log2.default", "sign.default",
-    "sgn.default", "reciprocal.default", "clamp_min.default", "clamp_max.default", "clamp.Tensor",
-    "hardtanh.default", "leaky_relu.default", "elu.default", "mish.default", "hardswish.default",
-    "hardsigmoid.default", "rsub.Scalar", "rsub.Tensor", "pow.Scalar", "floor.default", "round.default",
-    "silu_.default", "relu_.default", "gelu_.default", "sigmoid_.default", "tanh_.default", "min.other",
-    "max.other")
-
 
 def ndim(n: object) -> int:
     v = n.meta.get("val") if isinstance(n, fx.Node) else None
@@ -559,7 +518,7 @@ _TRANSPOSE_OPS = [getattr(aten, name).default for name in ("mT", "mH", "adjoint"
                   if hasattr(aten, name)]
 
 #: op -> its rule; every op a split tensor may reach is here, or the walk refuses it by name
-RULES: dict[object, ShardRule] = {op: ShardRule(_elementwise, "elementwise") for op in _ELEMENTWISE}
+RULES: dict[object, ShardRule] = {op: ShardRule(_elementwise, "elementwise") for op in ELEMENTWISE_OPS}
 RULES.update({op: ShardRule(fn) for op, fn in {
     aten.mean.dim: _reduce_over, aten.sum.dim_IntList: _reduce_over, aten.amax.default: _reduce_over,
     aten.max.dim: _reduce_over, aten.min.dim: _reduce_over, aten.amin.default: _reduce_over,
