@@ -106,10 +106,25 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         n_groups=1, chunk_size=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1,
         max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # a dense MLP and an MoE side by side in each layer, the MoE's router, experts and norms the layer's own
+    # children (not under its mlp), the router reading the residual, the experts their own norm of it
+    "gemma4_moe": ("Gemma4ForCausalLM", "Gemma4TextConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+        hidden_size_per_layer_input=0, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # attention sinks as a scale on the attention output, sigmoid(logsumexp(scores) - sink), per head
+    "granite_swa": ("GraniteSWAForCausalLM", "GraniteSWAConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # multi-query attention: fused c_attn [q | one K head | one V head]
     "gpt_bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig", dict(
         vocab_size=128, n_embd=64, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),
 }
+
+
+#: parameters a family's init leaves equal across heads (zeros), drawn at random here so that a
+#: split that read the wrong head's would show
+RANDOM_INIT = {"granite_swa": ("sinks",)}
 
 
 class LogitsOnly(torch.nn.Module):
@@ -136,6 +151,10 @@ def build_hf(family: str, num_layers: int = 2, seed: int = 0, **overrides: Any) 
     extra = {"experts_implementation": experts_impl} if experts_impl else {}
     cls = getattr(transformers, model_cls)
     model = cls._from_config(cfg, **extra) if extra else cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in RANDOM_INIT.get(family, ())):
+                p.uniform_(-1.0, 1.0)
     return LogitsOnly(model.eval())
 
 

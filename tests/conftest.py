@@ -42,6 +42,10 @@ MODELS = {
     "nemotron_h": ("nemotron_h", 7, {}),
     # [Mamba attention MoE] [attention MLP]: a Mamba beside the attention of a layer (TP keeps it whole)
     "nemotron_h_tp": ("nemotron_h", 5, {"hybrid_override_pattern": "M*E*-"}),
+    # an MLP and an MoE side by side, the MoE's parts the layer's own children (Gemma-4)
+    "gemma4_moe": ("gemma4_moe", 2, {}),
+    # attention sinks as an LSE scale on the attention output (Granite-SWA)
+    "granite_swa": ("granite_swa", 2, {}),
     "llama2_v127": ("llama", 2, {"vocab_size": 127}),  # a vocabulary no TP group size divides
     # decode-shaped: one token per sequence (the sequence static), traced with 3 sequences
     "llama2_seq1": ("llama", 2, {"export_seq": 1, "export_batch": 3}),

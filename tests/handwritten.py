@@ -121,6 +121,52 @@ class LoopMoE(nn.Module):
         return out.view(b, s, h)
 
 
+class NormedMoE(LoopMoE):
+    """Top-k experts reading their own norm of the rows (an RMSNorm with a weight, the router
+    reading the rows as they came) and a learned per-expert scale on the routing weights,
+    gathered at the chosen experts (Gemma-4's MoE block)."""
+
+    def __init__(self, hidden: int, inter: int, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__(hidden, inter, experts, top_k)
+        self.norm = nn.RMSNorm(hidden, eps=1e-6)
+        self.per_expert_scale = nn.Parameter(torch.rand(experts) + 0.5)
+        nn.init.uniform_(self.norm.weight, 0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        t = x.reshape(b * s, h)
+        top, idx = self.router(t).softmax(-1).topk(self.top_k, dim=-1)
+        top = top / top.sum(-1, keepdim=True) * self.per_expert_scale[idx]
+        rows = self.norm(t)
+        out = torch.zeros_like(t)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(idx == e)
+            out.index_add_(0, tok, expert(rows[tok]) * top[tok, slot, None])
+        return out.view(b, s, h)
+
+
+class BiasedRouterMoE(LoopMoE):
+    """Top-k over the router's scores plus a score-correction buffer, the router's weight cast to
+    fp32 in the forward (``F.linear(x.float(), w.float())``), the chosen scores through a sigmoid
+    (DeepSeek-style routing written as Kolibri's router writes it)."""
+
+    def __init__(self, hidden: int, inter: int, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__(hidden, inter, experts, top_k)
+        self.register_buffer("score_bias", torch.linspace(-0.2, 0.2, experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        t = x.reshape(b * s, h)
+        logits = F.linear(t.float(), self.router.weight.float())
+        idx = torch.topk(logits + self.score_bias, self.top_k, dim=-1)[1]
+        top = logits.gather(1, idx).sigmoid()
+        out = torch.zeros_like(t)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(idx == e)
+            out.index_add_(0, tok, expert(t[tok]) * top[tok, slot, None])
+        return out.view(b, s, h)
+
+
 class EinsumMoE(nn.Module):
     """Top-k MoE as ``einsum`` over stacked ``[E, I, H]`` / ``[E, H, I]`` weights with a dense
     dispatch: every expert on every token, the outputs weighted by a ``one_hot`` routing matrix
@@ -379,7 +425,7 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(hidden), GQAAttention(hidden, heads, kv_heads)
         mlp = {False: SwiGLU, True: BmmMoE, "bmm": BmmMoE, "loop": LoopMoE, "einsum": EinsumMoE, "put": PutMoE,
-               "sort": SortMoE, "top1": Top1MoE, "relu2": Relu2MoE,
+               "sort": SortMoE, "top1": Top1MoE, "relu2": Relu2MoE, "normed": NormedMoE, "biased": BiasedRouterMoE,
                "lib": _lib_moe}[moe]
         self.mlp_norm, self.mlp = RMSNorm(hidden), mlp(hidden, inter)
 
@@ -401,6 +447,18 @@ class GQADecoder(nn.Module):
         x = self.embed(ids)
         for layer in self.layers:
             x = layer(x)
+        return self.head(self.norm(x))
+
+
+class Looped(GQADecoder):
+    """A looped decoder: its numbered layers run twice over (``for _ in range(2): for layer in
+    layers``, as recurrent-depth models reapply theirs): four applications of two layers' weights."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for _ in range(2):
+            for layer in self.layers:
+                x = layer(x)
         return self.head(self.norm(x))
 
 
@@ -585,6 +643,14 @@ def top1_moe() -> GQADecoder:
 
 def relu2_moe() -> GQADecoder:
     return GQADecoder(moe="relu2")
+
+
+def normed_moe() -> GQADecoder:
+    return GQADecoder(moe="normed")
+
+
+def biased_moe() -> GQADecoder:
+    return GQADecoder(moe="biased")
 
 
 def lib_moe() -> GQADecoder:
@@ -841,11 +907,12 @@ def dense_then_in_place_moe() -> GQADecoder:
 
 
 MODELS = {"gqa": GQADecoder, "bmm_moe": bmm_moe, "loop_moe": loop_moe, "einsum_moe": einsum_moe, "put_moe": put_moe,
-          "sort_moe": sort_moe, "top1_moe": top1_moe, "relu2_moe": relu2_moe, "lib_moe": lib_moe,
+          "sort_moe": sort_moe, "top1_moe": top1_moe, "relu2_moe": relu2_moe, "normed_moe": normed_moe,
+          "biased_moe": biased_moe, "lib_moe": lib_moe,
           "per_head_norm": per_head_norm, "per_head_norm_manual": per_head_norm_manual, "grouped_qkv": grouped_qkv,
           "nanogpt": NanoGPT, "flat": Flat,
           "meta_llama": MetaLlama, "torch_postnorm": TorchPostNorm, "parallel": parallel, "einsum": einsum,
-          "shared": SharedBlock, "split_head_norm": split_head_norm, "broadcast_mqa": broadcast_mqa,
+          "shared": SharedBlock, "looped": Looped, "split_head_norm": split_head_norm, "broadcast_mqa": broadcast_mqa,
           "dense_then_moe": dense_then_moe, "dense_then_lib_moe": lambda: dense_then_moe("lib"),
           "dense_then_aten_moe": lambda: dense_then_moe("aten"),
           "dense_then_in_place_moe": dense_then_in_place_moe}

@@ -150,7 +150,8 @@ def more_paths(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("handwritten")
     paths = {}
     for name in ("nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "parallel", "einsum", "shared",
-                 "per_head_norm", "per_head_norm_manual", "grouped_qkv", "broadcast_mqa", "split_head_norm"):
+                 "looped", "biased_moe", "per_head_norm", "per_head_norm_manual", "grouped_qkv", "broadcast_mqa",
+                 "split_head_norm"):
         paths[name] = str(folder / f"{name}.pt2")
         torch.export.save(export(MODELS[name]()), paths[name])
     return paths
@@ -179,6 +180,9 @@ MORE_TP = [("nanogpt", 2, 1, None), ("loop_moe", 2, 1, None), ("flat", 2, 1, Non
            ("parallel", 2, 1, None), ("einsum", 4, 2, (1, 2)),
            ("torch_postnorm", 4, 2, (1, 2)),  # nn.MultiheadAttention: heads folded into the batch for SDPA
            ("shared", 2, 1, None),  # one block as every layer: its weights sliced once
+           ("looped", 2, 1, None),  # numbered layers applied twice over
+           # a router read through a score bias before its top-k, its weight cast in the forward: kept whole
+           ("biased_moe", 2, 1, None),
            # per-head q/k norms ([H, D] affine: sliced with the heads, KV's replicated at tp 4), keys by .mT
            ("per_head_norm", 2, 1, None), ("per_head_norm", 4, 2, (1, 2)), ("per_head_norm_manual", 2, 1, None),
            # q/k/v packed per KV group, one group: the query heads split, K/V replicated (grouped_qkv.py)
@@ -187,7 +191,7 @@ MORE_TP = [("nanogpt", 2, 1, None), ("loop_moe", 2, 1, None), ("flat", 2, 1, Non
            ("broadcast_mqa", 2, 1, None), ("broadcast_mqa", 4, 2, (1, 2)),
            # per-head q/k LayerNorm modules over the heads split apart, concatenated back: merged first
            ("split_head_norm", 2, 1, None), ("split_head_norm", 4, 2, (1, 2))]
-MORE_AFD = ["nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "einsum", "shared",
+MORE_AFD = ["nanogpt", "loop_moe", "flat", "meta_llama", "torch_postnorm", "einsum", "shared", "looped",
             "per_head_norm", "grouped_qkv", "broadcast_mqa", "split_head_norm"]  # (parallel: as GPT-J's)
 
 
@@ -203,6 +207,22 @@ def test_more_hand_written_decoders_shard_and_split_and_match(more_paths):
     for case, res in zip(afd, run_cases(afd), strict=True):
         errs = [r["max_rel_err"] for r in res.values() if r["role"] == "attention"]
         assert len(errs) == 2 and max(errs) <= 1e-5, (case, res)
+
+
+def test_a_numbered_layer_applied_again_is_a_layer_each_time(more_paths):
+    # a looped decoder runs layers.0, layers.1, layers.0, layers.1: four layers (by module path, one
+    # layer's FFN region was two MLP applications reading two hidden states)
+    from afd_compile.passes.graph_utils import layers_of
+    from afd_compile.passes.roles import annotate_roles, module_path_policy
+    from afd_compile.programs import load_program
+
+    gm = load_program(more_paths["looped"]).module()
+    roles = module_path_policy(gm)
+    assert sorted({r.layer for r in roles.values() if r.layer is not None}) == [0, 1, 2, 3]
+    assert annotate_roles(gm).num_layers == 4
+    for parts in layers_of(gm).values():
+        ffn = [n for n in parts.members if n.meta["afd.role"].role.name == "FFN"]
+        assert sum(n.target == torch.ops.aten.linear.default for n in ffn) == 3
 
 
 def test_post_norm_parallel_and_fused_view_layers_are_found_by_structure(more_paths):

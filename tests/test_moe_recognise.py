@@ -43,6 +43,9 @@ FORMS = [
     # non-gated experts with a squared ReLU (Nemotron-H's)
     ("dense-bmm-relu2", lambda: export(MODELS["relu2_moe"]()), "stacked-weight bmm", "relu2"),
     ("dense-einsum", lambda: export(MODELS["einsum_moe"]()), "stacked-weight bmm", "silu"),
+    # the experts' own norm of the rows (a weight of its own), a per-expert scale on the routing weights (Gemma-4's)
+    ("loop-normed-rows-expert-scale", lambda: export(MODELS["normed_moe"]()), "loop over experts (index_add_)",
+     "silu"),
     ("loop-index_put-gelu-bias", lambda: export(MODELS["put_moe"]()), "loop over experts (index_put_)", "gelu"),
     # GPT-OSS: a clamped GLU (alpha, limit read from the graph), gate/up interleaved, expert biases
     ("hf-gpt_oss-clamped-glu", lambda: export_lm(build_hf("gpt_oss", experts_implementation="grouped_mm")),

@@ -24,6 +24,8 @@ CASES += [("bloom", 3, 2, False)]
 CASES += [("jamba", 3, 2, False)]
 # every mixer a block of its own (Nemotron-H): layers end at each MLP / MoE block; one has no token mixer
 CASES += [("nemotron_h", 3, 2, True)]
+# an MLP and an MoE side by side (Gemma-4): both on the FFN ranks
+CASES += [("gemma4_moe", 2, 1, False)]
 # zero-token attention ranks: the FFN rank fans in only the peers that have tokens
 ZERO = [("llama3", 2, 1, False, (3, 0)), ("qwen3moe3_mixed", 3, 2, True, (0, 2, 0))]
 

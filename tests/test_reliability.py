@@ -622,10 +622,12 @@ def _refusing_layout(rank: int, world: int, how: str = "refuse", done: str = "")
     return (*said, failed, time.monotonic() - t)
 
 
-def test_a_refusal_on_one_rank_of_a_backend_layout_stops_every_rank_at_once():
+def test_a_refusal_on_one_rank_of_a_backend_layout_stops_every_rank_at_once(tmp_path):
     from afd_compile.runtime import run_local
 
-    out = run_local(_refusing_layout, 2, timeout_s=60)  # (without the agreement: rank 1 waits 60 s in a group)
+    # (rank 0 holds the store: it stays up until rank 1 has read its refusal, else rank 1 may read only that
+    # the store went away, as the next test allows; without the agreement rank 1 waits 60 s in a group)
+    out = run_local(_refusing_layout, 2, "refuse", str(tmp_path / "done"), timeout_s=60)
     ffn, attention = out[0], out[1]
     assert ffn[0] == "BackendOptionError" and "an AFD FFN rank runs programs over a token count" in ffn[1], ffn
     assert attention[0] == "PeerRefused" and attention[1].startswith("rank 0 refused it (afd backend: rank 0: an AFD "

@@ -289,3 +289,20 @@ def test_mixers_as_blocks_make_layers_that_end_at_each_mlp_or_moe_block(exported
     ffn_paths = {p for n in gm.graph.nodes if n.meta[META_KEY].role is Role.FFN for p in module_paths(n)[-1:]}
     assert all(".mixer" in p for p in ffn_paths), ffn_paths
     assert non_attention_layers(gm) == [2]  # layer 1 (an MLP alone) mixes no tokens: not a token mixer
+
+
+def test_an_moe_beside_the_mlp_module_is_in_the_ffn_region(exported):
+    # Gemma-4: each layer's mlp, and beside it an MoE whose router, experts and norms are the layer's own
+    # children; by module path alone the MoE stayed on the attention side (not disaggregated)
+    from afd_compile.passes.module_paths import module_paths
+    from afd_compile.passes.roles import default_policy
+
+    gm = exported("gemma4_moe")[0].module()
+    by_path = module_path_policy(gm)
+    assert not any(r.role is Role.FFN for n, r in by_path.items() if ".experts" in "".join(module_paths(n)[-1:]))
+    roles = default_policy(gm)
+    ffn = {p.split(".")[4] for n, r in roles.items() if r.role is Role.FFN
+           for p in module_paths(n)[-1:] if p.count(".") >= 4}  # (model.model.layers.N.<child>...)
+    assert {"mlp", "router", "experts"} <= ffn, ffn
+    summary = annotate_roles(gm)
+    assert summary.num_layers == 2 and all(r is not None for r in summary.routers)

@@ -411,6 +411,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("bloom", 4, 2, (2, 3)),             # heads folded into the batch for baddbmm, its ALiBi bias read per rank
     ("gpt_oss", 2, 1, (2,)),             # attention sinks, interleaved gate_up, expert biases added once
     ("nemotron_h_tp", 4, 2, (2, 3)),     # mixers as blocks: a Mamba beside a layer's attention, replicated
+    ("granite_swa", 4, 1, (2,)),         # sinks as sigmoid(logsumexp(scores) - sink): per head, sliced
 ]
 
 

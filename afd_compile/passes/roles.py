@@ -107,11 +107,7 @@ def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
     per-token blocks (a model that writes every mixer as its own block), the layers are the
     blocks grouped as ``passes/mixer_blocks.py`` says. Raises NoStructureError when the graph
     has no module paths or a layer has no such child."""
-    layer_of: dict[fx.Node, str] = {}
-    for node in gm.graph.nodes:
-        lp = layer_path(module_paths(node))
-        if lp is not None:
-            layer_of[node] = lp
+    layer_of = _applications(gm)
     # layers numbered in the order they compute: a get_attr hoisted to the graph's top (a weight a
     # higher-order op's submodule reads, e.g. under autocast) says nothing of when its layer runs
     computing = [lp for n, lp in layer_of.items() if n.op == "call_function"]
@@ -122,16 +118,16 @@ def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
     children_of: dict[str, set[str]] = {lp: set() for lp in order}
     for n, owner in layer_of.items():
         for p in module_paths(n):
-            if p.startswith(owner + "."):
-                children_of[owner].add(p[len(owner) + 1 :].split(".")[0])
+            if p.startswith(_path(owner) + "."):
+                children_of[owner].add(p[len(_path(owner)) + 1 :].split(".")[0])
     named = {lp: next((c for c in FFN_MODULE_NAMES if c in children_of[lp]), None) for lp in order}
-    ffn_child = {lp: f"{lp}.{c}" if c else None for lp, c in named.items()}
+    ffn_child = {lp: f"{_path(lp)}.{c}" if c else None for lp, c in named.items()}
     by_blocks = False
     if not any(named.values()):  # single-mixer blocks?
         members: dict[str, list[fx.Node]] = {lp: [] for lp in order}
         for n, lp in layer_of.items():
             members[lp].append(n)
-        blocks = {lp: per_token_child(lp, members[lp]) for lp in order}
+        blocks = {lp: per_token_child(_path(lp), members[lp]) for lp in order}
         by_blocks = any(blocks.values())
         if by_blocks:
             ffn_child, index = blocks, block_layers(order, blocks)
@@ -139,8 +135,8 @@ def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
     if missing and not by_blocks:
         raise NoStructureError(
             f"layer {missing[0]} has no MLP child module (looked for {FFN_MODULE_NAMES}; children: "
-            f"{sorted(children_of[missing[0]])}), and no layer is a per-token block (an MLP or MoE as a layer "
-            "of its own)")
+            f"{sorted(children_of[missing[0]])})" + ("" if any(named.values()) else
+                                                     ", and no layer is a per-token block (an MLP or MoE alone)"))
     roles: dict[fx.Node, NodeRole] = {}
     for node in gm.graph.nodes:
         lp = layer_of.get(node)
@@ -152,6 +148,37 @@ def module_path_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
         roles[node] = NodeRole(index[lp], Role.FFN if in_ffn else Role.ATTENTION)
     _residual_adds_out(roles)
     return roles
+
+
+def _path(layer: str) -> str:
+    """A layer's module path (``...layers.N#k``, its k-th application: ``...layers.N``)."""
+    return layer.split("#")[0]
+
+
+def _applications(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """Each node's decoder layer, ``...layers.N``. A layer module applied again after another
+    layer ran (a looped model that runs its layers several times over: Dory) is a layer again
+    each time, ``...layers.N#k`` for its k-th application, when every application computes under
+    its MLP child (else it is one layer with a node traced late, as before)."""
+    plain: dict[fx.Node, str] = {}
+    applied: dict[fx.Node, str] = {}
+    runs: dict[str, int] = {}
+    last = None
+    for node in gm.graph.nodes:
+        lp = layer_path(module_paths(node))
+        if lp is None:
+            continue
+        if node.op == "call_function" and lp != last:
+            runs[lp] = runs[lp] + 1 if lp in runs else 0
+            last = lp
+        plain[node] = lp
+        applied[node] = f"{lp}#{runs[lp]}" if runs.get(lp) else lp
+    if applied == plain:
+        return plain
+    under_mlp = {key for n, key in applied.items() if n.op == "call_function" and any(
+        p[len(plain[n]) + 1 :].split(".")[0] in FFN_MODULE_NAMES for p in module_paths(n)
+        if p.startswith(plain[n] + "."))}
+    return applied if set(applied.values()) <= under_mlp else plain
 
 
 def _residual_adds_out(roles: dict[fx.Node, NodeRole]) -> None:
@@ -377,14 +404,31 @@ def _mlp_add(span: list[fx.Node], h1: fx.Node, before: set[fx.Node],
 
 
 def default_policy(gm: fx.GraphModule) -> dict[fx.Node, NodeRole]:
-    """Module paths when the graph has them, structure otherwise."""
+    """Module paths when the graph has them, structure otherwise; structure also where a layer's
+    MLP module leaves an MoE router on the attention side (an MoE beside the MLP whose router and
+    experts are the layer's own children, Gemma-4's) and the structure's FFN regions hold both."""
     try:
-        return module_path_policy(gm)
+        roles = module_path_policy(gm)
     except NoStructureError as first:
         try:
             return structural_policy(gm)
         except NoStructureError as second:
             raise NoStructureError(f"by module path: {first}; by structure: {second}") from None
+    sides: dict[int, list[fx.Node]] = {}
+    for n, r in roles.items():
+        if r.layer is not None and r.role is Role.ATTENTION:
+            sides.setdefault(r.layer, []).append(n)
+    left = [router for side in sides.values() if (router := find_router(side)) is not None]
+    if not left:
+        return roles
+    try:
+        wider = structural_policy(gm)
+    except NoStructureError:
+        return roles
+    ffn = {n for n, r in roles.items() if r.role is Role.FFN}
+    if all(wider[n].role is Role.FFN and wider[n].layer == roles[n].layer for n in [*ffn, *left]):
+        return wider
+    return roles
 
 
 #: Policies by name (CLI ``--policy``).

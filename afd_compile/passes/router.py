@@ -82,6 +82,17 @@ def _reaches_select(n: fx.Node, members: set[fx.Node]) -> bool:
             continue
         if u.target in ROUTER_SELECT_OPS:
             return True
-        if u.target in PASSTHROUGH_OPS:
+        if u.target in PASSTHROUGH_OPS or _score_bias(u):
             frontier.extend(u.users)
     return False
+
+
+#: arithmetic that keeps scores scores when the other operand is a constant or a parameter
+_SCORE_ARITHMETIC = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor}
+
+
+def _score_bias(u: fx.Node) -> bool:
+    """``scores + bias`` with a bias parameter or buffer (a score correction read before the
+    top-k, DeepSeek's and Kolibri's), or the scores scaled by a constant."""
+    return u.target in _SCORE_ARITHMETIC and len(u.args) == 2 and any(
+        not isinstance(a, fx.Node) or a.op == "get_attr" for a in u.args)

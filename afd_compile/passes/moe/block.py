@@ -261,7 +261,10 @@ def _block(gm: fx.GraphModule, c: Choice, end: fx.Node, order: dict[fx.Node, int
     closure = _closure(end, source, order)
     inside = set(closure)
     experts = _forward(x, inside, blocked=router) - {x}
-    reads = ancestors(experts, within=inside | experts)
+    # what the expert path reads, not through the rows (a norm of them with its weight: Gemma-4's)
+    # nor the routing weights (a per-expert scale gathered at the chosen experts weighs the routing)
+    weighing = {n for n, _ in _routing(c, closure, experts, router)}
+    reads = ancestors(experts, stop=lambda n: n is x or n in weighing, within=inside | experts)
     # (a get_attr node may be the router's ancestor too: a block applied as several layers)
     params = sorted({a for n in reads - router for a in n.all_input_nodes if a.op == "get_attr"},
                     key=order.__getitem__)
@@ -299,3 +302,26 @@ def _forward(x: fx.Node, inside: set[fx.Node], blocked: set[fx.Node]) -> set[fx.
         seen.add(n)
         stack.extend(n.users)
     return seen
+
+
+def routing_candidates(block: Block) -> list[tuple[fx.Node, bool]]:
+    """Routing-weight tensors computed from the choice, latest first: ``[T, K]`` ones (``[T]``
+    for one expert per token), then dense ``[T, E]`` ones (read at the chosen experts)."""
+    return _routing(block.choice, block.closure, block.experts, block.router)
+
+
+def _routing(c: Choice, closure: list[fx.Node], experts: set[fx.Node],
+             router: set[fx.Node]) -> list[tuple[fx.Node, bool]]:
+    tokens, k, e = c.ids.meta["val"].shape[0], c.top_k, c.num_experts
+    out: list[tuple[fx.Node, bool]] = []
+    for n in reversed([n for n in closure if n not in experts and n not in router]):
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 1 and k == 1 and \
+                same(v.shape[0], tokens):
+            out.append((n, False))
+        elif isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 2 and same(v.shape[0], tokens):
+            if same(v.shape[1], k):
+                out.append((n, False))
+            elif same(v.shape[1], e):
+                out.append((n, True))
+    return sorted(dict.fromkeys(out), key=lambda c: c[1])

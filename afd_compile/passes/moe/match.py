@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from ...moe import ACTIVATIONS, GLU_ACTIVATIONS, reference
 from ..graph_utils import get_attr_path
-from .block import Block, hint, same
+from .block import Block, hint, routing_candidates
 
 aten = torch.ops.aten
 
@@ -145,24 +145,6 @@ def _activation(n: fx.Node) -> str | None:
         return "gelu_tanh" if n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none") == "tanh" \
             else "gelu"
     return None
-
-
-def routing_candidates(block: Block) -> list[tuple[fx.Node, bool]]:
-    """Routing-weight tensors computed from the choice, latest first: ``[T, K]`` ones (``[T]``
-    for one expert per token), then dense ``[T, E]`` ones (read at the chosen experts)."""
-    tokens, k, e = block.ids.meta["val"].shape[0], block.top_k, block.num_experts
-    out: list[tuple[fx.Node, bool]] = []
-    for n in reversed([n for n in block.closure if n not in block.experts and n not in block.router]):
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 1 and k == 1 and \
-                same(v.shape[0], tokens):
-            out.append((n, False))
-        elif isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 2 and same(v.shape[0], tokens):
-            if same(v.shape[1], k):
-                out.append((n, False))
-            elif same(v.shape[1], e):
-                out.append((n, True))
-    return sorted(dict.fromkeys(out), key=lambda c: c[1])
 
 
 # --- the weights ------------------------------------------------------------------------------

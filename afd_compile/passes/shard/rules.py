@@ -523,6 +523,7 @@ RULES.update({op: ShardRule(fn) for op, fn in {
     aten.mean.dim: _reduce_over, aten.sum.dim_IntList: _reduce_over, aten.amax.default: _reduce_over,
     aten.max.dim: _reduce_over, aten.min.dim: _reduce_over, aten.amin.default: _reduce_over,
     aten.softmax.int: _reduce_over, aten._softmax.default: _reduce_over, aten._safe_softmax.default: _reduce_over,
+    aten.logsumexp.default: _reduce_over,  # (attention sinks as an LSE scale: Granite-SWA's)
     aten.transpose.int: _transpose, aten.permute.default: _permute,
     **{op: _reverse_dims for op in _TRANSPOSE_OPS}, aten.unsqueeze.default: _unsqueeze,
     aten.slice.Tensor: _along_other_dim, aten.cat.default: _along_other_dim, aten.chunk.default: _along_other_dim,
