@@ -112,6 +112,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
         hidden_size_per_layer_input=0, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # MLA with a sparse-attention indexer (its own projections pick the keys each query attends: the mask)
+    "deepseek_v32": ("DeepseekV32ForCausalLM", "DeepseekV32Config", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=8, max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1, bos_token_id=0, eos_token_id=0, pad_token_id=0)),
     # attention sinks as a scale on the attention output, sigmoid(logsumexp(scores) - sink), per head
     "granite_swa": ("GraniteSWAForCausalLM", "GraniteSWAConfig", dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

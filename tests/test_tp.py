@@ -412,6 +412,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("gpt_oss", 2, 1, (2,)),             # attention sinks, interleaved gate_up, expert biases added once
     ("nemotron_h_tp", 4, 2, (2, 3)),     # mixers as blocks: a Mamba beside a layer's attention, replicated
     ("granite_swa", 4, 1, (2,)),         # sinks as sigmoid(logsumexp(scores) - sink): per head, sliced
+    ("deepseek_v32", 4, 2, (2, 1)),      # MLA + a sparse-attention indexer (the mask's projections replicated)
 ]
 
 

@@ -98,7 +98,9 @@ def _shard_attention(gm: fx.GraphModule, parts: object, attn_ops: list[fx.Node],
            and not role_of(n).router]
     anchor = attention_output(attn)  # explicit attention: v enters at the matmul after the softmax
     layer_nodes = set(members)  # walks stay inside the layer: linear in the graph, not quadratic
-    before = ancestors([anchor], within=layer_nodes)
+    # (SDPA: what its q, k and v are computed from; not its mask, which an indexer's own projections may
+    # compute, as DeepSeek-V3.2's sparse attention picks the keys: replicated, they need no split)
+    before = ancestors(attn.args[:3] if attn.target in SDPA_OPS else [anchor], within=layer_nodes)
     cols = [n for n in lin if n in before and reads_weight(n)]  # not e.g. the rotary inv_freq matmul
     # only the projections that feed attention directly: a low-rank down projection before
     # another one (DeepSeek's MLA q_a_proj / kv_a_proj) stays replicated
