@@ -108,16 +108,24 @@ class LoopMoE(nn.Module):
         self.router = nn.Linear(hidden, experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(hidden, inter) for _ in range(experts))
 
+    def route(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing weights and the chosen experts, ``[T, K]`` each."""
+        top, idx = self.router(t).softmax(-1).topk(self.top_k, dim=-1)
+        return top / top.sum(-1, keepdim=True), idx
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """What the experts read of the token rows."""
+        return t
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         t = x.reshape(b * s, h)
-        probs = self.router(t).softmax(-1)
-        top, idx = probs.topk(self.top_k, dim=-1)
-        top = top / top.sum(-1, keepdim=True)
+        top, idx = self.route(t)
+        rows = self.rows(t)
         out = torch.zeros_like(t)
         for e, expert in enumerate(self.experts):
             tok, slot = torch.where(idx == e)
-            out.index_add_(0, tok, expert(t[tok]) * top[tok, slot, None])
+            out.index_add_(0, tok, expert(rows[tok]) * top[tok, slot, None])
         return out.view(b, s, h)
 
 
@@ -132,17 +140,12 @@ class NormedMoE(LoopMoE):
         self.per_expert_scale = nn.Parameter(torch.rand(experts) + 0.5)
         nn.init.uniform_(self.norm.weight, 0.5, 1.5)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        t = x.reshape(b * s, h)
-        top, idx = self.router(t).softmax(-1).topk(self.top_k, dim=-1)
-        top = top / top.sum(-1, keepdim=True) * self.per_expert_scale[idx]
-        rows = self.norm(t)
-        out = torch.zeros_like(t)
-        for e, expert in enumerate(self.experts):
-            tok, slot = torch.where(idx == e)
-            out.index_add_(0, tok, expert(rows[tok]) * top[tok, slot, None])
-        return out.view(b, s, h)
+    def route(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, idx = super().route(t)
+        return top * self.per_expert_scale[idx], idx
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        return self.norm(t)
 
 
 class BiasedRouterMoE(LoopMoE):
@@ -154,17 +157,10 @@ class BiasedRouterMoE(LoopMoE):
         super().__init__(hidden, inter, experts, top_k)
         self.register_buffer("score_bias", torch.linspace(-0.2, 0.2, experts))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        t = x.reshape(b * s, h)
+    def route(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(t.float(), self.router.weight.float())
         idx = torch.topk(logits + self.score_bias, self.top_k, dim=-1)[1]
-        top = logits.gather(1, idx).sigmoid()
-        out = torch.zeros_like(t)
-        for e, expert in enumerate(self.experts):
-            tok, slot = torch.where(idx == e)
-            out.index_add_(0, tok, expert(t[tok]) * top[tok, slot, None])
-        return out.view(b, s, h)
+        return logits.gather(1, idx).sigmoid(), idx
 
 
 class EinsumMoE(nn.Module):
