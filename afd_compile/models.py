@@ -118,6 +118,14 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         head_dim=8, max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
         qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1, bos_token_id=0, eos_token_id=0, pad_token_id=0)),
+    # MLA-style attention with a sparse-attention indexer written out (eager: matmul, sinks joined to the scores),
+    # four residual streams mixed by hyper-connections, MoE after a dense first layer
+    "hy_v4": ("HYV4ForCausalLM", "HYV4Config", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=8, max_position_embeddings=128, n_routed_experts=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0)),
     # attention sinks as a scale on the attention output, sigmoid(logsumexp(scores) - sink), per head
     "granite_swa": ("GraniteSWAForCausalLM", "GraniteSWAConfig", dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

@@ -48,6 +48,8 @@ MODELS = {
     "granite_swa": ("granite_swa", 2, {}),
     # MLA with a sparse-attention indexer (DeepSeek-V3.2)
     "deepseek_v32": ("deepseek_v32", 2, {}),
+    # eager MLA-style attention with an indexer, four residual streams (hyper-connections: HY-V4)
+    "hy_v4": ("hy_v4", 2, {}),
     "llama2_v127": ("llama", 2, {"vocab_size": 127}),  # a vocabulary no TP group size divides
     # decode-shaped: one token per sequence (the sequence static), traced with 3 sequences
     "llama2_seq1": ("llama", 2, {"export_seq": 1, "export_batch": 3}),

@@ -333,6 +333,15 @@ def test_a_layer_with_no_token_mixer_under_tp_is_refused_naming_it(exported):
         _program(exported, "nemotron_h", TPLayout(2))
 
 
+def test_residual_streams_under_dp_attention_are_refused_naming_the_sum(exported):
+    # HY-V4 keeps four residual streams [b, s, 4, H] (hyper-connections): DP attention would gather a
+    # rank's tokens as rows of one stream (it failed at run time: 4x the rows)
+    for layout in (TPLayout(4, 2), TPLayout(2, dense_dp=True)):
+        with pytest.raises(TPRewriteError, match=r"layer 0: the residual sum after attention \S+ \[\S+, \S+, 4, 64\] "
+                                                 r"holds more than one hidden state a token"):
+            _program(exported, "hy_v4", layout)
+
+
 def test_expert_parallel_needs_experts_that_divide(exported):
     with pytest.raises(ShardError, match="layer 0: .*4 experts do not divide over 8"):
         _program(exported, "qwen3moe2", TPLayout(8, 8, moe_a2a=True))
@@ -413,6 +422,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("nemotron_h_tp", 4, 2, (2, 3)),     # mixers as blocks: a Mamba beside a layer's attention, replicated
     ("granite_swa", 4, 1, (2,)),         # sinks as sigmoid(logsumexp(scores) - sink): per head, sliced
     ("deepseek_v32", 4, 2, (2, 1)),      # MLA + a sparse-attention indexer (the mask's projections replicated)
+    ("hy_v4", 2, 1, (2,)),               # eager attention + indexer (the mask added to the scores), 4 streams
 ]
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import TPRewriteError
+from .symbolic import sym_expr
 
 
 def rebind_token_sizes(b: object, ffn: list[fx.Node], sizes: list[fx.Node], dims: list[object],
@@ -87,7 +88,7 @@ def residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, whe
     for u in row.users:
         if u.target in ADD_OPS and len(u.all_input_nodes) == 2:
             other = next(a for a in u.all_input_nodes if a is not row)
-            return u, row, other
+            return _one_stream(u, row, where), row, other
     # a norm between the projection and the residual add (Gemma-2, OLMo-2): the first add that
     # joins a value computed from the projection with one that is not (the residual)
     inside = set(members)
@@ -95,9 +96,34 @@ def residual_add_after_attention(members: list[fx.Node], first_ffn: fx.Node, whe
     for n in members[pos[row] + 1:]:
         if n in down and n.target in ADD_OPS and len(n.all_input_nodes) == 2 and (
                 sum(a in down for a in n.all_input_nodes) == 1):
-            return n, row, None
+            return _one_stream(n, row, where), row, None
     raise TPRewriteError(f"{where}: the attention output projection {row.name} never reaches a residual add "
                          f"(it feeds {[f'{u.name} ({u.target})' for u in row.users]})")
+
+
+def _one_stream(h1: fx.Node, row: fx.Node, where: str) -> fx.Node:
+    """``h1``, the residual sum after attention, when it holds one hidden state a token as the
+    attention output ``row`` does; else (several residual streams, as hyper-connections keep:
+    ``[b, s, streams, H]``) a refusal: moving a rank's tokens moves rows of one stream."""
+    if _rows(h1) != _rows(row):
+        raise TPRewriteError(
+            f"{where}: the residual sum after attention {h1.name} {list(h1.meta['val'].shape)} holds more than one "
+            f"hidden state a token (several residual streams, as hyper-connections keep) beside the attention "
+            f"output {row.name} {list(row.meta['val'].shape)}: DP attention and SCATTERED MLPs move a rank's tokens "
+            "as rows of one stream, and do not take it yet; standard TP (--attn-dp 1, no --moe-a2a / --dense-dp) "
+            "and AFD run it")
+    return h1
+
+
+def _rows(n: fx.Node) -> object:
+    """A tensor's rows of its last dim (the product of the other dims), as a sympy expression."""
+    v = n.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        return None
+    rows = sym_expr(1)
+    for d in v.shape[:-1]:
+        rows = rows * sym_expr(d)
+    return rows
 
 
 def parallel_residual(members: list[fx.Node], mlp_inputs: list[fx.Node]) -> bool:

@@ -247,6 +247,30 @@ def attention_output(attn: fx.Node) -> fx.Node:
     return attn
 
 
+def attention_inputs(attn: fx.Node) -> list[fx.Node]:
+    """What an attention op's q, k and v are (not its mask: an indexer of sparse attention computes
+    one from projections of its own): SDPA's first three arguments; for an explicit ``softmax(q @
+    k^T + mask) @ v``, the inputs of the scores' matmul (the one shaped as the softmax's input but
+    for its keys, back through the scale, the mask add, casts and joined sinks) and the value side
+    of the output's. Falls back to :func:`attention_output` where the scores' matmul is not found."""
+    if attn.target in SDPA_OPS:
+        return [a for a in attn.args[:3] if isinstance(a, fx.Node)]
+    out = attention_output(attn)
+    shape = attn.args[0].meta.get("val").shape if isinstance(attn.args[0], fx.Node) and isinstance(
+        attn.args[0].meta.get("val"), torch.Tensor) else None
+    frontier, scores = [attn.args[0]], None
+    for _ in range(6):
+        scores = next((n for n in frontier if n.target in MATMUL_OPS and shape is not None and isinstance(
+            n.meta.get("val"), torch.Tensor) and n.meta["val"].shape[:-1] == shape[:-1]), None)
+        if scores is not None:
+            break
+        frontier = [a for n in frontier for a in n.all_input_nodes]
+    if scores is None or out is attn:
+        return [out]
+    probs = descendants(attn)
+    return [*scores.all_input_nodes, *(a for a in out.all_input_nodes if a not in probs)]
+
+
 def writes_first_arg(n: fx.Node) -> bool:
     """The op updates its first argument in place (its schema says so: ``index_copy_``, ``add_``)."""
     schema = getattr(n.target, "_schema", None)

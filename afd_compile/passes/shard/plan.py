@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..graph_utils import attention_output, layers_of, reads_weight
+from ..graph_utils import attention_inputs, layers_of, reads_weight
 from ..mixer_blocks import mixes_tokens
 from ..op_kinds import LINEAR_OPS, SDPA_OPS
 from ..roles import Role, is_attention_op, role_of
@@ -96,11 +96,10 @@ def _shard_attention(gm: fx.GraphModule, parts: object, attn_ops: list[fx.Node],
     attn = attn_ops[0]
     lin = [n for n in members if n.target in LINEAR_OPS and role_of(n).role is Role.ATTENTION
            and not role_of(n).router]
-    anchor = attention_output(attn)  # explicit attention: v enters at the matmul after the softmax
     layer_nodes = set(members)  # walks stay inside the layer: linear in the graph, not quadratic
-    # (SDPA: what its q, k and v are computed from; not its mask, which an indexer's own projections may
-    # compute, as DeepSeek-V3.2's sparse attention picks the keys: replicated, they need no split)
-    before = ancestors(attn.args[:3] if attn.target in SDPA_OPS else [anchor], within=layer_nodes)
+    # (what q, k and v are computed from; not the mask, which an indexer's own projections may compute, as
+    # DeepSeek-V3.2's and HY-V4's sparse attention pick the keys: replicated, they need no split)
+    before = ancestors(attention_inputs(attn), within=layer_nodes)
     cols = [n for n in lin if n in before and reads_weight(n)]  # not e.g. the rotary inv_freq matmul
     # only the projections that feed attention directly: a low-rank down projection before
     # another one (DeepSeek's MLA q_a_proj / kv_a_proj) stays replicated
