@@ -423,6 +423,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("granite_swa", 4, 1, (2,)),         # sinks as sigmoid(logsumexp(scores) - sink): per head, sliced
     ("deepseek_v32", 4, 2, (2, 1)),      # MLA + a sparse-attention indexer (the mask's projections replicated)
     ("hy_v4", 2, 1, (2,)),               # eager attention + indexer (the mask added to the scores), 4 streams
+    ("gemma4_moe", 2, 1, (3,)),          # MLP and MoE normalised apart before their sum: each settled apart
 ]
 
 

@@ -101,7 +101,9 @@ def _annotate(w: TPWork) -> None:
 
 
 def _plan_shards(w: TPWork) -> None:
-    w.shards = plan_shards(w.gm, attn_parts=w.layout.attn_tp, mlp_parts=w.layout.tp, replicated_mlp=w.scattered)
+    lay = w.layout  # (standard TP all-reduces each row output; the other modes settle once at the block output)
+    w.shards = plan_shards(w.gm, attn_parts=lay.attn_tp, mlp_parts=lay.tp, replicated_mlp=w.scattered,
+                           settle_apart=lay.attn_dp == 1 and not lay.moe_a2a and not lay.dense_dp)
 
 
 def _apply_shards(w: TPWork) -> None:

@@ -40,9 +40,11 @@ def refuse_unrecognised_moe(gm: fx.GraphModule, where: str) -> None:
 
 
 def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
-                replicated_mlp: frozenset[int] = frozenset()) -> ShardPlan:
+                replicated_mlp: frozenset[int] = frozenset(), settle_apart: bool = False) -> ShardPlan:
     """Find the linears of every layer and follow their splits. Needs ``afd.role``. The MLPs of
-    the ``replicated_mlp`` layers keep their full weights (a data-parallel MLP)."""
+    the ``replicated_mlp`` layers keep their full weights (a data-parallel MLP). ``settle_apart``
+    (standard TP, which all-reduces each row output it is given): an MLP whose partial sums meet
+    through something not linear in them settles each where it is made (:func:`shard_mlp`)."""
 
     weights: list[ShardedWeight] = []
     fixes: list[ArgFix] = []
@@ -62,9 +64,10 @@ def plan_shards(gm: fx.GraphModule, attn_parts: int, mlp_parts: int,
                          states, operands)
         if mlp_parts > 1 and layer not in replicated_mlp:
             mlp_means: list[fx.Node] = []  # (BitNet's norm over the intermediate size before down_proj)
-            settle = shard_mlp(gm, ffn, parts.ffn_output, mlp_parts, where, weights, fixes, operands, once, mlp_means)
+            settle = shard_mlp(gm, ffn, parts.ffn_output, mlp_parts, where, weights, fixes, operands, once, mlp_means,
+                               settle_apart)
             split_means.extend((m.name, "mlp", layer, mlp_parts) for m in mlp_means)
-            rows_out.append((settle.name, "mlp", layer))
+            rows_out.extend((n.name, "mlp", layer) for n in settle)
         else:
             shard_mlp(gm, ffn, parts.ffn_output, 1, where, [], [], [], [], [])  # (checks the MLP has pairs)
     return ShardPlan(one_slice_per_weight(weights), tuple(fixes), tuple(rows_out), tuple(split_means), tuple(states),
@@ -121,12 +124,15 @@ def _shard_attention(gm: fx.GraphModule, parts: object, attn_ops: list[fx.Node],
 
 def shard_mlp(gm: fx.GraphModule, members: list[fx.Node], out: fx.Node, parts: int, where: str,
               weights: list[ShardedWeight], fixes: list[ArgFix], operands: list[SlicedOperand],
-              once: list[OnceOperand], means: list[fx.Node] | None = None) -> fx.Node:
+              once: list[OnceOperand], means: list[fx.Node] | None = None, settle_apart: bool = False
+              ) -> list[fx.Node]:
     """The weight split of one MLP or MoE block over ``parts`` ranks (``members``: its nodes,
     graph order; ``out``: its output), the one rule set TP and AFD FFN TP groups share: each
     column/row pair of projections, each ``afd::moe_experts`` op (a pair in one node). Returns
-    the node whose value is the pending partial sum to settle: the down projection itself when it
-    is the block's only pair and its output, else ``out`` (everything between checked linear)."""
+    the nodes whose values are the pending partial sums to settle: the down projection itself when
+    it is the block's only pair and its output, else ``out`` (everything between checked linear);
+    with ``settle_apart``, where something between is not linear in them (Gemma-4 normalises the
+    MLP's and the MoE's outputs apart before adding them), each row output itself."""
     from ..router import find_router
 
     region = set(members)
@@ -139,17 +145,25 @@ def shard_mlp(gm: fx.GraphModule, members: list[fx.Node], out: fx.Node, parts: i
         raise ShardError(f"{where}: the MLP has no down projection fed by up projections "
                          f"(projections found: {[n.name for n in projs]})")
     if parts == 1:
-        return out
+        return [out]
     for op in moe_ops:
         weights.extend(moe_op_shards(op, parts, "mlp", where))
     for cols, row in pairs:
         shard_pair(gm, cols, row, parts, "mlp", weights, fixes, where, means, operands=operands)
     if not moe_ops and len(pairs) == 1 and _producer_linear(out, region) is pairs[0][1]:
-        return pairs[0][1]  # settle right after the down projection
+        return [pairs[0][1]]  # settle right after the down projection
     # several partial sums (experts + shared experts) or a combine step: settle at the block output
-    check_linear_path([*moe_ops, *(row for _, row in pairs)], out, region | {out}, where, once,
-                      cols=[c for cs, _ in pairs for c in cs])
-    return out
+    rows = [*moe_ops, *(row for _, row in pairs)]
+    kept = len(once)
+    try:
+        check_linear_path(rows, out, region | {out}, where, once, cols=[c for cs, _ in pairs for c in cs])
+    except ShardError as e:
+        if not settle_apart:
+            raise ShardError(f"{e} (standard TP settles each apart; DP attention, --moe-a2a, --dense-dp and FFN "
+                             "groups settle once at the block output)") from None
+        del once[kept:]  # (settled apart, a bias added after them is added to full values, on every rank)
+        return rows
+    return [out]
 
 
 def _attention_heads(attn: fx.Node) -> int | None:
