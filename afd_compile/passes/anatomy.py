@@ -10,7 +10,6 @@ import torch
 import torch.fx as fx
 
 from ..errors import TPRewriteError
-from .symbolic import sym_expr
 
 
 def rebind_token_sizes(b: object, ffn: list[fx.Node], sizes: list[fx.Node], dims: list[object],
@@ -105,7 +104,10 @@ def _one_stream(h1: fx.Node, row: fx.Node, where: str) -> fx.Node:
     """``h1``, the residual sum after attention, when it holds one hidden state a token as the
     attention output ``row`` does; else (several residual streams, as hyper-connections keep:
     ``[b, s, streams, H]``) a refusal: moving a rank's tokens moves rows of one stream."""
-    if _rows(h1) != _rows(row):
+    from .moe.block import rows_of, same
+
+    mine, attention = rows_of(h1.meta.get("val")), rows_of(row.meta.get("val"))
+    if mine is not None and attention is not None and not same(mine, attention):
         raise TPRewriteError(
             f"{where}: the residual sum after attention {h1.name} {list(h1.meta['val'].shape)} holds more than one "
             f"hidden state a token (several residual streams, as hyper-connections keep) beside the attention "
@@ -113,17 +115,6 @@ def _one_stream(h1: fx.Node, row: fx.Node, where: str) -> fx.Node:
             "as rows of one stream, and do not take it yet; standard TP (--attn-dp 1, no --moe-a2a / --dense-dp) "
             "and AFD run it")
     return h1
-
-
-def _rows(n: fx.Node) -> object:
-    """A tensor's rows of its last dim (the product of the other dims), as a sympy expression."""
-    v = n.meta.get("val")
-    if not isinstance(v, torch.Tensor):
-        return None
-    rows = sym_expr(1)
-    for d in v.shape[:-1]:
-        rows = rows * sym_expr(d)
-    return rows
 
 
 def parallel_residual(members: list[fx.Node], mlp_inputs: list[fx.Node]) -> bool:
