@@ -112,6 +112,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
         hidden_size_per_layer_input=0, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # dense, with per-layer inputs: after the MLP each layer mixes a slice of an embedding of its own into the
+    # residual (a gate and a projection of attention role that read the residual, not attention's output)
+    "gemma4": ("Gemma4ForCausalLM", "Gemma4TextConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, hidden_size_per_layer_input=16, vocab_size_per_layer_input=128, max_position_embeddings=128,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # MLA with a sparse-attention indexer (its own projections pick the keys each query attends: the mask)
     "deepseek_v32": ("DeepseekV32ForCausalLM", "DeepseekV32Config", dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,

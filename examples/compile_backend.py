@@ -91,8 +91,9 @@ def main() -> int:
                         help="instead of --family: a model of your own, FACTORY() from FILE.py (an nn.Module "
                              "taking token ids [batch, seq] and returning logits; ids drawn below 128)")
     parser.add_argument("--dynamic-output-shapes", action="store_true",
-                        help="torch._dynamo.config.capture_dynamic_output_shape_ops = True: data-dependent ops "
-                             "(torch.where / nonzero in an MoE's expert loop) stay in the graph, no graph break")
+                        help="torch._dynamo.config.capture_dynamic_output_shape_ops = True and "
+                             "capture_scalar_outputs = True: data-dependent ops (torch.where / nonzero in an MoE's "
+                             "expert loop, an expert size read by .tolist()) stay in the graph, no graph break")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4, help="tokens per sequence (1: a decode step)")
@@ -119,6 +120,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     if args.dynamic_output_shapes:
         torch._dynamo.config.capture_dynamic_output_shape_ops = True
+        torch._dynamo.config.capture_scalar_outputs = True
     # the launch and the options are checked before anything is built (one line, exit 2)
     needed = args.attention + args.ffn if args.attention or args.ffn else args.tp
     what = (f"layout attention={args.attention} + ffn={args.ffn}" if args.attention or args.ffn

@@ -44,6 +44,8 @@ MODELS = {
     "nemotron_h_tp": ("nemotron_h", 5, {"hybrid_override_pattern": "M*E*-"}),
     # an MLP and an MoE side by side, the MoE's parts the layer's own children (Gemma-4)
     "gemma4_moe": ("gemma4_moe", 2, {}),
+    # per-layer inputs mixed into the residual after the MLP (Gemma-4 dense)
+    "gemma4": ("gemma4", 2, {}),
     # attention sinks as an LSE scale on the attention output (Granite-SWA)
     "granite_swa": ("granite_swa", 2, {}),
     # MLA with a sparse-attention indexer (DeepSeek-V3.2)

@@ -399,6 +399,26 @@ def test_a_graph_break_is_named_with_its_source_line_and_the_remedy():
     assert "experts_implementation='grouped_mm' or 'batched_mm'" in seen[1]
 
 
+def test_a_value_read_on_the_host_is_named_with_its_remedy():
+    # JetMoE reads its experts' sizes with .tolist() for a split: the graph breaks there unless
+    # capture_scalar_outputs is set (the hint named only capture_dynamic_output_shape_ops, which does not help)
+    from afd_compile.backend import graph_break_hint
+
+    def experts(x):
+        sizes = (x > 0).sum(0).tolist()
+        return torch.cat([p * 2 for p in x.split(sizes)]) + 1
+
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(capture_scalar_outputs=False):
+            torch.compile(experts, backend=lambda gm, _: gm.forward)(torch.tensor([1.0, -1.0, 2.0]))
+            hint = graph_break_hint()
+    finally:
+        torch._dynamo.reset()
+    assert "sizes = (x > 0).sum(0).tolist()" in hint, hint
+    assert "torch._dynamo.config.capture_scalar_outputs = True" in hint, hint
+
+
 def test_pytorchs_fused_encoder_layer_is_refused_with_the_remedy():
     # nn.TransformerEncoderLayer in eval mode without autograd runs one fused kernel per layer,
     # and dynamo traces that (torch.export traces the layer's Python body: the CLI splits it)

@@ -342,6 +342,14 @@ def test_residual_streams_under_dp_attention_are_refused_naming_the_sum(exported
             _program(exported, "hy_v4", layout)
 
 
+def test_a_token_tensor_mixed_in_after_a_scattered_mlp_is_refused_naming_it(exported):
+    # Gemma-4's per-layer input ([b, s, 16], from the embedding) is mixed into the residual after the MLP: a
+    # SCATTERED layer runs there on a rank's share of the tokens (it failed at run time: rows 2 vs 5)
+    with pytest.raises(TPRewriteError, match=r"layer 0: \S+ reads \S+ \[\S+, \S+, 16\], a tensor over every token "
+                                             r"that does not come from the layer's residual stream"):
+        _program(exported, "gemma4", TPLayout(2, dense_dp=True))
+
+
 def test_expert_parallel_needs_experts_that_divide(exported):
     with pytest.raises(ShardError, match="layer 0: .*4 experts do not divide over 8"):
         _program(exported, "qwen3moe2", TPLayout(8, 8, moe_a2a=True))
@@ -424,6 +432,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("deepseek_v32", 4, 2, (2, 1)),      # MLA + a sparse-attention indexer (the mask's projections replicated)
     ("hy_v4", 2, 1, (2,)),               # eager attention + indexer (the mask added to the scores), 4 streams
     ("gemma4_moe", 2, 1, (3,)),          # MLP and MoE normalised apart before their sum: each settled apart
+    ("gemma4", 4, 2, (2, 3)),            # per-layer inputs after the MLP: replicated, not an output projection
 ]
 
 

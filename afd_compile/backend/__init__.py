@@ -299,7 +299,15 @@ def graph_break_hint() -> str:
     text = ("Each graph dynamo hands the backend must hold whole decoder layers: a graph break inside a layer "
             "splits it" + (f"; dynamo broke the graph at: {'; '.join(found)}" if found else
                            " (TORCH_LOGS=graph_breaks lists them)") + ". ")
-    if not torch._dynamo.config.capture_dynamic_output_shape_ops:
+    config = torch._dynamo.config
+    # a tensor's value read on the host (.item(), .tolist(): JetMoE's expert sizes for a split)
+    scalar = any("_local_scalar_dense" in str(r.reason) or ".item()" in str(r.reason) for r in reasons)
+    if scalar and not config.capture_scalar_outputs:
+        return text + ("A tensor's value read as a Python number (.item(), .tolist(): an MoE's expert sizes) stays "
+                       "in the graph with torch._dynamo.config.capture_scalar_outputs = True" +
+                       ("" if config.capture_dynamic_output_shape_ops else
+                        " (and capture_dynamic_output_shape_ops = True for torch.where / nonzero)"))
+    if not config.capture_dynamic_output_shape_ops:
         return text + ("A data-dependent op (torch.where or nonzero in an MoE's expert loop) stays in the graph "
                        "with torch._dynamo.config.capture_dynamic_output_shape_ops = True")
     return text + ("A Python loop over a tensor's values (transformers' experts_implementation='eager': `for "

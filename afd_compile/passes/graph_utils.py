@@ -189,12 +189,18 @@ class Layer:
     @property
     def output_projections(self) -> list[fx.Node]:
         """The attention output projection(s): weight-reading linears of attention role (not a
-        router) downstream of where q, k and v have all arrived (:func:`attention_output`); one
-        in every supported layer (o_proj). Empty without exactly one attention op."""
+        router) downstream of where q, k and v have all arrived (:func:`attention_output`) and
+        not of the FFN region's output (Gemma-4's per-layer-input gate and projection after the
+        MLP read the residual, not attention's partial sum); one in every supported layer (o_proj).
+        Empty without exactly one attention op."""
         attn = self.attention_ops
         if len(attn) != 1:
             return []
-        after = descendants(attention_output(attn[0]), set(self.members))
+        members = set(self.members)
+        after = descendants(attention_output(attn[0]), members)
+        out = self.ffn_output
+        if out is not None:
+            after -= descendants(out, members)
         return [n for n in self.members if n in after and n.target in LINEAR_OPS and reads_weight(n)
                 and n.meta[META_KEY].role is Role.ATTENTION and not n.meta[META_KEY].router]
 

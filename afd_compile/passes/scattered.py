@@ -179,6 +179,8 @@ def reduce_scatter_into_mlp(site: ScatteredSite) -> None:
         raise TPRewriteError(f"{site.where}: the MLP reads {[a.name for a in ffn_in_nodes]}, neither the residual sum "
                              f"after attention ({h1.name}) nor only what attention does not compute (a parallel-"
                              "residual block): a SCATTERED MLP with attn_tp > 1 is not supported there")
+    if not site.parallel:
+        _refuse_full_rows_after(site, _layer_output(members, site.full_shape, site.where))
     with graph.inserting_before(row.next):
         flat = b.call(aten.view.default, (row, [-1, hidden]), "sc_o_flat")
         rs = b.call(torch.ops.afd.reduce_scatter_group_tokens.default, (flat, GROUP_ATTN_TP, site.total, own),
@@ -198,6 +200,28 @@ def reduce_scatter_into_mlp(site: ScatteredSite) -> None:
     _own_mlp_output(site, ffn_in_nodes[0])
     site.h2 = _layer_output(members, site.full_shape, site.where)
     _set_val(site.h2, site.fake_mode, (own.meta.get("val"), hidden), like)
+
+
+def _refuse_full_rows_after(site: ScatteredSite, out: fx.Node) -> None:
+    """From the residual sum after attention to the layer's output ``out`` everything runs on this
+    rank's rows: a tensor of all the group's tokens read there from elsewhere (Gemma-4's per-layer
+    input, computed from the embedding, mixed into the residual after the MLP) would not match
+    them. Refused naming it (its rows are not sliced yet)."""
+    member_set = set(site.members)
+    rows = descendants(site.h1, member_set)
+    between = (rows & ancestors([out], within=member_set)) - {site.h1}
+    for n in sorted(between, key=site.members.index):
+        for a in n.all_input_nodes:
+            v = a.meta.get("val")
+            if a in rows or a.op == "get_attr" or not isinstance(v, torch.Tensor) or v.dim() < 2:
+                continue
+            if any(not (isinstance(d, int) and d == 1) for d in v.shape[:-1]):
+                raise TPRewriteError(
+                    f"{site.where}: {n.name} reads {a.name} {list(v.shape)}, a tensor over every token that does not "
+                    f"come from the layer's residual stream, between the residual sum after attention "
+                    f"({site.h1.name}) and the layer's output ({out.name}); a SCATTERED layer (--dense-dp, "
+                    "--moe-a2a, an AFD attention TP group) runs there on this rank's share of the tokens and does "
+                    "not slice such a tensor yet; standard TP, DP attention and AFD without --attn-tp run it")
 
 
 def _own_mlp_output(site: ScatteredSite, ffn_in: fx.Node) -> fx.Node:
