@@ -92,6 +92,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         bos_token_id=0, eos_token_id=0)),
     # hybrid: a Mamba state-space mixer in layer 0 (selective scan written in torch), attention in
     # layer 1, each followed by an MoE
+    # Qwen3.5: gated delta-net linear attention (a depthwise short convolution over q | k | v, a chunked
+    # recurrence per head) then full attention, each with an MLP
+    "qwen3_5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "jamba": ("JambaForCausalLM", "JambaConfig", dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
         num_experts=4, num_experts_per_tok=2, expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2,

@@ -38,6 +38,8 @@ MODELS = {
     # hybrids: layer 0's token mixer is not attention (Mamba; gated delta-net linear attention)
     "jamba": ("jamba", 2, {}),
     "qwen3_next": ("qwen3_next", 2, {}),
+    # gated delta-net then full attention, dense (Qwen3.5): TP splits the delta-net by heads too
+    "qwen3_5": ("qwen3_5", 2, {}),
     # every mixer a block of its own: [attention MoE] [MLP] [Mamba MoE] [attention MLP] (models.py)
     "nemotron_h": ("nemotron_h", 7, {}),
     # [Mamba attention MoE] [attention MLP]: a Mamba beside the attention of a layer (TP keeps it whole)

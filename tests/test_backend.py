@@ -222,6 +222,8 @@ SLOW_RUNS += [(2, ("--tp", "2", "--seq", "1", "--check-cache")),
               (6, ("--attention", "4", "--attn-tp", "2", "--ffn", "2", "--ffn-tp", "2", "--family", "llama"))]
 # hybrids (a mixer not attention: Mamba, gated delta-net; Nemotron-H its mixers as blocks), AFD only (TP refuses them)
 SLOW_RUNS += [(3, (*lay, "--family", fam)) for fam in ("jamba", "qwen3_next", "nemotron_h") for _, lay in _LAYOUTS[:2]]
+# a gated delta-net split by heads under TP (and DP attention): Qwen3.5
+SLOW_RUNS += [(n, (*lay, "--family", "qwen3_5")) for n, lay in _LAYOUTS if "--seq" not in lay]
 SLOW_RUNS += [(n, (*lay, "--dynamic-output-shapes", "--model", m)) for m in _HANDWRITTEN for n, lay in _LAYOUTS
               if "--seq" not in lay]
 

@@ -93,6 +93,17 @@ CASES = [  # id, fn, input shapes, split dims, op, expected out dim, expected fi
      aten.einsum.default, 1, []),
     ("einsum_broadcast_operand", lambda a, m: torch.einsum("bhij,ij->bhij", a, m), [(2, 4, 5, 5), (5, 5)], {0: 1},
      aten.einsum.default, 1, []),
+    # the ops of a chunked delta rule (Qwen3.5's linear attention), each along a dim other than the heads'
+    ("pad_the_sequence", lambda x: F.pad(x, (0, 0, 0, 3)), [(2, 4, 5, 8)], {0: 1}, aten.pad.default, 1, []),
+    ("constant_pad_nd_last", lambda x: aten.constant_pad_nd(x, [0, 2]), [(2, 4, 8)], {0: 1},
+     aten.constant_pad_nd.default, 1, []),
+    ("cumsum_other_dim", lambda x: x.cumsum(-1), [(2, 4, 8)], {0: 1}, aten.cumsum.default, 1, []),
+    ("tril_last_two", lambda x: x.tril(), [(2, 4, 5, 5)], {0: 1}, aten.tril.default, 1, []),
+    ("zeros_like_follows", lambda x: torch.zeros_like(x), [(2, 4, 8)], {0: 1}, aten.zeros_like.default, 1, []),
+    ("tensor_split_other_dim", lambda x: x.tensor_split([2], 2)[1], [(2, 4, 5)], {0: 1},
+     aten.tensor_split.indices, 1, []),
+    ("solve_triangular_heads", lambda a, b: torch.linalg.solve_triangular(a, b, upper=False),
+     [(2, 4, 5, 5), (2, 4, 5, 3)], {0: 1, 1: 1}, aten.linalg_solve_triangular.default, 1, []),
 ]
 
 
@@ -141,6 +152,12 @@ REFUSED = [  # id, fn, shapes, split, op, message
      "no output dim starts where it does"),
     ("view_as_complex_pairs_the_split_dim", lambda x: torch.view_as_complex(x), [(2, 4, 2)], {0: 2},
      aten.view_as_complex.default, "pairs the last dim, which is the split dim"),
+    ("pad_the_split_dim", lambda x: F.pad(x, (0, 0, 1, 1)), [(2, 4, 8)], {0: 1}, aten.pad.default,
+     "pads the split dim 1"),
+    ("cumsum_over_split_dim", lambda x: x.cumsum(1), [(2, 4, 8)], {0: 1}, aten.cumsum.default,
+     "works along the split dim"),
+    ("tril_over_split_dim", lambda x: x.tril(), [(2, 4, 5, 5)], {0: 2}, aten.tril.default,
+     "masks over the split dim 2"),
 ]
 
 

@@ -326,6 +326,31 @@ def test_a_hybrid_layer_under_tp_is_refused_naming_its_mixer(exported):
         _program(exported, "jamba", TPLayout(2))
 
 
+def test_a_linear_attention_mixer_is_split_by_heads(exported):
+    # Qwen3.5's gated delta-net: its projections found by structure (in_proj_qkv / z / b / a columns, out_proj
+    # the row), the depthwise convolution over q | k | v takes this rank's channels (groups 128 -> 64: q, k and
+    # v heads halved) and the recurrent state starts as zeros of this rank's 2 value heads
+    prog = _program(exported, "qwen3_5", TPLayout(2), fuse_norm=False)
+    cols = {w.target.split(".layers.0.linear_attn.")[1].split(".")[0] for w in prog.shards.weights
+            if ".layers.0.linear_attn." in w.target}
+    # (A_log, read through -exp(), is a computed tensor by then: read in slices where it meets the heads)
+    assert cols == {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "conv1d", "dt_bias"}
+    assert prog.shards.operands, prog.shards
+    convs = [n for n in prog.program.graph.nodes if n.target == torch.ops.aten.conv1d.default]
+    assert [n.args[6] for n in convs] == [64]
+    zeros = [n for n in prog.program.graph.nodes if n.target == torch.ops.aten.zeros.default
+             and n.meta[ROLE_KEY].layer == 0 and len(n.args[0]) == 4]
+    assert zeros and all(n.args[0][1] == 2 for n in zeros), [n.args for n in zeros]
+
+
+def test_a_linear_attention_mixer_no_rule_splits_is_refused_naming_the_op(exported):
+    # Qwen3-Next joins q, k and v of the split heads along the heads' dim before its convolution: a rank's
+    # slice of that join is not one slice of each (not supported yet), refused naming the join
+    with pytest.raises(ShardError, match=r"layer 0: its token mixer is not attention .* keeps them apart: .*cat\S* "
+                                         r"\(aten.cat.default\) works along the split dim .* AFD without --attn-tp"):
+        _program(exported, "qwen3_next", TPLayout(2))
+
+
 def test_a_layer_with_no_token_mixer_under_tp_is_refused_naming_it(exported):
     # Nemotron-H's blocks [attention MoE] [MLP] ...: layer 1 is an MLP block alone (a norm, the MLP, an add)
     with pytest.raises(ShardError, match=r"layer 1 has no token mixer \(an MLP or MoE block right after another, "
@@ -433,6 +458,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("hy_v4", 2, 1, (2,)),               # eager attention + indexer (the mask added to the scores), 4 streams
     ("gemma4_moe", 2, 1, (3,)),          # MLP and MoE normalised apart before their sum: each settled apart
     ("gemma4", 4, 2, (2, 3)),            # per-layer inputs after the MLP: replicated, not an output projection
+    ("qwen3_5", 4, 1, (2,)),             # delta-net split by heads: its 2 key heads replicated, convolution groups
 ]
 
 
@@ -458,6 +484,8 @@ NUMERICS_SLOW = [
     ("phimoe", 2, 1, (2,)),              # sparsemixer: the router selects by max (the roles test covers it)
     ("mpt", 4, 2, (2, 3)),               # ALiBi bias over all heads: each attention-TP rank reads its slice
     ("bitnet", 4, 2, (2, 1)),            # norms over all heads before o_proj and over the intermediate size
+    ("qwen3_5", 4, 2, (2, 3)),           # delta-net split by heads in attention-TP groups under DP attention
+    ("qwen3_5", 2, 1, (3,), DDP),        # ... and beside a SCATTERED MLP
 ]
 
 

@@ -192,8 +192,14 @@ class Layer:
         router) downstream of where q, k and v have all arrived (:func:`attention_output`) and
         not of the FFN region's output (Gemma-4's per-layer-input gate and projection after the
         MLP read the residual, not attention's partial sum); one in every supported layer (o_proj).
-        Empty without exactly one attention op."""
+        A layer whose token mixer is not attention: its last such projection before the FFN region
+        (the mixer's out_proj). Empty with two attention ops or more."""
         attn = self.attention_ops
+        if not attn:
+            ffn = set(self.ffn)
+            end = next((i for i, n in enumerate(self.members) if n in ffn), len(self.members))
+            return [n for n in self.members[:end] if n.target in LINEAR_OPS and reads_weight(n)
+                    and n.meta[META_KEY].role is Role.ATTENTION and not n.meta[META_KEY].router][-1:]
         if len(attn) != 1:
             return []
         members = set(self.members)

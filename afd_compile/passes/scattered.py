@@ -208,8 +208,8 @@ def _refuse_full_rows_after(site: ScatteredSite, out: fx.Node) -> None:
     input, computed from the embedding, mixed into the residual after the MLP) would not match
     them. Refused naming it (its rows are not sliced yet)."""
     member_set = set(site.members)
-    rows = descendants(site.h1, member_set)
-    between = (rows & ancestors([out], within=member_set)) - {site.h1}
+    rows = descendants(site.h1, member_set)  # (the MLP's own reads are checked where it is rewritten)
+    between = (rows & ancestors([out], within=member_set)) - {site.h1} - set(site.ffn)
     for n in sorted(between, key=site.members.index):
         for a in n.all_input_nodes:
             v = a.meta.get("val")

@@ -13,10 +13,18 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..graph_utils import get_attr_path
 from ..op_kinds import LINEAR_OPS, SDPA_OPS
 from ..symbolic import sym_expr
-from .projections import Block, out_features, projection
+from .operands import (
+    CHANNEL_OPS,
+    Track,
+    depthwise_conv,
+    slice_operands,
+    split_attrs,
+    split_broadcasts,
+    split_factories,
+)
+from .projections import out_features, projection
 from .rules import (
     BLOCK_OPS,
     IGNORED,
@@ -36,33 +44,11 @@ from .types import ArgFix, ShardError
 aten = torch.ops.aten
 EXPANDS = (aten.expand.default, aten.broadcast_to.default)
 
-@dataclass
-class _Track:
-    """What the follow knows per node: split dim, how many distinct slices the dim is cut into
-    (``factor``: below the group size on replicated KV heads), and the column block it comes from."""
-
-    dim: dict[fx.Node, int]
-    factor: dict[fx.Node, int]
-    origin: dict[fx.Node, Block | None]
-    blocks: dict[fx.Node, set[int]]  # column -> block boundaries along its output features
-    replicate: dict[Block, int]  # block -> ranks per slice
-    pieces: dict[fx.Node, tuple[fx.Node, list[int]]]  # cut node -> (column, start of each output piece)
-    cuts: list[tuple[fx.Node, fx.Node, int, int | None, int, int]]  # (column, node, arg, index, start, end)
-    means: list[fx.Node] = field(default_factory=list)  # means over the split dim (settled by an all-reduce)
-    attrs: list[fx.Node] = field(default_factory=list)  # weights spanning the split dim (a norm's scale)
-    states: list[tuple[fx.Node, int, int]] = field(default_factory=list)  # (cache, dim, slices) written split
-    # unsplit tensors read in slices: (user, operand, dim, slices, split input's origin, heads folded or 0)
-    operands: list[tuple[fx.Node, fx.Node, int, int, Block | None, int]] = field(default_factory=list)
-    # node -> the outer factor of its split dim, where the heads are folded into it as the inner
-    # factor ([B*H, S, D]: B); such a dim is cut per rank as B x (H / parts), not in contiguous slices
-    inner: dict[fx.Node, object] = field(default_factory=dict)
-
-
 #: in-place writes into a state tensor (a KV cache update): op -> position of the value written
 STATE_WRITES = {aten.index_copy_.default: 3, aten.index_put_.default: 2}
 
 
-def _write_into_state(n: fx.Node, t: _Track, where: str) -> bool:
+def _write_into_state(n: fx.Node, t: Track, where: str) -> bool:
     """``n`` writes a split value into an unsplit tensor in place (``cache.index_copy_(2, pos,
     k)``, a KV cache update): the cache becomes split like the value (each rank keeps its heads,
     :class:`ShardedState`), and so does every read of it. False when ``n`` is not such a write."""
@@ -88,7 +74,7 @@ def _write_into_state(n: fx.Node, t: _Track, where: str) -> bool:
     return True
 
 
-def _cut_into_blocks(n: fx.Node, src: fx.Node, t: _Track) -> None:
+def _cut_into_blocks(n: fx.Node, src: fx.Node, t: Track) -> None:
     """``n`` cuts ``src`` along its split dim: ``src`` must be one column's whole output; the
     cut's boundaries become weight blocks. Its sizes and bounds are fixed once every block's
     per-rank size is known (:func:`block_fixes`)."""
@@ -105,6 +91,12 @@ def _cut_into_blocks(n: fx.Node, src: fx.Node, t: _Track) -> None:
             raise ShardError(f"{n.name}: chunk of {full} features into {k} pieces is uneven")
         starts = list(range(0, full, full // k))
         t.cuts.extend((col, n, -1, None, a, a + full // k) for a in starts)  # arg -1: check equal pieces only
+    elif n.target == aten.tensor_split.indices:  # (Qwen3-Next's q | k | v after their convolution)
+        bounds = list(n.args[1])
+        if any(not isinstance(x, int) or not 0 < x < full for x in bounds):
+            raise ShardError(f"{n.name}: tensor_split bounds along the split dim must be constants inside it")
+        starts = [0, *bounds]
+        t.cuts.extend((col, n, 1, i, v, v) for i, v in enumerate(bounds))  # bounds: per-rank offsets
     elif n.target in (aten.split.Tensor, aten.split_with_sizes.default):
         sizes = n.args[1]
         if isinstance(sizes, int):
@@ -145,7 +137,8 @@ _MOVES = {aten.permute.default, aten.transpose.int, aten.unsqueeze.default, aten
           aten.contiguous.default, aten.clone.default, aten._to_copy.default, aten.alias.default}
 
 
-_TAKE_APART = {aten.select.int, aten.unbind.int, aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default}
+_TAKE_APART = {aten.select.int, aten.unbind.int, aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default,
+               aten.tensor_split.indices}
 
 
 def _taken_apart(n: fx.Node, dim: int) -> bool:
@@ -169,7 +162,7 @@ def _taken_apart(n: fx.Node, dim: int) -> bool:
     return False
 
 
-def _fused_reshape(n: fx.Node, src: fx.Node, t: _Track) -> int | None:
+def _fused_reshape(n: fx.Node, src: fx.Node, t: Track) -> int | None:
     """``n`` views one column's whole output ``[.., F]`` as ``[.., k, H, ..]`` and a later op takes
     the ``k`` pieces apart (``qkv.reshape(B, S, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`` as timm
     and many hand-written models write it; PyTorch's MultiheadAttention ``unflatten(-1, (3, E))``):
@@ -197,7 +190,7 @@ def _fused_reshape(n: fx.Node, src: fx.Node, t: _Track) -> int | None:
     return j if _taken_apart(n, j) else None
 
 
-def _follow_folded(n: fx.Node, src: fx.Node, rule: ShardRule | None, t: _Track, f: int, parts: int,
+def _follow_folded(n: fx.Node, src: fx.Node, rule: ShardRule | None, t: Track, f: int, parts: int,
                    fixes: list[ArgFix]) -> int:
     """The split dim of ``n``, reading a tensor whose heads are folded into its split dim (``t.inner``):
     a view folds or unfolds them (:func:`~.rules.folded_view`); any other op with a rule keeps the folded
@@ -211,7 +204,8 @@ def _follow_folded(n: fx.Node, src: fx.Node, rule: ShardRule | None, t: _Track, 
         if outer is not None:
             t.inner[n] = outer
         return d
-    if rule.kind == "reshape" or n.target in (aten.mean.dim, *BLOCK_OPS):
+    if rule.kind == "reshape" or n.target in BLOCK_OPS or (
+            n.target == aten.mean.dim and t.dim[src] in _reduced_dims(n, src)):
         raise ShardError(f"{n.name} ({n.target}) on heads folded into another dim is not understood")
     sliced: dict[fx.Node, int] = {}
     if rule.kind == "elementwise" or n.target == aten.baddbmm.default:
@@ -232,7 +226,7 @@ def _follow_folded(n: fx.Node, src: fx.Node, rule: ShardRule | None, t: _Track, 
     return d
 
 
-def _cut_reshape_into_blocks(n: fx.Node, src: fx.Node, t: _Track, j: int, parts: int, fixes: list[ArgFix],
+def _cut_reshape_into_blocks(n: fx.Node, src: fx.Node, t: Track, j: int, parts: int, fixes: list[ArgFix],
                              where: str) -> int:
     """The fused view :func:`_fused_reshape` found: the column is cut into ``k`` equal blocks (each
     rank its slice of every block) and the dim after the blocks (the heads) is the split dim, its
@@ -257,7 +251,7 @@ def _cut_reshape_into_blocks(n: fx.Node, src: fx.Node, t: _Track, j: int, parts:
     return j + 1
 
 
-def block_fixes(col: fx.Node, t: _Track, parts: int, fixes: list[ArgFix]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def block_fixes(col: fx.Node, t: Track, parts: int, fixes: list[ArgFix]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per-block sizes and replication of a column, and the fixed sizes/bounds of its cuts."""
     full = out_features(col)
     bounds = sorted({0, full} | {b for b in t.blocks.get(col, set()) if 0 < b < full})
@@ -279,8 +273,8 @@ def block_fixes(col: fx.Node, t: _Track, parts: int, fixes: list[ArgFix]) -> tup
             continue
         if arg == -1:
             chunks.setdefault(n, set()).add(offset(end) - offset(start))
-        elif start == end:  # a slice bound
-            fixes.append(ArgFix(n.name, None, start, offset(start), arg=arg))
+        elif start == end:  # a slice bound (a tensor_split's: index in its list)
+            fixes.append(ArgFix(n.name, index, start, offset(start), arg=arg))
         else:
             fixes.append(ArgFix(n.name, index, end - start, offset(end) - offset(start), arg=arg))
     for n, sizes in chunks.items():
@@ -294,61 +288,6 @@ def block_fixes(col: fx.Node, t: _Track, parts: int, fixes: list[ArgFix]) -> tup
 def _reduced_dims(n: fx.Node, src: fx.Node) -> list[int]:
     dims = n.args[1] if len(n.args) > 1 else list(range(ndim(src)))
     return [x % ndim(src) for x in (dims if isinstance(dims, (list, tuple)) else [dims])]
-
-
-def _split_attrs(gm: fx.GraphModule, n: fx.Node, src: fx.Node, t: _Track) -> None:
-    """A weight attribute an elementwise op applies along the split dim (a norm's scale over all
-    heads, OLMo-2's q_norm) is split with the column it meets: recorded in ``t.attrs``."""
-    d = t.dim[src] + ndim(n) - ndim(src)
-    for a in n.all_input_nodes:
-        if a.op != "get_attr" or a in t.dim:
-            continue
-        shape = tuple(get_attr_path(gm, a.target).shape)
-        ad = d - (ndim(n) - len(shape))
-        if ad >= 0 and shape[ad] != 1:
-            t.dim[a], t.factor[a], t.origin[a] = ad, t.factor[src], t.origin.get(src)
-            t.attrs.append(a)
-
-
-def _split_broadcasts(n: fx.Node, src: fx.Node, t: _Track, fixes: list[ArgFix], where: str) -> None:
-    """An unsplit operand broadcast to the split dim by ``expand`` from size 1 (MLA's shared
-    rotary key part, expanded to every head) is split by expanding to this rank's count."""
-    d = t.dim[src] + ndim(n) - ndim(src)
-    for a in n.all_input_nodes:
-        if a in t.dim or not isinstance(a.meta.get("val"), torch.Tensor) or a.op == "get_attr":
-            continue
-        ad = d - (ndim(n) - ndim(a))
-        if ad < 0 or sym_expr(a.meta["val"].shape[ad]) == 1:
-            continue
-        ok = a.target in (aten.expand.default, aten.broadcast_to.default) and len(a.users) == 1
-        arg = a.args[1][ad] if ok and ad < len(a.args[1]) else None
-        inner = a.args[0] if ok else None
-        ok = ok and isinstance(arg, int) and isinstance(inner, fx.Node) and ndim(inner) == ndim(a) and (
-            sym_expr(inner.meta["val"].shape[ad]) == 1) and arg % t.factor[src] == 0
-        if not ok:
-            continue  # the elementwise rule names it
-        fixes.append(ArgFix(a.name, ad, arg, arg // t.factor[src]))
-        t.dim[a], t.factor[a], t.origin[a] = ad, t.factor[src], None
-
-
-def _slice_operands(n: fx.Node, src: fx.Node, t: _Track) -> dict[fx.Node, int]:
-    """Unsplit tensors the graph computes (not weights) that the elementwise ``n`` applies along
-    the split dim at its full size (an ALiBi bias ``[.., heads, ..]`` added to each rank's heads
-    of the scores), or that a ``cat`` along another dim joins to a split tensor (GPT-OSS's
-    per-head attention sinks): ``n`` reads this rank's slice of each (:class:`SlicedOperand`).
-    Returns operand -> its split dim, for the op's rule to see them split."""
-    d = t.dim[src] + ndim(n) - ndim(src)
-    full = sym_expr(n.meta["val"].shape[d])  # (meta holds the unsharded shapes)
-    out: dict[fx.Node, int] = {}
-    for a in n.all_input_nodes:
-        if a in t.dim or a.op == "get_attr" or not isinstance(a.meta.get("val"), torch.Tensor):
-            continue
-        ad = d - (ndim(n) - ndim(a))
-        if ad < 0 or sym_expr(a.meta["val"].shape[ad]) != full or not full.is_Integer or int(full) % t.factor[src]:
-            continue  # size 1 broadcasts; anything else the elementwise rule names
-        t.operands.append((n, a, ad, t.factor[src], t.origin.get(src), 0))
-        out[a] = ad
-    return out
 
 
 class WholeBlocks(Exception):
@@ -383,7 +322,7 @@ class _Walk:
     """The context of one follow: what is tracked, the group, and where argument fixes go."""
 
     gm: fx.GraphModule
-    t: _Track
+    t: Track
     rows: set[fx.Node]
     parts: int
     group: str
@@ -391,14 +330,15 @@ class _Walk:
     where: str
     whole: frozenset  # blocks replicated whole: every rank computes the same, not followed
     merged: dict[fx.Node, int] = field(default_factory=dict)  # expands whose split spans dims d, d+1 (KV)
+    pending: list[fx.Node] = field(default_factory=list)  # nodes to follow besides a step's own
 
 
 def follow_split(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node], parts: int, group: str,
-                 fixes: list[ArgFix], where: str, whole: frozenset = frozenset()) -> _Track:
+                 fixes: list[ArgFix], where: str, whole: frozenset = frozenset()) -> Track:
     """Follow the split dim from ``columns`` (split along their last dim) through their users in
     graph order, one :func:`_step` per node, until every path ends at a row-parallel input in
     ``rows``, a mean over the split dim, a state write returned whole, or a refusal."""
-    t = _Track({c: ndim(c) - 1 for c in columns}, {c: parts for c in columns}, {c: (c, None) for c in columns},
+    t = Track({c: ndim(c) - 1 for c in columns}, {c: parts for c in columns}, {c: (c, None) for c in columns},
                {}, {}, {}, [])
     for key in whole:
         t.replicate[key] = parts
@@ -412,6 +352,8 @@ def follow_split(gm: fx.GraphModule, columns: list[fx.Node], rows: set[fx.Node],
             continue
         seen.add(n)
         frontier.extend(_step(n, w))
+        frontier.extend(w.pending)
+        w.pending.clear()
         frontier.sort(key=order.__getitem__)
     return t
 
@@ -440,8 +382,12 @@ def _step(n: fx.Node, w: _Walk) -> Iterable[fx.Node]:
     origins = {t.origin[a] for a in split_in}
     if _cut_by_block_op(n, src0, t, f):
         return n.users
+    w.pending.extend(split_factories(n, src0, t, w.fixes))  # (their other readers are followed too)
     if n.target == aten.repeat_interleave.self_int and f < w.parts:  # (replicated KV heads to the queries')
         f = repeat_replicated(n, sdim[src0], f, w.parts, w.fixes)
+    if n.target in CHANNEL_OPS:  # (a depthwise convolution over the split channels: its weight sliced)
+        sdim[n], t.factor[n] = depthwise_conv(w.gm, n, src0, t, w.parts, w.fixes), f
+        return _settle_origin(n, t, origins, w.whole)
     rule = RULES.get(n.target)
     if folded:  # no per-rank slice of an unsplit operand along folded heads: the rules refuse it
         try:
@@ -453,11 +399,11 @@ def _step(n: fx.Node, w: _Walk) -> Iterable[fx.Node]:
         return n.users
     sliced: dict[fx.Node, int] = {}
     if rule is not None and rule.kind == "elementwise" and n.args and src0 in sdim:
-        _split_attrs(w.gm, n, src0, t)
-        _split_broadcasts(n, src0, t, w.fixes, where)
-        sliced = _slice_operands(n, src0, t)
+        split_attrs(w.gm, n, src0, t)
+        split_broadcasts(n, src0, t, w.fixes, where)
+        sliced = slice_operands(n, src0, t)
     elif n.target == aten.cat.default:  # (GPT-OSS's attention sinks, one per head, joined to the scores)
-        sliced = _slice_operands(n, src0, t)
+        sliced = slice_operands(n, src0, t)
     if n.target == aten.mean.dim and sdim[src0] in _reduced_dims(n, src0):
         # equal slices per rank, so (sum of slice means) / parts is the full mean; with
         # replicated KV heads too (each distinct slice counted parts / factor times)
@@ -504,7 +450,7 @@ def _ends_here(n: fx.Node, split_in: list[fx.Node], w: _Walk) -> bool:
     return False
 
 
-def _cut_by_block_op(n: fx.Node, src0: fx.Node, t: _Track, f: int) -> bool:
+def _cut_by_block_op(n: fx.Node, src0: fx.Node, t: Track, f: int) -> bool:
     """A chunk / split / slice along the split dim: the column's blocks (False: not one)."""
     if n.target not in BLOCK_OPS or n.args[0] not in t.dim:
         return False
@@ -586,7 +532,7 @@ def _apply_rule(n: fx.Node, src0: fx.Node, rule: ShardRule, f: int, sliced: dict
     sdim[n] = rule.fn(n, {**sdim, **sliced} if sliced else sdim, f, w.fixes)
 
 
-def _settle_origin(n: fx.Node, t: _Track, origins: set, whole: frozenset) -> Iterable[fx.Node]:
+def _settle_origin(n: fx.Node, t: Track, origins: set, whole: frozenset) -> Iterable[fx.Node]:
     """The column block ``n`` comes from (one piece of a chunk / split names its block); a block
     replicated whole is not followed further."""
     if n.target == operator.getitem and n.args[0] in t.pieces:  # one piece of a chunk/split

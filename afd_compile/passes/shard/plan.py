@@ -87,10 +87,8 @@ def _shard_attention(gm: fx.GraphModule, parts: object, attn_ops: list[fx.Node],
                          "own): TP plans every layer as attention then MLP, and does not take such a layer yet; "
                          "AFD without --attn-tp runs it")
     if not attn_ops:
-        raise ShardError(f"{where}: its token mixer is not attention (no scaled_dot_product_attention, and no "
-                         "softmax between two matmuls: a state-space, convolution or linear-attention mixer, as in "
-                         "hybrid models), which TP / attention TP cannot split by heads; AFD without --attn-tp "
-                         "runs it whole on the attention ranks")
+        _shard_mixer(gm, parts, attn_parts, where, layer, weights, fixes, rows_out, split_means, states, operands)
+        return
     if len(attn_ops) != 1:
         raise ShardError(f"{where}: splitting heads over ranks needs one attention op a layer, found "
                          f"{len(attn_ops)} {[n.name for n in attn_ops]} (two attention maps combined, as "
@@ -164,6 +162,43 @@ def shard_mlp(gm: fx.GraphModule, members: list[fx.Node], out: fx.Node, parts: i
         del once[kept:]  # (settled apart, a bias added after them is added to full values, on every rank)
         return rows
     return [out]
+
+
+def _shard_mixer(gm: fx.GraphModule, parts: object, attn_parts: int, where: str, layer: int,
+                 weights: list[ShardedWeight], fixes: list[ArgFix], rows_out: list, split_means: list,
+                 states: list[ShardedState], operands: list[SlicedOperand]) -> None:
+    """A token mixer that is not attention (Qwen3-Next's gated delta rule, LFM's short convolution,
+    MiniMax's lightning attention: per head, or per channel, along the sequence) split by heads as
+    attention is. Its output projection is the layer's last projection before the MLP
+    (``Layer.output_projections``); its columns the projections that output projection reads
+    (a low-rank down projection before another stays replicated). The follow checks every op
+    between: one no rule splits (a scan over all channels, a norm over all heads read unsettled)
+    refuses the layer, naming it."""
+    from ..roles import ancestors, descendants
+
+    members = list(parts.members)
+    rows = parts.output_projections
+    mixer = ("its token mixer is not attention (no scaled_dot_product_attention, and no softmax between two "
+             "matmuls: a state-space, convolution or linear-attention mixer, as in hybrid models)")
+    if len(rows) != 1:
+        raise ShardError(f"{where}: {mixer} and has no output projection; AFD without --attn-tp runs it whole on "
+                         "the attention ranks")
+    row = rows[0]
+    before = ancestors([row], within=set(members)) - {row}
+    cols = [n for n in members if n in before and n.target in LINEAR_OPS and reads_weight(n)
+            and role_of(n).role is Role.ATTENTION and not role_of(n).router]
+    cols = [c for c in cols if not ((descendants(c, before) - {c}) & set(cols))]
+    if attn_parts == 1:
+        return
+    means: list[fx.Node] = []
+    try:
+        shard_pair(gm, cols, row, attn_parts, "attn", weights, fixes, where, means, states, operands)
+    except ShardError as e:
+        raise ShardError(f"{where}: {mixer}, which TP / attention TP splits by heads only where every op of it "
+                         f"keeps them apart: {str(e).removeprefix(where + ': ')}; AFD without --attn-tp runs it "
+                         "whole on the attention ranks") from None
+    rows_out.append((row.name, "attn", layer))
+    split_means.extend((m.name, "attn", layer, attn_parts) for m in means)
 
 
 def _attention_heads(attn: fx.Node) -> int | None:

@@ -143,12 +143,31 @@ def _along_other_dim(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] 
     src = node.args[0][0] if isinstance(node.args[0], (list, tuple)) else node.args[0]
     srcs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
     d = _common_split(node, srcs, sdim)
-    pos = 2 if node.target in (aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default) else 1
+    pos = 2 if node.target in (aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default,
+                               aten.tensor_split.indices) else 1
     dim = (node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", 0)) % ndim(src)
     if dim == d:
         raise ShardError(f"{node.name} ({node.target}) works along the split dim {d}")
     if node.target in (aten.select.int, aten.unbind.int) and dim < d:
         return d - 1  # the dim selected (or unbound) before the split dim is gone
+    return d
+
+
+def _pad(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """pad(x, [left, right, ...] from the last dim back): any dim but the split one (Qwen3-Next's
+    chunked delta rule pads the sequence to whole chunks)."""
+    d, n, pad = sdim[node.args[0]], ndim(node.args[0]), list(node.args[1])
+    j = n - 1 - d
+    if 2 * j + 1 < len(pad) and (pad[2 * j], pad[2 * j + 1]) != (0, 0):
+        raise ShardError(f"{node.name} ({node.target}) pads the split dim {d}")
+    return d
+
+
+def _last_two(node: fx.Node, sdim: dict, parts: int, fixes: list[ArgFix] | None = None) -> int | None:
+    """tril / triu: the mask is over the last two dims; any other dim passes."""
+    d = sdim[node.args[0]]
+    if d >= ndim(node.args[0]) - 2:
+        raise ShardError(f"{node.name} ({node.target}) masks over the split dim {d}")
     return d
 
 
@@ -528,6 +547,11 @@ RULES.update({op: ShardRule(fn) for op, fn in {
     **{op: _reverse_dims for op in _TRANSPOSE_OPS}, aten.unsqueeze.default: _unsqueeze,
     aten.slice.Tensor: _along_other_dim, aten.cat.default: _along_other_dim, aten.chunk.default: _along_other_dim,
     aten.split.Tensor: _along_other_dim, aten.split_with_sizes.default: _along_other_dim,
+    aten.tensor_split.indices: _along_other_dim, aten.cumsum.default: _along_other_dim,
+    **{op: _elementwise for op in (aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+                                   aten.full_like.default)},  # (the shape of their input, split alike)
+    aten.tril.default: _last_two, aten.triu.default: _last_two,
+    aten.pad.default: _pad, aten.constant_pad_nd.default: _pad,
     aten.select.int: _along_other_dim, aten.unbind.int: _along_other_dim, aten.stack.default: _stack,
     aten.flatten.using_ints: _flatten, aten.squeeze.dim: _squeeze, aten.squeeze.dims: _squeeze,
     aten.einsum.default: _einsum,
@@ -536,6 +560,7 @@ RULES.update({op: ShardRule(fn) for op, fn in {
     **({aten.rms_norm.default: _layer_norm} if hasattr(aten, "rms_norm") else {}),
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.matmul.default: _matmul, aten.bmm.default: _matmul, aten.baddbmm.default: _baddbmm,
+    aten.linalg_solve_triangular.default: _matmul,  # (batched over the heads, as a matmul: a chunked delta rule)
     aten.view_as_complex.default: _complex_view, aten.view_as_real.default: _complex_view,
 }.items()})
 RULES.update({op: ShardRule(fn, "reshape") for op, fn in {
@@ -545,7 +570,8 @@ RULES.update({op: ShardRule(fn, "reshape") for op, fn in {
 }.items()})
 IGNORED = {aten._assert_tensor_metadata.default}
 # ops that cut a tensor into pieces along a dim: along the split dim they mark a fused projection
-BLOCK_OPS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor}
+BLOCK_OPS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor,
+             aten.tensor_split.indices}
 
 
 def one_head_broadcast(n: fx.Node, split_in: list[fx.Node], factor: dict[fx.Node, int],
