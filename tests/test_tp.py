@@ -344,11 +344,13 @@ def test_a_linear_attention_mixer_is_split_by_heads(exported):
 
 
 def test_a_linear_attention_mixer_no_rule_splits_is_refused_naming_the_op(exported):
-    # Qwen3-Next joins q, k and v of the split heads along the heads' dim before its convolution: a rank's
-    # slice of that join is not one slice of each (not supported yet), refused naming the join
+    # Qwen3-Next joins q, k and v of the split heads along the heads' dim before its convolution (a column
+    # of blocks, each rank its slice of each); its 2 key heads over 4 ranks would be replicated inside
+    # that join (not supported yet): refused naming the join
     with pytest.raises(ShardError, match=r"layer 0: its token mixer is not attention .* keeps them apart: .*cat\S* "
-                                         r"\(aten.cat.default\) works along the split dim .* AFD without --attn-tp"):
-        _program(exported, "qwen3_next", TPLayout(2))
+                                         r"\(aten.cat.default\) joins along the split dim 2 pieces not all split "
+                                         r"there over every rank .* AFD without --attn-tp"):
+        _program(exported, "qwen3_next", TPLayout(4))
 
 
 def test_a_layer_with_no_token_mixer_under_tp_is_refused_naming_it(exported):
@@ -459,6 +461,7 @@ NUMERICS = [  # (model, tp, attn_dp, batch per DP group[, layout flags])
     ("gemma4_moe", 2, 1, (3,)),          # MLP and MoE normalised apart before their sum: each settled apart
     ("gemma4", 4, 2, (2, 3)),            # per-layer inputs after the MLP: replicated, not an output projection
     ("qwen3_5", 4, 1, (2,)),             # delta-net split by heads: its 2 key heads replicated, convolution groups
+    ("qwen3_next", 4, 2, (2, 3)),        # q | k | v of the split heads joined before the convolution; MoE
 ]
 
 

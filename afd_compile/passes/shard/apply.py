@@ -12,6 +12,7 @@ import torch.fx as fx
 from ..graph_utils import get_attr_path
 from ..symbolic import sym_expr
 from .follow import STATE_WRITES, WholeBlocks, block_fixes, follow_split
+from .operands import Track
 from .projections import projection, projection_weight
 from .types import (
     ArgFix,
@@ -72,6 +73,7 @@ def shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int
                 weights.append(ShardedWeight(str(a.target), track.dim[a], parts, group, "column", blocks, rep))
             elif track.origin.get(a) is not None and track.origin[a][0] is c:
                 raise ShardError(f"{where}: {a.target} spans the split dim of {c.name} but not its whole output")
+    _slice_joins(track, parts, group, weights, fixes, where)
     for a in track.attrs:
         # on a tensor computed from several projections' slices (the attention output: BitNet's
         # sub-norm over all heads before o_proj): a rank holds one contiguous block of its heads
@@ -103,6 +105,22 @@ def shard_pair(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, parts: int
     bias = projection(row).bias
     if bias is not None:  # added once: kept on group rank 0, zeros elsewhere
         weights.append(ShardedWeight(str(bias.target), -1, parts, group, "row_bias"))
+
+
+def _slice_joins(track: Track, parts: int, group: str, weights: list[ShardedWeight], fixes: list[ArgFix],
+                 where: str) -> None:
+    """A cat of split pieces along the split dim (``operands.join_pieces``), read as a column of
+    blocks: its cuts' sizes fixed and the weights applied along it (a convolution's) sliced block
+    by block."""
+    for join in track.joins:
+        blocks, rep = block_fixes(join, track, parts, fixes)
+        if rep:
+            raise ShardError(f"{where}: {join.name} joins pieces whose heads are replicated over ranks")
+        for a in track.attrs:
+            if track.origin.get(a) == (join, None):
+                weights.append(ShardedWeight(str(a.target), track.dim[a], parts, group, "column", blocks))
+            elif track.origin.get(a) is not None and track.origin[a][0] is join:
+                raise ShardError(f"{where}: {a.target} spans the split dim of {join.name} but not its whole width")
 
 
 def shard_tensor(t: torch.Tensor, w: ShardedWeight, rank: int) -> torch.Tensor:

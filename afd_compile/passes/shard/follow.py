@@ -19,12 +19,13 @@ from .operands import (
     CHANNEL_OPS,
     Track,
     depthwise_conv,
+    join_pieces,
     slice_operands,
     split_attrs,
     split_broadcasts,
     split_factories,
 )
-from .projections import out_features, projection
+from .projections import projection
 from .rules import (
     BLOCK_OPS,
     IGNORED,
@@ -81,7 +82,7 @@ def _cut_into_blocks(n: fx.Node, src: fx.Node, t: Track) -> None:
     key = t.origin.get(src)
     d = t.dim[src]
     size = sym_expr(src.meta["val"].shape[d])
-    if key is None or key[1] is not None or not size.is_Integer or int(size) != out_features(key[0]):
+    if key is None or key[1] is not None or not size.is_Integer or int(size) != t.width(key[0]):
         raise ShardError(f"{n.name} ({n.target}) cuts along the split dim a tensor that is not one projection's "
                          "whole output")
     col, full = key[0], int(size)
@@ -185,7 +186,7 @@ def _fused_reshape(n: fx.Node, src: fx.Node, t: Track) -> int | None:
             break
     else:
         return None
-    if not (k.is_Integer and int(k) > 1 and j + 1 < len(oshape)) or int(ishape[d]) != out_features(t.origin[src][0]):
+    if not (k.is_Integer and int(k) > 1 and j + 1 < len(oshape)) or int(ishape[d]) != t.width(t.origin[src][0]):
         return None
     return j if _taken_apart(n, j) else None
 
@@ -231,7 +232,7 @@ def _cut_reshape_into_blocks(n: fx.Node, src: fx.Node, t: Track, j: int, parts: 
     """The fused view :func:`_fused_reshape` found: the column is cut into ``k`` equal blocks (each
     rank its slice of every block) and the dim after the blocks (the heads) is the split dim, its
     constant size divided."""
-    col, full = t.origin[src][0], out_features(t.origin[src][0])
+    col, full = t.origin[src][0], t.width(t.origin[src][0])
     k = int(shape_of(n)[j])
     if full % k:
         raise ShardError(f"{where}: {n.name} views {full} features as {k} blocks unevenly")
@@ -253,7 +254,7 @@ def _cut_reshape_into_blocks(n: fx.Node, src: fx.Node, t: Track, j: int, parts: 
 
 def block_fixes(col: fx.Node, t: Track, parts: int, fixes: list[ArgFix]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per-block sizes and replication of a column, and the fixed sizes/bounds of its cuts."""
-    full = out_features(col)
+    full = t.width(col)
     bounds = sorted({0, full} | {b for b in t.blocks.get(col, set()) if 0 < b < full})
     blocks = [(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
     whole = t.replicate.get((col, None), 1)
@@ -385,6 +386,8 @@ def _step(n: fx.Node, w: _Walk) -> Iterable[fx.Node]:
     w.pending.extend(split_factories(n, src0, t, w.fixes))  # (their other readers are followed too)
     if n.target == aten.repeat_interleave.self_int and f < w.parts:  # (replicated KV heads to the queries')
         f = repeat_replicated(n, sdim[src0], f, w.parts, w.fixes)
+    if join_pieces(n, src0, t, w.parts):
+        return n.users
     if n.target in CHANNEL_OPS:  # (a depthwise convolution over the split channels: its weight sliced)
         sdim[n], t.factor[n] = depthwise_conv(w.gm, n, src0, t, w.parts, w.fixes), f
         return _settle_origin(n, t, origins, w.whole)

@@ -41,6 +41,12 @@ class Track:
     # node -> the outer factor of its split dim, where the heads are folded into it as the inner
     # factor ([B*H, S, D]: B); such a dim is cut per rank as B x (H / parts), not in contiguous slices
     inner: dict[fx.Node, object] = field(default_factory=dict)
+    # a cat of split pieces along the split dim, read as a column of blocks: node -> its width
+    joins: dict[fx.Node, int] = field(default_factory=dict)
+
+    def width(self, col: fx.Node) -> int:
+        """The output features of a column (or a join's width)."""
+        return self.joins[col] if col in self.joins else out_features(col)
 
 
 def split_attrs(gm: fx.GraphModule, n: fx.Node, src: fx.Node, t: Track) -> None:
@@ -168,7 +174,7 @@ def depthwise_conv(gm: fx.GraphModule, n: fx.Node, src: fx.Node, t: Track, parts
             t.dim[x], t.factor[x], t.origin[x] = 0, t.factor[src], t.origin.get(src)
         t.attrs.append(attr)
     key = t.origin.get(src)
-    if key is not None and key[1] is None and out_features(key[0]) == channels:
+    if key is not None and key[1] is None and t.width(key[0]) == channels:
         # a rank's channels once the column's blocks are known (some may be replicated: Qwen3.5's two
         # key heads over four ranks): a bound at the column's end (follow.block_fixes)
         t.cuts.append((key[0], n, 6, None, channels, channels))
@@ -179,3 +185,26 @@ def depthwise_conv(gm: fx.GraphModule, n: fx.Node, src: fx.Node, t: Track, parts
                          "replicated over ranks")
     return 1
 
+
+
+def join_pieces(n: fx.Node, src: fx.Node, t: Track, parts: int) -> bool:
+    """``cat`` along the split dim of pieces each split along it (Qwen3-Next's and Kimi-Linear's
+    q | k | v joined before their short convolution): a rank holds its slice of each piece, one
+    after another, as a fused projection's output holds its slice of each block. The join is read
+    as such a column (its width, the pieces' boundaries as blocks): a depthwise convolution's weight
+    is sliced block by block, a split back into the pieces takes per-rank sizes. False: a cat
+    along another dim (the rules' case)."""
+    d = t.dim[src]
+    if n.target != aten.cat.default or (n.args[1] if len(n.args) > 1 else 0) % ndim(n) != d:
+        return False
+    pieces = list(n.args[0])
+    sizes = [sym_expr(x.meta["val"].shape[d]) if isinstance(x, fx.Node) else None for x in pieces]
+    if any(x not in t.dim or t.dim[x] != d or t.factor[x] != parts for x in pieces) or \
+            not all(s is not None and s.is_Integer for s in sizes):
+        raise ShardError(f"{n.name} ({n.target}) joins along the split dim {d} pieces not all split there over "
+                         f"every rank (heads replicated: fewer heads than ranks; or sizes not constant: {sizes})")
+    bounds = [sum(int(s) for s in sizes[:i]) for i in range(len(sizes) + 1)]
+    t.joins[n] = bounds[-1]
+    t.blocks.setdefault(n, set()).update(bounds[:-1])
+    t.dim[n], t.factor[n], t.origin[n] = d, parts, (n, None)
+    return True
