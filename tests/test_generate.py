@@ -237,13 +237,14 @@ def test_tp_refuses_a_cache_that_grows_by_concatenation():
 
 def test_a_cache_written_along_its_split_dim_is_refused():
     from afd_compile.passes.shard import ShardError
-    from afd_compile.passes.shard.follow import _Track, _write_into_state
+    from afd_compile.passes.shard.follow import _write_into_state
+    from afd_compile.passes.shard.operands import Track
 
     g = torch.fx.Graph()
     cache, pos, k = g.placeholder("cache"), g.placeholder("pos"), g.placeholder("k")
     cache.meta["val"], k.meta["val"] = torch.empty(2, 2, 8, 4), torch.empty(2, 1, 1, 4)
     write = g.call_function(torch.ops.aten.index_copy_.default, (cache, 1, pos, k))
-    t = _Track({k: 1}, {k: 2}, {k: None}, {}, {}, {}, [])
+    t = Track({k: 1}, {k: 2}, {k: None}, {}, {}, {}, [])
     with pytest.raises(ShardError, match="index_copy_.* indexes the split dim 1 of cache"):
         _write_into_state(write, t, "layer 0")
 

@@ -140,9 +140,11 @@ CHANNEL_OPS = {aten.conv1d.default}
 
 def _weight_path(x: object) -> tuple[list[fx.Node], fx.Node | None]:
     """A convolution's weight (or bias) operand back to its graph attribute, through one-input ops
-    (``unsqueeze(weight, 1)``): (the ops, the attribute), or ([], None) for None."""
+    (``unsqueeze(weight, 1)``), each read only by the next (nothing else sees the sliced weight):
+    (the ops, the attribute), or ([], None) for None."""
     chain: list[fx.Node] = []
     while isinstance(x, fx.Node) and x.op == "call_function" and len(x.all_input_nodes) == 1 and \
+            len(x.users) == 1 and \
             x.target in (aten.unsqueeze.default, aten.squeeze.dim, aten.view.default, aten.reshape.default,
                          aten._to_copy.default, aten.to.dtype, aten.alias.default, aten.detach.default):
         chain.append(x)
