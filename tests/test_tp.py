@@ -343,6 +343,27 @@ def test_a_linear_attention_mixer_is_split_by_heads(exported):
     assert zeros and all(n.args[0][1] == 2 for n in zeros), [n.args for n in zeros]
 
 
+def test_a_mixer_whose_output_projection_reads_no_projection_is_refused():
+    # a running mean over the sequence then out_proj: no projection before it to split by heads (a row-parallel
+    # out_proj would read the whole, unsplit, hidden state)
+    from handwritten import GQADecoder, export
+
+    class RunningMean(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.o_proj = torch.nn.Linear(64, 64, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            steps = torch.arange(1, x.shape[1] + 1, dtype=x.dtype)[:, None]
+            return self.o_proj(x.cumsum(1) / steps)
+
+    model = GQADecoder(layers=1).eval()
+    model.layers[0].attn = RunningMean()
+    with pytest.raises(ShardError, match=r"layer 0: its token mixer is not attention .* and no projection before its "
+                                         r"output projection linear\S*; AFD without --attn-tp runs it whole"):
+        tp_rank_program(export(model).module(), TPLayout(2), 0)
+
+
 def test_a_linear_attention_mixer_no_rule_splits_is_refused_naming_the_op(exported):
     # Qwen3-Next joins q, k and v of the split heads along the heads' dim before its convolution (a column
     # of blocks, each rank its slice of each); its 2 key heads over 4 ranks would be replicated inside

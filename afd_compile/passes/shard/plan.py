@@ -79,7 +79,6 @@ def _shard_attention(gm: fx.GraphModule, parts: object, attn_ops: list[fx.Node],
                      states: list[ShardedState], operands: list[SlicedOperand]) -> None:
     """A layer's attention: its q/k/v projections and output projection split by heads over
     ``attn_parts`` ranks (checked, and planned only when ``attn_parts > 1``)."""
-    from ..roles import ancestors, descendants
 
     members = list(parts.members)
     if not attn_ops and not mixes_tokens(n for n in members if role_of(n).role is Role.ATTENTION):
@@ -95,16 +94,9 @@ def _shard_attention(gm: fx.GraphModule, parts: object, attn_ops: list[fx.Node],
                          "DiffLlama's differential attention): not supported under TP / attention "
                          "TP; AFD without --attn-tp keeps the attention whole")
     attn = attn_ops[0]
-    lin = [n for n in members if n.target in LINEAR_OPS and role_of(n).role is Role.ATTENTION
-           and not role_of(n).router]
-    layer_nodes = set(members)  # walks stay inside the layer: linear in the graph, not quadratic
     # (what q, k and v are computed from; not the mask, which an indexer's own projections may compute, as
     # DeepSeek-V3.2's and HY-V4's sparse attention pick the keys: replicated, they need no split)
-    before = ancestors(attention_inputs(attn), within=layer_nodes)
-    cols = [n for n in lin if n in before and reads_weight(n)]  # not e.g. the rotary inv_freq matmul
-    # only the projections that feed attention directly: a low-rank down projection before
-    # another one (DeepSeek's MLA q_a_proj / kv_a_proj) stays replicated
-    cols = [c for c in cols if not ((descendants(c, before) - {c}) & set(cols))]
+    cols = _columns(members, attention_inputs(attn))
     rows = parts.output_projections
     if not cols or len(rows) != 1:
         raise ShardError(f"{where}: expected q/k/v projections before {attn.name} and one output projection after "
@@ -114,10 +106,32 @@ def _shard_attention(gm: fx.GraphModule, parts: object, attn_ops: list[fx.Node],
         raise ShardError(f"{where}: {attn.name} has {heads} attention heads, which {attn_parts} attention-TP ranks "
                          "cannot divide (only KV heads may be replicated)")
     if attn_parts > 1:
-        means: list[fx.Node] = []
-        shard_pair(gm, cols, rows[0], attn_parts, "attn", weights, fixes, where, means, states, operands)
-        rows_out.append((rows[0].name, "attn", layer))
-        split_means.extend((m.name, "attn", layer, attn_parts) for m in means)
+        _split_heads(gm, cols, rows[0], attn_parts, where, layer, weights, fixes, rows_out, split_means, states,
+                     operands)
+
+
+def _columns(members: list[fx.Node], inputs: list[fx.Node]) -> list[fx.Node]:
+    """The column-parallel projections of a layer's token mixer: the weight-reading projections of
+    attention role (not a router; not e.g. the rotary inv_freq matmul) that ``inputs`` are computed
+    from, only those feeding it directly: a low-rank down projection before another one (DeepSeek's
+    MLA q_a_proj / kv_a_proj) stays replicated. Walks stay inside the layer."""
+    from ..roles import ancestors, descendants
+
+    before = ancestors(inputs, within=set(members))
+    cols = [n for n in members if n in before and n.target in LINEAR_OPS and reads_weight(n)
+            and role_of(n).role is Role.ATTENTION and not role_of(n).router]
+    return [c for c in cols if not ((descendants(c, before) - {c}) & set(cols))]
+
+
+def _split_heads(gm: fx.GraphModule, cols: list[fx.Node], row: fx.Node, attn_parts: int, where: str, layer: int,
+                 weights: list[ShardedWeight], fixes: list[ArgFix], rows_out: list, split_means: list,
+                 states: list[ShardedState], operands: list[SlicedOperand]) -> None:
+    """The token mixer's ``cols`` / ``row`` pair split over the ``attn_parts`` ranks: its weights,
+    the row's partial sum to settle and the means over the split heads to all-reduce."""
+    means: list[fx.Node] = []
+    shard_pair(gm, cols, row, attn_parts, "attn", weights, fixes, where, means, states, operands)
+    rows_out.append((row.name, "attn", layer))
+    split_means.extend((m.name, "attn", layer, attn_parts) for m in means)
 
 
 def shard_mlp(gm: fx.GraphModule, members: list[fx.Node], out: fx.Node, parts: int, where: str,
@@ -174,31 +188,24 @@ def _shard_mixer(gm: fx.GraphModule, parts: object, attn_parts: int, where: str,
     (a low-rank down projection before another stays replicated). The follow checks every op
     between: one no rule splits (a scan over all channels, a norm over all heads read unsettled)
     refuses the layer, naming it."""
-    from ..roles import ancestors, descendants
-
-    members = list(parts.members)
     rows = parts.output_projections
     mixer = ("its token mixer is not attention (no scaled_dot_product_attention, and no softmax between two "
              "matmuls: a state-space, convolution or linear-attention mixer, as in hybrid models)")
-    if len(rows) != 1:
-        raise ShardError(f"{where}: {mixer} and has no output projection; AFD without --attn-tp runs it whole on "
-                         "the attention ranks")
-    row = rows[0]
-    before = ancestors([row], within=set(members)) - {row}
-    cols = [n for n in members if n in before and n.target in LINEAR_OPS and reads_weight(n)
-            and role_of(n).role is Role.ATTENTION and not role_of(n).router]
-    cols = [c for c in cols if not ((descendants(c, before) - {c}) & set(cols))]
+    row = rows[0] if len(rows) == 1 else None
+    cols = _columns(list(parts.members), list(row.all_input_nodes)) if row is not None else []
+    if not cols:  # (a row-parallel output projection needs split inputs)
+        found = f"no projection before its output projection {row.name}" if row is not None else \
+            "no output projection"
+        raise ShardError(f"{where}: {mixer} and {found}; AFD without --attn-tp runs it whole on the attention ranks")
     if attn_parts == 1:
         return
-    means: list[fx.Node] = []
     try:
-        shard_pair(gm, cols, row, attn_parts, "attn", weights, fixes, where, means, states, operands)
+        _split_heads(gm, cols, row, attn_parts, where, layer, weights, fixes, rows_out, split_means, states,
+                     operands)
     except ShardError as e:
         raise ShardError(f"{where}: {mixer}, which TP / attention TP splits by heads only where every op of it "
                          f"keeps them apart: {str(e).removeprefix(where + ': ')}; AFD without --attn-tp runs it "
                          "whole on the attention ranks") from None
-    rows_out.append((row.name, "attn", layer))
-    split_means.extend((m.name, "attn", layer, attn_parts) for m in means)
 
 
 def _attention_heads(attn: fx.Node) -> int | None:
